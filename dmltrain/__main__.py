@@ -1,0 +1,5 @@
+import sys
+
+from dmltrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,86 @@
+"""The ``dmltrain`` command.
+
+Each subcommand lives in the module that owns its work and exposes two functions,
+``add_arguments(parser)`` and ``run(args) -> int``. Only the chosen subcommand's module is
+imported, so ``dmltrain --help`` and ``dmltrain config show`` stay fast. A
+:class:`~dmltrain.errors.UserError` anywhere becomes one line on stderr and its exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from dmltrain.errors import UserError
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "shards": ("shards.cli", "build WebDataset shards from a dataset layout, or inspect and verify them"),
+    "train": ("cluster.launch", "train on Ray: DeepSpeed workers, sharded classifier, MLflow logging"),
+    "eval": ("dmltrain.evaluate.cli", "evaluate a checkpoint or saved embeddings: Recall@K, NMI, MAP@R"),
+    "submit": ("cluster.submit", "submit a training to a Ray cluster as a Ray Job; follow, query or stop it"),
+    "tune": ("cluster.tune", "search hyperparameters with Ray Tune (ASHA), trials logged as MLflow child runs"),
+    "study": ("cluster.study", "run class-subsampling scalability studies (accuracy, speed, memory vs ratio)"),
+    "report": ("dmltrain.report", "compare MLflow runs in a Markdown and HTML report"),
+    "bench": ("dmltrain.bench", "benchmarks: input pipeline, losses, sharded classifier, evaluation"),
+    "config": ("dmltrain.cli", "show the resolved configuration (YAML file + dotted overrides)"),
+}
+
+
+# -- `dmltrain config` -------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = sub.add_parser("show", help="print the resolved config as YAML", description="Print the resolved config as YAML.")
+    show.add_argument("config", nargs="?", help="YAML config (default: the embedded defaults)")
+    show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=0.01 loss.instance.kind=ice")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dmltrain.config import load_config
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:  # `dmltrain config show optim.lr=1`: defaults + overrides
+        config, overrides = None, [config, *overrides]
+    print(load_config(config, overrides).to_yaml(), end="")
+    return 0
+
+
+# -- entry point --------------------------------------------------------------------------------
+def _chosen_command(argv: Sequence[str]) -> str | None:
+    for token in argv:
+        if not token.startswith("-"):
+            return token if token in COMMANDS else None
+    return None
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dmltrain",
+        description="Distributed deep metric learning with huge label spaces (Ray + DeepSpeed + WebDataset + MLflow).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = _chosen_command(argv)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
+        if name == chosen:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser(argv).parse_args(argv)
+        return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+    except UserError as e:
+        print(f"dmltrain: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("dmltrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

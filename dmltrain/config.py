@@ -1,0 +1,386 @@
+"""Typed run configuration: pydantic models, YAML loading with ``extends``, dotted overrides.
+
+A config is one YAML mapping with the sections ``data``, ``model``, ``loss``, ``optim``,
+``schedule``, ``train``, ``eval``, ``tracking`` and ``cluster``; every key has a default, so
+an empty file is a valid (demo-sized) run. A file may name others under ``extends`` (a path
+or a list, relative to the file); they are merged first, in order, and the file's own keys
+win. Command-line overrides are ``dotted.key=value`` with the value read as YAML
+(``optim.lr=0.01``, ``loss.instance.kind=ice``, ``eval.ks=[1,2,4]``, ``loss.instance=null``).
+
+Everything is checked before anything starts: unknown keys, wrong types and impossible
+combinations raise :class:`~dmltrain.errors.ConfigError` whose one-line message names the
+dotted key and the reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dmltrain.errors import ConfigError
+
+CLASSIFIER_KINDS = ("normsoftmax", "cosface", "arcface", "softmax_ce")
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are re-validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SyntheticData(Section):
+    """Procedurally generated shards, built on first use when ``data.shards`` is missing."""
+
+    classes: int = Field(200, ge=2, description="train classes; as many disjoint test classes")
+    per_class: int = Field(10, ge=1, description="images per class")
+    image_size: int = Field(32, ge=8)
+    seed: int = 0
+    shard_size: int = Field(2000, ge=1, description="samples per shard")
+
+
+class DataConfig(Section):
+    shards: str = Field("data/synthetic-200", description="directory holding manifest.json and the tar shards")
+    train_split: str = "train"
+    eval_splits: list[str] = Field(default_factory=lambda: ["test"], description="['test'], or ['query', 'gallery'] for In-Shop")
+    sampler: Literal["pk", "random"] = Field("pk", description="class-balanced P×K batches, or plain random batches")
+    batch_size: int = Field(64, ge=1, description="global batch over all workers")
+    classes_per_batch: int | None = Field(None, ge=1, description="P; derived as batch_size // samples_per_class when unset")
+    samples_per_class: int = Field(4, ge=1, description="K images of each class in a P×K batch")
+    image_size: int = Field(224, ge=8, description="train crop (RandomResizedCrop)")
+    crop_scale: tuple[float, float] = Field((0.08, 1.0), description="RandomResizedCrop area range")
+    color_jitter: float = Field(0.0, ge=0.0, description="brightness/contrast/saturation jitter strength; 0 disables")
+    eval_resize: int = Field(256, ge=8)
+    eval_crop: int = Field(224, ge=8)
+    loader_workers: int = Field(2, ge=0, description="decoding processes per training worker")
+    eval_batch_size: int = Field(128, ge=1)
+    synthetic: SyntheticData | None = Field(None, description="build synthetic shards at data.shards if missing")
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.eval_crop > self.eval_resize:
+            raise ValueError(f"data.eval_crop: {self.eval_crop} is larger than data.eval_resize {self.eval_resize}")
+        lo, hi = self.crop_scale
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"data.crop_scale: need 0 < low <= high <= 1, got {list(self.crop_scale)}")
+        return self
+
+    @property
+    def P(self) -> int:
+        """Classes per global batch (P of P×K)."""
+        return self.classes_per_batch or self.batch_size // self.samples_per_class
+
+
+class ModelConfig(Section):
+    backbone: str = Field("resnet50", description="resnet18/34/50/101, googlenet, or small_cnn")
+    pretrained: str = Field("none", description="none, imagenet, or the path of a torchvision state dict")
+    embedding_dim: int | None = Field(512, ge=64, le=4096, description="none: the pooled backbone features, unprojected")
+    head: Literal["layernorm", "batchnorm", "none"] = Field(
+        "layernorm",
+        description="layernorm: NormSoftmax head (LayerNorm, Linear, L2); batchnorm: CE head (BatchNorm1d); none: pooled features",
+    )
+    pooling: Literal["avg", "max", "avgmax"] = "avg"
+    multilevel: list[str] | None = Field(None, description="backbone stages pooled, projected and concatenated")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the classifier branch only")
+    freeze_bn: bool = Field(False, description="keep BatchNorm running statistics fixed")
+    channels_last: bool = False
+
+
+class ClassifierLoss(Section):
+    """The class-sharded proxy classifier (model-parallel over workers)."""
+
+    kind: Literal["normsoftmax", "cosface", "arcface", "softmax_ce"] = "normsoftmax"
+    weight: float = Field(1.0, ge=0.0)
+    sample_ratio: float = Field(1.0, description="share of classes in each step's softmax, in (0, 1]")
+    params: dict[str, float] = Field(default_factory=dict, description="temperature, scale, margin, smoothing")
+    logits_budget_mb: float = Field(256.0, gt=0, description="beyond this the classifier works in class chunks")
+
+    @field_validator("sample_ratio")
+    @classmethod
+    def _ratio(cls, v: float) -> float:
+        if not 0.0 < v <= 1.0:
+            raise ValueError(f"must be in (0, 1], got {v}")
+        return v
+
+
+class InstanceLoss(Section):
+    """A pair/instance loss over the embeddings all-gathered from every worker."""
+
+    kind: str = "ice"
+    weight: float = Field(1.0, ge=0.0)
+    params: dict[str, Any] = Field(default_factory=dict, description="the loss's keyword arguments")
+    mode: Literal["local_anchors", "full"] = Field(
+        "local_anchors", description="each worker computes its own anchors, or every worker the whole global loss"
+    )
+
+
+class LossConfig(Section):
+    classifier: ClassifierLoss | None = Field(default_factory=ClassifierLoss)
+    instance: InstanceLoss | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> LossConfig:
+        if self.classifier is None and self.instance is None:
+            raise ValueError("loss: needs a classifier part, an instance part, or both")
+        from dmltrain.losses.registry import check_params  # torch is imported only when a config is checked
+
+        for part, names in (("classifier", CLASSIFIER_KINDS), ("instance", None)):
+            cfg = getattr(self, part)
+            if cfg is not None:
+                problem = check_params(cfg.kind, cfg.params, allowed=names)
+                if problem:
+                    raise ValueError(f"loss.{part}.{problem}")
+        return self
+
+
+class OptimConfig(Section):
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(0.01, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = False
+    weight_decay: float = Field(1e-4, ge=0)
+    decay_norm_and_bias: bool = Field(True, description="False: no weight decay on biases and norm parameters")
+    betas: tuple[float, float] = (0.9, 0.999)
+    new_param_lr_mult: float = Field(1.0, gt=0, description="lr multiplier of the head and the classifier")
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimConfig:
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("optim.nesterov: needs optim.momentum > 0")
+        return self
+
+
+class ScheduleConfig(Section):
+    kind: Literal["constant", "step", "cosine"] = "constant"
+    unit: Literal["epoch", "step"] = Field("epoch", description="unit of milestones, warmup and head_only")
+    milestones: list[int] = Field(default_factory=list, description="step decay points")
+    gamma: float = Field(0.1, gt=0)
+    warmup: int = Field(0, ge=0, description="linear learning-rate warm-up length")
+    head_only: int = Field(0, ge=0, description="length of the start during which only new parameters train")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a share of the base lr")
+
+
+class TrainConfig(Section):
+    epochs: int | None = Field(10, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="stop after this many steps (wins over epochs)")
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    zero_stage: int = Field(1, ge=0, le=3)
+    grad_clip: float | None = Field(None, gt=0)
+    deepspeed_config: str | None = Field(None, description="a DeepSpeed JSON whose keys override the generated ones")
+    seed: int = 0
+    run_name: str | None = Field(None, description="re-running with the same name resumes that run")
+    output_dir: str = "runs"
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0: at each epoch end")
+    keep_checkpoints: int = Field(2, ge=1, description="recent checkpoints kept besides the best")
+    log_every: int = Field(10, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.epochs is None and self.max_steps is None:
+            raise ValueError("train.epochs: set train.epochs or train.max_steps")
+        return self
+
+
+class EvalConfig(Section):
+    every: int = Field(1, ge=0, description="evaluate every N units (0: only at the end)")
+    unit: Literal["epoch", "step"] = "epoch"
+    metric: str = Field("recall@1", description="the metric that picks the best checkpoint")
+    ks: list[int] = Field(default_factory=lambda: [1, 2, 4, 8])
+    nmi: bool = True
+    map_at_r: bool = True
+    binary: bool = False
+    before_training: bool = Field(True, description="also evaluate the untrained model")
+    plots: bool = True
+
+    @field_validator("ks")
+    @classmethod
+    def _ks(cls, v: list[int]) -> list[int]:
+        if not v or any(k < 1 for k in v):
+            raise ValueError(f"need positive integers, got {v}")
+        return sorted(set(v))
+
+
+class TrackingConfig(Section):
+    enabled: bool = True
+    uri: str | None = Field(None, description="MLflow tracking URI; default sqlite:///<cwd>/mlflow.db")
+    experiment: str = "dmltrain"
+    system_metrics: bool = True
+
+    def resolved_uri(self) -> str:
+        """The tracking URI with the default filled in as an absolute SQLite path (Ray workers change directory)."""
+        if self.uri:
+            return self.uri
+        return "sqlite:///" + str(Path(os.getcwd(), "mlflow.db").resolve())
+
+
+class ClusterConfig(Section):
+    address: str | None = Field(None, description="Ray address to join; none starts a local Ray")
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0, description="fractional values let several workers share a core")
+    max_failures: int = Field(0, ge=-1, description="worker-group restarts allowed (-1: unlimited)")
+    storage_path: str | None = Field(None, description="Ray Train storage; default train.output_dir")
+
+
+class Config(Section):
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        d, w = self.data, self.cluster.num_workers
+        if d.sampler == "pk":
+            K = d.samples_per_class
+            if d.batch_size % K:
+                raise ValueError(f"data.batch_size: {d.batch_size} is not divisible into P×K with K = data.samples_per_class = {K}")
+            if d.classes_per_batch is not None and d.classes_per_batch * K != d.batch_size:
+                raise ValueError(
+                    f"data.classes_per_batch: {d.classes_per_batch} × samples_per_class {K} != data.batch_size {d.batch_size}"
+                )
+            if d.P % w:
+                raise ValueError(
+                    f"data.classes_per_batch: P = {d.P} classes cannot be split evenly over cluster.num_workers = {w} "
+                    "(each class's K images stay on one worker)"
+                )
+            if self.loss.instance is not None and K < 2:
+                raise ValueError(
+                    f"data.samples_per_class: instance loss '{self.loss.instance.kind}' needs K >= 2 positives per class, got {K}"
+                )
+        else:
+            if d.batch_size % w:
+                raise ValueError(f"data.batch_size: {d.batch_size} is not divisible by cluster.num_workers = {w}")
+            if self.loss.instance is not None:
+                raise ValueError("data.sampler: instance losses need positives in every batch; use data.sampler=pk")
+        if self.schedule.unit == "step" and self.train.max_steps is None and self.schedule.kind == "cosine":
+            raise ValueError("schedule.unit: a cosine schedule in steps needs train.max_steps")
+        return self
+
+    # -- views -------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict of the resolved config (tuples become lists)."""
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys to scalar values (lists rendered as strings): MLflow params, report diffs."""
+        return flatten(self.to_dict())
+
+
+# ------------------------------------------------------------------------------------------
+# loading
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        elif isinstance(v, (list, tuple, dict)):
+            out[key] = str(v)
+        else:
+            out[key] = v
+    return out
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``, recursively for mappings; ``top``'s None replaces a whole section."""
+    out = copy.deepcopy(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def read_yaml_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read one config file and the files it ``extends``; errors name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    if path.resolve() in _seen:
+        raise ConfigError(f"{path}: 'extends' loops back to this file")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: a config must be a YAML mapping, got {type(tree).__name__}")
+    parents = tree.pop("extends", None) or []
+    if isinstance(parents, str):
+        parents = [parents]
+    merged: dict[str, Any] = {}
+    for parent in parents:
+        merged = deep_merge(merged, read_yaml_file(path.parent / parent, _seen + (path.resolve(),)))
+    return deep_merge(merged, tree)
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a raw config tree."""
+    tree = copy.deepcopy(tree)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override '{item}': expected dotted.key=value")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = tree
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override '{item}': {'.'.join(parts[: i + 1])} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return tree
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if first["type"] not in ("extra_forbidden", "missing") and "input" in first and not isinstance(first["input"], dict):
+        msg = f"{msg} (got {first['input']!r})"
+    text = f"{loc}: {msg}" if loc and not msg.startswith(loc) else msg
+    more = len(err.errors()) - 1
+    return f"{source}: {text}" + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
+
+
+def build_config(tree: dict[str, Any], source: str = "config") -> Config:
+    """Validate a raw tree into a :class:`Config`, raising a one-line :class:`ConfigError`."""
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load ``path`` (or the embedded defaults when None), apply overrides, validate."""
+    tree = read_yaml_file(path) if path is not None else {}
+    tree = apply_overrides(tree, list(overrides or []))
+    return build_config(tree, source=str(path) if path is not None else "defaults")

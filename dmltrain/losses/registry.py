@@ -1,0 +1,75 @@
+"""The loss registry: one name per loss, built from keyword hyperparameters.
+
+``build_loss("ice", scale=64)``. Names are registered by the ``@register`` decorator on each
+loss class; importing :mod:`dmltrain.losses` registers them all.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+_REGISTRY: dict[str, type] = {}
+
+# Constructor arguments that the builder supplies, never the user's `params`.
+STRUCTURAL_ARGS = ("num_classes", "dim")
+
+
+def register(name: str):
+    """Class decorator: make the loss buildable as ``build_loss(name, ...)``."""
+
+    def deco(cls: type) -> type:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"loss name {name!r} registered twice")
+        _REGISTRY[name] = cls
+        cls.registry_name = name
+        return cls
+
+    return deco
+
+
+def _ensure_loaded() -> None:
+    import dmltrain.losses  # noqa: F401  (registers every loss)
+
+
+def loss_names() -> list[str]:
+    _ensure_loaded()
+    return sorted(_REGISTRY)
+
+
+def loss_class(name: str) -> type:
+    _ensure_loaded()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown loss {name!r} (choose from {', '.join(sorted(_REGISTRY))})") from None
+
+
+def accepted_params(name: str) -> list[str]:
+    """The hyperparameter keywords of a loss (its constructor's, minus num_classes/dim)."""
+    sig = inspect.signature(loss_class(name).__init__)
+    return [p for p in sig.parameters if p not in ("self", *STRUCTURAL_ARGS) and sig.parameters[p].kind is not inspect.Parameter.VAR_KEYWORD]
+
+
+def check_params(name: str, params: dict[str, Any], allowed: tuple[str, ...] | None = None) -> str | None:
+    """None when ``name`` with ``params`` can be built; else a short reason starting with the key at fault."""
+    _ensure_loaded()
+    if allowed is not None and name not in allowed:
+        return f"kind: {name!r} is not one of {', '.join(allowed)}"
+    if name not in _REGISTRY:
+        return f"kind: unknown loss {name!r} (choose from {', '.join(sorted(_REGISTRY))})"
+    accepted = accepted_params(name)
+    for key in params:
+        if key not in accepted:
+            return f"params.{key}: not a parameter of {name} (it takes: {', '.join(accepted) or 'none'})"
+    return None
+
+
+def build_loss(name: str, **kwargs: Any):
+    """Instantiate the loss registered as ``name``; unknown keywords raise ``TypeError`` naming them."""
+    cls = loss_class(name)
+    accepted = set(accepted_params(name)) | set(STRUCTURAL_ARGS)
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        raise TypeError(f"{name}: unknown parameter(s) {', '.join(unknown)}")
+    return cls(**kwargs)
