@@ -1,7 +1,8 @@
-"""``dmltrain bench``: each benchmark lives beside the code it measures.
+"""``dmltrain bench NAME``: each benchmark lives beside the code it measures.
 
 Every benchmark prints its figures and, on its last line, the ratio to a bound or a peer
-measured in the same run. None of them asserts a time: they report.
+measured in the same run. None of them asserts a time: they report. Only the chosen
+benchmark's module is imported.
 """
 
 from __future__ import annotations
@@ -11,19 +12,24 @@ import importlib
 
 BENCHES: dict[str, tuple[str, str]] = {
     "input": ("shards.bench", "shard streaming with train augmentation vs torchvision ImageFolder + DataLoader"),
-    "losses": ("dmltrain.losses.bench", "forward+backward time of every instance loss"),
+    "losses": ("dmltrain.losses.bench", "forward+backward time of every instance loss vs the similarity GEMM and pytorch-metric-learning"),
     "classifier": ("dmltrain.distributed.bench", "sharded classifier step time and peak memory vs its GEMM bound"),
     "eval": ("dmltrain.evaluate.bench", "retrieval metrics time vs the bare similarity GEMM"),
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    for name, (module, help_text) in BENCHES.items():
-        p = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
-        p.set_defaults(_bench_module=module)
-        importlib.import_module(module).add_arguments(p)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = (parser.description or "") + "\n\nbenchmarks:\n" + "\n".join(
+        f"  {name:<12}{help_text}" for name, (_, help_text) in BENCHES.items()
+    ) + "\n\n`dmltrain bench NAME --help` shows a benchmark's options."
+    parser.add_argument("bench", choices=sorted(BENCHES), metavar="NAME", help="which benchmark: " + ", ".join(BENCHES))
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
-    return int(importlib.import_module(args._bench_module).run(args) or 0)
+    module_name, help_text = BENCHES[args.bench]
+    module = importlib.import_module(module_name)
+    sub = argparse.ArgumentParser(prog=f"dmltrain bench {args.bench}", description=help_text[0].upper() + help_text[1:] + ".")
+    module.add_arguments(sub)
+    return int(module.run(sub.parse_args(args.bench_args)) or 0)

@@ -126,9 +126,10 @@ class LossConfig(Section):
     def _check(self) -> LossConfig:
         if self.classifier is None and self.instance is None:
             raise ValueError("loss: needs a classifier part, an instance part, or both")
-        from dmltrain.losses.registry import check_params  # torch is imported only when a config is checked
+        from dmltrain.losses.registry import check_params, instance_loss_names  # imports torch: only when checked
 
-        for part, names in (("classifier", CLASSIFIER_KINDS), ("instance", None)):
+        # proxy losses with their own class weights train as the sharded classifier, not over gathered pairs
+        for part, names in (("classifier", CLASSIFIER_KINDS), ("instance", tuple(instance_loss_names()))):
             cfg = getattr(self, part)
             if cfg is not None:
                 problem = check_params(cfg.kind, cfg.params, allowed=names)

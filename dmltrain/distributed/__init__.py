@@ -1,0 +1,37 @@
+"""The distributed core: a class-sharded softmax classifier with class subsampling, its
+row-sparse optimizers, W-independent checkpoints by class id, and instance losses over the
+all-gathered global batch.
+
+Names are imported lazily so that ``dmltrain bench --help`` does not load torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ShardedClassifier": "sharded_softmax",
+    "KIND_PARAMS": "sharded_softmax",
+    "GatheredInstanceLoss": "gathered_loss",
+    "gather_with_grad": "collectives",
+    "all_gather_uneven": "collectives",
+    "grad_scale": "collectives",
+    "group_rank_size": "collectives",
+    "ClassPartition": "class_partition",
+    "sample_rows": "class_sampling",
+    "RowSparseSGD": "sparse_optim",
+    "RowSparseAdamW": "sparse_optim",
+    "make_classifier_optimizer": "sparse_optim",
+    "save_by_class": "class_checkpoint",
+    "load_by_class": "class_checkpoint",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dmltrain.distributed' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"dmltrain.distributed.{module}"), name)

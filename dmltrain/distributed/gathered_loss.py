@@ -1,0 +1,98 @@
+"""Instance losses over the embeddings all-gathered from every worker.
+
+``GatheredInstanceLoss(loss, group, mode)`` wraps any :class:`~dmltrain.losses.base.InstanceLoss`
+and returns the loss of the *global* batch (the same value on every worker).
+
+* ``mode="local_anchors"`` (for losses with ``decomposes = True``): each worker computes the
+  terms of its own anchors against the whole gathered batch; the loss is
+  ``Σ_workers total / Σ_workers count``. The gradient of each worker's output w.r.t. the
+  gathered batch is its own terms' share; the gather's backward sums the shares, so each
+  worker's embeddings receive exactly ∂(global loss)/∂(its embeddings).
+* ``mode="full"`` (any loss): every worker computes the whole global loss; the gather's
+  backward then keeps each worker's own rows of its (identical) gradient without summing.
+
+In both modes the backbone gradient on a worker is the global loss's gradient through that
+worker's samples; DeepSpeed *averages* over workers, so feed the backbone output through
+:func:`~dmltrain.distributed.collectives.grad_scale` ``(emb, world_size)`` first.
+
+``wrapper.stats`` holds the global statistics: means as Σsum / Σcount, totals summed. The
+loss must report the same statistic names on every worker (they are reduced together).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dmltrain.distributed.collectives import (
+    _gather_rows,
+    all_gather_sizes,
+    all_reduce_sum,
+    gather_with_grad,
+    group_rank_size,
+)
+from dmltrain.errors import ConfigError
+
+MODES = ("local_anchors", "full")
+
+
+class GatheredInstanceLoss(nn.Module):
+    def __init__(self, loss: nn.Module, group: Any = None, mode: str = "local_anchors") -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"GatheredInstanceLoss: mode must be one of {', '.join(MODES)}, got {mode!r}")
+        name = getattr(loss, "registry_name", "") or type(loss).__name__
+        if mode == "local_anchors":
+            if not getattr(loss, "decomposes", False) or not hasattr(loss, "anchor_terms"):
+                raise ConfigError(f"loss.instance.mode: {name} does not decompose over anchors; use mode=full")
+        self.loss, self.group, self.mode = loss, group, mode
+        self.stats: dict[str, float] = {}
+
+    def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        if embeddings.dim() != 2 or labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
+            raise ValueError(
+                f"GatheredInstanceLoss: expected embeddings B×D and labels B, got {tuple(embeddings.shape)} and {tuple(labels.shape)}"
+            )
+        rank, world = group_rank_size(self.group)
+        labels = labels.to(embeddings.device)
+        sizes = all_gather_sizes(embeddings.shape[0], self.group, embeddings.device)
+        ref_labels = _gather_rows(labels, sizes, self.group)
+        if self.mode == "full":
+            refs = gather_with_grad(embeddings, self.group, sizes, reduce_grad=False)
+            out = self.loss(refs, ref_labels)
+            self.stats = dict(getattr(self.loss, "stats", {}))
+            return out
+        refs = gather_with_grad(embeddings, self.group, sizes)
+        start = sum(sizes[:rank])
+        index = torch.arange(start, start + embeddings.shape[0], device=embeddings.device)
+        terms = self.loss.anchor_terms(embeddings, labels, refs, ref_labels, index)
+        return self._reduce(terms, world, embeddings)
+
+    def _reduce(self, terms: Any, world: int, like: Tensor) -> Tensor:
+        mean_keys, total_keys = sorted(terms.means), sorted(terms.totals)
+        key_hash = zlib.crc32("\0".join(mean_keys + ["|"] + total_keys).encode()) % (1 << 20)
+        vals = [terms.count, terms.total.detach()]
+        for k in mean_keys:
+            vals.extend(terms.means[k])
+        vals.extend(terms.totals[k] for k in total_keys)
+        packed = torch.stack([torch.as_tensor(v, device=like.device).detach().double().reshape(()) for v in vals])
+        packed = torch.cat([packed, torch.tensor([float(key_hash)], dtype=torch.float64, device=like.device)])
+        all_reduce_sum(packed, self.group)
+        host = packed.tolist()
+        if host[-1] != key_hash * world:
+            raise RuntimeError(f"GatheredInstanceLoss: {type(self.loss).__name__} reported different statistics on different workers")
+        count = max(host[0], 1.0)
+        total = terms.total
+        # value: the global loss, bit-identical on every worker; gradient: this worker's terms / global count
+        out = (total - total.detach()) / count + packed[1].to(total.dtype) / count
+        stats = {k: host[2 + 2 * len(mean_keys) + i] for i, k in enumerate(total_keys)}
+        for i, k in enumerate(mean_keys):
+            s, c = host[2 + 2 * i], host[3 + 2 * i]
+            if c > 0:
+                stats[k] = s / c
+        stats["loss"] = host[1] / count
+        self.stats = stats
+        return out

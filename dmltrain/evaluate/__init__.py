@@ -1,0 +1,52 @@
+"""Retrieval evaluation: Recall@K, MAP@R, R-precision and NMI on float and binary embeddings.
+
+    from dmltrain.evaluate import retrieval_metrics, embed_batches, gather_to_rank0, evaluate_model
+    metrics = retrieval_metrics(emb, labels, ks=(1, 2, 4, 8), binary=True)
+
+Modules: :mod:`.retrieval` (the metrics and their definitions), :mod:`.knn` (blocked score
+blocks, duplicate folding, the tie rule, neighbour lists), :mod:`.ranks` (exact ranks of
+relevant items, the primitive behind every metric), :mod:`.hamming` (binary score blocks),
+:mod:`.native` (the C kernels behind both, built on first use), :mod:`.clustering` (k-means
+NMI), :mod:`.embedding` (embedding a model's batches, gathering to rank 0, evaluating a model
+on shards), :mod:`.store` (saved embeddings), :mod:`.plots` (Recall@K curves, 2-D maps),
+:mod:`.cli` (``dmltrain eval``), :mod:`.bench` (``dmltrain bench eval``).
+
+Names are imported on first use, so ``dmltrain eval --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "retrieval_metrics": "retrieval",
+    "pair_ranks": "ranks",
+    "knn": "knn",
+    "lexicographic_topk": "knn",
+    "hamming_block": "hamming",
+    "clustering_nmi": "clustering",
+    "kmeans_assignments": "clustering",
+    "nmi_score": "clustering",
+    "embed_batches": "embedding",
+    "gather_to_rank0": "embedding",
+    "evaluate_model": "embedding",
+    "save_embeddings": "store",
+    "load_embeddings": "store",
+    "plot_recall_at_k": "plots",
+    "plot_embedding_map": "plots",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

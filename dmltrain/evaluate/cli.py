@@ -1,0 +1,200 @@
+"""``dmltrain eval``: retrieval metrics of a checkpoint on shards, or of saved embeddings.
+
+    dmltrain eval runs/sop/best/model.pt --shards data/sop --binary --ks 1,10,100,1000
+    dmltrain eval runs/inshop/model.pt --shards data/inshop --split query,gallery --save-embeddings emb/
+    dmltrain eval - --embeddings emb/ --split query,gallery --out inshop.json
+
+Prints a table (values in %) and writes the metrics JSON atomically (fractions in [0, 1]).
+Defaults for ``--ks``, ``--split``, ``--shards``, ``--batch-size`` come from the checkpoint's
+run config when it has them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from dmltrain.errors import UserError
+
+DEFAULT_KS = [1, 2, 4, 8]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", nargs="?", default=None, help="model file from save_model, or a folder holding model.pt ('-' or omitted with --embeddings)")
+    parser.add_argument("--shards", metavar="DIR", help="shard folder (default: the checkpoint config's data.shards)")
+    parser.add_argument("--split", metavar="SPLITS", help="'test' (self-retrieval) or 'query,gallery' (default: the config's data.eval_splits, else test)")
+    parser.add_argument("--binary", action="store_true", help="also evaluate the sign bits by Hamming distance (binary/ metrics)")
+    parser.add_argument("--ks", metavar="K,K,...", help="Recall@K cut-offs (default: the config's eval.ks, else 1,2,4,8)")
+    parser.add_argument("--no-nmi", action="store_true", help="skip NMI (k-means with one cluster per class can be slow)")
+    parser.add_argument("--no-map", action="store_true", help="skip MAP@R and R-precision")
+    parser.add_argument("--out", metavar="JSON", help="metrics file (default: eval_metrics.json beside the checkpoint or in the embeddings folder)")
+    parser.add_argument("--save-embeddings", metavar="DIR", help="write <split>.npy and <split>_labels.npy here")
+    parser.add_argument("--embeddings", metavar="DIR", help="evaluate embeddings saved by --save-embeddings instead of running a model")
+    parser.add_argument("--plots", metavar="DIR", help="also write recall_at_k.png and embedding_map.png here")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="forward-pass autocast precision")
+    parser.add_argument("--batch-size", type=int, metavar="N", help="images per forward pass (default: the config's data.eval_batch_size, else 128)")
+    parser.add_argument("--loader-workers", type=int, metavar="N", help="decoding processes (default: the config's data.loader_workers, else 2)")
+    parser.add_argument("--seed", type=int, default=0, help="k-means seed for NMI")
+
+
+def _parse_ks(text: str) -> list[int]:
+    try:
+        ks = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise UserError(f"--ks: expected comma-separated positive integers, got '{text}'") from None
+    if not ks or ks[0] < 1:
+        raise UserError(f"--ks: expected comma-separated positive integers, got '{text}'")
+    return ks
+
+
+def _parse_splits(text: str | list[str]) -> list[str]:
+    splits = [s.strip() for s in text.split(",")] if isinstance(text, str) else list(text)
+    if len(splits) not in (1, 2) or not all(splits) or len(set(splits)) != len(splits):
+        raise UserError(f"--split: expected 'test' or 'query,gallery' (one split, or two distinct ones), got '{text}'")
+    return splits
+
+
+def _checkpoint_file(text: str) -> Path:
+    path = Path(text)
+    if path.is_dir():
+        path = path / "model.pt"
+    if not path.is_file():
+        raise UserError(f"{path}: checkpoint not found (give a model file or a folder holding model.pt)")
+    return path
+
+
+def _section(config: Any, name: str) -> dict[str, Any]:
+    value = config.get(name) if isinstance(config, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
+def _device(text: str) -> str:
+    import torch
+
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise UserError(f"--device: unknown device '{text}'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device: '{text}' asked for but CUDA is not available")
+    return str(dev)
+
+
+def _embed_splits(args: argparse.Namespace, splits: list[str], model: Any, config: Any, device: str) -> dict[str, tuple[Any, Any]]:
+    from dmltrain.evaluate.embedding import embed_batches, gather_to_rank0
+    from shards.stream import eval_batches
+
+    data = _section(config, "data")
+    shards = args.shards or data.get("shards")
+    if not shards:
+        raise UserError("--shards: needed (the checkpoint's config names no data.shards)")
+    if not Path(shards).is_dir():
+        raise UserError(f"{shards}: shard folder not found")
+    batch_size = args.batch_size or int(data.get("eval_batch_size", 128))
+    if batch_size < 1:
+        raise UserError(f"--batch-size: must be >= 1, got {batch_size}")
+    workers = args.loader_workers if args.loader_workers is not None else int(data.get("loader_workers", 2))
+    out = {}
+    for split in splits:
+        print(f"embedding split '{split}' of {shards} on {device}", file=sys.stderr)
+        batches = eval_batches(
+            shards, split, rank=0, world_size=1, batch_size=batch_size,
+            resize=int(data.get("eval_resize", 256)), crop=int(data.get("eval_crop", 224)), loader_workers=workers,
+        )
+        emb, labels, index = embed_batches(model, batches, device=device, precision=args.precision, progress=True)
+        if len(emb) == 0:
+            raise UserError(f"{shards}: split '{split}' has no images")
+        out[split] = gather_to_rank0(emb, labels, index)
+    args.shards = shards
+    return out
+
+
+def format_table(metrics: dict[str, Any]) -> str:
+    """Metrics as an aligned text table: one row per metric, float and binary columns, in %."""
+    names = [k for k in metrics if not k.startswith("binary/") and isinstance(metrics[k], float)]
+    names += [k[len("binary/") :] for k in metrics if k.startswith("binary/") and k[len("binary/") :] not in names]
+    has_binary = any(k.startswith("binary/") for k in metrics)
+    width = max(len(n) for n in names + ["metric"])
+    lines = [f"{'metric':<{width}}  {'float %':>8}" + (f"  {'binary %':>8}" if has_binary else "")]
+    for n in names:
+        cells = [metrics.get(n), metrics.get(f"binary/{n}")] if has_binary else [metrics.get(n)]
+        lines.append(f"{n:<{width}}  " + "  ".join(f"{100 * v:8.2f}" if isinstance(v, float) else f"{'-':>8}" for v in cells))
+    lines.append(
+        f"{metrics['num_queries']} queries evaluated, {metrics['excluded_queries']} excluded (no relevant item), "
+        f"gallery of {metrics['gallery_size']}"
+    )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dmltrain.fileio import write_json
+
+    ckpt = None if args.checkpoint in (None, "-") else args.checkpoint
+    if ckpt is None and not args.embeddings:
+        raise UserError("eval: give a CHECKPOINT, or --embeddings DIR to evaluate saved embeddings")
+    if ckpt is not None and args.embeddings:
+        raise UserError("eval: give either a CHECKPOINT or --embeddings DIR, not both (use '-' for no checkpoint)")
+    device = _device(args.device)
+    config: Any = {}
+    model = None
+    ckpt_path = None
+    if ckpt is not None:
+        ckpt_path = _checkpoint_file(ckpt)
+        try:
+            from dmltrain.models import load_model
+        except ImportError as e:  # the models package is missing in this install
+            raise UserError(f"{ckpt_path}: cannot load models ({e})") from None
+        model, config, _ = load_model(ckpt_path, map_location=device)
+    ev = _section(config, "eval")
+    ks = _parse_ks(args.ks) if args.ks else sorted(set(ev.get("ks") or DEFAULT_KS))
+    splits = _parse_splits(args.split or _section(config, "data").get("eval_splits") or ["test"])
+    binary = args.binary or bool(ev.get("binary", False))
+
+    if args.embeddings:
+        from dmltrain.evaluate.store import load_embeddings
+
+        gathered = {s: load_embeddings(args.embeddings, s) for s in splits}
+    else:
+        gathered = _embed_splits(args, splits, model, config, device)
+    if args.save_embeddings:
+        from dmltrain.evaluate.store import save_embeddings
+
+        for split, (emb, labels) in gathered.items():
+            print(f"saved {save_embeddings(args.save_embeddings, split, emb, labels)}", file=sys.stderr)
+
+    from dmltrain.evaluate.retrieval import retrieval_metrics
+
+    q, ql = gathered[splits[0]]
+    g, gl = gathered[splits[1]] if len(splits) == 2 else (None, None)
+    try:
+        metrics = retrieval_metrics(
+            q, ql, g, gl, ks=ks, nmi=not args.no_nmi, map_at_r=not args.no_map, binary=binary, seed=args.seed,
+            device=device, progress=True,
+        )
+    except ValueError as e:
+        raise UserError(f"{args.embeddings or ckpt_path}: {e}") from None
+    print(format_table(metrics))
+
+    out = Path(args.out) if args.out else (Path(args.embeddings) if args.embeddings else ckpt_path.parent) / "eval_metrics.json"  # type: ignore[union-attr]
+    record = {
+        "metrics": metrics,
+        "splits": splits,
+        "ks": ks,
+        "checkpoint": str(ckpt_path) if ckpt_path else None,
+        "shards": None if args.embeddings else str(args.shards),
+        "embeddings": args.embeddings,
+    }
+    write_json(out, record)
+    print(f"wrote {out}", file=sys.stderr)
+    if args.plots:
+        from dmltrain.evaluate.plots import plot_embedding_map, plot_recall_at_k
+
+        name = ckpt_path.stem if ckpt_path else Path(args.embeddings).name
+        print(f"wrote {plot_recall_at_k({name: metrics}, Path(args.plots) / 'recall_at_k.png')}", file=sys.stderr)
+        print(f"wrote {plot_embedding_map(q, ql, Path(args.plots) / 'embedding_map.png', seed=args.seed)}", file=sys.stderr)
+    return 0

@@ -1,0 +1,313 @@
+"""Retrieval metrics: Recall@K, MAP@R, R-precision and NMI, on float and binary embeddings.
+
+Protocol (SPEC "Evaluation"; MAP@R and R-precision as in Musgrave et al. 2020):
+
+* Cosine similarity of L2-normalized embeddings; binary: Hamming distance of the sign bits
+  (:func:`dmltrain.models.binary.pack_sign_bits`), keys prefixed ``binary/``.
+* Without a gallery the query set is searched against itself, each query excluded (SOP, CUB,
+  Cars); with one, query→gallery (In-Shop).
+* Ranking: by score, equal scores by gallery index, lower first. Every metric is read off
+  the exact rank of each (query, relevant item) pair (:mod:`.ranks`), so a tie straddling
+  a cut-off is decided by that rule and not by an engine's top-k.
+* ``recall@K``: share of queries with an item of their label among their K nearest.
+* ``R`` = number of gallery items with the query's label (itself excluded).
+  ``map@r`` = mean of (1/R) Σ_{i≤R} P(i)·rel(i); ``r_precision`` = mean of (hits in top R)/R.
+* Queries with ``R = 0`` (label absent from the gallery, or a singleton class) cannot be
+  retrieved: they are excluded from every retrieval metric and counted in
+  ``excluded_queries``; ``num_queries`` counts the evaluated ones.
+* ``nmi``: faiss k-means of the (normalized) query embeddings with k = number of distinct
+  query labels, scored by scikit-learn's NMI (:mod:`.clustering`). Float only.
+* K larger than the number of candidates: Recall@K is 1 for every evaluated query, which is
+  what it means; a ``RuntimeWarning`` says so.
+
+All values are fractions in [0, 1]; counts are ints.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dmltrain.evaluate.hamming import pad_codes
+from dmltrain.evaluate.knn import (
+    DEFAULT_BLOCK_BYTES,
+    Gallery,
+    binary_gallery,
+    float_gallery,
+    float_queries,
+    mask_self,
+    resolve_device,
+)
+from dmltrain.evaluate.ranks import pair_ranks, row_starts
+
+ArrayLike = np.ndarray | Tensor | Sequence[Any]
+# Per-block budget of (query, relevant item) pairs, ranked together.
+_MAX_PAIRS = 4 << 20
+
+
+# -- input checks ----------------------------------------------------------------------------
+def as_embeddings(x: ArrayLike, name: str) -> np.ndarray:
+    """A C-contiguous float32 ``N × D`` array; one-line ``ValueError`` for anything else."""
+    if isinstance(x, Tensor):
+        x = x.detach().to("cpu", torch.float32).numpy()
+    try:
+        arr = np.asarray(x, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: embeddings must be numeric, got {type(x).__name__}") from None
+    if arr.ndim != 2:
+        raise ValueError(f"{name}: embeddings must be a 2-D N × D array, got shape {tuple(arr.shape)}")
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError(f"{name}: embeddings are empty (shape {tuple(arr.shape)})")
+    finite = np.isfinite(arr).all(axis=1)
+    if not finite.all():
+        bad = np.flatnonzero(~finite)
+        raise ValueError(f"{name}: {len(bad)} embedding rows contain NaN or inf (first at row {bad[0]})")
+    return np.ascontiguousarray(arr)
+
+
+def as_labels(y: ArrayLike, n: int, name: str) -> np.ndarray:
+    if isinstance(y, Tensor):
+        y = y.detach().cpu().numpy()
+    arr = np.asarray(y)
+    if arr.ndim == 2 and arr.shape[1] == 1:
+        arr = arr[:, 0]
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: labels must be 1-D, got shape {tuple(arr.shape)}")
+    if len(arr) != n:
+        raise ValueError(f"{name}: {len(arr)} labels for {n} embeddings")
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise ValueError(f"{name}: labels contain NaN or inf")
+    return arr
+
+
+def check_ks(ks: Sequence[int]) -> list[int]:
+    try:
+        out = sorted({int(k) for k in ks})
+    except (TypeError, ValueError):
+        raise ValueError(f"ks: expected positive integers, got {ks!r}") from None
+    if not out or out[0] < 1:
+        raise ValueError(f"ks: expected positive integers, got {list(ks)!r}")
+    return out
+
+
+# -- the label structure ---------------------------------------------------------------------
+@dataclass
+class _Labels:
+    """Integer label codes and the gallery grouped by label (gallery indices ascending per label)."""
+
+    q: np.ndarray  # query label codes
+    g: np.ndarray  # gallery label codes
+    order: np.ndarray  # gallery indices sorted by (label, index)
+    start: np.ndarray  # order[start[c]:start[c] + count[c]] are label c's gallery items
+    count: np.ndarray
+    R: np.ndarray  # per query: relevant gallery items, itself excluded
+
+    @classmethod
+    def build(cls, q_labels: np.ndarray, g_labels: np.ndarray | None) -> _Labels:
+        if g_labels is None:
+            _, q = np.unique(q_labels, return_inverse=True)
+            g = q
+        else:
+            try:
+                _, codes = np.unique(np.concatenate([q_labels, g_labels]), return_inverse=True)
+            except TypeError:
+                raise ValueError("query and gallery labels have incomparable types") from None
+            q, g = codes[: len(q_labels)], codes[len(q_labels) :]
+        n_codes = int(max(q.max(initial=-1), g.max(initial=-1))) + 1
+        count = np.bincount(g, minlength=n_codes)
+        start = np.concatenate(([0], np.cumsum(count)[:-1]))
+        R = count[q] - (1 if g_labels is None else 0)
+        return cls(q.astype(np.int64), g.astype(np.int64), np.argsort(g, kind="stable"), start, count, R.astype(np.int64))
+
+    def positive_pairs(self, queries: np.ndarray, self_search: bool) -> tuple[np.ndarray, np.ndarray]:
+        """``(row, column)`` of every (query, relevant gallery item) pair; row indexes ``queries``."""
+        lab = self.q[queries]
+        cnt = self.count[lab]
+        rows = np.repeat(np.arange(len(queries)), cnt)
+        offset = np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        cols = self.order[np.repeat(self.start[lab], cnt) + offset]
+        if self_search:
+            keep = cols != queries[rows]
+            rows, cols = rows[keep], cols[keep]
+        return rows, cols
+
+
+# -- metric accumulation ---------------------------------------------------------------------
+@dataclass
+class _Totals:
+    ks: list[int]
+    hits: np.ndarray = field(init=False)
+    ap: list[np.ndarray] = field(default_factory=list)  # per-query AP@R, summed exactly at the end
+    rp: list[np.ndarray] = field(default_factory=list)  # so results do not depend on the blocking
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.hits = np.zeros(len(self.ks), dtype=np.int64)
+
+
+def _ranked_metrics(
+    gal: Gallery,
+    queries: Tensor | np.ndarray | None,
+    labels: _Labels,
+    valid: np.ndarray,
+    ks: list[int],
+    map_at_r: bool,
+    block_bytes: int,
+    progress: str | None,
+) -> _Totals:
+    """Recall@K hits, AP@R and R-precision of the ``valid`` queries, block by block.
+
+    ``queries`` is None for self-retrieval (query i is gallery row i). In each block every
+    (query, relevant item) pair gets its exact rank (:func:`.ranks.pair_ranks`); Recall@K
+    reads the best rank of each query, MAP@R and R-precision all of them.
+    """
+    from tqdm import tqdm
+
+    self_search = queries is None
+    tot = _Totals(ks)
+    # Similar R together keeps the per-position passes of the fallback engines dense.
+    order = valid[np.argsort(labels.R[valid], kind="stable")]
+    max_rows = gal.rows_per_block(block_bytes)
+    ks_arr = np.asarray(ks)
+    bar = tqdm(total=len(order), desc=progress, unit="query", leave=False, disable=progress is None or len(order) < 20000)
+    lo = 0
+    while lo < len(order):
+        hi = min(lo + max_rows, len(order))
+        hi = lo + max(1, int(np.searchsorted(np.cumsum(labels.R[order[lo:hi]] + 1), _MAX_PAIRS, side="right")))
+        qi = order[lo:hi]
+        if self_search:
+            block = gal.scores(gal.query_rows(qi))
+            mask_self(block, torch.from_numpy(qi), gal.larger_is_better)
+        elif isinstance(queries, Tensor):
+            block = gal.scores(queries[torch.from_numpy(qi).to(queries.device)])
+        else:
+            block = gal.scores(queries[qi])
+        rows, cols = labels.positive_pairs(qi, self_search)
+        ranks = pair_ranks(block, rows, cols, gal.larger_is_better)
+        del block
+        # Ranks of each query's relevant items, ascending: r_1 < r_2 < ... < r_R.
+        srt = np.lexsort((ranks, rows))
+        ranks, rows = ranks[srt], rows[srt]
+        starts = row_starts(rows)
+        tot.hits += (ranks[starts][:, None] <= ks_arr[None, :]).sum(0)
+        if map_at_r:
+            R = labels.R[qi]
+            m = np.arange(1, len(ranks) + 1) - np.repeat(starts, np.diff(np.r_[starts, len(ranks)]))
+            inside = ranks <= R[rows]  # the m-th relevant item is within the top R
+            tot.ap.append(np.add.reduceat(np.where(inside, m / ranks, 0.0), starts) / R)
+            tot.rp.append(np.add.reduceat(inside.astype(np.float64), starts) / R)
+        tot.n += len(qi)
+        bar.update(len(qi))
+        lo = hi
+    bar.close()
+    return tot
+
+
+def _report(tot: _Totals, prefix: str, map_at_r: bool) -> dict[str, float]:
+    out: dict[str, float] = {f"{prefix}recall@{k}": float(h) / tot.n for k, h in zip(tot.ks, tot.hits)}
+    if map_at_r:
+        out[f"{prefix}map@r"] = math.fsum(np.concatenate(tot.ap)) / tot.n
+        out[f"{prefix}r_precision"] = math.fsum(np.concatenate(tot.rp)) / tot.n
+    return out
+
+
+def path_metrics(
+    q: np.ndarray,
+    g: np.ndarray | None,
+    labels: _Labels,
+    valid: np.ndarray,
+    ks: list[int],
+    map_at_r: bool,
+    kind: str,
+    device: torch.device,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    progress: bool = False,
+) -> dict[str, float]:
+    """Recall@K (and MAP@R, R-precision) of one path, ``float`` (cosine) or ``binary`` (Hamming
+    of the sign bits, keys prefixed ``binary/``), from checked inputs (see :func:`retrieval_metrics`)."""
+    if kind == "float":
+        gal = float_gallery(q if g is None else g, device)
+        queries: Tensor | np.ndarray | None = None if g is None else float_queries(q, device)
+    elif kind == "binary":
+        from dmltrain.models.binary import pack_sign_bits
+
+        gal = binary_gallery(pack_sign_bits(q if g is None else g))
+        queries = None if g is None else pad_codes(pack_sign_bits(q))
+    else:
+        raise ValueError(f"path_metrics: kind must be 'float' or 'binary', got '{kind}'")
+    tot = _ranked_metrics(gal, queries, labels, valid, ks, map_at_r, block_bytes, kind if progress else None)
+    return _report(tot, "" if kind == "float" else "binary/", map_at_r)
+
+
+# -- the public entry point ------------------------------------------------------------------
+def retrieval_metrics(
+    query: ArrayLike,
+    query_labels: ArrayLike,
+    gallery: ArrayLike | None = None,
+    gallery_labels: ArrayLike | None = None,
+    ks: Sequence[int] = (1, 2, 4, 8),
+    nmi: bool = True,
+    map_at_r: bool = True,
+    binary: bool = False,
+    seed: int = 0,
+    *,
+    device: str | torch.device | None = "auto",
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    nmi_iters: int = 20,
+    progress: bool = False,
+) -> dict[str, float]:
+    """Recall@K, MAP@R, R-precision, NMI (and their ``binary/`` twins) as fractions in [0, 1].
+
+    ``query``/``gallery``: ``N × D`` float arrays or tensors (any device and float dtype);
+    labels: 1-D, any comparable values. ``gallery=None``: self-retrieval, each query
+    excluded. ``binary``: also evaluate the sign bits by Hamming distance. ``device``: where
+    the float GEMMs run (``auto``: CUDA when available); the binary path runs on the CPU.
+    ``block_bytes`` bounds one dense score block. See the module doc for every definition.
+
+    Raises a one-line ``ValueError`` for mismatched lengths or dims, NaN/inf embeddings,
+    empty inputs, a gallery without labels, or no query with any relevant gallery item.
+    """
+    q = as_embeddings(query, "query")
+    ql = as_labels(query_labels, len(q), "query_labels")
+    if (gallery is None) != (gallery_labels is None):
+        raise ValueError("gallery and gallery_labels must be given together")
+    g = gl = None
+    if gallery is not None:
+        g = as_embeddings(gallery, "gallery")
+        gl = as_labels(gallery_labels, len(g), "gallery_labels")  # type: ignore[arg-type]
+        if g.shape[1] != q.shape[1]:
+            raise ValueError(f"gallery: embedding dim {g.shape[1]} differs from the query's {q.shape[1]}")
+    ks = check_ks(ks)
+    labels = _Labels.build(ql, gl)
+    valid = np.flatnonzero(labels.R > 0)
+    excluded = len(q) - len(valid)
+    if len(valid) == 0:
+        where = "in the gallery" if gallery is not None else "among the other queries"
+        raise ValueError(f"no query has an item of its label {where}: nothing to evaluate ({len(q)} queries)")
+    n_gallery = len(q) if g is None else len(g)
+    n_cand = n_gallery - (g is None)
+    if ks[-1] > n_cand:
+        warnings.warn(
+            f"recall@K for K > {n_cand} (the gallery candidates) is 1 for every query: K={[k for k in ks if k > n_cand]}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    dev = resolve_device(device)
+    metrics = path_metrics(q, g, labels, valid, ks, map_at_r, "float", dev, block_bytes, progress)
+    if nmi:
+        from dmltrain.evaluate.clustering import clustering_nmi
+
+        metrics["nmi"] = clustering_nmi(q, labels.q, seed=seed, niter=nmi_iters)
+    if binary:
+        metrics.update(path_metrics(q, g, labels, valid, ks, map_at_r, "binary", dev, block_bytes, progress))
+    metrics["num_queries"] = int(len(valid))
+    metrics["excluded_queries"] = int(excluded)
+    metrics["gallery_size"] = int(n_gallery)
+    return metrics

@@ -1,0 +1,77 @@
+"""Ranked list loss (RLL; Wang et al., CVPR 2019, eqs. 8-14).
+
+Euclidean distance ``d`` between L2-normalised embeddings. For each anchor (query):
+
+* non-trivial positives ``P* = {j: d > α - m}`` give ``L_P = mean_{P*} (d - (α - m))`` (eq. 11);
+* non-trivial negatives ``N* = {j: d < α}`` give ``L_N = Σ_{N*} w (α - d)`` with
+  ``w = exp(T (α - d))`` normalised over ``N*`` and treated as constants (eqs. 9, 12);
+* ``L = L_P + λ L_N`` (eq. 13), averaged over anchors (eq. 14).
+
+In each anchor's ranked list the other embeddings are constants (text after eq. 13): the
+gradient reaches an embedding only through the lists where it is the query. Defaults
+α = 1.2, m = 0.4, T = 10, λ = 1 are the paper's.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from dmltrain.losses.base import AnchorTerms, InstanceLoss
+from dmltrain.losses.pairs import (
+    label_masks,
+    masked_mean_stat,
+    masked_softmax,
+    masked_sum,
+    masked_sum_rows,
+    normalize,
+    similarity,
+    similarity_stats,
+    unit_distance,
+)
+from dmltrain.losses.registry import register
+
+
+@register("ranked_list")
+class RankedListLoss(InstanceLoss):
+    """RLL with boundary ``alpha``, margin ``margin``, weighting ``temperature`` and ``balance`` (λ).
+
+    Edge cases: anchors without a positive are skipped; an empty ``P*`` or ``N*`` makes that
+    part zero. ``stats`` adds ``pos_loss`` and ``neg_loss`` (means of L_P and L_N over anchors).
+    """
+
+    def __init__(self, alpha: float = 1.2, margin: float = 0.4, temperature: float = 10.0, balance: float = 1.0) -> None:
+        super().__init__()
+        if not 0 <= margin <= alpha:
+            raise ValueError(f"ranked_list: need 0 <= margin <= alpha, got margin={margin}, alpha={alpha}")
+        if temperature < 0:
+            raise ValueError(f"ranked_list: temperature must be >= 0, got {temperature}")
+        self.alpha, self.margin, self.temperature, self.balance = float(alpha), float(margin), float(temperature), float(balance)
+
+    def negative_weights(self, d: Tensor, hard_neg: Tensor) -> Tensor:
+        """Eq. 9's ``exp(T (α - d))`` normalised over each anchor's non-trivial negatives (constants)."""
+        return masked_softmax(self.temperature * (self.alpha - d), hard_neg).detach()
+
+    def anchor_terms(self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor) -> AnchorTerms:
+        m = label_masks(anchor_labels, ref_labels, anchor_index)
+        # the gallery of each list is constant: only the query (anchor) receives gradient
+        cos = similarity(normalize(anchors), normalize(refs).detach())
+        d = unit_distance(cos)
+        pos_bound = self.alpha - self.margin
+        hard_pos = m.pos & (d > pos_bound)
+        hard_neg = m.neg & (d < self.alpha)
+
+        n_pos = hard_pos.sum(dim=1)
+        pos_loss = masked_sum_rows(d - pos_bound, hard_pos) / n_pos.clamp_min(1)
+        w = self.negative_weights(d.detach(), hard_neg)
+        neg_loss = masked_sum_rows(w * (self.alpha - d), hard_neg)
+        per_anchor = pos_loss + self.balance * neg_loss
+        total = masked_sum(per_anchor, m.valid)
+
+        means = similarity_stats(cos, m)
+        means["pos_loss"] = masked_mean_stat(pos_loss, m.valid)
+        means["neg_loss"] = masked_mean_stat(neg_loss, m.valid)
+        n_active = hard_pos.sum() + hard_neg.sum()
+        means["nontrivial_fraction"] = n_active, m.pos.sum() + m.neg.sum()
+        totals = {"active_pairs": n_active, "skipped_anchors": m.skipped}
+        return AnchorTerms(total=total, count=m.valid.sum(), means=means, totals=totals)
+

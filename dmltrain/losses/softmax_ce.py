@@ -1,0 +1,44 @@
+"""Softmax cross-entropy with label smoothing (the CE paper's recipe; Boudiaf et al., ECCV 2020).
+
+A linear classifier **with** bias on the raw embeddings, weight and bias initialised to
+zero; targets ``1 - ε`` on the true class and ``ε/(K-1)`` on each other class (note:
+``torch.nn.CrossEntropyLoss(label_smoothing=ε)`` spreads ``ε/K`` over all classes instead).
+Default ``ε = 0.1`` is the paper's. The paper's dropout 0.5 before the classifier belongs
+to the model's classifier branch, not to this loss.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from dmltrain.losses.classifier import ClassifierLoss
+from dmltrain.losses.pairs import upcast
+from dmltrain.losses.registry import register
+
+
+@register("softmax_ce")
+class SoftmaxCELoss(ClassifierLoss):
+    """Linear (``weight``, ``bias``) + label-smoothed cross-entropy; inputs are not normalised."""
+
+    def __init__(self, num_classes: int, dim: int, smoothing: float = 0.1) -> None:
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"softmax_ce: smoothing must be in [0, 1), got {smoothing}")
+        self.smoothing = float(smoothing)
+        super().__init__(num_classes, dim)
+        self.bias = nn.Parameter(torch.zeros(num_classes))
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+        if hasattr(self, "bias"):
+            nn.init.zeros_(self.bias)
+
+    def scores(self, embeddings: Tensor, labels: Tensor, weight: Tensor | None = None, class_ids: Tensor | None = None, bias: Tensor | None = None):
+        if weight is None:
+            weight, bias = self.weight, self.bias
+        x = upcast(embeddings)
+        logits = upcast(torch.nn.functional.linear(x, weight, bias))
+        with torch.no_grad():  # cosine for the statistics only: (z - b) / (|x| |w|)
+            raw = logits if bias is None else logits - upcast(bias)
+            cos = raw / (x.norm(dim=1)[:, None] * upcast(weight).norm(dim=1)[None, :]).clamp_min(1e-12)
+        return logits, cos

@@ -1,0 +1,53 @@
+"""Embedding models: torchvision backbones by name, embedding heads, saving and loading.
+
+    from dmltrain.models import build_model, param_groups, save_model, load_model, autocast
+    model = build_model(cfg.model)        # EmbeddingModel: images -> B × D embeddings
+
+Modules: :mod:`.backbones` (networks by name, named stages), :mod:`.pretrained` (local file /
+ImageNet weights), :mod:`.heads` (layernorm, batchnorm, none; multi-level),
+:mod:`.embedding_model` (the model, parameter groups, BN freezing), :mod:`.export` (files),
+:mod:`.precision` (autocast, channels_last), :mod:`.binary` (sign bits, Hamming distance).
+
+Names are imported on first use, so ``import dmltrain.models.binary`` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Backbone": "backbones",
+    "BACKBONES": "backbones",
+    "build_backbone": "backbones",
+    "Head": "heads",
+    "LayerNormHead": "heads",
+    "BatchNormHead": "heads",
+    "PlainHead": "heads",
+    "GlobalPool": "heads",
+    "build_head": "heads",
+    "EmbeddingModel": "embedding_model",
+    "build_model": "embedding_model",
+    "param_groups": "embedding_model",
+    "save_model": "export",
+    "load_model": "export",
+    "autocast": "precision",
+    "supports_bf16": "precision",
+    "to_channels_last": "precision",
+    "pack_sign_bits": "binary",
+    "hamming_distances": "binary",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

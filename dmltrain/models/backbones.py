@@ -1,0 +1,198 @@
+"""Feature extractors by name: torchvision ResNets and GoogLeNet, and a small CNN for CPU runs.
+
+A :class:`Backbone` is the network up to its last feature map, without the ImageNet pooling
+and classifier. It registers the torchvision submodules under their torchvision names, so its
+``state_dict`` keys are exactly torchvision's minus the classifier (``fc.*``, ``aux1.*``,
+``aux2.*``): a torchvision state dict loads into it directly. Its *stages* are the named
+points whose feature maps can be tapped for multi-level embeddings:
+
+* ResNets: ``layer1`` .. ``layer4``;
+* GoogLeNet: ``conv3``, ``inception3a`` .. ``inception5b`` (the RLL paper's L, M, H levels
+  are ``inception3b``, ``inception4e``, ``inception5b`` here; torchvision's GoogLeNet has
+  BatchNorm in every convolution, the closest torchvision network to BN-Inception);
+* ``small_cnn``: ``stage1`` .. ``stage4``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from dmltrain.errors import UserError
+
+# Keys of the ImageNet classifier in torchvision checkpoints; a backbone never has them.
+CLASSIFIER_PREFIXES = ("fc.", "aux1.", "aux2.", "classifier.")
+
+
+class Backbone(nn.Module):
+    """A feed-forward chain of named layers whose chosen stage outputs are returned.
+
+    ``stage_channels`` maps each tappable stage name (in network order) to its output
+    channels. ``forward(x, stages)`` returns the feature maps of ``stages`` in the order asked
+    and stops after the deepest of them; with ``stages=None`` it returns ``[last stage]``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        layers: Sequence[tuple[str, nn.Module]],
+        stage_channels: dict[str, int],
+        input_transform: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
+        super().__init__()
+        self.name = name
+        for layer_name, module in layers:
+            self.add_module(layer_name, module)
+        self._order = [layer_name for layer_name, _ in layers]
+        unknown = [s for s in stage_channels if s not in self._order]
+        if unknown:
+            raise ValueError(f"{name}: stages {unknown} are not layers of the network")
+        # network order, whatever order the dict was written in
+        self.stage_channels = {s: stage_channels[s] for s in self._order if s in stage_channels}
+        self.input_transform = input_transform
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return tuple(self.stage_channels)
+
+    @property
+    def out_channels(self) -> int:
+        """Channels of the last stage: the features a single-level head pools."""
+        return self.stage_channels[self.stage_names[-1]]
+
+    def check_stages(self, stages: Sequence[str]) -> None:
+        """Raise a one-line :class:`UserError` for a stage name this network does not have."""
+        for s in stages:
+            if s not in self.stage_channels:
+                raise UserError(
+                    f"model.multilevel: unknown stage '{s}' for {self.name} (stages: {', '.join(self.stage_names)})"
+                )
+        if len(set(stages)) != len(stages):
+            raise UserError(f"model.multilevel: a stage is listed twice in {list(stages)}")
+
+    def forward(self, x: Tensor, stages: Sequence[str] | None = None) -> list[Tensor]:
+        wanted = list(stages) if stages else [self.stage_names[-1]]
+        last = max(self._order.index(s) for s in wanted)
+        if self.input_transform is not None:
+            x = self.input_transform(x)
+        taps: dict[str, Tensor] = {}
+        for layer_name in self._order[: last + 1]:
+            x = getattr(self, layer_name)(x)
+            if layer_name in self.stage_channels:
+                taps[layer_name] = x
+        return [taps[s] for s in wanted]
+
+
+# -- torchvision ResNets ---------------------------------------------------------------------------
+def _resnet(name: str) -> Backbone:
+    import torchvision.models as tvm
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    net = getattr(tvm, name)(weights=None)
+    layers = [(n, getattr(net, n)) for n in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4")]
+    channels = {}
+    for n in ("layer1", "layer2", "layer3", "layer4"):
+        block = getattr(net, n)[-1]
+        if isinstance(block, Bottleneck):
+            channels[n] = block.bn3.num_features
+        elif isinstance(block, BasicBlock):
+            channels[n] = block.bn2.num_features
+        else:  # pragma: no cover - torchvision ResNets only have these two blocks
+            raise TypeError(f"{name}: unexpected block {type(block).__name__}")
+    return Backbone(name, layers, channels)
+
+
+# -- torchvision GoogLeNet ----------------------------------------------------------------------
+def _googlenet_transform(x: Tensor) -> Tensor:
+    """torchvision's ``transform_input``: ImageNet-normalised input -> the (x - 0.5) / 0.5 scale
+    the ported GoogLeNet weights expect (applied only with pretrained weights, as torchvision does)."""
+    x0 = x[:, 0:1] * (0.229 / 0.5) + (0.485 - 0.5) / 0.5
+    x1 = x[:, 1:2] * (0.224 / 0.5) + (0.456 - 0.5) / 0.5
+    x2 = x[:, 2:3] * (0.225 / 0.5) + (0.406 - 0.5) / 0.5
+    return torch.cat((x0, x1, x2), 1)
+
+
+def _googlenet(name: str, *, transform_input: bool) -> Backbone:
+    import torchvision.models as tvm
+
+    # as torchvision does: its (slow) truncated-normal init is skipped when weights will be loaded
+    net = tvm.googlenet(weights=None, aux_logits=False, init_weights=not transform_input)
+    order = (
+        "conv1", "maxpool1", "conv2", "conv3", "maxpool2", "inception3a", "inception3b", "maxpool3",
+        "inception4a", "inception4b", "inception4c", "inception4d", "inception4e", "maxpool4",
+        "inception5a", "inception5b",
+    )  # fmt: skip
+    layers = [(n, getattr(net, n)) for n in order]
+    channels = {"conv3": net.conv3.conv.out_channels}
+    for n in order:
+        if n.startswith("inception"):
+            block = getattr(net, n)
+            # the four branches are concatenated: sum of each branch's last convolution
+            channels[n] = block.branch1.conv.out_channels + sum(
+                getattr(block, b)[-1].conv.out_channels for b in ("branch2", "branch3", "branch4")
+            )
+    return Backbone(name, layers, channels, input_transform=_googlenet_transform if transform_input else None)
+
+
+# -- small CNN ---------------------------------------------------------------------------------------
+def _conv_bn_relu(cin: int, cout: int, stride: int) -> list[nn.Module]:
+    return [nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
+
+
+SMALL_CNN_CHANNELS = (32, 64, 128, 192)
+
+
+def small_cnn(name: str = "small_cnn") -> Backbone:
+    """Four stages of two 3×3 conv-BN-ReLU blocks, the first of each with stride 2.
+
+    About 0.84M parameters and 12M multiply-adds at 32×32 (each stage halves the resolution,
+    so 32×32 inputs end at 2×2 and 224×224 at 14×14). Kaiming-normal init as torchvision's ResNets.
+    """
+    layers, cin = [], 3
+    for i, cout in enumerate(SMALL_CNN_CHANNELS, 1):
+        layers.append((f"stage{i}", nn.Sequential(*_conv_bn_relu(cin, cout, 2), *_conv_bn_relu(cout, cout, 1))))
+        cin = cout
+    backbone = Backbone(name, layers, {f"stage{i}": c for i, c in enumerate(SMALL_CNN_CHANNELS, 1)})
+    for m in backbone.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+    return backbone
+
+
+# -- registry -------------------------------------------------------------------------------------------
+# name -> (builder(pretrained: bool) -> Backbone, torchvision ImageNet weights "Enum.MEMBER" or None)
+BACKBONES: dict[str, tuple[Callable[[bool], Backbone], str | None]] = {
+    "resnet18": (lambda _: _resnet("resnet18"), "ResNet18_Weights.IMAGENET1K_V1"),
+    "resnet34": (lambda _: _resnet("resnet34"), "ResNet34_Weights.IMAGENET1K_V1"),
+    "resnet50": (lambda _: _resnet("resnet50"), "ResNet50_Weights.IMAGENET1K_V2"),
+    "resnet101": (lambda _: _resnet("resnet101"), "ResNet101_Weights.IMAGENET1K_V2"),
+    "resnet152": (lambda _: _resnet("resnet152"), "ResNet152_Weights.IMAGENET1K_V2"),
+    "resnext50_32x4d": (lambda _: _resnet("resnext50_32x4d"), "ResNeXt50_32X4D_Weights.IMAGENET1K_V2"),
+    "wide_resnet50_2": (lambda _: _resnet("wide_resnet50_2"), "Wide_ResNet50_2_Weights.IMAGENET1K_V2"),
+    "googlenet": (lambda pretrained: _googlenet("googlenet", transform_input=pretrained), "GoogLeNet_Weights.IMAGENET1K_V1"),
+    "small_cnn": (lambda _: small_cnn(), None),
+}
+
+
+def build_backbone(name: str, pretrained: bool = False) -> Backbone:
+    """A randomly initialised backbone by name (weights are loaded by :mod:`.pretrained`).
+
+    ``pretrained`` only changes the architecture where torchvision does: GoogLeNet's ported
+    weights expect ``transform_input``, so it is on whenever weights will be loaded.
+    """
+    if name not in BACKBONES:
+        raise UserError(f"model.backbone: unknown backbone '{name}' (choose from {', '.join(BACKBONES)})")
+    return BACKBONES[name][0](pretrained)
+
+
+def imagenet_weights(name: str):
+    """The torchvision weights enum member for ``name``, or None when there is none."""
+    spec = BACKBONES[name][1] if name in BACKBONES else None
+    if spec is None:
+        return None
+    import torchvision.models as tvm
+
+    enum_name, member = spec.split(".")
+    return getattr(getattr(tvm, enum_name), member)

@@ -1,0 +1,119 @@
+"""Saving and loading a trained embedding model as one self-describing file.
+
+The file is a ``torch.save`` of plain data only (dicts, lists, numbers, strings, tensors), so
+it loads with ``weights_only=True``: ``format``, ``version``, the run ``config`` as given, the
+``model_config`` that rebuilds the architecture, the ``state_dict`` (on CPU), and ``extra``
+(metrics, step, anything plain). Loading rebuilds the model from ``model_config`` without
+reading or downloading the pretrained weights it was started from.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dmltrain.errors import UserError
+from dmltrain.fileio import atomic_path
+from dmltrain.models.embedding_model import EmbeddingModel, build_model
+
+FORMAT = "dmltrain.model"
+VERSION = 1
+
+
+def save_model(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    config: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+    *,
+    state_dict: dict[str, Tensor] | None = None,
+) -> None:
+    """Write ``model`` with ``config`` (the run's config dict, or just its model section) and ``extra``.
+
+    ``state_dict`` replaces ``model.state_dict()`` when the full weights live elsewhere (the
+    fp32 masters gathered from ZeRO partitions); its keys must be exactly the model's.
+    Atomic: a reader sees the old file or the new one. A wrapped model (DeepSpeed engine,
+    DDP) is unwrapped. ``TypeError`` names any ``config``/``extra`` entry that is not plain data.
+    """
+    module = getattr(model, "module", model)
+    if not isinstance(module, EmbeddingModel):
+        raise TypeError(f"save_model: expected an EmbeddingModel, got {type(module).__name__}")
+    model_config = module.config or _model_section(config)
+    if model_config is None:
+        raise ValueError("save_model: the model has no stored config and `config` has no model section to rebuild it")
+    own = module.state_dict()
+    if state_dict is None:
+        state_dict = own
+    elif set(state_dict) != set(own):
+        missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+        raise ValueError(f"save_model: state_dict keys differ from the model's: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    payload = {
+        "format": FORMAT,
+        "version": VERSION,
+        "config": _plain(config, "config"),
+        "model_config": _plain(model_config, "model_config"),
+        "state_dict": {k: v.detach().cpu().clone() for k, v in state_dict.items()},
+        "extra": _plain(extra or {}, "extra"),
+    }
+    with atomic_path(path) as tmp:
+        torch.save(payload, tmp)
+
+
+def load_model(
+    path: str | os.PathLike[str], map_location: str | torch.device = "cpu"
+) -> tuple[EmbeddingModel, dict[str, Any], dict[str, Any]]:
+    """``(model, config, extra)`` from a :func:`save_model` file; the model is on ``map_location``, in eval mode.
+
+    One-line :class:`UserError` naming ``path`` when it is missing, unreadable, not a model
+    file, or its weights do not fit the architecture its config describes.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: model file not found")
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # truncated zip, pickle error, foreign class, ...
+        reason = " ".join(str(e).split())[:200]
+        raise UserError(f"{path}: cannot read model file ({reason})") from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise UserError(f"{path}: not a dmltrain model file (no '{FORMAT}' format tag)")
+    if int(obj.get("version", 0)) > VERSION:
+        raise UserError(f"{path}: model file version {obj['version']} is newer than this dmltrain reads ({VERSION})")
+    model = build_model(obj["model_config"], load_pretrained=False)
+    try:
+        model.load_state_dict(obj["state_dict"], strict=True)
+    except RuntimeError as e:
+        reason = " ".join(str(e).split())[:200]
+        raise UserError(f"{path}: weights do not fit the stored model config ({reason})") from None
+    model.to(map_location).eval()
+    return model, obj["config"], obj["extra"]
+
+
+def _model_section(config: dict[str, Any]) -> dict[str, Any] | None:
+    if isinstance(config.get("model"), dict):
+        return config["model"]
+    return config if "backbone" in config else None
+
+
+def _plain(obj: Any, where: str) -> Any:
+    """``obj`` as data ``torch.load(weights_only=True)`` accepts; numpy values become Python/tensors."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if isinstance(obj, dict):
+        return {str(k): _plain(v, f"{where}[{k!r}]") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    raise TypeError(f"save_model: {where} is a {type(obj).__name__}, which a weights-only file cannot hold")

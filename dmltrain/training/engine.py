@@ -1,0 +1,95 @@
+"""The DeepSpeed engine around backbone + head: its JSON config, its optimizer, its creation.
+
+The class-sharded classifier is deliberately NOT part of the engine: its rows are
+model-parallel, so DeepSpeed's data-parallel gradient averaging must never touch them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dmltrain.config import Config, deep_merge
+from dmltrain.errors import UserError
+
+# Keys the data pipeline owns; a user DeepSpeed JSON may not change them.
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def import_deepspeed():
+    """Import DeepSpeed quietly.
+
+    DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op on first use
+    (tens of seconds on a fresh machine); that op only serves ``inference_all_reduce``,
+    which training never calls, so we skip building it.
+    """
+    import importlib
+
+    import deepspeed
+
+    # `import deepspeed.comm.torch as m` would bind PyTorch itself (deepspeed.comm re-exports `torch`)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.WARNING)
+    return deepspeed
+
+
+def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
+    """The engine's JSON, generated from ``cfg`` and overridden by ``train.deepspeed_config`` if set.
+
+    Gradient clipping acts on the data-parallel parameters only (backbone and head);
+    the sharded classifier's rows are not clipped.
+    """
+    local_batch = cfg.data.batch_size // world_size
+    precision = cfg.train.precision
+    generated: dict[str, Any] = {
+        "train_batch_size": local_batch * world_size,
+        "train_micro_batch_size_per_gpu": local_batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": cfg.train.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": cfg.train.grad_clip or 0.0,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16, "loss_scale_window": 500},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if not cfg.train.deepspeed_config:
+        return generated
+    path = Path(cfg.train.deepspeed_config)
+    try:
+        user = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"train.deepspeed_config: {path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"train.deepspeed_config: {path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    if not isinstance(user, dict):
+        raise UserError(f"train.deepspeed_config: {path}: expected a JSON object")
+    for key in _BATCH_KEYS:
+        if key in user and user[key] != generated[key]:
+            raise UserError(f"{path}: '{key}' is set by data.batch_size and cluster.num_workers; remove it from the JSON")
+    return deep_merge(generated, user)
+
+
+def build_optimizer(param_groups: list[dict[str, Any]], cfg: Config) -> torch.optim.Optimizer:
+    """The torch optimizer of the data-parallel parameters; each group's lr is base lr × its ``lr_mult``."""
+    o = cfg.optim
+    groups = [{**g, "lr": o.lr * g.get("lr_mult", 1.0)} for g in param_groups]
+    if o.name == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+
+
+def build_engine(model: torch.nn.Module, param_groups: list[dict[str, Any]], cfg: Config, world_size: int):
+    """``deepspeed.initialize`` over an already-initialised process group (Ray's, or a test's)."""
+    deepspeed = import_deepspeed()
+    optimizer = build_optimizer(param_groups, cfg)
+    ds_config = deepspeed_config(cfg, world_size)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, dist_init_required=False)
+    return engine, ds_config

@@ -1,0 +1,73 @@
+"""The training objective: classifier loss × w₁ + instance loss × w₂, both over the global batch.
+
+Both parts sum every worker's contribution into each worker's local embeddings (the sharded
+classifier and the gathered instance loss route gradients back to their owners), while
+DeepSpeed then *averages* backbone gradients over the W data-parallel workers. Scaling the
+embeddings' gradient by W on the way into the losses makes the backbone gradient after that
+averaging equal the single-process gradient of the global batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dmltrain.config import Config
+
+
+class Objective(nn.Module):
+    """Owns the model-parallel classifier and the gathered instance loss of a run.
+
+    ``forward(embeddings, labels, step) -> loss``: local embeddings and global class ids in,
+    the global objective out (the same value on every worker). ``stats`` holds the parts and
+    their statistics after each call, prefixed ``classifier/`` and ``instance/``.
+    """
+
+    def __init__(self, cfg: Config, num_classes: int, dim: int, world_size: int, classifier_dropout: float = 0.0, group=None):
+        super().__init__()
+        from dmltrain.distributed import GatheredInstanceLoss, ShardedClassifier
+        from dmltrain.losses import build_loss
+
+        self.world_size = world_size
+        self.classifier_dropout = classifier_dropout
+        self.classifier = None
+        self.instance = None
+        c, i = cfg.loss.classifier, cfg.loss.instance
+        self.w_classifier = c.weight if c is not None else 0.0
+        self.w_instance = i.weight if i is not None else 0.0
+        if c is not None:
+            self.classifier = ShardedClassifier(
+                num_classes, dim, c.kind, sample_ratio=c.sample_ratio, group=group, seed=cfg.train.seed,
+                logits_budget_mb=c.logits_budget_mb, **c.params,
+            )
+        if i is not None:
+            self.instance = GatheredInstanceLoss(build_loss(i.kind, **i.params), group=group, mode=i.mode)
+        self.stats: dict[str, float] = {}
+
+    def forward(self, embeddings: Tensor, labels: Tensor, step: int) -> Tensor:
+        # The losses run in fp32 whatever the engine's precision (bf16 logits at T = 0.05 lose the ranking).
+        emb = embeddings.float()
+        if self.world_size > 1:
+            from dmltrain.distributed import grad_scale
+
+            emb = grad_scale(emb, float(self.world_size))
+        total = emb.new_zeros(())
+        stats: dict[str, float] = {}
+        if self.classifier is not None:
+            x = F.dropout(emb, self.classifier_dropout, self.training) if self.classifier_dropout else emb
+            loss = self.classifier(x, labels, step=step)
+            total = total + self.w_classifier * loss
+            stats["classifier/loss"] = float(loss.detach())
+            stats.update({f"classifier/{k}": float(v) for k, v in self.classifier.stats.items()})
+        if self.instance is not None:
+            loss = self.instance(emb, labels)
+            total = total + self.w_instance * loss
+            stats["instance/loss"] = float(loss.detach())
+            stats.update({f"instance/{k}": float(v) for k, v in self.instance.stats.items()})
+        stats["loss"] = float(total.detach())
+        self.stats = stats
+        return total
+
+    def classifier_parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.classifier.parameters()) if self.classifier is not None else []

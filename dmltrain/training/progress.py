@@ -1,0 +1,106 @@
+"""Live progress of a training on the driver.
+
+Rank 0 posts small dicts (epoch, step, loss, images/s, ...) to a ``ProgressBoard`` actor;
+the driver polls it from a thread and draws one status line. An actor rather than a file
+because rank 0 and the driver may sit on different machines of a cluster.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+class ProgressBoard:
+    def __init__(self) -> None:
+        self._latest: dict[str, Any] = {}
+        self._summary: dict[str, Any] = {}
+
+    def update(self, info: dict[str, Any]) -> None:
+        self._latest = {**self._latest, **info}
+
+    def set_summary(self, summary: dict[str, Any]) -> None:
+        self._summary = summary
+
+    def get(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return self._latest, self._summary
+
+
+def post(board_name: str | None, info: dict[str, Any], summary: bool = False) -> None:
+    """Fire-and-forget update from a worker; silently absent boards are fine (e.g. under Tune)."""
+    if not board_name:
+        return
+    try:
+        board = ray.get_actor(board_name)
+    except ValueError:
+        return
+    (board.set_summary if summary else board.update).remote(info)
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def format_line(info: dict[str, Any]) -> str:
+    if not info:
+        return "starting workers..."
+    parts = [f"epoch {info.get('epoch', 0) + 1}/{info.get('epochs', '?')}", f"step {info.get('step', 0)}/{info.get('total_steps', '?')}"]
+    if "phase" in info:
+        parts.append(info["phase"])
+    if "loss" in info:
+        parts.append(f"loss {info['loss']:.4f}")
+    if "images_per_s" in info:
+        parts.append(f"{info['images_per_s']:.0f} img/s")
+    if info.get("eta_s") is not None:
+        parts.append(f"ETA {_fmt_time(info['eta_s'])}")
+    if "last_eval" in info:
+        parts.append(info["last_eval"])
+    return " | ".join(parts)
+
+
+class ProgressPrinter:
+    """Polls a board and prints: a rewritten line on a terminal, a line every ``interval`` s otherwise."""
+
+    def __init__(self, board, interval: float = 1.0, log_interval: float = 15.0, stream=sys.stderr):
+        self.board, self.interval, self.log_interval, self.stream = board, interval, log_interval, stream
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._tty = hasattr(stream, "isatty") and stream.isatty()
+        self._last_line = ""
+
+    def __enter__(self) -> ProgressPrinter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self._tty and self._last_line:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _run(self) -> None:
+        last_print = 0.0
+        while not self._stop.wait(self.interval):
+            try:
+                info, _ = ray.get(self.board.get.remote(), timeout=5)
+            except Exception:  # noqa: BLE001 — the board may be restarting; the next poll will tell
+                continue
+            line = format_line(info)
+            now = time.monotonic()
+            if self._tty:
+                self.stream.write("\r\033[K" + line)
+                self.stream.flush()
+                self._last_line = line
+            elif line != self._last_line and now - last_print >= self.log_interval:
+                self.stream.write(line + "\n")
+                self.stream.flush()
+                self._last_line, last_print = line, now

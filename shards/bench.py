@@ -1,0 +1,134 @@
+"""``dmltrain bench input``: shard streaming vs torchvision ImageFolder + DataLoader, images/s per loader process.
+
+The first ``--images`` images of a split are extracted twice into a temporary folder: as an
+ImageFolder tree (one file per image, bytes as stored) and as shards holding the same bytes.
+Both pipelines then run the same train augmentation (RandomResizedCrop to ``--image-size``
++ horizontal flip + ImageNet normalization) with the same batch size and the same number of
+loader processes, after one untimed pass that warms the page cache. Each is timed
+``--repeat`` times, alternating, and the best run counts. The shard stream is measured with
+and without JPEG draft-mode decoding. The last line is the ratio shards / ImageFolder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from dmltrain.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shards", required=True, help="shard directory to take the images from")
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--images", type=int, default=2000, help="images to stream (default 2000)")
+    parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
+    parser.add_argument("--image-size", type=int, default=224, help="RandomResizedCrop output (default 224)")
+    parser.add_argument("--loader-workers", type=int, default=1, help="loader processes of each pipeline (default 1: per-process figures)")
+    parser.add_argument("--repeat", type=int, default=2, help="timed runs of each pipeline; the best counts (default 2)")
+
+
+def _extract(shard_dir: str, split: str, n: int, tmp: Path) -> tuple[Path, Path, int, str]:
+    """Write the first ``n`` images of ``split`` as an ImageFolder tree and as shards; return (tree, shards, count, formats)."""
+    from shards.build import build_shards
+    from shards.ingest import ingest_file
+    from shards.layouts import Entry, Layout
+    from shards.manifest import Manifest
+    from shards.stream import GroupReader
+
+    info = Manifest.load(shard_dir).split(split)
+    table = info.group_table()
+    reader = GroupReader(info, table)
+    tree = tmp / "imagefolder"
+    entries, exts = [], set()
+    for g in range(len(table)):
+        for pos in range(int(table.count[g])):
+            if len(entries) >= n:
+                break
+            s = reader.sample(g, pos)
+            if s is None:
+                continue
+            key, ext, data = s
+            path = tree / f"{int(table.label[g]):06d}" / f"{key}.{ext}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            entries.append(Entry(str(path), str(int(table.label[g])), str(path.relative_to(tree))))
+            exts.add(ext)
+    reader.close()
+    if not entries:
+        raise UserError(f"{shard_dir}: split {split!r} has no readable images")
+    layout = Layout("folder", str(tree), {"train": entries})
+    out = tmp / "shards"
+    build_shards(out, layout, load=ingest_file, args={"train": [e.path for e in entries]}, workers=1, progress=False)
+    return tree, out, len(entries), "/".join(sorted(exts))
+
+
+def _time_imagefolder(tree: Path, batch: int, size: int, workers: int) -> tuple[int, float]:
+    import torch
+    from torchvision import datasets, transforms
+
+    from shards.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+    tf = transforms.Compose(
+        [
+            transforms.RandomResizedCrop(size),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
+    dataset = datasets.ImageFolder(str(tree), transform=tf)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True)
+    t0 = time.perf_counter()
+    n = sum(len(labels) for _, labels in loader)
+    return n, time.perf_counter() - t0
+
+
+def _time_shards(shards: Path, batch: int, size: int, workers: int, draft: bool) -> tuple[int, float]:
+    from shards.stream import TrainStream
+
+    ts = TrainStream(shards, rank=0, world_size=1, sampler="random", batch_size=batch, image_size=size, loader_workers=workers, draft=draft)
+    t0 = time.perf_counter()
+    n = sum(len(labels) for _, labels in ts.epoch(0))
+    return n, time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.images < args.batch:
+        raise UserError(f"--images: {args.images} is fewer than one batch (--batch {args.batch})")
+    torch.set_num_threads(1)
+    procs = max(1, args.loader_workers)
+    with tempfile.TemporaryDirectory(prefix="dmltrain-bench-input-") as tmp:
+        tree, shard_dir, n, exts = _extract(args.shards, args.split, args.images, Path(tmp))
+        from PIL import Image
+
+        sample = next(p for p in tree.rglob("*") if p.is_file())
+        with Image.open(sample) as im:
+            w, h = im.size
+        print(
+            f"input bench: {n} {exts} images (e.g. {w}x{h}) from {args.shards} [{args.split}], batch {args.batch}, "
+            f"RandomResizedCrop {args.image_size} + flip, {args.loader_workers} loader process(es) each, best of {args.repeat}"
+        )
+        b, s, w = args.batch, args.image_size, args.loader_workers
+        runs = {
+            "torchvision ImageFolder + DataLoader": lambda: _time_imagefolder(tree, b, s, w),
+            "shards TrainStream, draft decode off": lambda: _time_shards(shard_dir, b, s, w, False),
+            "shards TrainStream": lambda: _time_shards(shard_dir, b, s, w, True),
+        }
+        for fn in runs.values():  # warm the page cache and the imports
+            fn()
+        best = {name: 0.0 for name in runs}
+        for _ in range(max(1, args.repeat)):
+            for name, fn in runs.items():
+                count, seconds = fn()
+                best[name] = max(best[name], count / seconds / procs)
+        for name, rate in best.items():
+            print(f"{name:<38} {rate:9.1f} images/s per loader process")
+        base, ours = best["torchvision ImageFolder + DataLoader"], best["shards TrainStream"]
+        print(f"ratio shards / ImageFolder: {ours / base:.2f}x ({ours:.1f} vs {base:.1f} images/s per loader process)")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0

@@ -1,0 +1,239 @@
+"""Build a shard directory: read a layout, check images in parallel, write grouped shards, then the manifest.
+
+Order inside a split: images grouped by class, classes in a seeded random order (the same
+seed gives the same shards), each class's images in index order. Labels are contiguous over
+the sorted original class ids of the split's label space. Images that cannot be read are
+skipped and listed in the manifest (``strict`` stops at the first one instead).
+
+The manifest is written last and atomically: a directory without ``manifest.json`` is an
+unfinished build, and readers refuse it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import sys
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dmltrain.errors import UserError
+from dmltrain.fileio import atomic_path
+from shards.ingest import ingest_file, load_or_skip
+from shards.layouts import Entry, Layout, class_sort_key, read_layout
+from shards.manifest import FORMAT, MANIFEST_NAME, VERSION, Manifest
+from shards.writer import SplitWriter, make_readable
+
+# below this many images a build runs in-process: a pool costs more than it saves
+POOL_MIN_IMAGES = 512
+
+
+@dataclass
+class SplitResult:
+    images: int = 0
+    classes: int = 0
+    shards: int = 0
+    bytes: int = 0
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class BuildResult:
+    out_dir: Path
+    splits: dict[str, SplitResult]
+    seconds: float
+
+    def summary_lines(self) -> list[str]:
+        lines = []
+        for name, r in self.splits.items():
+            lines.append(
+                f"{name:>8}: {r.images:,} images, {r.classes:,} classes, {r.shards} shard{'s' * (r.shards != 1)}, "
+                f"{r.bytes / 1e6:,.1f} MB, {len(r.skipped)} skipped"
+            )
+        skipped = [s for r in self.splits.values() for s in r.skipped]
+        for s in skipped[:10]:
+            lines.append(f"  skipped {s['path']}: {s['reason']}")
+        if len(skipped) > 10:
+            lines.append(f"  ... and {len(skipped) - 10} more skipped (listed in {self.out_dir / MANIFEST_NAME})")
+        total_images = sum(r.images for r in self.splits.values())
+        total_bytes = sum(r.bytes for r in self.splits.values())
+        lines.append(
+            f"wrote {total_images:,} images in {sum(r.shards for r in self.splits.values())} shards "
+            f"({total_bytes / 1e6:,.1f} MB) to {self.out_dir} in {self.seconds:.1f}s; {len(skipped)} skipped"
+        )
+        return lines
+
+
+def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Atomically write the manifest as indented JSON with number lists on one line (the group table stays short)."""
+    text = json.dumps(manifest, indent=1)
+    text = re.sub(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]", lambda m: "[" + ",".join(x.strip() for x in m.group(1).split(",")) + "]", text)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text + "\n")
+        make_readable(tmp)
+
+
+def prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuse a non-empty directory unless ``overwrite``; then remove the previous build's manifest, shards and temporaries."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir}: exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise UserError(f"{out_dir}: directory is not empty (pass --overwrite to replace the shards in it)")
+        # the manifest goes first: from here on the directory reads as an unfinished build
+        (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        for p in out_dir.iterdir():
+            if p.is_file() and ((p.suffix == ".tar" and "-" in p.stem) or (p.name.startswith(".") and p.name.endswith(".tmp"))):
+                p.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _split_seed(seed: int, split: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(split.encode()), 0x5EED])
+
+
+def build_shards(
+    out_dir: str | os.PathLike[str],
+    layout: Layout,
+    *,
+    load: Callable[[Any], tuple[bytes, str]],
+    args: dict[str, Sequence[Any]],
+    shard_size: int = 2000,
+    seed: int = 0,
+    workers: int | None = None,
+    strict: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    options: dict[str, Any] | None = None,
+) -> BuildResult:
+    """Write every split of ``layout`` to ``out_dir``.
+
+    ``args[split][i]`` is what ``load`` (a picklable function) turns into ``(bytes, extension)``
+    for ``layout.splits[split][i]``; it raises :class:`SkipImage` for an unusable image.
+    """
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir).expanduser()
+    if shard_size < 1:
+        raise UserError(f"--shard-size: must be at least 1, got {shard_size}")
+    prepare_out_dir(out_dir, overwrite)
+    workers = max(1, workers if workers is not None else min(8, os.cpu_count() or 1))
+    total = sum(len(v) for v in layout.splits.values())
+    pool = None
+    if workers > 1 and total >= POOL_MIN_IMAGES:
+        import multiprocessing as mp
+
+        # spawn, not fork: the caller may be a threaded process (Ray, DeepSpeed); the jobs live in
+        # light modules (shards.ingest, shards.synthetic) so the children never import torch
+        pool = mp.get_context("spawn").Pool(workers)
+    t0 = time.perf_counter()
+    splits_json: dict[str, Any] = {}
+    results: dict[str, SplitResult] = {}
+    try:
+        for space in layout.spaces():
+            ids = sorted({e.class_id for s in space for e in layout.splits[s]}, key=class_sort_key)
+            mapping = {c: i for i, c in enumerate(ids)}
+            for split in space:
+                entries = layout.splits[split]
+                bar = tqdm(total=len(entries), desc=split, unit="img", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+                res, sj = _write_split(
+                    out_dir, split, entries, args[split], mapping, load=load, pool=pool, shard_size=shard_size,
+                    rng=_split_seed(seed, split), strict=strict, bar=bar,
+                )
+                sj["label_space"] = list(space)
+                splits_json[split] = sj
+                results[split] = res
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "layout": layout.name,
+        "source": layout.root,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "options": {"shard_size": shard_size, "seed": seed, **(options or {})},
+        "splits": {name: splits_json[name] for name in layout.splits},
+    }
+    write_manifest(out_dir / MANIFEST_NAME, manifest)
+    Manifest.load(out_dir)  # the reader's own check of what was just written
+    return BuildResult(out_dir, {name: results[name] for name in layout.splits}, time.perf_counter() - t0)
+
+
+def _write_split(out_dir, split, entries: list[Entry], args, mapping, *, load, pool, shard_size, rng, strict, bar):
+    by_label: dict[int, list[int]] = {}
+    for i, e in enumerate(entries):
+        by_label.setdefault(mapping[e.class_id], []).append(i)
+    labels = np.array(sorted(by_label), dtype=np.int64)
+    order = labels[rng.permutation(len(labels))] if len(labels) else labels
+    sequence = [i for label in order for i in by_label[int(label)]]
+    job = functools.partial(load_or_skip, load)
+    results = pool.imap(job, (args[i] for i in sequence), chunksize=8) if pool is not None else map(job, (args[i] for i in sequence))
+    res = SplitResult()
+    class_counts = [0] * len(mapping)
+    with bar, SplitWriter(out_dir, split, shard_size) as writer:
+        it = iter(results)
+        for label in order:
+            label = int(label)
+            members = by_label[label]
+            writer.begin_group(label, len(members))
+            for i in members:
+                ok, data, ext_or_reason = next(it)
+                e = entries[i]
+                bar.update(1)
+                if not ok:
+                    if strict:
+                        raise UserError(f"{e.path}: {ext_or_reason} (--strict stops at the first bad image)")
+                    res.skipped.append({"path": e.relpath, "reason": ext_or_reason})
+                    continue
+                writer.write(label, data, ext_or_reason, {"class_id": e.class_id, "path": e.relpath})
+                class_counts[label] += 1
+    res.images = writer.num_samples
+    res.classes = sum(1 for c in class_counts if c)
+    res.shards = len(writer.shards)
+    res.bytes = sum(s.bytes for s in writer.shards)
+    sj = {
+        "num_images": res.images,
+        "num_classes": res.classes,
+        "num_labels": len(mapping),
+        "classes": mapping,
+        "class_counts": class_counts,
+        "skipped": res.skipped,
+        "shards": [s.to_json() for s in writer.shards],
+    }
+    return res, sj
+
+
+def build_layout(
+    layout_name: str,
+    root: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    shard_size: int = 2000,
+    resize: int | None = None,
+    seed: int = 0,
+    workers: int | None = None,
+    strict: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> BuildResult:
+    """``dmltrain shards build --layout NAME --root ROOT --out DIR``: shards from an official layout or a folder tree."""
+    if resize is not None and resize < 8:
+        raise UserError(f"--resize: must be at least 8 pixels, got {resize}")
+    layout = read_layout(layout_name, root)
+    load = functools.partial(ingest_file, resize=resize)
+    args = {s: [e.path for e in entries] for s, entries in layout.splits.items()}
+    return build_shards(
+        out_dir, layout, load=load, args=args, shard_size=shard_size, seed=seed, workers=workers,
+        strict=strict, overwrite=overwrite, progress=progress, options={"resize": resize},
+    )

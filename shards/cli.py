@@ -1,0 +1,107 @@
+"""``dmltrain shards build|inspect``: write WebDataset shards from a dataset layout; summarize and verify them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dmltrain.errors import UserError
+
+LAYOUT_CHOICES = ("sop", "cub", "cars", "inshop", "folder", "synthetic")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    b = sub.add_parser(
+        "build",
+        help="write shards and manifest.json from a dataset layout",
+        description="Write WebDataset shards (train-000000.tar, test-..., In-Shop query-/gallery-) and manifest.json. "
+        "Images are grouped by class, classes in a seeded random order; unreadable images are skipped and listed.",
+    )
+    b.add_argument("--layout", required=True, choices=LAYOUT_CHOICES, help="dataset layout of --root (synthetic: generated)")
+    b.add_argument("--root", help="dataset root (the folder holding the index files); not for synthetic")
+    b.add_argument("--out", required=True, help="output directory for the shards and manifest.json")
+    b.add_argument("--shard-size", type=int, default=2000, help="samples per shard (default 2000)")
+    b.add_argument(
+        "--resize", type=int, default=None, metavar="S", help="re-encode as JPEG with the shorter side at most S (default: store bytes as they are)"
+    )
+    b.add_argument("--strict", action="store_true", help="stop at the first unreadable image instead of skipping it")
+    b.add_argument("--overwrite", action="store_true", help="replace the shards of a non-empty --out")
+    b.add_argument("--workers", type=int, default=None, help="image-checking processes (default: CPU count, at most 8)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the class order (and of the synthetic images)")
+    b.add_argument("--classes", type=int, help="synthetic: train classes (as many disjoint test classes)")
+    b.add_argument("--per-class", type=int, help="synthetic: images per class")
+    b.add_argument("--image-size", type=int, default=64, help="synthetic: image side in pixels (default 64)")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    i = sub.add_parser(
+        "inspect",
+        help="print a shard directory's summary and verify checksums",
+        description="Print the manifest summary and verify every shard's SHA-256; exits 1 naming the first bad shard.",
+    )
+    i.add_argument("dir", help="shard directory (holding manifest.json)")
+    i.add_argument("--no-verify", action="store_true", help="only print the summary")
+    i.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _build(args: argparse.Namespace) -> int:
+    if args.layout == "synthetic":
+        if args.root:
+            raise UserError("--root: not used with --layout synthetic (the images are generated)")
+        if args.resize is not None:
+            raise UserError("--resize: not used with --layout synthetic (use --image-size)")
+        missing = [n for n, v in (("--classes", args.classes), ("--per-class", args.per_class)) if v is None]
+        if missing:
+            raise UserError(f"{' and '.join(missing)}: required with --layout synthetic")
+        from shards.synthetic import build_synthetic_shards
+
+        result = build_synthetic_shards(
+            args.out, args.classes, args.per_class, args.image_size, args.seed, shard_size=args.shard_size,
+            overwrite=args.overwrite, workers=args.workers, progress=not args.quiet,
+        )
+    else:
+        if not args.root:
+            raise UserError(f"--root: required with --layout {args.layout}")
+        extra = [n for n, v in (("--classes", args.classes), ("--per-class", args.per_class)) if v is not None]
+        if extra:
+            raise UserError(f"{', '.join(extra)}: only for --layout synthetic")
+        from shards.build import build_layout
+
+        result = build_layout(
+            args.layout, args.root, args.out, shard_size=args.shard_size, resize=args.resize, seed=args.seed,
+            workers=args.workers, strict=args.strict, overwrite=args.overwrite, progress=not args.quiet,
+        )
+    print("\n".join(result.summary_lines()))
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from shards.manifest import Manifest
+
+    m = Manifest.load(args.dir)
+    summary = m.summary()
+    if args.json:
+        import json
+
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"{m.root}: layout {summary['layout']}, source {summary['source']}, built {summary['created']}")
+        for name, s in summary["splits"].items():
+            shared = f" (labels shared with {', '.join(x for x in s['label_space'] if x != name)})" if len(s["label_space"]) > 1 else ""
+            print(
+                f"{name:>8}: {s['images']:,} images, {s['classes']:,} classes{shared}, {s['shards']} shards, "
+                f"{s['bytes'] / 1e6:,.1f} MB, {s['skipped']} skipped at build"
+            )
+    if args.no_verify:
+        return 0
+    problems = m.verify(progress=sys.stderr.isatty())
+    if problems:
+        for p in problems:
+            print(f"BAD {p}", file=sys.stderr)
+        raise UserError(f"{problems[0]}" + (f" (and {len(problems) - 1} more bad shards)" if len(problems) > 1 else ""), exit_code=1)
+    n = sum(s["shards"] for s in summary["splits"].values())
+    print(f"checksums: all {n} shards match")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return _build(args) if args.action == "build" else _inspect(args)

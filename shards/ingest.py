@@ -1,0 +1,117 @@
+"""Load one source image for a shard: its bytes as stored, checked to decode, or re-encoded on request.
+
+Images are stored byte for byte (any format PIL reads; the shard member's extension names
+the format: ``jpg``, ``png``, ``bmp``...). Grayscale, palette, CMYK, 16-bit and RGBA images
+are converted to RGB (:func:`to_rgb`) at decode time, not at build time, so the stored
+bytes stay the source's.
+Only ``resize`` re-encodes: RGB, shorter side scaled down to ``resize`` (never up), JPEG
+quality 95.
+
+Every image is fully decoded once during the build so a truncated or corrupt file is caught
+there (JPEGs at 1/8 scale through PIL's draft mode, which still reads the whole entropy
+stream and so still sees a truncation).
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+# PIL format name -> shard member extension; anything else uses the lower-cased format name
+EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "TIFF": "tiff", "WEBP": "webp", "BMP": "bmp", "GIF": "gif", "PPM": "ppm"}
+IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "tiff", "tif", "webp", "bmp", "gif", "ppm", "pgm", "pbm", "pnm"})
+RESIZE_QUALITY = 95
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Any PIL mode as 8-bit RGB: alpha composited on white, 16-bit and float grayscale rescaled, the rest converted."""
+    if img.mode == "RGB":
+        return img
+    if img.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    if img.mode.startswith("I") or img.mode == "F":
+        arr = np.asarray(img, dtype=np.float64)
+        top = 1.0 if img.mode == "F" and arr.max(initial=0) <= 1.0 else (255.0 if arr.max(initial=0) <= 255 else 65535.0)
+        return Image.fromarray(np.clip(arr * (255.0 / top), 0, 255).astype(np.uint8), "L").convert("RGB")
+    return img.convert("RGB")
+
+
+class SkipImage(Exception):
+    """An image that cannot go into a shard; the message says why (unreadable, corrupt, not an image)."""
+
+
+def extension_for(fmt: str | None) -> str:
+    if not fmt:
+        raise SkipImage("unknown image format")
+    return EXTENSIONS.get(fmt, fmt.lower())
+
+
+def check_image(data: bytes) -> tuple[str, tuple[int, int]]:
+    """Decode ``data`` completely (cheaply for JPEG); return (member extension, (width, height)) or raise SkipImage."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DecompressionBombWarning, EXIF warnings: not our business here
+            img = Image.open(io.BytesIO(data))
+            fmt, size = img.format, img.size
+            if fmt == "JPEG":
+                img.draft(img.mode, (max(1, size[0] // 8), max(1, size[1] // 8)))
+            img.load()
+            to_rgb(img)  # what every reader will do with it
+    except SkipImage:
+        raise
+    except Image.UnidentifiedImageError:
+        raise SkipImage("not an image PIL can read") from None
+    except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError...) for bad files
+        raise SkipImage(f"corrupt image: {type(e).__name__}: {e}") from None
+    return extension_for(fmt), size
+
+
+def reencode(data: bytes, resize: int) -> bytes:
+    """RGB JPEG (quality 95) with the shorter side scaled down to ``resize`` (kept when already smaller)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            img = Image.open(io.BytesIO(data))
+            w, h = img.size
+            scale = resize / min(w, h)
+            if scale < 1 and img.format == "JPEG":
+                img.draft("RGB", (max(1, round(w * scale)), max(1, round(h * scale))))
+            img = to_rgb(img)
+            if scale < 1:
+                img = img.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BICUBIC, reducing_gap=3.0)
+            out = io.BytesIO()
+            img.save(out, format="JPEG", quality=RESIZE_QUALITY)
+    except Exception as e:
+        raise SkipImage(f"corrupt image: {type(e).__name__}: {e}") from None
+    return out.getvalue()
+
+
+def ingest_file(path: str, resize: int | None = None) -> tuple[bytes, str]:
+    """(bytes to store, member extension) for the image file at ``path``; raises SkipImage when unusable."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise SkipImage(f"unreadable: {e.strerror or e}") from None
+    if not data:
+        raise SkipImage("empty file")
+    ext, _size = check_image(data)
+    if resize is not None:
+        return reencode(data, resize), "jpg"
+    return data, ext
+
+
+def load_or_skip(load: Callable[[Any], tuple[bytes, str]], arg: Any) -> tuple[bool, Any, str]:
+    """``(True, bytes, extension)`` from ``load(arg)``, or ``(False, None, reason)`` when it raises SkipImage."""
+    try:
+        data, ext = load(arg)
+        return True, data, ext
+    except SkipImage as e:
+        return False, None, str(e)

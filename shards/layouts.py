@@ -1,0 +1,210 @@
+"""Readers of the official dataset layouts: each lists (source path, original class id) per split.
+
+A reader only parses index files and lists folders; it never opens an image (the build
+checks images in parallel and skips the unreadable ones). A missing index file, image
+folder or malformed index line raises :class:`~dmltrain.errors.UserError` naming the path
+(and line). Train and test classes are disjoint by construction in the four benchmarks:
+
+==========  ==============================================  ==================================
+layout      index                                           splits
+==========  ==============================================  ==================================
+sop         ``Ebay_train.txt``, ``Ebay_test.txt``           train, test
+cub         ``images.txt`` + ``image_class_labels.txt``     train (classes 1-100), test (101-200)
+cars        ``cars_annos.mat`` (struct ``annotations``)     train (classes 1-98), test (99-196)
+inshop      ``list_eval_partition.txt``                     train, query, gallery
+folder      ``train/<class>/*``, ``test/<class>/*``         train, test
+==========  ==============================================  ==================================
+
+In-Shop's query and gallery share one label space (an item has the same label in both);
+:attr:`Layout.label_spaces` says which splits share their class-id mapping.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dmltrain.errors import UserError
+
+LAYOUTS = ("sop", "cub", "cars", "inshop", "folder", "synthetic")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One source image: where it is, its original class id (a string), and the path recorded in the shard."""
+
+    path: str
+    class_id: str
+    relpath: str
+
+
+@dataclass
+class Layout:
+    """The entries of every split, in the order the index lists them."""
+
+    name: str
+    root: str
+    splits: dict[str, list[Entry]]
+    # groups of splits whose labels come from one mapping over their union (In-Shop query+gallery)
+    label_spaces: list[list[str]] = field(default_factory=list)
+
+    def spaces(self) -> list[list[str]]:
+        """Every split in exactly one label space (singletons for the splits not grouped)."""
+        grouped = {s for space in self.label_spaces for s in space}
+        return [list(space) for space in self.label_spaces] + [[s] for s in self.splits if s not in grouped]
+
+
+def class_sort_key(class_id: str) -> tuple[int, int, str]:
+    """Numeric ids sort as numbers (``2 < 10``), any others as strings after them; stable and total."""
+    return (0, int(class_id), "") if class_id.isdigit() else (1, 0, class_id)
+
+
+def _need_file(path: Path, what: str) -> Path:
+    if not path.is_file():
+        raise UserError(f"{path}: {what} not found")
+    return path
+
+
+def _need_dir(path: Path, what: str) -> Path:
+    if not path.is_dir():
+        raise UserError(f"{path}: {what} not found")
+    return path
+
+
+def _rows(path: Path, n_fields: int, skip: int = 0) -> list[tuple[int, list[str]]]:
+    """(line number, fields) of the non-blank lines after ``skip``; a short line names the file and line."""
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if lineno <= skip or not line.strip():
+                continue
+            parts = line.split()
+            if len(parts) < n_fields:
+                raise UserError(f"{path}:{lineno}: expected {n_fields} fields, got {line.strip()!r}")
+            out.append((lineno, parts))
+    return out
+
+
+def read_sop(root: Path) -> Layout:
+    """Stanford Online Products: ``Ebay_{train,test}.txt`` with header ``image_id class_id super_class_id path``."""
+    splits = {}
+    for split in ("train", "test"):
+        index = _need_file(root / f"Ebay_{split}.txt", "SOP index file")
+        rows = _rows(index, 4)
+        if rows and not rows[0][1][0].isdigit():  # the header line
+            rows = rows[1:]
+        entries = []
+        for lineno, (image_id, class_id, _super, rel, *_rest) in rows:
+            if not class_id.isdigit():
+                raise UserError(f"{index}:{lineno}: class_id {class_id!r} is not an integer")
+            entries.append(Entry(str(root / rel), class_id, rel))
+        splits[split] = entries
+    return Layout("sop", str(root), splits)
+
+
+def read_cub(root: Path) -> Layout:
+    """CUB-200-2011: ``images.txt`` (id, path under ``images/``) and ``image_class_labels.txt``; classes 1-100 train."""
+    images = _need_file(root / "images.txt", "CUB index file")
+    labels_file = _need_file(root / "image_class_labels.txt", "CUB index file")
+    image_dir = _need_dir(root / "images", "CUB image directory")
+    labels = {}
+    for lineno, (image_id, class_id, *_rest) in _rows(labels_file, 2):
+        if not class_id.isdigit():
+            raise UserError(f"{labels_file}:{lineno}: class {class_id!r} is not an integer")
+        labels[image_id] = class_id
+    splits: dict[str, list[Entry]] = {"train": [], "test": []}
+    for lineno, (image_id, rel, *_rest) in _rows(images, 2):
+        if image_id not in labels:
+            raise UserError(f"{labels_file}: no class for image id {image_id} ({images}:{lineno})")
+        class_id = labels[image_id]
+        split = "train" if int(class_id) <= 100 else "test"
+        splits[split].append(Entry(str(image_dir / rel), class_id, f"images/{rel}"))
+    return Layout("cub", str(root), splits)
+
+
+def read_cars(root: Path) -> Layout:
+    """Cars196: ``cars_annos.mat``, struct array ``annotations`` with ``relative_im_path`` and ``class``; 1-98 train."""
+    import numpy as np
+    import scipy.io
+
+    mat_path = _need_file(root / "cars_annos.mat", "Cars annotation file")
+    try:
+        mat = scipy.io.loadmat(str(mat_path), squeeze_me=True, struct_as_record=True)
+        annos = np.atleast_1d(mat["annotations"])
+        rels = [str(r) for r in annos["relative_im_path"]]
+        classes = [int(c) for c in annos["class"]]
+    except (KeyError, ValueError, TypeError, IndexError, OSError) as e:
+        need = "struct 'annotations' with 'relative_im_path' and 'class'"
+        raise UserError(f"{mat_path}: not a Cars196 annotation file (need {need}): {e}") from None
+    if rels:
+        _need_dir(root / Path(rels[0]).parent, "Cars image directory")
+    splits: dict[str, list[Entry]] = {"train": [], "test": []}
+    for rel, c in zip(rels, classes):
+        splits["train" if c <= 98 else "test"].append(Entry(str(root / rel), str(c), rel))
+    return Layout("cars", str(root), splits)
+
+
+def read_inshop(root: Path) -> Layout:
+    """DeepFashion In-Shop: ``list_eval_partition.txt`` (count line, header, then ``path item_id status``).
+
+    The index may sit at the root or under ``Eval/``; image paths (``img/...``) resolve against
+    the root or ``Img/``. Query and gallery share one label space.
+    """
+    index = next((p for p in (root / "list_eval_partition.txt", root / "Eval" / "list_eval_partition.txt") if p.is_file()), None)
+    if index is None:
+        raise UserError(f"{root / 'list_eval_partition.txt'}: In-Shop partition file not found (also looked in Eval/)")
+    rows = _rows(index, 1)
+    if len(rows) < 2 or not rows[0][1][0].isdigit():
+        raise UserError(f"{index}: expected a count line and a header line first")
+    declared = int(rows[0][1][0])
+    body = rows[2:]
+    if declared != len(body):
+        raise UserError(f"{index}: the first line declares {declared} images but {len(body)} are listed")
+    base = root
+    if body:
+        first = body[0][1][0]
+        if not (root / first).exists() and (root / "Img" / first).exists():
+            base = root / "Img"
+        _need_dir(base / Path(first).parts[0], "In-Shop image directory")
+    splits: dict[str, list[Entry]] = {"train": [], "query": [], "gallery": []}
+    for lineno, parts in body:
+        if len(parts) < 3:
+            raise UserError(f"{index}:{lineno}: expected 'image_name item_id evaluation_status', got {' '.join(parts)!r}")
+        rel, item, status = parts[:3]
+        if status not in splits:
+            raise UserError(f"{index}:{lineno}: evaluation_status {status!r} is not train, query or gallery")
+        splits[status].append(Entry(str(base / rel), item, rel))
+    return Layout("inshop", str(root), splits, label_spaces=[["query", "gallery"]])
+
+
+def read_folder(root: Path) -> Layout:
+    """``root/train/<class>/*`` and ``root/test/<class>/*``: every non-hidden file of a class folder is a candidate
+    image (the build skips what PIL cannot read); files directly under ``train/`` or ``test/`` are ignored."""
+    splits = {}
+    for split in ("train", "test"):
+        split_dir = _need_dir(root / split, "image directory")
+        entries = []
+        for class_dir in sorted((d for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith(".")), key=lambda d: d.name):
+            for dirpath, dirnames, filenames in os.walk(class_dir):
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+                for name in sorted(filenames):
+                    if name.startswith("."):
+                        continue
+                    path = Path(dirpath) / name
+                    entries.append(Entry(str(path), class_dir.name, str(path.relative_to(root))))
+        splits[split] = entries
+    return Layout("folder", str(root), splits)
+
+
+READERS = {"sop": read_sop, "cub": read_cub, "cars": read_cars, "inshop": read_inshop, "folder": read_folder}
+
+
+def read_layout(name: str, root: str | os.PathLike[str]) -> Layout:
+    """Parse the index of layout ``name`` under ``root`` (any of :data:`READERS`)."""
+    if name not in READERS:
+        raise UserError(f"--layout: unknown layout {name!r} (choose from {', '.join(READERS)})")
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise UserError(f"{root}: dataset root not found")
+    return READERS[name](root.resolve())

@@ -1,0 +1,204 @@
+"""``manifest.json``: what a shard directory holds, and the only index the readers use.
+
+Per split: the shard files (samples, bytes, SHA-256, and the class groups each holds as
+``[label, count, byte offset, byte length]``), the number of images and classes, the
+mapping from original class ids to contiguous labels (sorted numerically when the ids are
+integers, else as strings; stable across rebuilds), the images per label, and the source
+images skipped at build time. The group table has one row per class per shard it touches
+(about C rows), never one per image.
+
+Splits that share a label space (In-Shop ``query`` and ``gallery``) carry the same mapping,
+built over their union, so an item has the same label in both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dmltrain.errors import UserError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "dmltrain-shards"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    file: str
+    samples: int
+    bytes: int
+    sha256: str
+    groups: list[list[int]]  # [label, count, offset, length] per class group
+    path: Path  # absolute
+
+
+@dataclass(frozen=True)
+class GroupTable:
+    """The class groups of a split in shard order, as parallel arrays (one row per group)."""
+
+    shard: np.ndarray  # index into SplitInfo.shards
+    label: np.ndarray
+    count: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    start: np.ndarray  # index in the split of the group's first sample
+
+    def __len__(self) -> int:
+        return len(self.label)
+
+
+@dataclass(frozen=True)
+class SplitInfo:
+    name: str
+    num_images: int
+    num_classes: int  # classes present in this split
+    num_labels: int  # size of the label space (labels are 0..num_labels-1)
+    classes: dict[str, int]  # original class id -> label
+    class_counts: list[int]  # images per label in this split (0 for labels only in a sibling split)
+    shards: list[ShardInfo]
+    label_space: list[str]  # the splits sharing this mapping
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    def group_table(self) -> GroupTable:
+        rows = [(i, *g) for i, s in enumerate(self.shards) for g in s.groups]
+        arr = np.asarray(rows, dtype=np.int64).reshape(-1, 5)
+        count = arr[:, 2]
+        return GroupTable(arr[:, 0], arr[:, 1], count, arr[:, 3], arr[:, 4], np.cumsum(count) - count)
+
+    def original_ids(self) -> list[str]:
+        """Original class id of every label (index = label)."""
+        out = [""] * self.num_labels
+        for orig, label in self.classes.items():
+            out[label] = orig
+        return out
+
+
+class Manifest:
+    """A loaded ``manifest.json``; :meth:`load` checks it and names the file in every error."""
+
+    def __init__(self, root: Path, data: dict[str, Any]):
+        self.root = root
+        self.path = root / MANIFEST_NAME
+        self.data = data
+        self._splits: dict[str, SplitInfo] = {}
+        try:
+            for name, s in data["splits"].items():
+                shards = [
+                    ShardInfo(
+                        sh["file"], int(sh["samples"]), int(sh["bytes"]), sh["sha256"], [list(map(int, g)) for g in sh["groups"]], root / sh["file"]
+                    )
+                    for sh in s["shards"]
+                ]
+                info = SplitInfo(
+                    name=name,
+                    num_images=int(s["num_images"]),
+                    num_classes=int(s["num_classes"]),
+                    num_labels=int(s["num_labels"]),
+                    classes={str(k): int(v) for k, v in s["classes"].items()},
+                    class_counts=[int(c) for c in s["class_counts"]],
+                    shards=shards,
+                    label_space=list(s.get("label_space", [name])),
+                    skipped=list(s.get("skipped", [])),
+                )
+                if sum(sh.samples for sh in shards) != info.num_images or sum(g[1] for sh in shards for g in sh.groups) != info.num_images:
+                    raise ValueError(f"splits.{name}: shard sample counts do not add up to num_images {info.num_images}")
+                self._splits[name] = info
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+            raise UserError(f"{self.path}: invalid manifest ({what})") from None
+
+    # -- loading ----------------------------------------------------------------------------
+    @classmethod
+    def load(cls, shard_dir: str | Path) -> Manifest:
+        root = Path(shard_dir).expanduser()
+        path = root / MANIFEST_NAME
+        if not root.is_dir():
+            raise UserError(f"{root}: shard directory not found")
+        if not path.is_file():
+            raise UserError(f"{path}: not found (build shards with `dmltrain shards build`; an interrupted build leaves no manifest)")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"{path}: unreadable manifest ({e})") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise UserError(f"{path}: not a {FORMAT} manifest (format key is {data.get('format') if isinstance(data, dict) else None!r})")
+        if int(data.get("version", 0)) > VERSION:
+            raise UserError(f"{path}: manifest version {data.get('version')} is newer than this dmltrain reads ({VERSION})")
+        return cls(root.resolve(), data)
+
+    # -- queries ----------------------------------------------------------------------------
+    @property
+    def splits(self) -> list[str]:
+        return list(self._splits)
+
+    @property
+    def layout(self) -> str:
+        return str(self.data.get("layout", "?"))
+
+    def split(self, name: str) -> SplitInfo:
+        if name not in self._splits:
+            raise UserError(f"{self.path}: no split {name!r} (it has {', '.join(self._splits) or 'none'})")
+        return self._splits[name]
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-ready digest: layout, source, options, and per split the images, classes, shards, bytes, skipped."""
+        return {
+            "path": str(self.root),
+            "layout": self.data.get("layout"),
+            "source": self.data.get("source"),
+            "created": self.data.get("created"),
+            "options": self.data.get("options", {}),
+            "splits": {
+                name: {
+                    "images": s.num_images,
+                    "classes": s.num_classes,
+                    "labels": s.num_labels,
+                    "label_space": s.label_space,
+                    "shards": len(s.shards),
+                    "bytes": s.bytes,
+                    "skipped": len(s.skipped),
+                }
+                for name, s in self._splits.items()
+            },
+        }
+
+    def verify(self, progress: bool = False) -> list[str]:
+        """Re-hash every shard; one problem line per missing, resized or altered shard (empty: all good)."""
+        shards = [sh for s in self._splits.values() for sh in s.shards]
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(sh.bytes for sh in shards), unit="B", unit_scale=True, desc="verify", leave=False)
+        problems = []
+        for sh in shards:
+            if not sh.path.is_file():
+                problems.append(f"{sh.path}: shard missing")
+                continue
+            size = sh.path.stat().st_size
+            if size != sh.bytes:
+                problems.append(f"{sh.path}: size {size} bytes, manifest says {sh.bytes}")
+                if bar is not None:
+                    bar.update(sh.bytes)
+                continue
+            h = hashlib.sha256()
+            with open(sh.path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+                    if bar is not None:
+                        bar.update(len(chunk))
+            if h.hexdigest() != sh.sha256:
+                problems.append(f"{sh.path}: checksum mismatch (sha256 {h.hexdigest()[:16]}..., manifest {sh.sha256[:16]}...)")
+        if bar is not None:
+            bar.close()
+        return problems

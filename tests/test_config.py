@@ -1,0 +1,127 @@
+"""The typed config: every shipped YAML validates; bad keys, types and combinations are refused in one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dmltrain.config import Config, apply_overrides, load_config
+from dmltrain.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "tune" not in p.parts)
+
+
+def test_configs_exist():
+    names = {str(p.relative_to(ROOT / "configs")) for p in CONFIGS}
+    assert "demo.yaml" in names
+    for method in ("normsoftmax", "ce_ls", "ice", "rll"):
+        for dataset in ("sop", "cub", "cars", "inshop"):
+            assert f"{method}/{dataset}.yaml" in names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_every_config_validates(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    # the resolved YAML is itself a valid config (what `config show` prints can be fed back)
+    again = Config.model_validate(yaml.safe_load(cfg.to_yaml()))
+    assert again == cfg
+
+
+def test_recipes_carry_paper_values():
+    ns = load_config(ROOT / "configs/normsoftmax/cub.yaml")
+    assert (ns.data.P, ns.data.samples_per_class, ns.optim.lr) == (3, 25, 0.001)
+    assert ns.loss.classifier.params["temperature"] == 0.05 and ns.schedule.head_only == 1
+    sop = load_config(ROOT / "configs/normsoftmax/sop.yaml")
+    assert (sop.data.P, sop.data.samples_per_class, sop.optim.lr, sop.eval.ks) == (15, 5, 0.01, [1, 10, 100, 1000])
+    ice = load_config(ROOT / "configs/ice/sop.yaml")
+    assert (ice.data.P, ice.data.samples_per_class, ice.train.max_steps, ice.loss.classifier) == (90, 2, 20000, None)
+    rll = load_config(ROOT / "configs/rll/cub.yaml")
+    assert (rll.data.P, rll.optim.lr, rll.loss.instance.params["alpha"]) == (60, 1e-3, 1.2)
+    ce = load_config(ROOT / "configs/ce_ls/inshop.yaml")
+    assert ce.data.sampler == "random" and ce.optim.momentum == 0.99 and ce.data.eval_splits == ["query", "gallery"]
+
+
+def test_overrides_apply_with_yaml_values():
+    cfg = load_config(ROOT / "configs/demo.yaml", ["optim.lr=0.5", "loss.instance.kind=ranked_list", "eval.ks=[1,4]",
+                                                   "loss.instance.params={}"])
+    assert cfg.optim.lr == 0.5 and cfg.loss.instance.kind == "ranked_list" and cfg.eval.ks == [1, 4]
+    cfg = load_config(None, ["loss.instance.kind=ice", "loss.classifier=null"])
+    assert cfg.loss.classifier is None and cfg.loss.instance.kind == "ice"
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["optim.lrr=1"], "optim.lrr"),
+        (["optim.lr=fast"], "optim.lr"),
+        (["data.batch_size=63"], "data.batch_size"),  # not P×K with K=4
+        (["data.classes_per_batch=10"], "data.classes_per_batch"),
+        (["cluster.num_workers=3"], "data.classes_per_batch"),  # P=16 over 3 workers
+        (["data.samples_per_class=1", "data.batch_size=16"], "data.samples_per_class"),  # K < 2 with ICE
+        (["loss.classifier.sample_ratio=0"], "loss.classifier.sample_ratio"),
+        (["loss.classifier.sample_ratio=1.5"], "loss.classifier.sample_ratio"),
+        (["loss.instance.kind=nope"], "loss.instance.kind"),
+        (["loss.instance.params.alpha=1"], "loss.instance.params.alpha"),  # ICE has no alpha
+        (["loss.classifier.kind=ice"], "loss.classifier.kind"),
+        (["loss.classifier=null", "loss.instance=null"], "loss"),
+        (["model.embedding_dim=8"], "model.embedding_dim"),
+        (["data.sampler=random"], "data.sampler"),  # instance loss without positives
+        (["optim.lr.x=1"], "optim.lr"),
+    ],
+)
+def test_bad_configs_name_the_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs/demo.yaml", overrides)
+    msg = str(err.value)
+    assert "\n" not in msg and key in msg, msg
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim: {lr: [1,\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: invalid YAML at line"):
+        load_config(bad)
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("extends: loop.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(loop)
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        apply_overrides({}, ["optim.lr"])
+
+
+def test_extends_merges_in_order(tmp_path):
+    (tmp_path / "a.yaml").write_text("optim: {lr: 0.1, momentum: 0.5}\ndata: {batch_size: 32}\n")
+    (tmp_path / "b.yaml").write_text("optim: {lr: 0.2}\n")
+    (tmp_path / "c.yaml").write_text("extends: [a.yaml, b.yaml]\noptim: {momentum: 0.7}\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert (cfg.optim.lr, cfg.optim.momentum, cfg.data.batch_size) == (0.2, 0.7, 32)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "dmltrain", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_cli_config_show():
+    ok = _cli("config", "show", "configs/demo.yaml", "optim.lr=0.5")
+    assert ok.returncode == 0, ok.stderr
+    assert yaml.safe_load(ok.stdout)["optim"]["lr"] == 0.5
+    bad = _cli("config", "show", "configs/demo.yaml", "optim.lrr=1")
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and "optim.lrr" in lines[0] and "Traceback" not in bad.stderr
+
+
+def test_cli_every_command_has_help():
+    from dmltrain.cli import COMMANDS
+
+    for name in COMMANDS:
+        out = _cli(name, "--help")
+        assert out.returncode == 0 and "usage: dmltrain " + name in out.stdout, (name, out.stderr[-500:])

@@ -1,0 +1,362 @@
+"""Single-process checks of the distributed core: partition, class draw, row-sparse optimizers,
+gradient-buffer bookkeeping, checkpoints by class and argument errors.
+
+The multi-worker equalities live in test_distributed_multiproc.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed_reference import dense_classifier_loss, rel_err
+from dmltrain.distributed import (
+    ClassPartition,
+    GatheredInstanceLoss,
+    RowSparseAdamW,
+    RowSparseSGD,
+    ShardedClassifier,
+    grad_scale,
+    make_classifier_optimizer,
+    sample_rows,
+)
+from dmltrain.distributed.class_sampling import target_count
+from dmltrain.errors import ConfigError
+from dmltrain.losses.base import AnchorTerms, InstanceLoss
+
+
+# -- partition ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("C,W", [(23, 4), (8, 8), (3, 5), (1, 1), (100, 7)])
+def test_partition_covers_every_class_once(C, W):
+    p = ClassPartition(C, W)
+    bounds = p.bounds()
+    assert bounds[0][0] == 0 and bounds[-1][1] == C
+    assert all(bounds[r][1] == bounds[r + 1][0] for r in range(W - 1))
+    sizes = [e - s for s, e in bounds]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == C
+    owner = p.owner(torch.arange(C))
+    for r, (s, e) in enumerate(bounds):
+        assert (owner[s:e] == r).all()
+
+
+# -- the class draw ----------------------------------------------------------------------------------
+def test_class_draw_rules():
+    n, ratio = 1000, 0.1
+    pos = torch.tensor([3, 17, 999, 500])
+    rows = sample_rows(n, pos, ratio, seed=1, step=5, shard=2)
+    assert rows.numel() == target_count(n, ratio) == 100
+    assert torch.isin(pos, rows).all(), "every batch class must be drawn"
+    assert torch.equal(rows, torch.unique(rows)), "sorted, without duplicates"
+    assert torch.equal(rows, sample_rows(n, pos, ratio, seed=1, step=5, shard=2)), "reproducible from (seed, step, shard)"
+    assert not torch.equal(rows, sample_rows(n, pos, ratio, seed=1, step=6, shard=2)), "differs across steps"
+    assert not torch.equal(rows, sample_rows(n, pos, ratio, seed=1, step=5, shard=3)), "differs across shards"
+    assert not torch.equal(rows, sample_rows(n, pos, ratio, seed=2, step=5, shard=2)), "differs across seeds"
+    # more positives than the ratio allows: exactly the positives
+    many = torch.arange(0, 1000, 5)
+    assert torch.equal(sample_rows(n, many, ratio, 0, 0, 0), many)
+    # ratio 1 draws everything
+    assert torch.equal(sample_rows(50, torch.tensor([1]), 1.0, 0, 0, 0), torch.arange(50))
+
+
+def test_class_draw_is_uniform_over_the_other_classes():
+    n, ratio, steps = 200, 0.1, 2000
+    pos = torch.tensor([0, 1, 2, 3, 4])
+    counts = torch.zeros(n)
+    for step in range(steps):
+        counts[sample_rows(n, pos, ratio, seed=0, step=step, shard=0)] += 1
+    assert (counts[pos] == steps).all()
+    others = counts[5:] / steps
+    expected = (target_count(n, ratio) - 5) / (n - 5)
+    # binomial sd ≈ sqrt(p(1-p)/steps) ≈ 0.0047; allow 5 sd per class
+    assert (others - expected).abs().max() < 0.024, (others.min(), others.max(), expected)
+
+
+# -- row-sparse optimizers -----------------------------------------------------------------------------
+def _grads(shape, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for _ in range(steps)]
+
+
+@pytest.mark.parametrize(
+    "ours,theirs",
+    [
+        (lambda p: RowSparseSGD([p], lr=0.1, momentum=0.9, weight_decay=1e-2), lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=1e-2)),
+        (
+            lambda p: RowSparseSGD([p], lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2),
+            lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2),
+        ),
+        (lambda p: RowSparseSGD([p], lr=0.1, weight_decay=1e-2), lambda p: torch.optim.SGD([p], lr=0.1, weight_decay=1e-2)),
+        (
+            lambda p: RowSparseAdamW([p], lr=0.01, betas=(0.8, 0.99), weight_decay=0.1),
+            lambda p: torch.optim.AdamW([p], lr=0.01, betas=(0.8, 0.99), weight_decay=0.1),
+        ),
+    ],
+)
+def test_dense_optimizers_match_torch(ours, theirs):
+    w0 = torch.randn(7, 5)
+    a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    oa, ob = ours(a), theirs(b)
+    for g in _grads(w0.shape, 4):
+        a.grad, b.grad = g.clone(), g.clone()
+        oa.step()
+        ob.step()
+    assert rel_err(a.detach(), b.detach()) < 1e-6
+
+
+class _FixedRows:
+    """A row source reporting given rows (what the classifier does after a subsampled backward)."""
+
+    def __init__(self) -> None:
+        self.rows = None
+
+    def grad_rows(self):
+        return self.rows
+
+    def grad_cleared(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_sparse_rows_update_like_a_dense_optimizer_on_their_own_steps(name):
+    """A row active at steps {0, 2} of 3 ends exactly as torch's optimizer fed only those steps."""
+    make = {
+        "sgd": lambda ps, rows: RowSparseSGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-2, rows=rows),
+        "adamw": lambda ps, rows: RowSparseAdamW(ps, lr=0.01, weight_decay=0.1, rows=rows),
+    }[name]
+    torch_make = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-2),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+    }[name]
+    w0 = torch.randn(6, 4)
+    p = torch.nn.Parameter(w0.clone())
+    src = _FixedRows()
+    opt = make([p], src)
+    active = [torch.tensor([0, 2, 5]), torch.tensor([1, 2]), torch.tensor([0, 1, 5])]
+    grads = _grads(w0.shape, 3, seed=1)
+    for rows, g in zip(active, grads):
+        before = p.detach().clone()
+        state_before = {k: v.clone() for k, v in opt.state[p].items()}
+        src.rows = rows
+        p.grad = g.clone()
+        opt.step()
+        idle = torch.ones(6, dtype=torch.bool)
+        idle[rows] = False
+        assert torch.equal(p.detach()[idle], before[idle]), "rows without gradient must not move"
+        for k, v in opt.state[p].items():
+            assert torch.equal(v[idle], state_before[k][idle]), f"state {k} of idle rows must not change"
+    for r in range(6):
+        q = torch.nn.Parameter(w0[r : r + 1].clone())
+        ref = torch_make([q])
+        for rows, g in zip(active, grads):
+            if r in rows.tolist():
+                q.grad = g[r : r + 1].clone()
+                ref.step()
+        assert rel_err(p.detach()[r], q.detach()[0]) < 1e-6, f"row {r}"
+    if name == "adamw":
+        assert opt.state[p]["step"].tolist() == [2, 2, 2, 0, 0, 2]
+
+
+# -- the classifier in one process ---------------------------------------------------------------------
+def _batch(C=50, D=12, B=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, D, generator=g), torch.randint(0, C, (B,), generator=g)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_subsampled_steps_leave_undrawn_rows_and_state_untouched(name):
+    C, D = 300, 12
+    clf = ShardedClassifier(C, D, "cosface", sample_ratio=0.1, seed=3, scale=16.0, margin=0.2)
+    opt = make_classifier_optimizer(clf, name, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    seen = []
+    for step in range(4):
+        x, y = _batch(C, D, seed=step)
+        w_before = clf.weight.detach().clone()
+        s_before = {k: v.clone() for k, v in opt.state[clf.weight].items()}
+        loss = clf(x, y, step=step)
+        loss.backward()
+        rows = clf.active_rows
+        seen.append(rows)
+        assert rows.numel() == max(target_count(C, 0.1), torch.unique(y).numel())
+        assert torch.isin(y, rows).all()
+        idle = torch.ones(C, dtype=torch.bool)
+        idle[rows] = False
+        # the reused gradient buffer holds exactly this step's gradient
+        assert (clf.weight.grad[idle] == 0).all()
+        wr = w_before.double().requires_grad_(True)
+        dense_classifier_loss(x.double(), y, wr, None, "cosface", clf.params, rows).backward()
+        assert rel_err(clf.weight.grad, wr.grad) < 1e-5
+        assert clf.stats["active_rows"] == rows.numel() == clf.stats["active_classes"]
+        opt.step()
+        opt.zero_grad()
+        assert torch.equal(clf.weight.detach()[idle], w_before[idle])
+        for k, v in opt.state[clf.weight].items():
+            assert torch.equal(v[idle], s_before[k][idle])
+        assert (clf.weight.detach()[rows] != w_before[rows]).any(dim=1).all()
+    assert not torch.equal(seen[0], seen[1])
+
+
+def test_gradient_accumulates_without_zero_grad():
+    C, D = 40, 6
+    for ratio in (1.0, 0.3):
+        clf = ShardedClassifier(C, D, "normsoftmax", sample_ratio=ratio, temperature=0.1)
+        (x1, y1), (x2, y2) = _batch(C, D, seed=1), _batch(C, D, seed=2)
+        clf(x1, y1, step=0).backward()
+        r1 = clf.active_rows
+        clf(x2, y2, step=1).backward()
+        r2 = clf.active_rows
+        w = clf.weight.detach().double().requires_grad_(True)
+        ref = dense_classifier_loss(x1.double(), y1, w, None, "normsoftmax", clf.params, None if ratio == 1 else r1)
+        ref = ref + dense_classifier_loss(x2.double(), y2, w, None, "normsoftmax", clf.params, None if ratio == 1 else r2)
+        ref.backward()
+        assert rel_err(clf.weight.grad, w.grad) < 1e-5
+        expected_rows = None if ratio == 1 else torch.unique(torch.cat([r1, r2]))
+        got = clf.grad_rows()
+        assert (got is None) if expected_rows is None else torch.equal(got, expected_rows)
+
+
+def test_dense_and_subsampled_calls_alternate_on_the_reused_buffer():
+    C, D = 60, 6
+    clf = ShardedClassifier(C, D, "normsoftmax", temperature=0.1)
+    for step, ratio in enumerate([1.0, 0.2, 0.2, 1.0, 0.2]):
+        clf.sample_ratio = ratio
+        x, y = _batch(C, D, seed=step)
+        clf(x, y, step=step).backward()
+        rows = None if ratio == 1 else clf.active_rows
+        w = clf.weight.detach().double().requires_grad_(True)
+        dense_classifier_loss(x.double(), y, w, None, "normsoftmax", clf.params, rows).backward()
+        assert rel_err(clf.weight.grad, w.grad) < 1e-5, f"step {step}"
+        clf.zero_grad()
+
+
+def test_bf16_embeddings_keep_fp32_math():
+    C, D = 30, 8
+    clf = ShardedClassifier(C, D, "arcface", scale=16.0, margin=0.3)
+    x, y = _batch(C, D)
+    xb = x.bfloat16().requires_grad_(True)
+    loss = clf(xb, y)
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert xb.grad.dtype == torch.bfloat16
+    ref = dense_classifier_loss(xb.detach().double(), y, clf.weight.detach().double(), None, "arcface", clf.params)
+    assert rel_err(float(loss.detach()), float(ref)) < 1e-5
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the classifier opts out of autocast
+        again = clf(xb, y)
+    assert again.dtype == torch.float32 and rel_err(float(again.detach()), float(ref)) < 1e-5
+
+
+def test_eval_call_without_grad():
+    clf = ShardedClassifier(30, 8, "normsoftmax", logits_budget_mb=1e-3)
+    x, y = _batch(30, 8)
+    with torch.no_grad():
+        loss = clf(x, y)
+    assert torch.isfinite(loss) and clf.weight.grad is None
+    assert {"loss", "accuracy", "target_cos", "target_logit", "active_rows", "active_classes"} <= set(clf.stats)
+
+
+def test_weight_init_does_not_depend_on_world_size():
+    a = ShardedClassifier(70_000, 4, "normsoftmax", seed=3)  # spans two init blocks
+    b = ShardedClassifier(70_000, 4, "normsoftmax", seed=3)
+    assert torch.equal(a.weight, b.weight)
+    std = float(a.weight.detach().std())
+    assert abs(std - 0.5) < 0.01
+    ce = ShardedClassifier(10, 4, "softmax_ce")
+    assert (ce.weight == 0).all() and (ce.bias == 0).all()
+
+
+def test_argument_errors_name_the_culprit():
+    with pytest.raises(ValueError, match="unknown kind 'softmax'"):
+        ShardedClassifier(10, 4, "softmax")
+    with pytest.raises(TypeError, match="margin"):
+        ShardedClassifier(10, 4, "normsoftmax", margin=0.1)
+    with pytest.raises(ValueError, match="sample_ratio"):
+        ShardedClassifier(10, 4, sample_ratio=0.0)
+    clf = ShardedClassifier(10, 4)
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 10\)"):
+        clf(torch.randn(3, 4), torch.tensor([0, 1, 10]))
+    with pytest.raises(ValueError, match="B×4"):
+        clf(torch.randn(3, 5), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="unknown name 'sgdw'"):
+        make_classifier_optimizer(clf, "sgdw")
+
+
+# -- checkpoints by class id (one process; the W=3 → W=2/1 round trip is multi-process) -----------------
+def test_checkpoint_round_trip_and_gaps():
+    C, D = 40, 5
+    clf = ShardedClassifier(C, D, "softmax_ce", sample_ratio=0.5)
+    opt = make_classifier_optimizer(clf, "adamw", lr=0.01, weight_decay=0.1)
+    with torch.no_grad():
+        clf.weight.normal_()
+    x, y = _batch(C, D)
+    clf(x, y, step=0).backward()
+    opt.step()
+    state = clf.state_dict_by_class(opt)
+    other = ShardedClassifier(C, D, "softmax_ce")
+    other_opt = make_classifier_optimizer(other, "adamw", lr=0.5)
+    # two pieces that together cover every class
+    halves = []
+    for s, e in [(0, 17), (17, 40)]:
+        piece = dict(state, class_start=s, class_end=e, weight=state["weight"][s:e], bias=state["bias"][s:e])
+        piece["optimizer"] = dict(state["optimizer"], rows={n: {k: v[s:e] for k, v in r.items()} for n, r in state["optimizer"]["rows"].items()})
+        halves.append(piece)
+    other.load_state_dict_by_class(halves, other_opt)
+    assert torch.equal(other.full_weight(), clf.full_weight()) and torch.equal(other.full_bias(), clf.full_bias())
+    for p, q in [(clf.weight, other.weight), (clf.bias, other.bias)]:
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, other_opt.state[q][k])
+    assert other_opt.param_groups[0]["lr"] == 0.01
+    with pytest.raises(ValueError, match="missing"):
+        other.load_state_dict_by_class(halves[:1], other_opt)
+    with pytest.raises(ValueError, match="dim"):
+        ShardedClassifier(C, D + 1, "softmax_ce").load_state_dict_by_class(state)
+    with pytest.raises(ValueError, match="RowSparseAdamW"):
+        other.load_state_dict_by_class(state, make_classifier_optimizer(other, "sgd"))
+
+
+def test_load_full_weight_checks_shape():
+    clf = ShardedClassifier(10, 4)
+    w = torch.randn(10, 4)
+    clf.load_full_weight(w)
+    assert torch.equal(clf.full_weight(), w)
+    with pytest.raises(ValueError, match="10×4"):
+        clf.load_full_weight(torch.randn(9, 4))
+
+
+# -- collectives and the instance-loss wrapper alone -------------------------------------------------------
+def test_grad_scale_is_identity_forward_and_scales_backward():
+    x = torch.randn(4, 3, requires_grad=True)
+    y = grad_scale(x, 3.0)
+    assert torch.equal(y, x)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))
+
+
+class _PairSum(InstanceLoss):
+    """A toy instance loss: mean over (anchor, positive) pairs of their squared distance."""
+
+    def anchor_terms(self, anchors, anchor_labels, refs, ref_labels, anchor_index):
+        pos = anchor_labels[:, None] == ref_labels[None, :]
+        pos[torch.arange(anchors.shape[0]), anchor_index] = False
+        d = torch.cdist(anchors, refs) ** 2
+        return AnchorTerms(total=(d * pos).sum(), count=pos.sum(), means={"d": ((d * pos).sum().detach(), pos.sum())})
+
+
+class _Global(_PairSum):
+    decomposes = False
+
+
+def test_gathered_loss_in_one_process_is_the_loss():
+    x, y = torch.randn(8, 3), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    for mode in ("local_anchors", "full"):
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        wrapper = GatheredInstanceLoss(_PairSum(), mode=mode)
+        got = wrapper(xa, y)
+        want = _PairSum()(xb, y)
+        got.backward()
+        want.backward()
+        assert rel_err(float(got.detach()), float(want.detach())) < 1e-6
+        assert rel_err(xa.grad, xb.grad) < 1e-6
+        assert abs(wrapper.stats["d"] - float(want.detach())) < 1e-5
+    with pytest.raises(ConfigError, match="mode=full"):
+        GatheredInstanceLoss(_Global(), mode="local_anchors")
+    with pytest.raises(ValueError, match="mode"):
+        GatheredInstanceLoss(_PairSum(), mode="everything")

@@ -1,0 +1,223 @@
+"""``dmltrain report`` over an MLflow store written here with the names training runs use.
+
+The expectations (which params differ, final and best values, which runs are compared) are
+computed in the test from the values it logged, not read back through the report's code.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import re
+from pathlib import Path
+
+import pytest
+
+from dmltrain.cli import main
+from dmltrain.errors import UserError
+
+UI = "http://ui.test:5000"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+BASE = {"model.backbone": "small_cnn", "optim.lr": "0.01", "loss.classifier.sample_ratio": "1.0", "data.batch_size": "64"}
+RUNS = {
+    # name: (parent?, params, loss curve, (step, recall@1) evaluations, initial recall@1)
+    "trial-a": ("tune", {**BASE}, [4.0, 3.0, 2.5, 2.2, 2.0], [(2, 0.40), (4, 0.55)], 0.10),
+    "trial-b": ("tune", {**BASE, "optim.lr": "0.1"}, [4.0, 3.5, 3.4, 3.6, 3.9], [(2, 0.30), (4, 0.25)], 0.10),
+    "solo": (None, {**BASE, "loss.classifier.sample_ratio": "0.5", "loss.instance.kind": "ice"}, [5.0, 4.0, 3.0, 2.0, 1.5],
+             [(2, 0.45), (4, 0.50)], 0.12),
+}
+EXPECTED_DIFF = sorted(k for k in {k for _, p, *_ in RUNS.values() for k in p}
+                       if len({RUNS[n][1].get(k) for n in RUNS}) > 1)
+
+
+def _png(path: Path, color: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1, 1), dpi=20)
+    ax.plot([0, 1], [0, 1], color=color)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param
+
+    tmp = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{tmp}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp_id = client.create_experiment("dml-exp", artifact_location=(tmp / "artifacts").as_uri())
+    client.create_experiment("empty-exp")
+    parent = client.create_run(exp_id, run_name="tune-parent", tags={"dmltrain.run_name": "tune-parent"}, start_time=1_000)
+    ids = {"tune-parent": parent.info.run_id}
+    plots = tmp / "plots-src"
+    plots.mkdir()
+    for i, (name, (par, params, loss, evals, initial)) in enumerate(RUNS.items()):
+        tags = {"dmltrain.run_name": name, "dmltrain.storage_dir": f"/shared/runs/{name}"}
+        if par:
+            tags["mlflow.parentRunId"] = parent.info.run_id
+        run = client.create_run(exp_id, run_name=name, tags=tags, start_time=10_000 * (i + 1))
+        rid = ids[name] = run.info.run_id
+        metrics = [Metric("loss", v, 0, s) for s, v in enumerate(loss)]
+        metrics += [Metric("eval/recall_at_1", v, 0, s) for s, v in evals]
+        metrics += [Metric("eval/recall_at_2", min(1.0, v + 0.1), 0, s) for s, v in evals]
+        metrics += [Metric("eval/map_at_r", v / 2, 0, s) for s, v in evals]
+        metrics += [Metric("eval/binary/recall_at_1", v - 0.05, 0, s) for s, v in evals]
+        metrics += [Metric("eval/binary/recall_at_2", v, 0, s) for s, v in evals]  # in the CSV only
+        metrics += [Metric("eval/num_queries", 160.0, 0, s) for s, _ in evals]  # bookkeeping, not a metric
+        metrics += [Metric("initial/recall_at_1", initial, 0, 0), Metric("images_per_s", 1000.0 + i, 0, 4),
+                    Metric("system/cpu_utilization_percentage", 50.0, 0, 4), Metric("lr", 0.01, 0, 4)]
+        client.log_batch(rid, metrics=metrics, params=[Param(k, v) for k, v in {**params, "train.run_name": name}.items()])
+        if name != "solo":  # solo logged no plots
+            for step in (2, 4):
+                client.log_artifact(rid, str(_png(plots / f"recall_at_k-step{step:07d}.png", "red")), "plots")
+            client.log_artifact(rid, str(_png(plots / "embeddings-step0000004.png", "blue")), "plots")
+        client.set_terminated(rid, "FINISHED", end_time=10_000 * (i + 1) + 95_000)
+    client.set_terminated(parent.info.run_id, "FINISHED")
+    return {"uri": uri, "exp_id": exp_id, "ids": ids, "tmp": tmp}
+
+
+def md_table(text: str, heading: str) -> tuple[list[str], list[list[str]]]:
+    block = text.split(f"## {heading}\n", 1)[1].strip().split("\n\n")
+    table = next(b for b in block if b.startswith("|"))
+    rows = [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in table.splitlines()]
+    return rows[0], rows[2:]
+
+
+@pytest.fixture(scope="module")
+def full_report(store, tmp_path_factory):
+    from dmltrain.report import build_report
+
+    out = tmp_path_factory.mktemp("report")
+    return build_report("dml-exp", out=out, tracking_uri=store["uri"], ui_url=UI, progress=False), out
+
+
+def test_children_replace_their_parent_in_start_order(full_report):
+    rep, _ = full_report
+    assert [r.name for r in rep.records] == ["trial-a", "trial-b", "solo"]
+
+
+def test_runs_table_shows_exactly_the_params_that_differ(full_report, store):
+    rep, out = full_report
+    head, rows = md_table(rep.markdown.read_text(), "Runs")
+    assert head == ["run", "status", "started", "duration", *EXPECTED_DIFF]
+    assert EXPECTED_DIFF == ["loss.classifier.sample_ratio", "loss.instance.kind", "optim.lr"]
+    for row, name in zip(rows, ["trial-a", "trial-b", "solo"]):
+        assert row[0] == f"[{name}]({UI}/#/experiments/{store['exp_id']}/runs/{store['ids'][name]})"
+        assert row[1] == "FINISHED" and row[3] == "1m35s"
+        assert row[4:] == [RUNS[name][1].get(k, "—") for k in EXPECTED_DIFF]
+
+
+def test_final_metrics_best_values_and_best_step(full_report):
+    rep, _ = full_report
+    head, rows = md_table(rep.markdown.read_text(), "Final metrics")
+    assert head == ["run", "eval/recall@1", "eval/recall@2", "eval/map@r", "eval/binary/recall@1", "initial/recall@1",
+                    "loss", "images_per_s", "best recall@1 (step)"]
+    by_name = {r[0].split("]")[0][1:]: r for r in rows}
+    finals = {n: RUNS[n][3][-1][1] for n in RUNS}
+    winner = max(finals, key=finals.get)
+    for name, row in by_name.items():
+        _, _, loss, evals, initial = RUNS[name]
+        r1 = f"{evals[-1][1]:.4f}"
+        assert row[1] == (f"**{r1}**" if name == winner else r1)
+        assert row[5] == (f"**{initial:.4f}**" if initial == max(r[4] for r in RUNS.values()) else f"{initial:.4f}")
+        assert row[6].strip("*") == f"{loss[-1]:.4f}" and row[6].startswith("**") == (loss[-1] == min(r[2][-1] for r in RUNS.values()))
+        best_step, best = max(evals, key=lambda sv: sv[1])
+        assert row[-1] == f"{best:.4f} ({best_step})"  # trial-b: best 0.30 at step 2, final 0.25
+    md = rep.markdown.read_text()
+    assert "system/" not in md and "| lr |" not in md and "num_queries" not in md and "binary/recall@2" not in md
+    assert by_name["solo"][7] == "**1,002.0**"
+
+
+def test_overlaid_curves(full_report):
+    from dmltrain.report import curves
+
+    rep, out = full_report
+    loss = curves(rep.records, "loss")
+    recall = curves(rep.records, "recall")
+    for name, (_, _, ls, evals, initial) in RUNS.items():
+        assert loss[name] == (list(range(len(ls))), ls)
+        assert recall[name] == ([0] + [s for s, _ in evals], [initial] + [v for _, v in evals])
+    for key in ("loss", "recall_at_1"):
+        assert rep.figures[key] == out / f"{key}.png" and rep.figures[key].read_bytes().startswith(PNG)
+
+
+def test_html_is_self_contained_and_links_to_mlflow(full_report, store):
+    rep, out = full_report
+    page = rep.html.read_text()
+    srcs = re.findall(r'<img[^>]*src="([^"]+)"', page)
+    assert len(srcs) == 2 + 2 * 2  # two overlays; two plot kinds for each of the two runs with plots
+    for src in srcs:
+        assert src.startswith("data:image/png;base64,") and base64.b64decode(src.split(",", 1)[1]).startswith(PNG)
+    for name in RUNS:
+        assert f'href="{UI}/#/experiments/{store["exp_id"]}/runs/{store["ids"][name]}"' in page
+    assert store["ids"]["tune-parent"] not in page.split("compare-runs")[0]  # the parent is not a compared row
+    compare = re.search(r'href="([^"]*compare-runs[^"]*)"', page).group(1)
+    assert all(store["ids"][n] in compare for n in RUNS)
+    for href in re.findall(r'href="(runs/[^"]+)"', page):  # earlier plots: linked files that exist
+        assert (out / href).is_file()
+    assert "<td" in page and "/shared/runs/trial-a" in page
+
+
+def test_each_runs_plots_are_copied_and_the_latest_shown(full_report):
+    rep, out = full_report
+    md = rep.markdown.read_text()
+    for name in ("trial-a", "trial-b"):
+        files = sorted(p.name for p in (out / "runs" / name / "plots").iterdir())
+        assert files == ["embeddings-step0000004.png", "recall_at_k-step0000002.png", "recall_at_k-step0000004.png"]
+        assert f"![recall_at_k](runs/{name}/plots/recall_at_k-step0000004.png)" in md
+        assert f"[recall_at_k-step0000002](runs/{name}/plots/recall_at_k-step0000002.png)" in md
+    assert not (out / "runs" / "solo").exists() and "No plots logged." in md
+    with open(rep.csv) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["run"] for r in rows] == ["trial-a", "trial-b", "solo"]
+    assert float(rows[1]["eval/recall@1"]) == RUNS["trial-b"][3][-1][1] and rows[2]["loss.instance.kind"] == "ice"
+    assert float(rows[0]["eval/binary/recall@2"]) == RUNS["trial-a"][3][-1][1] and "eval/num_queries" not in rows[0]
+
+
+def test_choosing_runs_by_parent_name_and_id(store, tmp_path, capsys):
+    args = ["report", "--experiment", "dml-exp", "--tracking-uri", store["uri"], "--no-progress", "--ui-url", UI]
+    assert main([*args, "--runs", "tune-parent", "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "trial-a" in out and "trial-b" in out and "solo" not in out and "report of 2 runs" in out
+    assert main([*args, "--runs", f"solo,{store['ids']['trial-a']}", "--out", str(tmp_path / "b")]) == 0
+    _, rows = md_table((tmp_path / "b" / "report.md").read_text(), "Runs")
+    assert [r[0].split("]")[0][1:] for r in rows] == ["solo", "trial-a"]
+    assert md_table((tmp_path / "b" / "report.md").read_text(), "Runs")[0][4:] == ["loss.classifier.sample_ratio", "loss.instance.kind"]
+
+
+def test_unknown_input_is_one_line_and_nonzero(store, tmp_path, monkeypatch, capsys):
+    base = ["report", "--tracking-uri", store["uri"], "--no-progress", "--out", str(tmp_path / "x")]
+    assert main([*base, "--experiment", "nope"]) == 1
+    assert main([*base, "--experiment", "empty-exp"]) == 1
+    assert main([*base, "--experiment", "dml-exp", "--runs", "no-such-run"]) == 1
+    assert main(["report", "--experiment", "dml-exp", "--tracking-uri", f"sqlite:///{tmp_path}/missing.db"]) == 2
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(["report", "--experiment", "dml-exp"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 5 and all(line.startswith("dmltrain: error: ") for line in err)
+    assert "--experiment nope: no such experiment" in err[0] and "dml-exp" in err[0]
+    assert "no runs to compare" in err[1] and "--runs no-such-run" in err[2] and "mlflow.db" in err[4]
+    assert not (tmp_path / "missing.db").exists()  # nothing created on the way
+
+
+def test_single_run_report(store, tmp_path):
+    from dmltrain.report import build_report
+
+    rep = build_report("dml-exp", ["solo"], tmp_path, store["uri"], UI, progress=False)
+    md = rep.markdown.read_text()
+    assert "One run: no params to compare." in md and md_table(md, "Runs")[0] == ["run", "status", "started", "duration"]
+    assert "**" not in md_table(md, "Final metrics")[1][0][1]  # nothing to be best against
+    with pytest.raises(UserError, match="--max-runs"):
+        from argparse import Namespace
+
+        from dmltrain.report import run
+
+        run(Namespace(runs=None, max_runs=0))

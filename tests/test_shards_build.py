@@ -1,0 +1,270 @@
+"""`dmltrain shards build|inspect` on tiny fixtures in every official layout, plus synthetic."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import random
+import json
+import tarfile
+
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from dataset_fixtures import MAKERS, make_sop, write_truncated_jpeg
+from dmltrain.cli import main
+from dmltrain.errors import UserError
+from shards.layouts import class_sort_key
+from shards.manifest import Manifest
+
+SPLITS = {
+    "sop": ("train", "test"),
+    "cub": ("train", "test"),
+    "cars": ("train", "test"),
+    "inshop": ("train", "query", "gallery"),
+    "folder": ("train", "test"),
+}
+
+
+def cli(*argv: str) -> int:
+    return main(["shards", *argv])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Every layout's fixture and its shard directory (small shards so classes spread over several)."""
+    base = tmp_path_factory.mktemp("layouts")
+    out = {}
+    for name, make in MAKERS.items():
+        fx = make(base / "src" / name)
+        dest = base / "shards" / name
+        assert cli("build", "--layout", name, "--root", str(fx.root), "--out", str(dest), "--shard-size", "5", "--quiet", "--workers", "1") == 0
+        out[name] = (fx, dest)
+    dest = base / "shards" / "synthetic"
+    synthetic = ("--classes", "6", "--per-class", "4", "--image-size", "24")
+    assert cli("build", "--layout", "synthetic", *synthetic, "--out", str(dest), "--shard-size", "7", "--quiet") == 0
+    out["synthetic"] = (None, dest)
+    return out
+
+
+@pytest.mark.parametrize("layout", list(SPLITS))
+def test_counts_mapping_and_skips(built, layout):
+    fx, dest = built[layout]
+    m = Manifest.load(dest)
+    assert m.splits == list(SPLITS[layout]) and m.layout == layout
+    for split in SPLITS[layout]:
+        info = m.split(split)
+        expected = fx.classes[split]
+        assert info.num_images == fx.images(split)
+        assert info.num_classes == len(expected)
+        space = sorted({c for s in info.label_space for c in fx.classes[s]}, key=class_sort_key)
+        assert list(info.classes) == space, "labels follow the sorted original ids"
+        assert info.classes == {c: i for i, c in enumerate(space)}
+        assert {c: info.class_counts[info.classes[c]] for c in expected} == expected
+        assert sum(sh.samples for sh in info.shards) == info.num_images
+        assert all(sh.samples <= 5 for sh in info.shards)
+    skipped = sorted(s["path"] for split in SPLITS[layout] for s in m.split(split).skipped)
+    assert skipped == sorted(fx.broken)
+
+
+def test_numeric_ids_sort_as_numbers(built):
+    info = Manifest.load(built["cub"][1]).split("train")
+    assert info.classes == {"1": 0, "2": 1, "100": 2}
+    info = Manifest.load(built["cars"][1]).split("test")
+    assert info.classes == {"99": 0, "150": 1, "196": 2}
+
+
+@pytest.mark.parametrize("layout", [*SPLITS, "synthetic"])
+def test_train_and_test_classes_are_disjoint(built, layout):
+    m = Manifest.load(built[layout][1])
+    train = set(m.split("train").classes)
+    evals = [s for s in m.splits if s != "train"]
+    for s in evals:
+        assert not train & set(k for k, v in m.split(s).classes.items() if m.split(s).class_counts[v])
+    if layout == "inshop":
+        q, g = m.split("query"), m.split("gallery")
+        assert q.classes == g.classes and q.label_space == g.label_space == ["query", "gallery"]
+        assert q.num_labels == 5 and q.num_classes == 4 and g.num_classes == 5  # item 9 is gallery-only
+
+
+@pytest.mark.parametrize("layout", ["sop", "inshop", "folder", "synthetic"])
+def test_shards_hold_what_the_manifest_says(built, layout):
+    """Read back with a plain wds.WebDataset: keys, labels, ids, paths, source bytes, group byte ranges, checksums."""
+    fx, dest = built[layout]
+    m = Manifest.load(dest)
+    for split in m.splits:
+        info = m.split(split)
+        urls = [str(sh.path) for sh in info.shards]
+        samples = list(wds.WebDataset(urls, shardshuffle=False, empty_check=False, nodesplitter=None))
+        assert [int(s["__key__"]) for s in samples] == list(range(info.num_images))
+        labels = []
+        for s in samples:
+            meta = json.loads(s["json"])
+            assert int(s["cls"]) == meta["label"] == info.classes[meta["class_id"]]
+            assert meta["index"] == int(s["__key__"])
+            image = next(s[k] for k in ("jpg", "png", "bmp") if k in s)
+            if fx is not None:
+                assert image == (fx.root / meta["path"]).read_bytes(), "image bytes are stored as they are"
+            labels.append(meta["label"])
+        # classes are contiguous runs (grouped), and the group table says where each run is
+        table = info.group_table()
+        assert np.repeat(table.label, table.count).tolist() == labels
+        for sh in info.shards:
+            raw = sh.path.read_bytes()
+            assert hashlib.sha256(raw).hexdigest() == sh.sha256 and len(raw) == sh.bytes
+            for label, count, offset, length in sh.groups:
+                with tarfile.open(fileobj=io.BytesIO(raw[offset : offset + length]), mode="r|") as tf:
+                    names = [t.name for t in tf]
+                assert len(names) == 3 * count and all(int(n.split(".")[0]) in range(info.num_images) for n in names)
+
+
+def test_folder_images_decode_to_rgb(built):
+    from shards.transforms import EvalTransform, TrainTransform
+
+    _, dest = built["folder"]
+    info = Manifest.load(dest).split("train")
+    modes = set()
+    for sh in info.shards:
+        for s in wds.WebDataset([str(sh.path)], shardshuffle=False, empty_check=False, nodesplitter=None):
+            key = next(k for k in ("jpg", "png", "bmp") if k in s)
+            modes.add(Image.open(io.BytesIO(s[key])).mode)
+            rng = random.Random(0)
+            assert TrainTransform(16)(s[key], rng).shape == (16, 16, 3)
+            assert EvalTransform(18, 16)(s[key]).shape == (16, 16, 3)
+    assert {"L", "RGBA", "RGB"} <= modes, "grayscale and RGBA are stored as they are and converted at decode time"
+
+
+def test_inspect_verifies_checksums(built, tmp_path, capsys):
+    import shutil
+
+    _, dest = built["sop"]
+    assert cli("inspect", str(dest)) == 0
+    out = capsys.readouterr().out
+    n = sum(len(Manifest.load(dest).split(s).shards) for s in ("train", "test"))
+    assert "train: 16 images, 5 classes" in out and f"all {n} shards match" in out
+    copy = tmp_path / "copy"
+    shutil.copytree(dest, copy)
+    victim = Manifest.load(copy).split("test").shards[1].path
+    raw = bytearray(victim.read_bytes())
+    raw[700] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    assert cli("inspect", str(copy)) == 1
+    err = capsys.readouterr().err
+    assert err.count("dmltrain: error:") == 1 and victim.name in err and "checksum mismatch" in err
+    victim.unlink()
+    assert cli("inspect", str(copy)) == 1
+    assert "shard missing" in capsys.readouterr().err
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dmltrain: error: "), err
+    return err[0]
+
+
+def test_bad_input_is_one_line(built, tmp_path, capsys):
+    fx, _ = built["sop"]
+    broken_root = tmp_path / "sop"
+    make_sop(broken_root)
+    (broken_root / "Ebay_test.txt").unlink()
+    assert cli("build", "--layout", "sop", "--root", str(broken_root), "--out", str(tmp_path / "o1"), "--quiet") == 2
+    assert str(broken_root / "Ebay_test.txt") in _error_line(capsys)
+    cub = tmp_path / "cub"
+    MAKERS["cub"](cub)
+    import shutil
+
+    shutil.rmtree(cub / "images")
+    assert cli("build", "--layout", "cub", "--root", str(cub), "--out", str(tmp_path / "o2"), "--quiet") == 2
+    assert str(cub / "images") in _error_line(capsys)
+    assert cli("build", "--layout", "folder", "--root", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o3"), "--quiet") == 2
+    assert "nowhere" in _error_line(capsys)
+    assert cli("build", "--layout", "synthetic", "--per-class", "3", "--out", str(tmp_path / "o4"), "--quiet") == 2
+    assert "--classes" in _error_line(capsys)
+    # --strict stops at the truncated JPEG and names it; nothing that looks like a manifest remains
+    assert cli("build", "--layout", "sop", "--root", str(fx.root), "--out", str(tmp_path / "o5"), "--strict", "--quiet") == 2
+    assert "000002_broken.JPG" in _error_line(capsys)
+    assert not (tmp_path / "o5" / "manifest.json").exists()
+    with pytest.raises(UserError, match="manifest.json: not found"):
+        Manifest.load(tmp_path / "o5")
+
+
+def test_existing_output_refused_unless_overwrite(built, tmp_path, capsys):
+    fx, dest = built["cub"]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert cli("build", "--layout", "cub", "--root", str(fx.root), "--out", str(out), "--quiet") == 2
+    assert "--overwrite" in _error_line(capsys)
+    assert cli("build", "--layout", "cub", "--root", str(fx.root), "--out", str(out), "--quiet", "--overwrite", "--shard-size", "100") == 0
+    assert (out / "keep.txt").exists() and sorted(p.name for p in out.glob("*.tar")) == ["test-000000.tar", "train-000000.tar"]
+    # same input and seed: byte-identical shards
+    first = {sh.file: sh.sha256 for s in Manifest.load(out).splits for sh in Manifest.load(out).split(s).shards}
+    assert cli("build", "--layout", "cub", "--root", str(fx.root), "--out", str(out), "--quiet", "--overwrite", "--shard-size", "100") == 0
+    assert first == {sh.file: sh.sha256 for s in Manifest.load(out).splits for sh in Manifest.load(out).split(s).shards}
+
+
+def test_interrupted_build_leaves_no_half_shard(built, tmp_path, monkeypatch):
+    import shards.writer
+
+    fx, _ = built["sop"]
+    real_write = shards.writer.SplitWriter.write
+    calls = {"n": 0}
+
+    def dying_write(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 8:
+            raise KeyboardInterrupt
+        return real_write(self, *a, **kw)
+
+    monkeypatch.setattr(shards.writer.SplitWriter, "write", dying_write)
+    out = tmp_path / "out"
+    assert cli("build", "--layout", "sop", "--root", str(fx.root), "--out", str(out), "--shard-size", "5", "--quiet") == 130
+    names = sorted(p.name for p in out.iterdir())
+    assert names and all(n.startswith("train-") and n.endswith(".tar") for n in names), names  # no temporaries, no manifest
+    for p in out.iterdir():  # every shard that exists is whole: a complete tar with its end-of-archive blocks
+        with tarfile.open(p) as tf:
+            assert len(tf.getmembers()) % 3 == 0
+    with pytest.raises(UserError, match="manifest.json: not found"):
+        Manifest.load(out)
+
+
+def test_resize_reencodes(built, tmp_path):
+    fx, _ = built["cars"]
+    out = tmp_path / "resized"
+    assert cli("build", "--layout", "cars", "--root", str(fx.root), "--out", str(out), "--resize", "16", "--quiet") == 0
+    info = Manifest.load(out).split("train")
+    for s in wds.WebDataset([str(sh.path) for sh in info.shards], shardshuffle=False, empty_check=False, nodesplitter=None):
+        img = Image.open(io.BytesIO(s["jpg"]))
+        assert img.format == "JPEG" and min(img.size) == 16 and img.size == (24, 16)
+
+
+def test_pool_build_matches_in_process(built, tmp_path, monkeypatch):
+    """The parallel path (spawned processes) writes the same bytes as the in-process path."""
+    import shards.build
+
+    fx, dest = built["folder"]
+    monkeypatch.setattr(shards.build, "POOL_MIN_IMAGES", 0)
+    broken = fx.root / "train" / "banana" / "zz_truncated.jpg"
+    out = tmp_path / "pool"
+    write_truncated_jpeg(broken)
+    try:
+        assert cli("build", "--layout", "folder", "--root", str(fx.root), "--out", str(out), "--shard-size", "5", "--workers", "2", "--quiet") == 0
+        monkeypatch.setattr(shards.build, "POOL_MIN_IMAGES", 10**9)
+        assert cli("build", "--layout", "folder", "--root", str(fx.root), "--out", str(tmp_path / "seq"), "--shard-size", "5", "--quiet") == 0
+    finally:
+        broken.unlink()
+    a, b = Manifest.load(out), Manifest.load(tmp_path / "seq")
+    for s in a.splits:
+        assert [sh.sha256 for sh in a.split(s).shards] == [sh.sha256 for sh in b.split(s).shards]
+    assert "train/banana/zz_truncated.jpg" in [x["path"] for x in a.split("train").skipped]
+
+
+def test_synthetic_build(built):
+    m = Manifest.load(built["synthetic"][1])
+    train, test = m.split("train"), m.split("test")
+    assert (train.num_images, train.num_classes, test.num_images, test.num_classes) == (24, 6, 24, 6)
+    assert list(train.classes) == [str(i) for i in range(6)] and list(test.classes) == [str(i) for i in range(6, 12)]
+    assert m.data["options"]["synthetic"] == {"classes": 6, "per_class": 4, "image_size": 24, "seed": 0}
+    assert [sh.samples for sh in train.shards] == [4, 4, 4, 4, 4, 4], "a class never straddles shards when it fits"

@@ -1,0 +1,396 @@
+"""Streaming: P×K and random plans, the batches the loader builds from them, resume, corruption, eval, transforms.
+
+Multi-process checks (gloo, W = 2 and 3) run every rank's epoch in real processes and
+compare what they saw across ranks; the single-process checks compare the stream against
+its plan and against the manifest.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import logging
+import shutil
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dataset_fixtures import class_image
+from multiproc import run_workers
+from shards.build import build_shards
+from shards.layouts import Entry, Layout
+from shards.manifest import Manifest
+from shards.sampler import EpochPlanner, group_pieces, pieces_per_group
+from shards.stream import GroupReader, TrainStream, eval_batches
+
+# class sizes: below K=3 (with replacement), around K, and two classes (12, 13) bigger than a shard (10)
+SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 3, 4, 5, 6, 3, 3, 4, 10, 2, 6, 7, 5, 4]
+K, P = 3, 6  # global P×K = 18 images
+IMG = 16
+
+
+def render(job: tuple[int, int]) -> tuple[bytes, str]:
+    c, i = job
+    buf = io.BytesIO()
+    class_image(c, i, (20, 18)).save(buf, format="JPEG", quality=85)
+    return buf.getvalue(), "jpg"
+
+
+def make_shards(out: Path, sizes=SIZES, shard_size: int = 10, seed: int = 3) -> Path:
+    entries, jobs = [], []
+    for c, n in enumerate(sizes):
+        for i in range(n):
+            entries.append(Entry(f"c{c}/{i}.jpg", str(c), f"c{c}/{i}.jpg"))
+            jobs.append((c, i))
+    layout = Layout("folder", "memory", {"train": entries, "test": entries[:37]})
+    build_shards(out, layout, load=render, args={"train": jobs, "test": jobs[:37]}, shard_size=shard_size, seed=seed, workers=1, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory) -> Path:
+    return make_shards(tmp_path_factory.mktemp("stream") / "shards")
+
+
+def stream(shard_dir, rank=0, world_size=1, **kw) -> TrainStream:
+    args = dict(sampler="pk", batch_size=P * K, samples_per_class=K, seed=11, image_size=IMG, loader_workers=0, shuffle_images=60)
+    args.update(kw)
+    return TrainStream(shard_dir, rank=rank, world_size=world_size, **args)
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Small tensors on a shared 2-core machine: intra-op threads only add contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+# -- the plan ---------------------------------------------------------------------------------
+def test_group_pieces():
+    rng = np.random.default_rng(0)
+    assert pieces_per_group(np.array([1, 2, 4, 5, 7, 8, 25]), 3).tolist() == [1, 1, 1, 2, 2, 3, 8]
+    (piece,) = group_pieces(2, 3, 1, rng)  # fewer than K: all images, topped up with replacement
+    assert len(piece) == 3 and set(piece) == {0, 1}
+    pieces = group_pieces(7, 3, 2, rng)  # 7 -> two disjoint pieces, one image left out
+    assert len(set(pieces[0]) | set(pieces[1])) == 6
+    pieces = group_pieces(8, 3, 3, rng)  # 8 -> three pieces: the last topped up from the others
+    assert len(set(sum(pieces, ()))) == 8 and all(len(set(p)) == 3 for p in pieces)
+    assert sorted(p[0] for p in group_pieces(5, 1, 5, rng)) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_pk_plan_properties(shard_dir, world_size):
+    info = Manifest.load(shard_dir).split("train")
+    table = info.group_table()
+    per = P // world_size
+    planner = EpochPlanner(table, world_size=world_size, k=K, pieces_per_batch=per, seed=5, class_balanced=True, window_batches=3)
+    windows = max(1, planner.batches_per_epoch // 3)
+    total = int(pieces_per_group(table.count, K).sum())
+    assert planner.batches_per_epoch == total // P
+    seen = []
+    for rank in range(world_size):
+        batches = list(planner.batches(0, rank))
+        assert [b for b, _ in batches] == list(range(planner.batches_per_epoch))
+        window_of = [min(b // 3, windows - 1) for b, _ in batches]
+        for (b, pieces) in batches:
+            assert len(pieces) == per and all(len(p.positions) == K for p in pieces)
+            # distinct classes, unless a class has more pieces in the window than the window has batches
+            in_window = Counter(p.label for (c, ps) in batches if window_of[c] == window_of[b] for p in ps)
+            n_batches = window_of.count(window_of[b])
+            for label, n in Counter(p.label for p in pieces).items():
+                assert n == 1 or in_window[label] > n_batches, (b, label, n, in_window[label], n_batches)
+            for p in pieces:
+                assert p.label == table.label[p.group] and all(0 <= q < table.count[p.group] for q in p.positions)
+        seen += [(p.group, q) for _, pieces in batches for p in pieces for q in p.positions]
+    m = pieces_per_group(table.count, K)
+    repeats = Counter(g for (g, q), n in Counter(seen).items() for _ in range(n - 1))
+    for g, n in repeats.items():  # only groups too small for their pieces repeat images (the top-ups)
+        assert n <= m[g] * K - table.count[g], (g, n)
+    covered = len({(g, q) for g, q in seen if table.count[g] >= K}) / int(table.count[table.count >= K].sum())
+    assert covered > 0.8, covered
+    again = [[(p.group, p.positions) for p in ps] for _, ps in planner.batches(0, 0)]
+    assert again == [[(p.group, p.positions) for p in ps] for _, ps in planner.batches(0, 0)]
+    assert again != [[(p.group, p.positions) for p in ps] for _, ps in planner.batches(1, 0)]
+
+
+def test_random_plan_covers_each_image_once(shard_dir):
+    info = Manifest.load(shard_dir).split("train")
+    table = info.group_table()
+    planner = EpochPlanner(table, world_size=3, k=1, pieces_per_batch=5, seed=1, class_balanced=False, window_batches=2)
+    n = int(table.count.sum())
+    assert planner.batches_per_epoch == n // 15
+    seen = [(p.group, p.positions[0]) for r in range(3) for _, ps in planner.batches(2, r) for p in ps]
+    assert len(seen) == len(set(seen)) == planner.batches_per_epoch * 15
+
+
+# -- the stream ----------------------------------------------------------------------------------
+def test_stream_follows_plan_and_manifest(shard_dir):
+    ts = stream(shard_dir)
+    info = Manifest.load(shard_dir).split("train")
+    table = info.group_table()
+    plan = list(ts.plan(0))
+    got = list(ts.epoch(0, with_index=True))
+    assert len(got) == ts.batches_per_epoch == len(plan) and ts.num_classes == len(SIZES)
+    for (images, labels, index), (_, pieces) in zip(got, plan):
+        assert images.shape == (P * K, 3, IMG, IMG) and images.dtype == torch.float32 and labels.dtype == torch.int64
+        assert labels.tolist() == [p.label for p in pieces for _ in p.positions]
+        assert index.tolist() == [int(table.start[p.group]) + q for p in pieces for q in p.positions]
+    # labels agree with what the shards themselves say about those samples (read with plain WebDataset)
+    import webdataset as wds
+
+    cls = {int(x["__key__"]): int(x["cls"]) for x in wds.WebDataset([str(sh.path) for sh in info.shards], shardshuffle=False, empty_check=False, nodesplitter=None)}
+    for _, labels, index in got:
+        assert labels.tolist() == [cls[i] for i in index.tolist()]
+    # normalized ImageNet-style: roughly zero-centred, unit-scale values
+    x = torch.cat([g[0] for g in got])
+    assert -3 < x.mean() < 3 and 0.2 < x.std() < 3
+    assert ts.skipped == 0
+
+
+def test_loader_processes_resume_and_determinism(shard_dir):
+    ts = stream(shard_dir, color_jitter=0.3)
+    ref = list(ts.epoch(1, with_index=True))
+    par = list(stream(shard_dir, color_jitter=0.3, loader_workers=2).epoch(1, with_index=True))
+    assert len(par) == len(ref)
+    for a, b in zip(ref, par):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), "the same batches whatever the number of loader processes"
+    start = 3
+    resumed = list(stream(shard_dir, color_jitter=0.3, loader_workers=2).epoch(1, start_batch=start, with_index=True))
+    assert len(resumed) == len(ref) - start
+    for a, b in zip(ref[start:], resumed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), "resume replays the same images and augmentation"
+    other = list(ts.epoch(2, with_index=True))
+    assert not torch.equal(other[0][2], ref[0][2])
+    # the same images in two epochs get different crops
+    flat = {int(i): img for im, _, ix in ref for img, i in zip(im, ix)}
+    flat2 = {int(i): img for im, _, ix in other for img, i in zip(im, ix)}
+    common = sorted(set(flat) & set(flat2))[:5]
+    assert common and all(not torch.equal(flat[i], flat2[i]) for i in common)
+    ts.position = (1, 0)
+    it = ts.epoch(1, start_batch=0)
+    next(it), next(it)
+    assert ts.state_dict()["epoch"] == 1 and ts.state_dict()["batch"] == 2
+
+
+def test_random_sampler_batches(shard_dir):
+    b = 8
+    streams = [stream(shard_dir, rank=r, world_size=2, sampler="random", batch_size=b) for r in range(2)]
+    assert streams[0].batches_per_epoch == sum(SIZES) // b == streams[1].batches_per_epoch
+    seen = []
+    for ts in streams:
+        for images, labels, index in ts.epoch(0, with_index=True):
+            assert images.shape == (b // 2, 3, IMG, IMG)
+            seen += index.tolist()
+    assert len(seen) == len(set(seen)) == streams[0].batches_per_epoch * b
+
+
+def test_config_errors(shard_dir):
+    from dmltrain.errors import UserError
+
+    with pytest.raises(UserError, match="samples_per_class"):
+        stream(shard_dir, batch_size=10, samples_per_class=3)
+    with pytest.raises(UserError, match="evenly"):
+        stream(shard_dir, world_size=4, batch_size=18)
+    with pytest.raises(UserError, match="fewer than one global batch"):
+        stream(shard_dir, batch_size=3 * 200)
+    with pytest.raises(UserError, match="no split 'val'"):
+        TrainStream(shard_dir, "val", rank=0, world_size=1, batch_size=18)
+
+
+def test_corrupt_members_are_skipped_and_counted(shard_dir, tmp_path, caplog):
+    bad = tmp_path / "bad"
+    shutil.copytree(shard_dir, bad)
+    info = Manifest.load(bad).split("train")
+    # garble the JPEG bytes of one member in place (the tar stays valid) ...
+    victim = info.shards[0]
+    raw = bytearray(victim.path.read_bytes())
+    label, count, offset, length = victim.groups[0]
+    jpg_at = raw.index(b"\xff\xd8\xff", offset)
+    raw[jpg_at + 20 : jpg_at + 400] = b"\x00" * 380
+    raw[jpg_at : jpg_at + 4] = b"JUNK"
+    victim.path.write_bytes(bytes(raw))
+    # ... and cut the last shard short in the middle of a member
+    last = info.shards[-1]
+    raw = last.path.read_bytes()
+    group_at = last.groups[-1][2]
+    with tarfile.open(fileobj=io.BytesIO(raw[group_at:]), mode="r|") as tf:
+        second_sample_at = [t.offset for t in tf][3]  # members: cls, jpg, json per sample
+    assert last.groups[-1][1] >= 2
+    last.path.write_bytes(raw[: group_at + second_sample_at + 700])
+    caplog.set_level(logging.WARNING, logger="shards.stream")
+    for sampler, kw in (("pk", {}), ("random", {"batch_size": 8})):
+        ts = stream(bad, sampler=sampler, **kw)
+        n = 0
+        for images, labels in ts.epoch(0):
+            assert images.shape[0] == ts.local_batch_size and torch.isfinite(images).all()
+            n += 1
+        assert n == ts.batches_per_epoch
+        assert ts.skipped > 0
+    assert any("skipped corrupt shard member" in r.message and victim.file in r.getMessage() for r in caplog.records)
+    assert any(last.file in r.getMessage() for r in caplog.records)
+    # both read paths lose exactly the members past the cut of the truncated shard
+    table = info.group_table()
+    g = len(table) - 1
+    for reader in (GroupReader(info, table), GroupReader(info, table, whole_group_bytes=0)):
+        got = [reader.sample(g, pos) is not None for pos in range(int(table.count[g]))]
+        assert got[0] and not any(got[1:]), got
+
+
+
+def test_large_groups_are_read_member_by_member(shard_dir):
+    """The header walk used for big groups finds exactly what the whole-group read finds."""
+    info = Manifest.load(shard_dir).split("train")
+    table = info.group_table()
+    whole, walked = GroupReader(info, table), GroupReader(info, table, whole_group_bytes=0)
+    for g in range(len(table)):
+        for pos in range(int(table.count[g])):
+            a, b = whole.sample(g, pos), walked.sample(g, pos)
+            assert a is not None and a == b and a[0] == f"{int(table.start[g]) + pos:08d}"
+    assert len(walked._indexes) == len(table) and not whole.notes and not walked.notes
+
+# -- evaluation -----------------------------------------------------------------------------------
+def test_eval_batches_partition_the_split(shard_dir):
+    info = Manifest.load(shard_dir).split("test")
+    table = info.group_table()
+    label_of = np.repeat(table.label, table.count)
+    for world_size, bs, workers in ((1, 8, 0), (2, 5, 2), (3, 4, 0)):
+        all_index, counts = [], []
+        for rank in range(world_size):
+            batches = list(
+                eval_batches(shard_dir, "test", rank=rank, world_size=world_size, batch_size=bs, resize=18, crop=IMG, loader_workers=workers)
+            )
+            counts.append(len(batches))
+            for images, labels, index in batches:
+                assert images.shape[1:] == (3, IMG, IMG) and 0 < len(index) <= bs
+                assert labels.tolist() == label_of[index.numpy()].tolist()
+                all_index += index.tolist()
+        assert sorted(all_index) == list(range(info.num_images)) and len(set(counts)) == 1
+
+
+def test_eval_inshop_shares_labels(tmp_path):
+    from dataset_fixtures import make_inshop
+    from shards.build import build_layout
+
+    fx = make_inshop(tmp_path / "src")
+    build_layout("inshop", fx.root, tmp_path / "out", workers=1, progress=False)
+    m = Manifest.load(tmp_path / "out")
+    by_split = {}
+    for split in ("query", "gallery"):
+        ids = m.split(split).original_ids()
+        batches = eval_batches(tmp_path / "out", split, rank=0, world_size=1, batch_size=4, resize=40, crop=32, loader_workers=0)
+        by_split[split] = Counter(ids[int(lab)] for _, labels, _ in batches for lab in labels)
+    assert by_split["query"] == Counter({f"id_{i:08d}": 2 for i in range(5, 9)})
+    assert by_split["gallery"] == Counter({f"id_{i:08d}": 2 for i in range(5, 10)})
+
+
+# -- transforms ---------------------------------------------------------------------------------
+def test_transforms_match_torchvision():
+    from PIL import Image
+    from torchvision.transforms import CenterCrop, Resize
+    from torchvision.transforms import functional as F
+
+    from shards.transforms import EvalTransform, TrainTransform, random_resized_crop_params
+
+    img = class_image(7, 1, (120, 90))
+    png, jpg = io.BytesIO(), io.BytesIO()
+    img.save(png, format="PNG")
+    img.save(jpg, format="JPEG", quality=95)
+    t = TrainTransform(32, (0.3, 1.0), flip=False, draft=False)
+    ours = t(png.getvalue(), random.Random(4))
+    top, left, h, w = random_resized_crop_params(120, 90, (0.3, 1.0), (3 / 4, 4 / 3), random.Random(4))
+    ref = np.asarray(F.resized_crop(img, top, left, h, w, [32, 32], F.InterpolationMode.BILINEAR))
+    # identical inside; the outermost pixels differ a little because a box resize filters with the
+    # real neighbours outside the crop where crop-then-resize repeats the crop's edge
+    assert np.array_equal(ours[2:-2, 2:-2], ref[2:-2, 2:-2]) and np.abs(ours.astype(int) - ref).mean() < 0.5
+    ev = EvalTransform(64, 56, draft=False)(png.getvalue())
+    ref = np.asarray(CenterCrop(56)(Resize(64)(img))).astype(float)
+    assert np.abs(ev.astype(float) - ref).mean() < 4
+    # draft decoding of a JPEG stays close to the full decode
+    big = io.BytesIO()
+    class_image(9, 2, (480, 400)).resize((480, 400), Image.BILINEAR).save(big, format="JPEG", quality=95)
+    full = EvalTransform(64, 56, draft=False)(big.getvalue()).astype(float)
+    fast = EvalTransform(64, 56, draft=True)(big.getvalue()).astype(float)
+    assert np.abs(full - fast).mean() < 4
+    for _ in range(20):  # torchvision's fallback and ranges
+        top, left, h, w = random_resized_crop_params(50, 10, (0.08, 1.0), (3 / 4, 4 / 3), random.Random(_))
+        assert 0 <= top and top + h <= 10 and 0 <= left and left + w <= 50
+
+
+# -- several real processes ------------------------------------------------------------------------
+def _one_world(rank: int, world_size: int, shard_dir: str, group) -> dict:
+    import torch.distributed as dist
+
+    out = {}
+    ts = stream(shard_dir, rank=rank, world_size=world_size)  # no loader processes: run_workers makes daemons
+    assert ts.local_batch_size == (P // world_size) * K
+    batches = []
+    for images, labels, index in ts.epoch(0, with_index=True):
+        # a collective every step: a rank that ran short would hang here
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, (labels.tolist(), index.tolist()), group=group)
+        batches.append((labels.tolist(), index.tolist(), float(images.double().sum())))
+    out["epoch0"] = batches
+    out["epoch0_again"] = [(l.tolist(), i.tolist(), float(im.double().sum())) for im, l, i in ts.epoch(0, with_index=True)]
+    resumed = stream(shard_dir, rank=rank, world_size=world_size).epoch(0, start_batch=2, with_index=True)
+    out["resume"] = [(l.tolist(), i.tolist(), float(im.double().sum())) for im, l, i in resumed]
+    out["epoch1"] = [i.tolist() for _, _, i in ts.epoch(1, with_index=True)]
+    evals = eval_batches(shard_dir, "test", rank=rank, world_size=world_size, batch_size=4, resize=18, crop=IMG, loader_workers=0)
+    out["eval"] = [i.tolist() for _, _, i in evals]
+    return out
+
+
+def _rank_epochs(rank: int, world_size: int, shard_dir: str) -> dict:
+    """W = 3 on the whole group, then W = 2 on ranks 0 and 1 (one spawn serves both world sizes)."""
+    import torch.distributed as dist
+
+    assert world_size == 3
+    pair = dist.new_group([0, 1])  # every rank must take part in creating it
+    out = {3: _one_world(rank, 3, shard_dir, None)}
+    if rank < 2:
+        out[2] = _one_world(rank, 2, shard_dir, pair)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def rank_results(shard_dir) -> list[dict]:
+    return run_workers(_rank_epochs, 3, str(shard_dir), timeout=240)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_get_disjoint_equal_reproducible_batches(shard_dir, rank_results, world_size):
+    results = [r[world_size] for r in rank_results[:world_size]]
+    info = Manifest.load(shard_dir).split("train")
+    table = info.group_table()
+    n_batches = {len(r["epoch0"]) for r in results}
+    assert len(n_batches) == 1 and n_batches.pop() == stream(shard_dir, world_size=world_size).batches_per_epoch
+    seen = []
+    for b in range(len(results[0]["epoch0"])):
+        labels_by_rank = []
+        for r in results:
+            labels, index, _ = r["epoch0"][b]
+            assert len(labels) == (P // world_size) * K
+            counts = Counter(labels)
+            assert len(counts) == P // world_size and set(counts.values()) == {K}, "P/W whole classes of K images"
+            labels_by_rank.append(set(labels))
+            seen += index
+        assert sum(len(s) for s in labels_by_rank) - len(set().union(*labels_by_rank)) <= 1, "classes stay on one rank"
+    m = pieces_per_group(table.count, K)
+    group_of = np.searchsorted(table.start, np.array(seen), side="right") - 1
+    repeats = Counter(int(group_of[seen.index(i)]) for i, n in Counter(seen).items() for _ in range(n - 1))
+    for g, n in repeats.items():  # ranks see disjoint images: only small groups' top-ups repeat
+        assert n <= m[g] * K - table.count[g], (g, n)
+    for r in results:
+        assert r["epoch0_again"] == r["epoch0"], "reproducible from (seed, epoch)"
+        assert r["resume"] == r["epoch0"][2:], "mid-epoch resume continues with the same batches"
+        assert r["epoch1"] != [i for _, i, _ in r["epoch0"]]
+    eval_index = sorted(i for r in results for batch in r["eval"] for i in batch)
+    assert eval_index == list(range(Manifest.load(shard_dir).split("test").num_images))
+    assert len({len(r["eval"]) for r in results}) == 1
