@@ -214,6 +214,26 @@ def test_gradient_accumulates_without_zero_grad():
         assert (got is None) if expected_rows is None else torch.equal(got, expected_rows)
 
 
+@pytest.mark.parametrize("ratio", [1.0, 0.3])
+def test_two_forwards_before_their_backwards(ratio):
+    """A call's kept logits must survive another call made before its backward."""
+    C, D = 40, 6
+    clf = ShardedClassifier(C, D, "arcface", sample_ratio=ratio, scale=8.0, margin=0.3)
+    (x1, y1), (x2, y2) = _batch(C, D, seed=3), _batch(C, D, seed=4)
+    l1 = clf(x1, y1, step=0)
+    r1 = clf.active_rows
+    l2 = clf(x2, y2, step=1)
+    r2 = clf.active_rows
+    assert clf.stats["logits_kept"] == 1.0
+    l2.backward()  # the later call first
+    l1.backward()
+    w = clf.weight.detach().double().requires_grad_(True)
+    ref = dense_classifier_loss(x1.double(), y1, w, None, "arcface", clf.params, None if ratio == 1 else r1)
+    ref = ref + dense_classifier_loss(x2.double(), y2, w, None, "arcface", clf.params, None if ratio == 1 else r2)
+    ref.backward()
+    assert rel_err(clf.weight.grad, w.grad) < 1e-5
+
+
 def test_dense_and_subsampled_calls_alternate_on_the_reused_buffer():
     C, D = 60, 6
     clf = ShardedClassifier(C, D, "normsoftmax", temperature=0.1)
@@ -319,6 +339,23 @@ def test_load_full_weight_checks_shape():
     assert torch.equal(clf.full_weight(), w)
     with pytest.raises(ValueError, match="10×4"):
         clf.load_full_weight(torch.randn(9, 4))
+
+
+def test_bench_classifier_smoke(capsys, monkeypatch):
+    """``dmltrain bench classifier`` runs on a tiny size (figures not checked; configurations run
+    in this process instead of a fresh one each, to save the interpreter start-ups)."""
+    import argparse
+    import json
+
+    from dmltrain.distributed import bench
+
+    monkeypatch.setattr(bench, "_child", lambda job: json.loads(json.dumps(bench._ours(job) if job["role"] == "ours" else bench._peer_run(job))))
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args("--classes 3000 --dim 16 --batch 32 --sample-ratio 1 0.1 --steps 1 --no-peer".split())
+    assert bench.run(args) == 0
+    out = capsys.readouterr().out
+    assert "step / GEMMs" in out and "R=0.1: step" in out and "faster than R=1" in out
 
 
 # -- collectives and the instance-loss wrapper alone -------------------------------------------------------

@@ -46,10 +46,11 @@ def sample_rows(num_local: int, positives: Tensor, sample_ratio: float, seed: in
     positives = positives.to("cpu", torch.int64)
     want = max(target_count(num_local, sample_ratio), positives.numel())
     extra = want - positives.numel()
-    if extra <= 0:
-        return torch.sort(positives).values
-    gen = torch.Generator().manual_seed(draw_seed(seed, step, shard))
-    keys = torch.rand(num_local, generator=gen)
-    keys[positives] = 2.0  # above every uniform draw: never picked as an extra
-    drawn = torch.topk(keys, extra, largest=False, sorted=False).indices
-    return torch.sort(torch.cat([positives, drawn])).values
+    taken = torch.zeros(num_local, dtype=torch.bool)
+    taken[positives] = True
+    if extra > 0:
+        gen = torch.Generator().manual_seed(draw_seed(seed, step, shard))
+        keys = torch.rand(num_local, generator=gen)
+        keys[positives] = 2.0  # above every uniform draw: never picked as an extra
+        taken[torch.topk(keys, extra, largest=False, sorted=False).indices] = True
+    return taken.nonzero().squeeze(1)  # sorted, O(num_local)

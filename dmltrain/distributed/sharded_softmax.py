@@ -13,9 +13,10 @@ How one call works:
    it owns plus uniformly drawn others (:mod:`~dmltrain.distributed.class_sampling`).
 3. The gathered batch is scored against the active rows a block of classes at a time. Each
    sample's log-sum-exp over this shard is accumulated online (block by block); if the whole
-   ``global batch × active rows`` logit matrix fits ``logits_budget_mb`` it is kept for the
-   backward pass, otherwise backward recomputes each block (one more GEMM, peak extra memory
-   ``O(global batch × block)``).
+   ``global batch × active rows`` logit matrix (plus, when subsampling, the gathered active
+   rows) fits ``logits_budget_mb`` it is kept for the backward pass, otherwise backward
+   recomputes each block (one more GEMM; peak extra memory ``O((global batch + D) × block)``
+   with blocks no larger than the budget).
 4. One all-gather of per-sample partial statistics (shard log-sum-exp, shard max, target
    logit, shard sum of logits for label smoothing) plus the active-row count combines the
    shards: the softmax is normalised over every active class of every shard, and no worker
@@ -39,13 +40,19 @@ accumulating when it already exists, as Megatron's fused gradient accumulation d
 so that a subsampled step never touches the ``C_local × D`` gradient in full. Hence
 ``torch.autograd.grad(loss, clf.weight)`` is not supported; read ``.grad`` after backward.
 
-Precision: embeddings in bf16/fp16 are cast to fp32; all classifier math is fp32, the loss
-is fp32 and the embeddings' gradient returns in their dtype.
+Precision: embeddings in bf16/fp16 are cast to fp32 and autocast is disabled inside; all
+classifier math is fp32, the loss is fp32 and the embeddings' gradient returns in their dtype.
+
+Memory: besides the weight, its gradient and the optimizer state, the classifier keeps
+reusable scratch buffers (a few blocks, at most ``BLOCK_ELEMENTS`` floats each) and the
+kept logits (at most the budget) from call to call, because the CPU allocator caches nothing
+and fresh large tensors cost a page fault per 4 KiB. ``release_buffers()`` frees them.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -61,6 +68,7 @@ from dmltrain.distributed.collectives import (
     gather_with_grad,
     group_rank_size,
 )
+from dmltrain.distributed.workspace import Workspace
 
 #: hyperparameters of each kind and their defaults (the registry losses' names and values)
 KIND_PARAMS: dict[str, dict[str, float]] = {
@@ -86,6 +94,12 @@ class _AllRows:
 
 
 ALL_ROWS = _AllRows()
+
+
+def _add_rows(dst: Tensor, rows: Tensor, src: Tensor) -> None:
+    """``dst[rows] += src`` with repeated rows summed (index_put_ accumulates an order of
+    magnitude faster than index_add_ on the CPU)."""
+    dst.index_put_((rows,), src.to(dst.dtype), accumulate=True)
 
 
 def _union(a: Tensor | _AllRows | None, b: Tensor | _AllRows) -> Tensor | _AllRows:
@@ -132,6 +146,9 @@ class _ShardSoftmax:
     is computed apart on its (embedding, class row) pair, differentiably, and written into
     its block. In backward the target entries' gradient takes that small path instead of
     the GEMMs. ``softmax_ce`` has no margin and keeps its targets in the GEMMs.
+
+    Kept for backward when they fit the budget: the logits and, when subsampling, the
+    gathered active weight rows (so backward does not gather them again).
     """
 
     def __init__(self, clf: ShardedClassifier, x: Tensor, labels: Tensor, rows: Tensor | None, need_grad: bool) -> None:
@@ -144,7 +161,7 @@ class _ShardSoftmax:
         self.eps = float(clf.params.get("smoothing", 0.0))
         n_local = self.weight.shape[0]
         self.k_local = n_local if rows is None else rows.numel()
-        N = x.shape[0]
+        N, D = x.shape
         # samples whose class this shard owns: their local row and column among the active rows
         local = labels - clf.class_start
         owned = (local >= 0) & (local < n_local)
@@ -156,12 +173,15 @@ class _ShardSoftmax:
         self.t_idx = owned.nonzero().squeeze(1)
         self.t_col = col[self.t_idx]
         self.t_row = local[self.t_idx]
+        sparse = rows is not None
         budget = clf.logits_budget_mb * 2**20
-        self.keep = need_grad and N * self.k_local * 4 <= budget
-        # A block of logits is at most BLOCK_ELEMENTS and, when chunking, at most the budget.
+        self.keep = need_grad and 4 * self.k_local * (N + (D if sparse else 0)) <= budget
+        # A block of logits (N × block) and of gathered rows or their gradient (block × D) is at
+        # most BLOCK_ELEMENTS and, when chunking, at most the budget.
         cap = BLOCK_ELEMENTS if self.keep else min(BLOCK_ELEMENTS, int(budget // 4))
-        self.block = max(1, min(self.k_local, cap // max(N, 1)))
-        self.kept: list[Tensor] | None = [] if self.keep else None
+        self.block = max(1, min(self.k_local, cap // max(N, D if sparse else 1, 1)))
+        self.ws = clf._workspace  # transient buffers, used within one forward or one backward
+        self.kws = clf._kept_workspace(self) if self.keep else None  # buffers living until backward
         self.consumed = False
 
     # -- blocks -----------------------------------------------------------------------------------
@@ -169,14 +189,24 @@ class _ShardSoftmax:
         for c0 in range(0, self.k_local, self.block):
             yield c0, min(self.k_local, c0 + self.block)
 
-    def block_weight(self, c0: int, c1: int) -> tuple[Tensor, Tensor | None]:
+    def block_weight(self, c0: int, c1: int, forward: bool) -> tuple[Tensor, Tensor | None]:
+        """The block's weight rows (a view, kept rows, or gathered into a scratch buffer) and bias."""
         if self.rows is None:
             wb = self.weight[c0:c1]
             bb = None if self.bias is None else self.bias[c0:c1]
+            return wb.float(), None if bb is None else bb.float()
+        if self.kws is not None:
+            wb = self.kws.get("w", (self.k_local, self.x.shape[1]), self.x.device, self.weight.dtype)[c0:c1]
+            bb = None if self.bias is None else self.kws.get("b", (self.k_local,), self.x.device, self.bias.dtype)[c0:c1]
+            if not forward:  # gathered in forward
+                return wb.float(), None if bb is None else bb.float()
         else:
-            r = self.rows[c0:c1]
-            wb = self.weight.index_select(0, r)
-            bb = None if self.bias is None else self.bias.index_select(0, r)
+            wb = self.ws.get("w", (c1 - c0, self.x.shape[1]), self.x.device, self.weight.dtype)
+            bb = None if self.bias is None else self.ws.get("b", (c1 - c0,), self.x.device, self.bias.dtype)
+        r = self.rows[c0:c1]
+        torch.index_select(self.weight, 0, r, out=wb)
+        if bb is not None:
+            torch.index_select(self.bias, 0, r, out=bb)
         return wb.float(), None if bb is None else bb.float()
 
     def block_targets(self, c0: int, c1: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -184,19 +214,15 @@ class _ShardSoftmax:
         sel = ((self.t_col >= c0) & (self.t_col < c1)).nonzero().squeeze(1)
         return sel, self.t_idx[sel], self.t_col[sel] - c0
 
-    def scratch(self, name: str, n: int, cols: int) -> Tensor:
-        """A reusable contiguous ``n × cols`` buffer (no fresh allocation, no page faults per block)."""
-        buf = self._scratch.get(name)
-        if buf is None or buf.numel() < n * cols:
-            buf = self._scratch[name] = torch.empty(n * max(cols, self.block), device=self.x.device)
-        return buf[: n * cols].view(n, cols)
-
-    def block_logits(self, c0: int, c1: int, out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor]]:
+    def block_logits(self, c0: int, c1: int, forward: bool):
         """Logits of the block (targets with their margin), its weight, inverse row norms, targets."""
-        wb, bb = self.block_weight(c0, c1)
+        N, nb = self.x.shape[0], c1 - c0
+        if forward and self.kws is not None:
+            out = self.kws.get("z", (N * self.k_local,), self.x.device)[N * c0 : N * c1].view(N, nb)
+        else:
+            out = self.ws.get("z", (N, nb), self.x.device)
+        wb, bb = self.block_weight(c0, c1, forward)
         tgt = self.block_targets(c0, c1)
-        if out is None:
-            out = torch.empty(self.x.shape[0], c1 - c0, device=self.x.device)
         if not self.normalized:
             if bb is None:
                 z = torch.mm(self.x, wb.t(), out=out)
@@ -204,11 +230,21 @@ class _ShardSoftmax:
                 z = torch.addmm(bb, self.x, wb.t(), out=out)
             return z, wb, None, tgt
         sel, ti, tc = tgt
+        if forward:
+            torch.linalg.vector_norm(wb, dim=1, out=self.inv[c0:c1])
+            self.inv[c0:c1].clamp_min_(_NORM_EPS).reciprocal_()
         inv = self.inv[c0:c1]
         z = torch.mm(self.x, wb.t(), out=out)
         z.mul_(inv * self.scale)
         z[ti, tc] = self.z_t[sel]
         return z, wb, inv, tgt
+
+    def kept_block(self, c0: int, c1: int) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor]]:
+        N = self.x.shape[0]
+        z = self.kws.get("z", (N * self.k_local,), self.x.device)[N * c0 : N * c1].view(N, c1 - c0)
+        wb, _ = self.block_weight(c0, c1, forward=False)
+        inv = self.inv[c0:c1] if self.normalized else None
+        return z, wb, inv, self.block_targets(c0, c1)
 
     def target_pairs(self, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
         """(unit embeddings, class rows, target logits) of the owned samples; differentiable if ``grad``."""
@@ -220,20 +256,11 @@ class _ShardSoftmax:
         with torch.set_grad_enabled(grad):
             return xt, wt, target_logits(self.kind, self.params, xt, wt)
 
-    def inverse_norms(self) -> Tensor:
-        """1/‖w_j‖ of the active rows (kept for backward: K floats)."""
-        inv = torch.empty(self.k_local, device=self.x.device)
-        for c0, c1 in self.blocks():
-            wb, _ = self.block_weight(c0, c1)
-            torch.linalg.vector_norm(wb, dim=1, out=inv[c0:c1])
-        return inv.clamp_min_(_NORM_EPS).reciprocal_()
-
     # -- forward ----------------------------------------------------------------------------------
     def forward(self) -> Tensor:
         x, N = self.x, self.x.shape[0]
         dev = x.device
         n_t = self.t_idx.numel()
-        self._scratch: dict[str, Tensor] = {}
         m = torch.full((N,), -math.inf, device=dev)
         lse_local = torch.full((N,), -math.inf, device=dev)
         sz = torch.zeros(N, device=dev)
@@ -242,22 +269,19 @@ class _ShardSoftmax:
         if self.normalized:
             xt, wt, self.z_t = self.target_pairs(grad=False)
             cos_t = (xt * F.normalize(wt, dim=1, eps=_NORM_EPS)).sum(1)
-            self.inv = self.inverse_norms()
+            self.inv = torch.empty(self.k_local, device=dev)
         for c0, c1 in self.blocks():
-            out = None if self.kept is not None else self.scratch("z", N, c1 - c0)
-            z, _, _, (sel, ti, tc) = self.block_logits(c0, c1, out)
+            z, _, _, (sel, ti, tc) = self.block_logits(c0, c1, forward=True)
             z_t[sel] = z[ti, tc]
             # the block's log-sum-exp from torch's fused log_softmax (one vectorised pass),
             # read at each row's maximum where it is most precise: lse = max − log_softmax(max)
             zmax, arg = torch.max(z, 1)
-            lse_b = zmax - torch.log_softmax(z, 1).gather(1, arg[:, None]).squeeze(1)
+            lsm = torch.ops.aten._log_softmax.out(z, 1, False, out=self.ws.get("lsm", tuple(z.shape), dev))
+            lse_b = zmax - lsm.gather(1, arg[:, None]).squeeze(1)
             lse_local = torch.logaddexp(lse_local, lse_b)
             m = torch.maximum(m, zmax)
             if self.eps:
                 sz.add_(z.sum(1))
-            if self.kept is not None:
-                self.kept.append(z)
-        self._scratch.clear()
 
         # combine the shards: one all-gather of [lse, max, Σz, target logit, target cos | K]
         def per_sample(v: Tensor) -> Tensor:
@@ -291,26 +315,18 @@ class _ShardSoftmax:
     def backward(self, grad_out: Tensor, need_x: bool) -> Tensor | None:
         if self.consumed and self.keep:
             raise RuntimeError("ShardedClassifier: backward through the same call twice is not supported (kept logits are consumed)")
-        self.consumed = True
         x, N = self.x, self.x.shape[0]
         a = grad_out.float() / N
         grad_x = torch.zeros_like(x) if need_x else None
         writer = self.clf._grad_writer(self.rows)
         u, eps = self.u, self.eps
         G_t = torch.zeros(self.t_idx.numel(), device=x.device)  # dL/d(target logit), for the pair path
-        self._scratch = {}
         neg_lse = self.lse.neg()[:, None]
-        for bi, (c0, c1) in enumerate(self.blocks()):
+        for c0, c1 in self.blocks():
             nb = c1 - c0
-            if self.keep:
-                z, tgt = self.kept[bi], self.block_targets(c0, c1)
-                self.kept[bi] = None
-                wb, _ = self.block_weight(c0, c1)
-                inv = self.inv[c0:c1] if self.normalized else None
-            else:
-                z, wb, inv, tgt = self.block_logits(c0, c1, self.scratch("z", N, nb))
+            z, wb, inv, tgt = self.kept_block(c0, c1) if self.keep else self.block_logits(c0, c1, forward=False)
             sel, ti, tc = tgt
-            G = torch.add(z, neg_lse, out=self.scratch("g", N, nb)).exp_()  # probabilities
+            G = torch.add(z, neg_lse, out=self.ws.get("g", (N, nb), x.device)).exp_()  # probabilities
             if u:
                 G.sub_(u)
             G[ti, tc] -= 1 - eps - u
@@ -329,15 +345,15 @@ class _ShardSoftmax:
             if grad_x is not None:
                 grad_x.addmm_(G, wb)
             writer.write(c0, c1, G, x, wb, inv * inv * S, None)
-        self._scratch.clear()
+        self.consumed = True
+        self.clf._release_kept(self)
         if self.normalized and self.t_idx.numel():
             xt, wt, zt = self.target_pairs(grad=True)
             gx_t, gw_t = torch.autograd.grad(zt, (xt, wt), G_t * a)
             if grad_x is not None:
-                grad_x.index_add_(0, self.t_idx, gx_t)
+                _add_rows(grad_x, self.t_idx, gx_t)
             writer.add_rows(self.t_row, gw_t)
         writer.finish()
-        self.kept = None
         return grad_x
 
 
@@ -357,7 +373,10 @@ class _ShardedSoftmaxFn(torch.autograd.Function):
 
 
 class _GradWriter:
-    """Writes one backward's row gradients into ``.grad`` (fresh buffer or accumulation)."""
+    """Writes one backward's row gradients into ``.grad`` (fresh buffer or accumulation).
+
+    A fresh gradient (``.grad`` was None) is written, not added: every active row exactly once.
+    """
 
     def __init__(self, clf: ShardedClassifier, rows: Tensor | None) -> None:
         self.clf, self.rows = clf, rows
@@ -370,7 +389,7 @@ class _GradWriter:
             if fresh:
                 p.grad = clf._fresh_grad(p, dense=rows is None)
                 fresh_any = True
-            self.targets.append((p, fresh and rows is None))
+            self.targets.append((p, fresh))
         if fresh_any:  # a new gradient starts: forget the rows of the previous one
             clf._touched = None
 
@@ -387,17 +406,17 @@ class _GradWriter:
                     dst.addmm_(G.t(), x)
                 if coef is not None:
                     dst.addcmul_(wb, coef[:, None], value=-1)
-            else:
-                gw = torch.mm(G.t(), x)
-                if coef is not None:
-                    gw.addcmul_(wb, coef[:, None], value=-1)
-                p.grad.index_add_(0, self.rows[c0:c1], gw.to(p.grad.dtype))
+                continue
+            gw = torch.mm(G.t(), x, out=self.clf._workspace.get("gw", (c1 - c0, x.shape[1]), x.device))
+            if coef is not None:
+                gw.addcmul_(wb, coef[:, None], value=-1)
+            self._put(p, c0, c1, gw, overwrite)
 
     def add_rows(self, local_rows: Tensor, gw: Tensor) -> None:
         """Add weight-gradient rows at local row ids (after every block was written)."""
         for p, _ in self.targets:
             if p is self.clf.weight:
-                p.grad.index_add_(0, local_rows, gw.to(p.grad.dtype))
+                _add_rows(p.grad, local_rows, gw)
 
     def _put(self, p: Tensor, c0: int, c1: int, g: Tensor, overwrite: bool) -> None:
         if self.rows is None:
@@ -405,8 +424,10 @@ class _GradWriter:
                 p.grad[c0:c1] = g
             else:
                 p.grad[c0:c1] += g
+        elif overwrite:  # the buffer's rows are zero and the active rows are distinct
+            p.grad.index_copy_(0, self.rows[c0:c1], g.to(p.grad.dtype))
         else:
-            p.grad.index_add_(0, self.rows[c0:c1], g.to(p.grad.dtype))
+            _add_rows(p.grad, self.rows[c0:c1], g)
 
     def finish(self) -> None:
         if not self.targets:
@@ -436,7 +457,15 @@ class ShardedClassifier(nn.Module):
             they fit; beyond it, work in class blocks and recompute in backward.
 
     Attributes: ``weight`` (local rows × D), ``bias`` (softmax_ce), ``class_start``/``class_end``
-    (global ids of the local rows), ``stats`` and ``active_rows`` of the last call.
+    (global ids of the local rows), ``active_rows`` and ``stats`` of the last call: ``loss``,
+    ``accuracy`` (target logit is the largest), ``target_logit`` and ``target_cos`` (means
+    over the global batch), ``active_rows`` (this shard), ``active_classes`` and
+    ``active_share`` (all shards), ``logits_kept`` (1 when backward reuses the logits).
+
+    The parameters are model-parallel: keep them out of DeepSpeed's data-parallel engine and
+    step them with :func:`~dmltrain.distributed.sparse_optim.make_classifier_optimizer`.
+    ``.grad`` is this shard's exact gradient (not an average); it lives in a buffer reused
+    across steps, so copy it if you need it after the next backward.
     """
 
     def __init__(
@@ -487,6 +516,9 @@ class ShardedClassifier(nn.Module):
         self._grad_bufs: dict[str, Tensor] = {}
         self._buf_dirty: dict[str, Tensor | _AllRows | None] = {}
         self._calls = 0
+        self._workspace = Workspace()  # transient buffers (within one forward or backward)
+        self._kept = Workspace()  # what a call keeps for its backward
+        self._kept_owner: weakref.ref | None = None
 
     # -- parameters -------------------------------------------------------------------------------
     @property
@@ -591,6 +623,26 @@ class ShardedClassifier(nn.Module):
     def active_class_ids(self) -> Tensor:
         """Global class ids of :attr:`active_rows`."""
         return self.active_rows + self.class_start
+
+    # -- buffers kept from forward to backward --------------------------------------------------------
+    def _kept_workspace(self, plan: _ShardSoftmax) -> Workspace:
+        """The reused kept-buffers for ``plan``, or private ones while an earlier call still
+        awaits its backward (forward, forward, backward, backward must stay correct)."""
+        owner = None if self._kept_owner is None else self._kept_owner()
+        if owner is not None and not owner.consumed:
+            return Workspace()
+        self._kept_owner = weakref.ref(plan)
+        return self._kept
+
+    def _release_kept(self, plan: _ShardSoftmax) -> None:
+        if self._kept_owner is not None and self._kept_owner() is plan:
+            self._kept_owner = None
+
+    def release_buffers(self) -> None:
+        """Free the reusable scratch and kept buffers (they are rebuilt on the next call)."""
+        self._workspace.clear()
+        self._kept.clear()
+        self._kept_owner = None
 
     # -- gradient bookkeeping (used by the row-sparse optimizers) ---------------------------------
     def _grad_writer(self, rows: Tensor | None) -> _GradWriter:

@@ -28,6 +28,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from dmltrain.distributed.workspace import Workspace
+
 #: Elements per block of rows processed at once (bounds temporaries: 16 Mi floats = 64 MiB).
 BLOCK_ELEMENTS = 1 << 24
 
@@ -66,6 +68,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], rows: RowSource | None = None) -> None:
         super().__init__(params, defaults)
         self.row_source = rows
+        self._workspace = Workspace()  # gathered rows of a block (reused: no page faults per step)
         n_rows = {p.shape[0] for g in self.param_groups for p in g["params"]}
         if len(n_rows) > 1:
             raise ValueError(f"{type(self).__name__}: all parameters must have the same number of rows, got {sorted(n_rows)}")
@@ -116,7 +119,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
     def _step_param(self, group: dict[str, Any], p: Tensor, rows: Tensor | None) -> None:
         n = p.shape[0]
-        cols = p[0].numel() if n else 1
+        if n == 0:  # a shard that owns no class
+            return
+        cols = p[0].numel()
         pv, gv = p.view(n, cols), p.grad.view(n, cols)
         state = self.state[p]
         sv = {k: state[k].view(n, -1) for k in self.row_state}
@@ -127,11 +132,17 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 self._update(group, pv[sl], gv[sl], {k: v[sl] for k, v in sv.items()})
             return
         rows = rows.to(p.device)
+        ws = self._workspace
         for s in range(0, rows.numel(), block):
             idx = rows[s : s + block]
-            pb = pv.index_select(0, idx)
-            sb = {k: v.index_select(0, idx) for k, v in sv.items()}
-            self._update(group, pb, gv.index_select(0, idx), sb)
+            n_b = idx.numel()
+
+            def gather(name: str, src: Tensor) -> Tensor:
+                return torch.index_select(src, 0, idx, out=ws.get(name, (n_b, src.shape[1]), src.device, src.dtype))
+
+            pb = gather("param", pv)
+            sb = {k: gather(f"state.{k}", v) for k, v in sv.items()}
+            self._update(group, pb, gather("grad", gv), sb)
             pv.index_copy_(0, idx, pb)
             for k, v in sv.items():
                 v.index_copy_(0, idx, sb[k])
@@ -245,8 +256,9 @@ class RowSparseAdamW(RowSparseOptimizer):
         bc1 = 1 - torch.pow(beta1, tf)
         bc2_sqrt = torch.sqrt(1 - torch.pow(beta2, tf))
         step_size = (lr / bc1).to(p.dtype)
-        denom = v.sqrt().div_(bc2_sqrt.to(p.dtype)).add_(eps)
-        p.sub_(torch.div(m, denom).mul_(step_size))
+        denom = torch.sqrt(v, out=self._workspace.get("denom", tuple(v.shape), v.device, v.dtype))
+        denom.div_(bc2_sqrt.to(p.dtype)).add_(eps)
+        p.sub_(torch.div(m, denom, out=denom).mul_(step_size))
 
 
 def make_classifier_optimizer(

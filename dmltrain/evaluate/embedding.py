@@ -162,12 +162,14 @@ def evaluate_model(
     world_size: int = 1,
     device: str | torch.device = "cpu",
     precision: str = "fp32",
+    progress: bool = True,
 ) -> tuple[dict[str, float], dict[str, tuple[np.ndarray, np.ndarray]]] | tuple[None, None]:
     """Embed ``splits`` of the shards on every rank, gather to rank 0, compute the metrics there.
 
     ``splits``: ``['test']`` (self-retrieval) or ``['query', 'gallery']`` (query→gallery).
     Uses ``eval_cfg.ks``, ``nmi``, ``map_at_r``, ``binary`` and ``data_cfg.eval_batch_size``
     (per worker), ``eval_resize``, ``eval_crop``, ``loader_workers``. Every rank must call it.
+    ``progress``: rank 0 draws bars (off inside training, where the driver shows progress).
     Rank 0 returns ``(metrics, {split: (embeddings, labels)})``; the other ranks ``(None, None)``.
     """
     import torch.distributed as dist
@@ -186,7 +188,7 @@ def evaluate_model(
             shard_dir, split, rank=rank, world_size=world_size, batch_size=data_cfg.eval_batch_size,
             resize=data_cfg.eval_resize, crop=data_cfg.eval_crop, loader_workers=data_cfg.loader_workers,
         )
-        emb, labels, index = embed_batches(model, batches, device=device, precision=precision, progress=rank == 0)
+        emb, labels, index = embed_batches(model, batches, device=device, precision=precision, progress=progress and rank == 0)
         out = gather_to_rank0(emb, labels, index)
         if out[0] is not None:
             gathered[split] = out  # type: ignore[assignment]
@@ -197,6 +199,6 @@ def evaluate_model(
     metric_device = device if torch.device(device).type == "cuda" else "cpu"
     metrics = retrieval_metrics(
         q_emb, q_lab, g_emb, g_lab, ks=eval_cfg.ks, nmi=eval_cfg.nmi, map_at_r=eval_cfg.map_at_r,
-        binary=eval_cfg.binary, device=metric_device, progress=True,
+        binary=eval_cfg.binary, device=metric_device, progress=progress,
     )
     return metrics, gathered

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -62,13 +63,16 @@ def plot_recall_at_k(curves: Mapping[str, Mapping[Any, float]], path: str | os.P
     fig = _figure(6.4, 4.2)
     ax = fig.add_subplot()
     all_k: set[int] = set()
+    lowest = 100.0
     colors = [f"C{i % 10}" for i in range(len(curves))]
     for (name, values), color in zip(curves.items(), colors):
         for prefix, points in sorted(_recall_points(values).items()):
             ks = sorted(points)
             all_k.update(ks)
             label = f"{name} (binary)" if prefix else str(name)
-            ax.plot(ks, [100 * points[k] for k in ks], marker="o", color=color, linestyle="--" if prefix else "-", label=label)
+            ys = [100 * points[k] for k in ks]
+            lowest = min(lowest, *ys)
+            ax.plot(ks, ys, marker="o", mfc="white" if prefix else color, color=color, linestyle="--" if prefix else "-", label=label)
     if not all_k:
         raise ValueError("plot_recall_at_k: no recall@K values to plot")
     ax.set_xscale("log")
@@ -77,7 +81,7 @@ def plot_recall_at_k(curves: Mapping[str, Mapping[Any, float]], path: str | os.P
     ax.minorticks_off()
     ax.set_xlabel("K")
     ax.set_ylabel("Recall@K (%)")
-    ax.set_ylim(0, 100)
+    ax.set_ylim(max(0.0, 10 * math.floor((lowest - 2) / 10)), 100)  # zoom to the curves, on a round value
     ax.grid(True, alpha=0.3)
     ax.legend(loc="lower right", fontsize="small")
     return _save(fig, path)

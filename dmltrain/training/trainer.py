@@ -299,6 +299,7 @@ class Trainer:
         if self.rank != 0:
             return
         summary["epoch"] = self.state.epoch + self.state.batch / self.steps_per_epoch
+        summary.update(self._memory())
         if self.stream.skipped:
             summary["data/skipped_samples"] = float(self.stream.skipped)
         self.logger.log_metrics({k if "/" in k or k in ("lr", "epoch", "images_per_s", "loss") else f"train/{k}": v
@@ -325,6 +326,19 @@ class Trainer:
                 path.write_text(text)
                 self.logger.log_artifact(path, rel.rsplit("/", 1)[0])
 
+    def _memory(self) -> dict[str, float]:
+        """Rank 0's resident memory and its classifier shard (rows + row optimizer state), in MB."""
+        import psutil
+
+        out = {"memory/rss_mb": psutil.Process().memory_info().rss / 2**20}
+        if self.objective.classifier is not None:
+            tensors = list(self.objective.classifier.parameters())
+            tensors += [v for st in self.clf_opt.state.values() for v in st.values() if torch.is_tensor(v)]
+            out["memory/classifier_mb"] = sum(t.numel() * t.element_size() for t in tensors) / 2**20
+        if self.device.type == "cuda":
+            out["memory/cuda_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        return out
+
     def evaluate(self, step: int, phase: str) -> dict[str, float]:
         """Embed the eval splits on every rank, metrics on rank 0, then the same dict on every rank."""
         from dmltrain.evaluate import evaluate_model
@@ -336,6 +350,7 @@ class Trainer:
             metrics, embeddings = evaluate_model(
                 self.model, self.cfg.data.shards, self.cfg.data.eval_splits, self.cfg.eval, self.cfg.data,
                 rank=self.rank, world_size=self.world, device=str(self.device), precision=self.cfg.train.precision,
+                progress=False,
             )
         self.model.train(was_training)
         box = [metrics]

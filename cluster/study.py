@@ -1,0 +1,495 @@
+"""``dmltrain study subsampling``: accuracy, speed and memory against the share of classes in each softmax.
+
+``dmltrain study subsampling CONFIG [overrides] --ratios 1,0.1,0.01,0.001 [--classes N1,N2,...]``
+trains the config once per point (every ratio × every class count), each point a Ray Train V2
+training exactly as ``dmltrain train`` runs it, with ``loss.classifier.sample_ratio`` set to the
+point's ratio: NormSoftmax sec. 4.5, where each step's softmax holds the batch's classes plus
+uniformly drawn others, up to that share of all classes. ``configs/study/sop_synthetic.yaml``
+is the built-in study: synthetic data at the scale of Stanford Online Products (11,318
+classes × 5 images); a real dataset's shards work the same way.
+
+Shards are reused: every ratio of a class count trains on the same shards. ``--classes`` needs
+a synthetic config: the shards for ``N`` classes are built once, beside ``data.shards``
+(``<data.shards>-<N>c``, or ``data.shards`` itself when ``N`` is ``data.synthetic.classes``), and
+found there by later studies.
+
+Per point the study records the final evaluation (Recall@K for ``eval.ks``) and, from the run's
+MLflow metrics, images/s and step time (medians over the logged windows after the first, which
+holds the start-up), the classifier shard's memory (rows and their optimizer state, rank 0),
+the process's resident memory, and the active rows per worker and active classes per step.
+Then it writes into ``<storage>/<name>/`` (``--out``): ``study.md`` and ``study.csv`` (the
+table, also printed), ``recall_vs_ratio.png`` (Recall@K against the ratio, the paper's Fig. 4),
+``cost_vs_ratio.png`` (images/s, step time, classifier memory, active rows against the ratio)
+and, with two class counts or more, ``vs_classes.png`` (the same and Recall@1 against the number
+of classes). Everything hangs under one MLflow parent run: the points are its children, the
+table and plots its artifacts. A point that fails is reported in the table and the others go
+on. Running the study again with the same ``--name`` finds the points already trained (their
+runs are resumed and end at once) and trains the rest.
+
+Points run one at a time by default, so their speed figures are comparable; ``--parallel N``
+runs N at once when only the accuracy matters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dmltrain.errors import UserError
+
+STAT_KEYS = {  # column -> (MLflow metric, how its history is summarised)
+    "images/s": ("images_per_s", "median"),
+    "step ms": ("time/step_ms", "median"),
+    "classifier MB": ("memory/classifier_mb", "max"),
+    "RSS MB": ("memory/rss_mb", "max"),
+    "active rows": ("classifier/active_rows", "mean"),
+    "active classes": ("classifier/active_classes", "mean"),
+}
+
+
+@dataclass
+class Point:
+    ratio: float
+    classes: int
+    shards: str
+    run_name: str
+    status: str = "pending"  # finished, failed
+    recalls: dict[int, float] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
+    final: dict[str, float] = field(default_factory=dict)
+    mlflow_run_id: str | None = None
+    storage_dir: str | None = None
+    seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"ratio {self.ratio:g}, {self.classes} classes"
+
+
+@dataclass
+class StudySummary:
+    name: str
+    ks: list[int]
+    points: list[Point]
+    out_dir: Path
+    files: dict[str, Path]
+    parent_run_id: str | None
+    tracking_uri: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return all(p.status == "finished" for p in self.points)
+
+
+# -- inputs -----------------------------------------------------------------------------------------------
+def parse_ratios(text: str) -> list[float]:
+    """``1,0.1,0.01`` -> ``[1.0, 0.1, 0.01]`` (deduplicated, largest first); each in (0, 1]."""
+    out = []
+    for token in text.split(","):
+        token = token.strip()
+        if not token:
+            continue
+        try:
+            r = float(token)
+        except ValueError:
+            raise UserError(f"--ratios: '{token}' is not a number") from None
+        if not 0 < r <= 1 or not math.isfinite(r):
+            raise UserError(f"--ratios: {token} is not a share of classes in (0, 1]")
+        out.append(r)
+    if not out:
+        raise UserError("--ratios: give at least one ratio, e.g. --ratios 1,0.1,0.01")
+    return sorted(set(out), reverse=True)
+
+
+def parse_classes(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    out = []
+    for token in text.split(","):
+        token = token.strip()
+        if not token:
+            continue
+        try:
+            n = int(token)
+        except ValueError:
+            raise UserError(f"--classes: '{token}' is not an integer") from None
+        if n < 2:
+            raise UserError(f"--classes: {n} classes is too few (at least 2)")
+        out.append(n)
+    if not out:
+        raise UserError("--classes: give at least one class count, e.g. --classes 1000,11318")
+    return sorted(set(out))
+
+
+def synthetic_shards_dir(cfg, classes: int) -> Path:
+    """Where the synthetic shards of ``classes`` classes live for this config."""
+    base = Path(cfg.data.shards).expanduser()
+    if cfg.data.synthetic is not None and classes == cfg.data.synthetic.classes:
+        return base
+    return base.parent / f"{base.name}-{classes}c"
+
+
+def prepare_shards(cfg, classes: list[int] | None, progress: bool = True) -> dict[int, str]:
+    """Class count -> shard directory, building missing synthetic shards once (``--classes``)."""
+    from cluster.launch import prepare_data
+    from shards.manifest import Manifest
+
+    s = cfg.data.synthetic
+    if not classes or s is None:
+        prepare_data(cfg)  # the config's own shards (built when synthetic and missing) and its splits
+        own = Manifest.load(cfg.data.shards).split(cfg.data.train_split).num_classes
+        if classes and classes != [own]:
+            raise UserError(f"--classes: {cfg.data.shards} is a dataset with {own} train classes; other class counts need a "
+                            "synthetic config (data.synthetic)")
+        return {own: str(Path(cfg.data.shards).expanduser().resolve())}
+    out = {}
+    for n in classes:
+        d = synthetic_shards_dir(cfg, n)
+        if not (d / "manifest.json").exists():
+            from shards.synthetic import build_synthetic_shards
+
+            print(f"building synthetic shards for {n} classes in {d} ({n} x {s.per_class} images, {s.image_size}px)", file=sys.stderr)
+            build_synthetic_shards(d, classes=n, per_class=s.per_class, image_size=s.image_size, seed=s.seed,
+                                   shard_size=s.shard_size, overwrite=False, progress=progress)
+        split = Manifest.load(d).split(cfg.data.train_split)
+        if split.num_classes != n or split.num_images != n * s.per_class:
+            raise UserError(f"{d}: holds {split.num_classes} classes x {split.num_images // max(1, split.num_classes)} images, "
+                            f"not the {n} x {s.per_class} this study needs; remove the folder to rebuild it")
+        prepare_data(cfg.model_copy(update={"data": cfg.data.model_copy(update={"shards": str(d)})}))  # the eval splits exist
+        out[n] = str(d.resolve())
+    return out
+
+
+def point_config(cfg, point: Point, runs_root: str):
+    """The config of one point: the ratio, the shards of its class count, its run name and storage."""
+    c = cfg.loss.classifier.model_copy(update={"sample_ratio": point.ratio})
+    data_update: dict[str, Any] = {"shards": point.shards}
+    if cfg.data.synthetic is not None:
+        data_update["synthetic"] = cfg.data.synthetic.model_copy(update={"classes": point.classes})
+    return cfg.model_copy(update={
+        "loss": cfg.loss.model_copy(update={"classifier": c}),
+        "data": cfg.data.model_copy(update=data_update),
+        "train": cfg.train.model_copy(update={"run_name": point.run_name}),
+        "cluster": cfg.cluster.model_copy(update={"storage_path": runs_root}),
+    })
+
+
+def point_run_name(study: str, ratio: float, classes: int) -> str:
+    return f"{study}-c{classes}-r{ratio:g}"
+
+
+# -- measurements -------------------------------------------------------------------------------------------
+def summarise_history(values: list[float], how: str) -> float:
+    """One figure from a metric's logged values; ``median`` leaves out the first window (start-up) when there are others."""
+    vals = [v for v in values if v == v]
+    if not vals:
+        return float("nan")
+    if how == "median":
+        return float(statistics.median(vals[1:] if len(vals) > 1 else vals))
+    if how == "max":
+        return float(max(vals))
+    return float(sum(vals) / len(vals))
+
+
+def training_stats(uri: str, run_id: str | None) -> dict[str, float]:
+    """The cost columns of a point from its MLflow run (NaN when tracking was off or a metric is absent)."""
+    out = {col: float("nan") for col in STAT_KEYS}
+    if run_id is None:
+        return out
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        for col, (key, how) in STAT_KEYS.items():
+            hist = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+            out[col] = summarise_history([m.value for m in hist], how)
+    except Exception as e:  # noqa: BLE001 — the accuracy columns stand without these
+        print(f"dmltrain: warning: could not read the metrics of MLflow run {run_id} ({type(e).__name__}: {str(e)[:200]})",
+              file=sys.stderr)
+    return out
+
+
+def table(summary: StudySummary) -> tuple[list[str], list[list[Any]]]:
+    head = ["ratio", "classes", "status", *(f"recall@{k}" for k in summary.ks), *STAT_KEYS, "run"]
+    rows = []
+    for p in summary.points:
+        rows.append([p.ratio, p.classes, p.status, *(p.recalls.get(k) for k in summary.ks), *(p.stats.get(c) for c in STAT_KEYS),
+                     p.run_name])
+    return head, rows
+
+
+# -- plots ------------------------------------------------------------------------------------------------
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _log_x(ax, values) -> None:
+    """A log x axis ticked at the studied values only, written plainly (0.01, not 10^-2)."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    ticks = sorted({float(v) for v in values})
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([f"{t:g}" for t in ticks])
+    if len(ticks) == 1:
+        ax.set_xlim(ticks[0] / 2, ticks[0] * 2)
+
+
+def plot_recall_vs_ratio(summary: StudySummary):
+    """Recall@K against the class sampling ratio, one panel per class count (NormSoftmax Fig. 4); None when no point has one."""
+    plt = _pyplot()
+
+    counts = sorted({p.classes for p in summary.points})
+    done = [p for p in summary.points if p.recalls]
+    if not done:
+        return None
+    fig, axes = plt.subplots(1, len(counts), figsize=(4.5 * len(counts), 3.6), squeeze=False)
+    for ax, n in zip(axes[0], counts):
+        pts = sorted((p for p in done if p.classes == n), key=lambda p: p.ratio)
+        for k in summary.ks:
+            xs = [p.ratio for p in pts if _finite(p.recalls.get(k))]
+            ys = [100 * p.recalls[k] for p in pts if _finite(p.recalls.get(k))]
+            if xs:
+                ax.plot(xs, ys, marker="o", label=f"R@{k}")
+        _log_x(ax, [p.ratio for p in pts])
+        ax.set_xlabel("class sampling ratio")
+        ax.set_ylabel("Recall@K (%)")
+        ax.set_title(f"{n} classes")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Recall@K against the share of classes in each softmax")
+    fig.tight_layout()
+    return fig
+
+
+COST_PANELS = (("images/s", "images/s"), ("step ms", "step time (ms)"), ("classifier MB", "classifier memory (MB, rank 0)"),
+               ("active rows", "active rows per worker"))
+
+
+def plot_panels(summary: StudySummary, panels, x_of, group_of, xlabel: str, group_label, title: str):
+    """One panel per (column, label) of ``panels`` against ``x_of(point)``, a line per ``group_of(point)``; None when no point finished."""
+    plt = _pyplot()
+
+    done = [p for p in summary.points if p.status == "finished"]
+    if not done:
+        return None
+    cols = 2 if len(panels) <= 4 else 3
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.8 * cols, 3.4 * rows), squeeze=False)
+    groups = sorted({group_of(p) for p in done}, reverse=True)
+    for ax, (col, ylabel) in zip(axes.flat, panels):
+        for g in groups:
+            pts = sorted((p for p in done if group_of(p) == g), key=x_of)
+            value = (lambda p: 100 * p.recalls.get(1, float("nan"))) if col == "recall@1" else (lambda p: p.stats.get(col, float("nan")))
+            xy = [(x_of(p), value(p)) for p in pts if _finite(value(p))]
+            if xy:
+                ax.plot(*zip(*xy), marker="o", label=group_label(g))
+        _log_x(ax, [x_of(p) for p in done])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def write_outputs(summary: StudySummary) -> dict[str, Path]:
+    """study.md, study.csv and the plots under ``summary.out_dir`` (each written atomically)."""
+    from cluster.tune import csv_text, markdown_table
+    from dmltrain.fileio import atomic_path, write_text
+
+    out = summary.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    head, rows = table(summary)
+    files = {"study.md": out / "study.md", "study.csv": out / "study.csv"}
+    write_text(files["study.md"], f"# Class-subsampling study {summary.name}\n\n" + markdown_table(head, rows) + "\n")
+    write_text(files["study.csv"], csv_text(head, rows))
+    plots = {
+        "recall_vs_ratio.png": lambda: plot_recall_vs_ratio(summary),
+        "cost_vs_ratio.png": lambda: plot_panels(summary, COST_PANELS, lambda q: q.ratio, lambda q: q.classes,
+                                                 "class sampling ratio", lambda g: f"{g} classes",
+                                                 "Cost against the share of classes in each softmax"),
+    }
+    if len({p.classes for p in summary.points}) > 1:
+        plots["vs_classes.png"] = lambda: plot_panels(
+            summary, (("recall@1", "Recall@1 (%)"), *COST_PANELS), lambda q: q.classes, lambda q: q.ratio,
+            "number of classes", lambda g: f"ratio {g:g}", "Accuracy and cost against the number of classes")
+    plt = _pyplot()
+    for fname, draw in plots.items():
+        fig = draw()
+        if fig is None:
+            continue
+        with atomic_path(out / fname) as tmp:
+            fig.savefig(tmp, format="png", dpi=110)
+        plt.close(fig)
+        files[fname] = out / fname
+    return files
+
+
+# -- the study -----------------------------------------------------------------------------------------------
+def _one_line(error: BaseException | str, limit: int = 300) -> str:
+    """The gist of an error for a table cell and a progress line: its first line, clipped."""
+    text = str(error).strip() if isinstance(error, str) else f"{type(error).__name__}: {str(error).strip()}"
+    first = text.splitlines()[0] if text else ""
+    return first if len(first) <= limit else first[: limit - 1] + "…"
+
+
+def _train_point(cfg, point: Point, runs_root: str, parent_run_id: str | None, progress: bool, index: str) -> Point:
+    from cluster.launch import train
+
+    pcfg = point_config(cfg, point, runs_root)
+    c = pcfg.loss.classifier
+    drawn = int(point.ratio * point.classes + 0.5)  # the sampler's count (dmltrain.distributed.class_sampling)
+    if drawn < pcfg.data.P:
+        print(f"{index} note: ratio {point.ratio:g} x {point.classes} classes = {drawn} < the {pcfg.data.P} classes of a batch: "
+              "each softmax holds just the batch's classes", file=sys.stderr)
+    print(f"{index} {point.label}: started (run {point.run_name}, {c.kind})", file=sys.stderr, flush=True)
+    try:
+        summary = train(pcfg, progress=progress, config_name=point.run_name, parent_run_id=parent_run_id)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 — one failed point does not end the study
+        point.status, point.error = "failed", _one_line(e)
+        print(f"{index} {point.label}: FAILED ({point.error})", file=sys.stderr, flush=True)
+        return point
+    point.mlflow_run_id, point.storage_dir, point.seconds = summary.mlflow_run_id, summary.storage_dir, summary.seconds
+    point.final = dict((summary.metrics or {}).get("final") or {})
+    point.recalls = {k: point.final[f"recall@{k}"] for k in cfg.eval.ks if f"recall@{k}" in point.final}
+    point.stats = training_stats(summary.tracking_uri, summary.mlflow_run_id)
+    point.status = "finished" if summary.ok else "failed"
+    point.error = None if summary.error is None else _one_line(summary.error)
+    if summary.ok:
+        shown = ", ".join(f"recall@{k} {v:.4f}" for k, v in list(point.recalls.items())[:2])
+        speed = point.stats.get("images/s", float("nan"))
+        print(f"{index} {point.label}: finished in {summary.seconds:.0f}s: {shown}"
+              + (f", {speed:.0f} images/s" if _finite(speed) else ""), file=sys.stderr, flush=True)
+    else:
+        print(f"{index} {point.label}: FAILED after {summary.seconds:.0f}s ({point.error})", file=sys.stderr, flush=True)
+    return point
+
+
+def run_study(
+    cfg,
+    ratios: list[float],
+    classes: list[int] | None = None,
+    *,
+    name: str | None = None,
+    out: str | Path | None = None,
+    parallel: int = 1,
+    progress: bool = True,
+    config_name: str | None = None,
+) -> StudySummary:
+    """Train every point (see the module doc), write the table and plots, log them; returns the summary."""
+    from cluster.launch import absolutize, default_run_name, init_ray, storage_root
+    from cluster.tune import ParentRun
+
+    started = time.time()
+    if cfg.loss.classifier is None:
+        raise UserError("loss.classifier: a class-subsampling study needs a classifier loss (it is null in this config)")
+    if parallel < 1:
+        raise UserError(f"--parallel {parallel}: must be at least 1")
+    shards = prepare_shards(cfg, classes, progress=progress)
+    cfg = absolutize(cfg)
+    name = name or default_run_name(f"study-{config_name or 'run'}")
+    root = storage_root(cfg).rstrip("/")
+    study_dir = f"{root}/{name}"
+    out_dir = Path(out) if out else (Path(study_dir) if "://" not in study_dir else Path.cwd() / "runs" / name)
+    runs_root = f"{study_dir}/runs"
+    points = [Point(r, n, d, point_run_name(name, r, n)) for n, d in shards.items() for r in ratios]
+    parent = ParentRun(cfg, name, {**cfg.flat(), "study.kind": "subsampling", "study.ratios": ",".join(f"{r:g}" for r in ratios),
+                                   "study.classes": ",".join(str(n) for n in shards)},
+                       tags={"dmltrain.kind": "study", "dmltrain.storage_dir": study_dir})
+    print(f"study {name}: {len(points)} point{'s' * (len(points) != 1)} (ratios {', '.join(f'{r:g}' for r in ratios)} x "
+          f"{', '.join(str(n) for n in shards)} classes)" + (f"; MLflow parent run {parent.run_id}" if parent.run_id else ""),
+          file=sys.stderr, flush=True)
+    if not cfg.tracking.enabled:
+        print("dmltrain: warning: tracking.enabled is false: the speed and memory columns come from the points' MLflow runs "
+              "and stay empty", file=sys.stderr)
+    init_ray(cfg)
+    live = progress and parallel == 1  # one live progress line at a time
+    try:
+        if parallel == 1:
+            for i, p in enumerate(points):
+                _train_point(cfg, p, runs_root, parent.run_id, live, f"[{i + 1}/{len(points)}]")
+        else:
+            with ThreadPoolExecutor(max_workers=parallel) as pool:
+                futures = [pool.submit(_train_point, cfg, p, runs_root, parent.run_id, False, f"[{i + 1}/{len(points)}]")
+                           for i, p in enumerate(points)]
+                for f in futures:
+                    f.result()
+    except BaseException:
+        parent.finish("KILLED")
+        raise
+    summary = StudySummary(name, list(cfg.eval.ks), points, out_dir, {}, parent.run_id, parent.uri, time.time() - started)
+    summary.files = write_outputs(summary)
+    for fname, path in summary.files.items():
+        parent.log_artifact(path, "study" if fname.endswith((".md", ".csv")) else "study/plots")
+    parent.finish("FINISHED" if summary.ok else "FAILED")
+    return summary
+
+
+def render(summary: StudySummary) -> str:
+    from cluster.tune import markdown_table
+
+    head, rows = table(summary)
+    lines = [markdown_table(head, rows), ""]
+    for p in summary.points:
+        if p.error:
+            lines.append(f"{p.run_name} failed: {p.error}")
+    lines.append(f"study {summary.name}: {sum(p.status == 'finished' for p in summary.points)}/{len(summary.points)} points "
+                 f"finished in {summary.seconds:.0f}s")
+    lines.append("files: " + ", ".join(str(p) for p in summary.files.values()))
+    if summary.parent_run_id:
+        lines.append(f"MLflow parent run: {summary.parent_run_id}")
+    return "\n".join(lines)
+
+
+# -- CLI --------------------------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="study", required=True, metavar="STUDY")
+    p = sub.add_parser("subsampling", help="train one run per class sampling ratio (and class count); table and plots",
+                       description="Class-subsampling scalability study: accuracy, speed and memory against the share of "
+                                   "classes in each softmax and against the number of classes.")
+    p.add_argument("config", help="YAML config (the built-in study: configs/study/sop_synthetic.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides for every point, e.g. train.epochs=2")
+    p.add_argument("--ratios", required=True, help="comma-separated shares of classes per softmax, e.g. 1,0.1,0.01,0.001")
+    p.add_argument("--classes", help="comma-separated class counts (synthetic configs), e.g. 1000,11318")
+    p.add_argument("--name", help="study name (default study-<config>-<time>); the same name resumes a study")
+    p.add_argument("--out", help="directory of the table and plots (default <storage>/<name>)")
+    p.add_argument("--parallel", type=int, default=1, help="points trained at once (default 1: comparable speed figures)")
+    p.add_argument("--no-progress", action="store_true", help="no live progress line")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dmltrain.config import load_config
+
+    ratios = parse_ratios(args.ratios)
+    classes = parse_classes(args.classes)
+    cfg = load_config(args.config, args.overrides)
+    summary = run_study(cfg, ratios, classes, name=args.name, out=args.out, parallel=args.parallel,
+                        progress=not args.no_progress, config_name=Path(args.config).stem)
+    print(render(summary))
+    return 0 if summary.ok else 1

@@ -1,0 +1,91 @@
+"""Pieces of the training system that need no Ray: DeepSpeed JSON, tracking failure handling, the objective."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dmltrain.config import load_config
+from dmltrain.errors import UserError
+
+
+def test_deepspeed_config_generated_and_overridden(tmp_path):
+    from dmltrain.training.engine import deepspeed_config
+
+    cfg = load_config(None, ["train.precision=bf16", "train.zero_stage=2", "train.grad_clip=1.5", "data.batch_size=64", "cluster.num_workers=2"])
+    ds = deepspeed_config(cfg, world_size=2)
+    assert ds["train_micro_batch_size_per_gpu"] == 32 and ds["train_batch_size"] == 64
+    assert ds["zero_optimization"] == {"stage": 2} and ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    assert ds["gradient_clipping"] == 1.5
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True}, "gradient_clipping": 0.5}))
+    ds = deepspeed_config(load_config(None, [f"train.deepspeed_config={user}", "cluster.num_workers=2"]), world_size=2)
+    assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True} and ds["gradient_clipping"] == 0.5
+    user.write_text(json.dumps({"train_micro_batch_size_per_gpu": 7}))
+    with pytest.raises(UserError, match="train_micro_batch_size_per_gpu.*data.batch_size"):
+        deepspeed_config(load_config(None, [f"train.deepspeed_config={user}"]), world_size=2)
+    user.write_text("{not json")
+    with pytest.raises(UserError, match=r"ds.json: invalid JSON at line 1"):
+        deepspeed_config(load_config(None, [f"train.deepspeed_config={user}"]), world_size=2)
+
+
+def test_unreachable_tracking_server_warns_once_and_training_goes_on(capsys):
+    from dmltrain.training.tracking import RunLogger, create_or_resume_run
+
+    uri = "http://127.0.0.1:9"  # discard port: connection refused at once
+    run_id, resumed = create_or_resume_run(uri, "exp", "run", {"a": 1})
+    assert (run_id, resumed) == (None, False)
+    logger = RunLogger(uri, "0123", system_metrics=False)
+    assert not logger.enabled
+    logger.log_metrics({"loss": 1.0}, step=1)  # no-ops, no exceptions
+    logger.log_artifact(__file__)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("unreachable" in line and "training continues" in line for line in err)
+
+
+def test_sqlite_runs_resume_by_name_and_keep_artifacts_beside_the_db(tmp_path):
+    from mlflow import MlflowClient
+
+    from dmltrain.training.tracking import create_or_resume_run, metric_key
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first, resumed = create_or_resume_run(uri, "exp", "name", {"optim.lr": 0.1, "x": "a"})
+    assert first and not resumed
+    again, resumed = create_or_resume_run(uri, "exp", "name", {"optim.lr": 0.2, "x": "a"})
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(again)
+    assert again == first and resumed and run.data.tags["resumed.optim.lr"] == "0.2" and run.data.params["optim.lr"] == "0.1"
+    assert client.get_experiment_by_name("exp").artifact_location == str(tmp_path / "mlartifacts")
+    assert metric_key("eval/recall@10") == "eval/recall_at_10" and metric_key("eval/map@r") == "eval/map_at_r"
+
+
+def test_objective_single_worker_is_the_plain_weighted_sum():
+    """At W=1 the objective is w1 × NormSoftmax + w2 × ICE of the registry losses, gradients included."""
+    from dmltrain.losses import build_loss
+    from dmltrain.training.objective import Objective
+
+    cfg = load_config(None, ["loss.classifier.weight=0.7", "loss.instance.kind=ice", "loss.instance.weight=0.3",
+                             "loss.classifier.params={temperature: 0.1}", "cluster.num_workers=1"])
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    try:
+        obj = Objective(cfg, num_classes=10, dim=8, world_size=1)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(12, 8, generator=g, requires_grad=True)
+        y = torch.arange(12) % 6
+        loss = obj(x, y, step=0)
+        loss.backward()
+        ref_cls = build_loss("normsoftmax", num_classes=10, dim=8, temperature=0.1)
+        with torch.no_grad():
+            ref_cls.weight.copy_(obj.classifier.full_weight())
+        x2 = x.detach().clone().requires_grad_(True)
+        ref = 0.7 * ref_cls(x2, y) + 0.3 * build_loss("ice", scale=64.0)(x2, y)
+        ref.backward()
+        torch.testing.assert_close(loss, ref)
+        torch.testing.assert_close(x.grad, x2.grad)
+        torch.testing.assert_close(obj.classifier.weight.grad, ref_cls.weight.grad)
+        assert set(obj.stats) >= {"loss", "classifier/loss", "instance/loss"}
+    finally:
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,313 @@
+"""``dmltrain tune``: the search-space file, and a real two-trial Ray Tune search over Ray Train V2.
+
+The fast tests check the space file against the config (every mistake is one line naming the
+key, before anything starts) and that the shipped spaces load against their recipes. The Ray
+test runs the CLI on tiny synthetic shards: two trials (a grid over the learning rate) under
+ASHA, each a Ray Train V2 training logging into its own MLflow child run. What the search
+reports (the best trial, its value, the parent's metrics) is checked against the MLflow runs
+read back here, not against the search's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster import tune as tn
+from dmltrain.cli import main
+from dmltrain.config import load_config
+from dmltrain.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs/demo.yaml"
+
+
+def _space(tmp_path: Path, doc) -> Path:
+    p = tmp_path / "space.yaml"
+    p.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc))
+    return p
+
+
+# -- the space file ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "space, key, words",
+    [
+        ({"optim.lr": {"normal": [0, 1]}}, "space.optim.lr", "unknown distribution 'normal'"),
+        ({"optim.lr": {"uniform": [0.1, 0.01]}}, "space.optim.lr", "low < high"),
+        ({"optim.lr": {"loguniform": [0.0, 0.1]}}, "space.optim.lr", "low > 0"),
+        ({"optim.lr": {"uniform": [0.1]}}, "space.optim.lr", "[low, high]"),
+        ({"optim.lr": {"choice": []}}, "space.optim.lr", "non-empty list"),
+        ({"optim.lr": 0.1}, "space.optim.lr", "one distribution"),
+        ({"optim.lrr": {"choice": [0.1]}}, "space.optim.lrr", "optim.lrr is not a config key"),
+        ({"loss.classifier.params.temprature": {"choice": [0.05]}}, "space.loss.classifier.params.temprature",
+         "not a parameter of normsoftmax"),
+        ({"loss.classifier.sample_ratio": {"choice": [1.0, 1.5]}}, "space.loss.classifier.sample_ratio", "1.5"),
+        ({"loss.classifier.params.temperature": {"uniform": [-0.1, 0.1]}}, "space.loss.classifier.params.temperature",
+         "temperature must be positive"),
+        ({"data.samples_per_class": {"uniform": [2, 8]}}, "space.data.samples_per_class", "integer"),
+        ({"optim.lr.value": {"choice": [0.1]}}, "space.optim.lr.value", "optim.lr is a value"),
+    ],
+)
+def test_space_mistakes_are_one_line_naming_the_key(tmp_path, space, key, words):
+    path = _space(tmp_path, {"metric": "recall@1", "space": space})
+    with pytest.raises(UserError) as e:
+        tn.load_space(path, load_config(DEMO).to_dict())
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{path}: {key}:") and words in msg, msg
+
+
+def test_space_keys_under_a_null_section_and_bad_metric(tmp_path):
+    base = load_config(DEMO, ["loss.instance=null"]).to_dict()
+    path = _space(tmp_path, {"space": {"loss.instance.params.scale": {"uniform": [16, 64]}}})
+    with pytest.raises(UserError, match=r"space\.loss\.instance\.params\.scale: loss\.instance is null"):
+        tn.load_space(path, base)
+    for doc, words in (({"metric": "recall@3", "space": {"optim.lr": {"choice": [0.1]}}}, "metric: 'recall@3' is not reported"),
+                       ({"metric": "recall@1", "mode": "up", "space": {"optim.lr": {"choice": [0.1]}}}, "mode: 'up'"),
+                       ({"metric": "recall@1", "spaces": {}}, "spaces: unknown key"),
+                       ({"metric": "recall@1", "space": {}}, "space: give a mapping"),
+                       ("space: [unclosed", "invalid YAML")):
+        with pytest.raises(UserError, match=words.replace("[", r"\[").replace("(", r"\(")):
+            tn.load_space(_space(tmp_path, doc), base)
+
+
+def test_combinations_all_refused_stop_some_refused_warn(tmp_path, capsys):
+    base = load_config(DEMO).to_dict()  # batch 64 = 16 x 4 over 2 workers
+    # each value is valid alone (48 = 12 x 4, 64 = 4 x 16) but together P = 48 / 16 = 3 cannot split over 2 workers
+    none = _space(tmp_path, {"space": {"data.batch_size": {"choice": [48]}, "data.samples_per_class": {"choice": [16]}}})
+    with pytest.raises(UserError, match=r"space: no combination of the values is a valid config, e\.g\. data\.batch_size=48, "
+                                        r"data\.samples_per_class=16: .*cannot be split evenly"):
+        tn.load_space(none, base)
+    partly = _space(tmp_path, {"space": {"data.batch_size": {"choice": [64, 48]}, "data.samples_per_class": {"choice": [4, 16]},
+                                         "optim.lr": {"loguniform": [0.01, 0.1]}}})
+    space = tn.load_space(partly, base)
+    assert [d.key for d in space.dims] == ["data.batch_size", "data.samples_per_class", "optim.lr"]
+    err = capsys.readouterr().err
+    assert "1 of 4 value combinations are refused" in err and "data.batch_size=48, data.samples_per_class=16" in err
+
+
+def test_dotted_keys_and_section_choices_merge(tmp_path):
+    base = load_config(DEMO).to_dict()
+    tree = tn.apply_params(base, {"optim.lr": 0.3, "data": {"batch_size": 32, "samples_per_class": 2},
+                                  "loss.classifier.params.temperature": 0.07})
+    cfg = tn.validate_config(tree, "t")
+    assert cfg.optim.lr == 0.3 and (cfg.data.batch_size, cfg.data.P) == (32, 16)
+    assert cfg.data.shards == base["data"]["shards"]  # merged into the section, not replacing it
+    assert cfg.loss.classifier.params == {"temperature": 0.07}
+    assert base["optim"]["lr"] == 0.05  # the base tree is untouched
+    assert [tn.trial_index(t) for t in ("a1b2c_00000", "a1b2c_00013", "t007")] == [0, 13, 7]
+
+
+SHIPPED = {  # space -> the recipe (and overrides) it is written for, as its header says
+    "normsoftmax": [("normsoftmax/sop.yaml", []), ("normsoftmax/cub.yaml", [])],
+    "cosface": [("normsoftmax/sop.yaml", ["loss.classifier.kind=cosface", "loss.classifier.params={}"])],
+    "arcface": [("normsoftmax/cars.yaml", ["loss.classifier.kind=arcface", "loss.classifier.params={}"])],
+    "ce_ls": [("ce_ls/cub.yaml", []), ("ce_ls/sop.yaml", [])],
+    "ice": [("ice/sop.yaml", []), ("ice/cub.yaml", [])],
+    "rll": [("rll/sop.yaml", []), ("rll/cub.yaml", [])],
+    "demo": [("demo.yaml", [])],
+}
+
+
+def test_shipped_spaces_load_against_their_recipes():
+    assert {p.stem for p in (ROOT / "configs/tune").glob("*.yaml")} == set(SHIPPED)
+    tuned = set()
+    for name, bases in SHIPPED.items():
+        for config, overrides in bases:
+            space = tn.load_space(ROOT / "configs/tune" / f"{name}.yaml", load_config(ROOT / "configs" / config, overrides).to_dict())
+            assert space.metric == "recall@1" and space.mode == "max"
+            tuned |= {d.key.rsplit(".", 1)[-1] for d in space.dims}
+    # the issue's list: temperature, s, margins, lr, sample_ratio, P×K
+    assert {"temperature", "scale", "margin", "lr", "sample_ratio", "samples_per_class"} <= tuned
+
+
+def test_cli_refuses_a_bad_space_before_starting_anything(tmp_path, capsys):
+    path = _space(tmp_path, {"space": {"optim.lrr": {"choice": [0.1]}}})
+    rc = main(["tune", str(DEMO), f"data.shards={tmp_path / 'missing'}", "--space", str(path), "--trials", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert err[0].startswith(f"dmltrain: error: {path}: space.optim.lrr: optim.lrr is not a config key (optim has: name, lr,")
+    assert not (tmp_path / "missing").exists()  # nothing was built
+
+
+def test_only_new_evaluations_reach_tune():
+    # what the trainer reports over a run: the untrained model, each evaluation, then the checkpoint repeating it
+    reports = [{"eval/recall@1": 0.1, "step": 0}, {"eval/recall@1": 0.3, "step": 4}, {"eval/recall@1": 0.3, "step": 4},
+               {"step": 6}, {"eval/recall@1": 0.4, "step": 8}, {"eval/recall@1": 0.4, "step": 8}]
+    last, forwarded = None, []
+    for m in reports:
+        if tn.is_new_evaluation(m, "eval/recall@1", last):
+            last = m["step"]
+            forwarded.append(m["step"])
+    assert forwarded == [4, 8]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One MLflow store for the unit tests (creating its tables takes seconds); each test its own experiment."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    client.search_experiments()  # creates the tables
+    return uri, client
+
+
+def _store(store, experiment):
+    uri, client = store
+    return uri, load_config(DEMO, [f"tracking.uri={uri}", f"tracking.experiment={experiment}"]), client
+
+
+def test_a_trial_whose_draw_the_config_refuses_fails_as_a_child_run(store, tmp_path, monkeypatch):
+    import ray.tune
+    from types import SimpleNamespace
+
+    uri, cfg, client = _store(store, "refused")
+    parent = tn.ParentRun(cfg, "srch", {"optim.lr": 0.05}, tags={"dmltrain.kind": "tune"})
+    monkeypatch.setattr(ray.tune, "get_context", lambda: SimpleNamespace(get_trial_id=lambda: "abcde_00003"))
+    setup = {"base": cfg.to_dict(), "name": "srch", "parent_run_id": parent.run_id, "runs_root": str(tmp_path / "runs"),
+             "result_key": "eval/recall@1"}
+    with pytest.raises(UserError) as e:
+        tn.run_trial({"data.batch_size": 30}, setup)  # 30 is not P x K with K = 4
+    assert str(e.value).startswith("trial 3 (data.batch_size=30): data.batch_size: 30 is not divisible into P×K")
+    (kid,) = client.search_runs([client.get_run(parent.run_id).info.experiment_id],
+                                filter_string=f"tags.`mlflow.parentRunId` = '{parent.run_id}'")
+    assert kid.data.tags["dmltrain.run_name"] == "srch-t003" and kid.info.status == "FAILED"
+    assert kid.data.tags["dmltrain.error"] == str(e.value) and kid.data.params == {"data.batch_size": "30"}
+
+
+def test_trials_the_scheduler_stopped_end_killed_and_tagged(store):
+    from dmltrain.training.tracking import create_or_resume_run, finish_run
+
+    uri, cfg, client = _store(store, "stopped")
+    parent = tn.ParentRun(cfg, "srch", {}, tags={})
+    ends = {  # run: (status the trial left, error tag, how Tune saw the trial) -> expected status, row status
+        "srch-t000": ("RUNNING", None, "finished", "KILLED", "stopped early"),  # its process was killed mid-step
+        "srch-t001": ("FAILED", "ActorDiedError: placement group removed", "finished", "KILLED", "stopped early"),
+        "srch-t002": ("RUNNING", None, "failed", "FAILED", "failed"),
+        "srch-t003": ("FINISHED", None, "finished", "FINISHED", "finished"),
+    }
+    rows = []
+    for name, (left, err, tune_status, _, _) in ends.items():
+        rid, _ = create_or_resume_run(uri, "stopped", name, {}, tags={"dmltrain.error": err} if err else None, parent_run_id=parent.run_id)
+        if left != "RUNNING":
+            finish_run(uri, rid, left)
+        rows.append(tn.TrialRow(tn.trial_index(name), "", name, tune_status, {}, None, None, None, 0, None, None))
+    tn._reconcile_with_mlflow(rows, parent)
+    for row, (name, (_, err, _, status, row_status)) in zip(rows, ends.items()):
+        run = client.get_run(row.mlflow_run_id)
+        assert (run.info.status, row.status) == (status, row_status), name
+        stopped = row_status == "stopped early"
+        assert (run.data.tags.get("dmltrain.tune.stopped_early") == "true") == stopped
+        assert ("dmltrain.error" in run.data.tags) == (bool(err) and not stopped)
+
+
+# -- a real search ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def search(tmp_path_factory):
+    import ray
+    from mlflow import MlflowClient
+
+    from shards.synthetic import build_synthetic_shards
+
+    root = tmp_path_factory.mktemp("tune")
+    shards = root / "shards"
+    build_synthetic_shards(shards, classes=16, per_class=6, image_size=32, seed=0, shard_size=40, progress=False)
+    space = _space(root, {"metric": "recall@1", "space": {"optim.lr": {"grid": [0.05, 0.002]},
+                                                          "loss.classifier.params.temperature": {"uniform": [0.04, 0.08]}}})
+    overrides = {
+        "data.shards": str(shards), "data.synthetic": "null", "data.batch_size": 32, "data.samples_per_class": 4,
+        "data.loader_workers": 0, "data.eval_batch_size": 96, "model.embedding_dim": 64, "loss.instance": "null",
+        "train.epochs": 1, "train.log_every": 1, "train.output_dir": str(root / "runs"),
+        "eval.unit": "step", "eval.every": 2, "eval.before_training": False, "eval.plots": False, "eval.binary": False, "eval.nmi": False,
+        "tracking.uri": f"sqlite:///{root / 'mlflow.db'}", "tracking.experiment": "tune-test", "tracking.system_metrics": False,
+        "cluster.num_workers": 1, "cluster.cpus_per_worker": 0.5,
+    }
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        argv = ["tune", str(DEMO), *(f"{k}={v}" for k, v in overrides.items()), "--space", str(space), "--trials", "1",
+                "--scheduler", "asha", "--name", "search", "--max-concurrent", "2", "--no-progress"]
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            rc = main(argv)
+    finally:
+        ray.shutdown()
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    return {"rc": rc, "printed": printed.getvalue(), "root": root, "client": client,
+            "exp": client.get_experiment_by_name("tune-test"), "out": root / "runs" / "search"}
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_search_runs_trials_as_mlflow_children_and_writes_the_best_config(search, capsys):
+    assert search["rc"] == 0
+    client, exp, out = search["client"], search["exp"], search["out"]
+    parents = client.search_runs([exp.experiment_id], filter_string="tags.`dmltrain.run_name` = 'search'")
+    assert len(parents) == 1
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and parent.data.tags["dmltrain.kind"] == "tune"
+    assert parent.data.params["tune.metric"] == "recall@1" and parent.data.params["optim.lr"] == "0.05"
+    kids = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert sorted(k.data.tags["dmltrain.run_name"] for k in kids) == ["search-t000", "search-t001"]
+    assert len(client.search_runs([exp.experiment_id])) == 3  # the parent and its two trials, nothing else
+
+    # each trial: its sampled values as params, its evaluations as metrics, a status that says how it ended
+    best_of = {}
+    for kid in kids:
+        lr = float(kid.data.params["optim.lr"])
+        assert lr in (0.05, 0.002)
+        assert 0.04 <= float(kid.data.params["loss.classifier.params.temperature"]) <= 0.08
+        evals = [(m.step, m.value) for m in client.get_metric_history(kid.info.run_id, "eval/recall_at_1")]
+        assert evals, kid.data.tags["dmltrain.run_name"]
+        if kid.info.status == "KILLED":  # ASHA stopped it after its first evaluation
+            assert kid.data.tags.get("dmltrain.tune.stopped_early") == "true" and "dmltrain.error" not in kid.data.tags
+        else:
+            assert kid.info.status == "FINISHED" and len(evals) == 2  # at step 2 and at the end (step 4)
+        best_of[kid.data.tags["dmltrain.run_name"]] = (max(v for _, v in evals), kid)
+    assert any(k.info.status == "FINISHED" for _, k in best_of.values())  # ASHA never stops the first to a rung
+
+    # the best trial is the one with the highest Recall@1 at any evaluation
+    best_name, (best_value, best_run) = max(best_of.items(), key=lambda kv: kv[1][0])
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert [r["trial"] for r in rows] == ["search-t000", "search-t001"]
+    by_trial = {r["trial"]: r for r in rows}
+    for name, (value, kid) in best_of.items():
+        assert math.isclose(float(by_trial[name]["best recall@1"]), value, rel_tol=1e-9)
+        assert by_trial[name]["MLflow run"] == kid.info.run_id
+        assert by_trial[name]["status"].split(" (")[0] == ("stopped early" if kid.info.status == "KILLED" else "finished")
+    assert by_trial[best_name]["status"].endswith("(best)")
+    # the tuned keys in the space file's order (yaml.safe_dump sorted them)
+    assert "| trial | status | loss.classifier.params.temperature | optim.lr | best recall@1 |" in (out / "results.md").read_text()
+
+    # the best config re-loads as a run config with the best trial's values
+    cfg = load_config(out / "best_config.yaml")
+    assert cfg.optim.lr == float(best_run.data.params["optim.lr"])
+    assert cfg.loss.classifier.params == {"temperature": float(best_run.data.params["loss.classifier.params.temperature"])}
+    assert cfg.train.run_name is None and cfg.cluster.storage_path is None and cfg.train.epochs == 1
+
+    # the parent: the space, the results and the best config as artifacts; the best trial's metrics and tags
+    arts = {a.path for a in client.list_artifacts(parent.info.run_id, "tune")}
+    assert arts == {"tune/space.yaml", "tune/results.md", "tune/results.csv", "tune/best_config.yaml"}
+    assert math.isclose(parent.data.metrics["eval/recall_at_1"], best_value, rel_tol=1e-9)
+    assert parent.data.tags["dmltrain.tune.best_run_id"] == best_run.info.run_id
+
+    # printed: the table, the best trial, the YAML
+    printed = search["printed"]
+    assert f"best trial {best_name}: recall@1 {best_value:.4f}" in printed and "optim:\n" in printed
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_report_over_the_search_compares_its_trials(search, tmp_path):
+    from dmltrain.report import build_report
+
+    rep = build_report("tune-test", runs=["search"], out=tmp_path / "report", tracking_uri=f"sqlite:///{search['root'] / 'mlflow.db'}",
+                       progress=False)
+    assert sorted(r.name for r in rep.records) == ["search-t000", "search-t001"]
+    text = rep.markdown.read_text()
+    assert "optim.lr" in text and rep.html.is_file() and (tmp_path / "report" / "recall_at_1.png").is_file()
