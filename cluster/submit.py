@@ -129,7 +129,7 @@ def placement_warnings(cfg: Any) -> list[str]:
                     "and its artifacts land in the job's temporary working directory")
         else:
             what = "unset, so runs go to mlflow.db in the job's temporary working directory and are lost with it"
-        out.append(f"tracking.uri: {what}; point tracking.uri at an MLflow server (see cluster/GUIDE.md)")
+        out.append(f"tracking.uri: {what}; point tracking.uri at an MLflow server (see 'Running on a cluster' in README.md)")
     storage = cfg.cluster.storage_path or cfg.train.output_dir
     if "://" not in storage and not Path(storage).is_absolute():
         key = "cluster.storage_path" if cfg.cluster.storage_path else "train.output_dir"

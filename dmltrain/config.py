@@ -108,7 +108,12 @@ class ClassifierLoss(Section):
 
 
 class InstanceLoss(Section):
-    """A pair/instance loss over the embeddings all-gathered from every worker."""
+    """A loss over the embeddings all-gathered from every worker.
+
+    Pair losses (ICE, ranked list, ...) follow ``mode``. A proxy loss named here (proxy_nca,
+    center, ...) keeps its class weights replicated on every worker and is computed whole on
+    the gathered batch (mode ``full``); for large label spaces use ``loss.classifier``.
+    """
 
     kind: str = "ice"
     weight: float = Field(1.0, ge=0.0)
@@ -126,10 +131,9 @@ class LossConfig(Section):
     def _check(self) -> LossConfig:
         if self.classifier is None and self.instance is None:
             raise ValueError("loss: needs a classifier part, an instance part, or both")
-        from dmltrain.losses.registry import check_params, instance_loss_names  # imports torch: only when checked
+        from dmltrain.losses.registry import check_params  # imports torch: only when a config is checked
 
-        # proxy losses with their own class weights train as the sharded classifier, not over gathered pairs
-        for part, names in (("classifier", CLASSIFIER_KINDS), ("instance", tuple(instance_loss_names()))):
+        for part, names in (("classifier", CLASSIFIER_KINDS), ("instance", None)):
             cfg = getattr(self, part)
             if cfg is not None:
                 problem = check_params(cfg.kind, cfg.params, allowed=names)

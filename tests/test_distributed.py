@@ -264,6 +264,29 @@ def test_bf16_embeddings_keep_fp32_math():
     assert again.dtype == torch.float32 and rel_err(float(again.detach()), float(ref)) < 1e-5
 
 
+@pytest.mark.parametrize("kind", ["normsoftmax", "cosface", "arcface", "softmax_ce"])
+def test_agrees_with_the_registry_proxy_loss(kind):
+    """In one process the sharded classifier and ``build_loss(kind)`` are the same loss."""
+    from dmltrain.losses import build_loss
+
+    C, D = 50, 16
+    x, y = _batch(C, D, B=32, seed=5)
+    ref = build_loss(kind, num_classes=C, dim=D)
+    with torch.no_grad():
+        ref.weight.normal_()
+        if getattr(ref, "bias", None) is not None:
+            ref.bias.normal_()
+    clf = ShardedClassifier(C, D, kind)
+    clf.load_full_weight(ref.weight.detach(), None if getattr(ref, "bias", None) is None else ref.bias.detach())
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ours, theirs = clf(xa, y), ref(xb, y)
+    ours.backward()
+    theirs.backward()
+    assert rel_err(float(ours.detach()), float(theirs.detach())) < 1e-5
+    assert rel_err(xa.grad, xb.grad) < 1e-5
+    assert rel_err(clf.weight.grad, ref.weight.grad) < 1e-5
+
+
 def test_eval_call_without_grad():
     clf = ShardedClassifier(30, 8, "normsoftmax", logits_budget_mb=1e-3)
     x, y = _batch(30, 8)

@@ -102,13 +102,14 @@ def test_trains_evaluates_logs_and_checkpoints(env, plain_run):
     ckpts = sorted(Path(s.storage_dir).glob("checkpoint-step*"))
     assert len(ckpts) == 2 and ckpts[-1].name == f"checkpoint-step{steps:08d}"
     names = {p.name for p in ckpts[-1].iterdir()}
-    assert {"model.pt", "classifier.pt", "dp_optimizer.pt", "train_state.json", "rng-rank0.pt", "rng-rank1.pt", "engine"} <= names
+    assert {"model.pt", "classifier", "dp_optimizer.pt", "train_state.json", "rng-rank0.pt", "rng-rank1.pt", "engine"} <= names
     assert len(list((ckpts[-1] / "engine").glob("*optim_states.pt"))) == 2  # one ZeRO partition per rank
+    assert len(list((ckpts[-1] / "classifier").glob("classifier-*.pt"))) == 2  # one row piece per rank
     # MLflow: one run with params, metric curves and artifacts
     client, runs = _runs(root, "plain")
     assert len(runs) == 1
     run = runs[0]
-    assert run.info.status == "FINISHED" and run.data.params["optim.lr"] == "0.05" and run.data.params["cluster.num_workers"] == "2"
+    assert run.info.status == "FINISHED" and run.data.params["optim.lr"] == "0.003" and run.data.params["cluster.num_workers"] == "2"
     losses = client.get_metric_history(run.info.run_id, "loss")
     assert len(losses) == steps and all(m.value == m.value for m in losses)
     for key in ("eval/recall_at_1", "initial/recall_at_1", "eval/map_at_r", "classifier/loss", "instance/loss", "images_per_s", "time/forward_ms", "lr"):

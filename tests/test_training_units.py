@@ -89,3 +89,44 @@ def test_objective_single_worker_is_the_plain_weighted_sum():
         assert set(obj.stats) >= {"loss", "classifier/loss", "instance/loss"}
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _proxy_objective_worker(rank, world, kind):
+    """Objective with a replicated proxy loss at W workers vs the loss of the concatenated batch."""
+    from dmltrain.losses import make_loss
+    from dmltrain.training.objective import Objective
+
+    cfg = load_config(None, ["loss.classifier=null", f"loss.instance.kind={kind}", "loss.instance.params={}", f"cluster.num_workers={world}",
+                             "data.batch_size=48"])
+    torch.manual_seed(100 + rank)  # different RNG per rank: the replicas must still start equal
+    obj = Objective(cfg, num_classes=7, dim=6, world_size=world)
+    g = torch.Generator().manual_seed(0)
+    x_all = torch.randn(12, 6, generator=g, dtype=torch.float32)
+    y_all = torch.arange(12) % 7
+    lo, hi = (0, 5) if rank == 0 else (5, 12)
+    x = x_all[lo:hi].clone().requires_grad_(True)
+    loss = obj(x, y_all[lo:hi], step=0)
+    loss.backward()
+    obj.average_replicated_grads()
+    ref = make_loss(kind, {}, num_classes=7, dim=6)
+    with torch.no_grad():
+        for a, b in zip(ref.parameters(), obj.replicated_parameters()):
+            a.copy_(b)
+    xr = x_all.clone().requires_grad_(True)
+    ref_loss = ref(xr, y_all)
+    ref_loss.backward()
+    # the objective scales embedding grads by W for DeepSpeed's averaging: undo it to compare
+    return (float(loss.detach()), float(ref_loss.detach()), torch.allclose(x.grad / world, xr.grad[lo:hi], atol=1e-6),
+            all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(obj.replicated_parameters(), ref.parameters())),
+            [p.detach().tolist() for p in obj.replicated_parameters()])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["proxy_nca", "center"])
+def test_proxy_instance_losses_are_replicated_and_exact(kind):
+    from multiproc import run_workers
+
+    out = run_workers(_proxy_objective_worker, 2, kind)
+    for loss, ref, emb_ok, proxy_ok, _ in out:
+        assert loss == pytest.approx(ref, rel=1e-5) and emb_ok and proxy_ok
+    assert out[0][4] == out[1][4]  # replicas identical

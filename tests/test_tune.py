@@ -99,7 +99,7 @@ def test_dotted_keys_and_section_choices_merge(tmp_path):
     assert cfg.optim.lr == 0.3 and (cfg.data.batch_size, cfg.data.P) == (32, 16)
     assert cfg.data.shards == base["data"]["shards"]  # merged into the section, not replacing it
     assert cfg.loss.classifier.params == {"temperature": 0.07}
-    assert base["optim"]["lr"] == 0.05  # the base tree is untouched
+    assert base["optim"]["lr"] == 0.003  # the base tree is untouched
     assert [tn.trial_index(t) for t in ("a1b2c_00000", "a1b2c_00013", "t007")] == [0, 13, 7]
 
 
@@ -251,7 +251,7 @@ def test_search_runs_trials_as_mlflow_children_and_writes_the_best_config(search
     assert len(parents) == 1
     parent = parents[0]
     assert parent.info.status == "FINISHED" and parent.data.tags["dmltrain.kind"] == "tune"
-    assert parent.data.params["tune.metric"] == "recall@1" and parent.data.params["optim.lr"] == "0.05"
+    assert parent.data.params["tune.metric"] == "recall@1" and parent.data.params["optim.lr"] == "0.003"
     kids = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert sorted(k.data.tags["dmltrain.run_name"] for k in kids) == ["search-t000", "search-t001"]
     assert len(client.search_runs([exp.experiment_id])) == 3  # the parent and its two trials, nothing else

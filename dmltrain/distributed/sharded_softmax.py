@@ -496,6 +496,11 @@ class ShardedClassifier(nn.Module):
             raise ValueError(f"normsoftmax: temperature must be positive, got {self.params['temperature']}")
         if kind == "softmax_ce" and not 0 <= self.params["smoothing"] < 1:
             raise ValueError(f"softmax_ce: smoothing must be in [0, 1), got {self.params['smoothing']}")
+        if kind in ("cosface", "arcface"):
+            scale, margin = self.params["scale"], self.params["margin"]
+            top = math.pi if kind == "arcface" else math.inf
+            if scale <= 0 or not 0 <= margin < top:
+                raise ValueError(f"{kind}: need scale > 0 and 0 <= margin{' < pi' if kind == 'arcface' else ''}, got {scale}, {margin}")
         self.num_classes, self.dim, self.kind = int(num_classes), int(dim), kind
         self.sample_ratio, self.seed = float(sample_ratio), int(seed)
         self.logits_budget_mb = float(logits_budget_mb)

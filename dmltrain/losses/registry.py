@@ -37,14 +37,6 @@ def loss_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def instance_loss_names() -> list[str]:
-    """Names of the losses over pairs of embeddings (no learnable proxies): what ``loss.instance`` accepts."""
-    from dmltrain.losses.base import InstanceLoss
-
-    _ensure_loaded()
-    return sorted(n for n, cls in _REGISTRY.items() if issubclass(cls, InstanceLoss))
-
-
 def loss_class(name: str) -> type:
     _ensure_loaded()
     try:

@@ -8,7 +8,9 @@ workers into one checkpoint, so every per-rank file has a rank-unique name:
                                     ZeRO optimizer partitions (one file per rank), counters
 ``model.pt``                rank 0  full fp32 weights + resolved config (``dmltrain eval`` reads it)
 ``dp_optimizer.pt``         rank 0  per-parameter optimizer state of the data-parallel model
-``classifier.pt``           rank 0  classifier rows and their optimizer state by global class id
+``instance_loss.pt``        rank 0  replicated proxies of a proxy instance loss + their optimizer
+``classifier/``             each    classifier rows and their optimizer state by global class id:
+                                    one piece per rank plus an index (no rank ever holds all C rows)
 ``rng-rank{r}.pt``          each    torch / numpy / python RNG states of rank r
 ``train_state.json``        rank 0  step, epoch, batch within the epoch, world size, metrics
 ==========================  ======  ==========================================================
@@ -93,6 +95,8 @@ def save_training_state(
     classifier_optimizer,
     state: TrainState,
     rank: int,
+    replicated=None,
+    replicated_optimizer=None,
     model_config: dict[str, Any],
     extra: dict[str, Any] | None = None,
 ) -> None:
@@ -104,15 +108,18 @@ def save_training_state(
     # collectives under ZeRO; ZeRO-3 runs resume only at their own world size (DeepSpeed's checkpoint)
     dp = full_dp_state(engine) if state.zero_stage < 3 else None
     weights = full_module_state_dict(engine)
-    clf_state = classifier.state_dict_by_class(classifier_optimizer) if classifier is not None else None  # collective
+    if classifier is not None:
+        from dmltrain.distributed import save_by_class
+
+        save_by_class(classifier, directory / "classifier", classifier_optimizer)  # collective
     torch.save(rng_state(), directory / f"rng-rank{rank}.pt")
     if rank == 0:
         if dp is not None:
             weights.update(dp["weights"])  # fp32 masters over the (possibly bf16) module copy
             torch.save({"optim": dp["optim"], "scalars": dp["scalars"]}, directory / "dp_optimizer.pt")
         save_model(directory / "model.pt", engine.module, model_config, extra=extra, state_dict=weights)
-        if clf_state is not None:
-            torch.save(clf_state, directory / "classifier.pt")
+        if replicated is not None:
+            torch.save({"params": replicated.state_dict(), "optimizer": replicated_optimizer.state_dict()}, directory / "instance_loss.pt")
         write_json(directory / "train_state.json", asdict(state))
 
 
@@ -126,6 +133,8 @@ def load_training_state(
     world_size: int,
     zero_stage: int,
     seed: int,
+    replicated=None,
+    replicated_optimizer=None,
 ) -> TrainState:
     """Restore everything from a merged checkpoint directory; returns the saved position."""
     state = TrainState.from_json(directory / "train_state.json")
@@ -149,8 +158,13 @@ def load_training_state(
         buffers = {k: v for k, v in weights.items() if k not in params}
         engine.module.load_state_dict({**engine.module.state_dict(), **buffers})
     if classifier is not None:
-        clf_state = torch.load(directory / "classifier.pt", map_location="cpu", weights_only=True)
-        classifier.load_state_dict_by_class(clf_state, classifier_optimizer)
+        from dmltrain.distributed import load_by_class
+
+        load_by_class(classifier, directory / "classifier", classifier_optimizer)  # reads only the pieces it overlaps
+    if replicated is not None:
+        rep = torch.load(directory / "instance_loss.pt", map_location="cpu", weights_only=True)
+        replicated.load_state_dict(rep["params"])
+        replicated_optimizer.load_state_dict(rep["optimizer"])
     rng_file = directory / f"rng-rank{rank}.pt"
     if same_layout and rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=True))

@@ -10,6 +10,7 @@ averaging equal the single-process gradient of the global batch.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -27,9 +28,10 @@ class Objective(nn.Module):
     def __init__(self, cfg: Config, num_classes: int, dim: int, world_size: int, classifier_dropout: float = 0.0, group=None):
         super().__init__()
         from dmltrain.distributed import GatheredInstanceLoss, ShardedClassifier
-        from dmltrain.losses import build_loss
+        from dmltrain.losses import ProxyLoss, make_loss
 
         self.world_size = world_size
+        self.group = group
         self.classifier_dropout = classifier_dropout
         self.classifier = None
         self.instance = None
@@ -41,8 +43,17 @@ class Objective(nn.Module):
                 num_classes, dim, c.kind, sample_ratio=c.sample_ratio, group=group, seed=cfg.train.seed,
                 logits_budget_mb=c.logits_budget_mb, **c.params,
             )
+        self.replicated: nn.Module | None = None
         if i is not None:
-            self.instance = GatheredInstanceLoss(build_loss(i.kind, **i.params), group=group, mode=i.mode)
+            loss = make_loss(i.kind, i.params, num_classes=num_classes, dim=dim)
+            if isinstance(loss, ProxyLoss):
+                # replicated proxies: every worker computes the whole global loss, so all replicas get the same
+                # gradient; they start equal (broadcast) and their gradients are averaged to stay bit-identical
+                self.replicated = loss
+                self.instance = GatheredInstanceLoss(loss, group=group, mode="full")
+                self._broadcast_replicated(group)
+            else:
+                self.instance = GatheredInstanceLoss(loss, group=group, mode=i.mode)
         self.stats: dict[str, float] = {}
 
     def forward(self, embeddings: Tensor, labels: Tensor, step: int) -> Tensor:
@@ -71,3 +82,20 @@ class Objective(nn.Module):
 
     def classifier_parameters(self) -> list[torch.nn.Parameter]:
         return list(self.classifier.parameters()) if self.classifier is not None else []
+
+    def replicated_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters of a proxy instance loss, the same on every worker (their own optimizer steps them)."""
+        return list(self.replicated.parameters()) if self.replicated is not None else []
+
+    def _broadcast_replicated(self, group) -> None:
+        if self.world_size > 1:
+            for p in self.replicated_parameters():
+                dist.broadcast(p.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+
+    def average_replicated_grads(self) -> None:
+        """Mean of the replicas' (equal up to rounding) gradients, so the replicas never drift apart."""
+        if self.world_size > 1:
+            for p in self.replicated_parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.group)
+                    p.grad.div_(self.world_size)

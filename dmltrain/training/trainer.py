@@ -132,6 +132,11 @@ class Trainer:
                 self.objective.classifier, name=o.name, lr=o.lr * o.new_param_lr_mult, momentum=o.momentum,
                 nesterov=o.nesterov, weight_decay=o.weight_decay, betas=o.betas,
             )
+        self.rep_opt = None
+        if self.objective.replicated is not None:
+            from dmltrain.training.engine import build_optimizer
+
+            self.rep_opt = build_optimizer([{"params": self.objective.replicated_parameters(), "lr_mult": cfg.optim.new_param_lr_mult}], cfg)
         d = cfg.data
         self.stream = TrainStream(
             d.shards, split=d.train_split, rank=self.rank, world_size=self.world, sampler=d.sampler,
@@ -163,8 +168,8 @@ class Trainer:
             # lr 0 and no decay: the backbone stays exactly as it is while the head warms up
             g["lr"] = 0.0 if frozen else lr * factor
             g["weight_decay"] = 0.0 if frozen else wd
-        if self.clf_opt is not None:
-            for g in self.clf_opt.param_groups:
+        for opt in (self.clf_opt, self.rep_opt):
+            for g in opt.param_groups if opt is not None else ():
                 g["lr"] = self.cfg.optim.lr * self.cfg.optim.new_param_lr_mult * factor
         return self.cfg.optim.lr * factor
 
@@ -180,6 +185,7 @@ class Trainer:
             self.state = load_training_state(
                 Path(d), engine=self.engine, classifier=self.objective.classifier, classifier_optimizer=self.clf_opt,
                 rank=self.rank, world_size=self.world, zero_stage=self.zero_stage, seed=self.cfg.train.seed,
+                replicated=self.objective.replicated, replicated_optimizer=self.rep_opt,
             )
         self.state.finished = self.state.step >= self.total_steps  # a longer schedule continues a finished run
         if self.logger is not None:
@@ -191,9 +197,9 @@ class Trainer:
         cfg, st = self.cfg, self.state
         resumed = self.resume()
         st = self.state
-        if st.finished:
+        if st.finished:  # the same command again on a finished run: nothing left to train
             self._publish_summary()
-            self._report(self._final_metrics(), checkpoint=False)
+            self._report({"step": st.step, "epoch": st.epoch, **{f"eval/{k}": v for k, v in st.last_metrics.items()}}, checkpoint=False)
             return self._final_metrics()
         if not resumed:
             self._log_run_files()
@@ -240,8 +246,6 @@ class Trainer:
         if last_ckpt != st.step:
             self.checkpoint()
         self._publish_summary()
-        if self.logger is not None:
-            self.logger.close()
         return self._final_metrics()
 
     def _sync(self) -> None:
@@ -265,27 +269,32 @@ class Trainer:
         self._sync()
         t3 = time.perf_counter()
         engine.step()
-        if self.clf_opt is not None:
-            if self.cfg.train.precision == "fp16":
-                self._unscale_classifier_grads()
-            self.clf_opt.step()
-            self.clf_opt.zero_grad(set_to_none=True)
+        if self.cfg.train.precision == "fp16":
+            self._unscale_model_parallel_grads()
+        if self.rep_opt is not None:
+            self.objective.average_replicated_grads()
+        for opt in (self.clf_opt, self.rep_opt):
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
         self._sync()
         t4 = time.perf_counter()
         stats = dict(self.objective.stats)
         stats["lr"] = lr
         return {"data": t1 - t0, "forward": t2 - t1, "backward": t3 - t2, "step": t4 - t3}, stats
 
-    def _unscale_classifier_grads(self) -> None:
-        # engine.backward multiplied the loss by the fp16 loss scale; the classifier's grads carry it too.
+    def _unscale_model_parallel_grads(self) -> None:
+        # engine.backward multiplied the loss by the fp16 loss scale; the classifier's and proxies' grads carry it too.
         scale = float(getattr(self.engine.optimizer, "cur_scale", 1.0))
+        params = self.objective.classifier_parameters() + self.objective.replicated_parameters()
         finite = True
-        for p in self.objective.classifier_parameters():
+        for p in params:
             if p.grad is not None:
                 p.grad.div_(scale)
                 finite = finite and bool(torch.isfinite(p.grad).all())
-        if not finite:  # the engine skipped this step for overflow; so does the classifier
-            self.clf_opt.zero_grad(set_to_none=True)
+        if not finite:  # the engine skips this step for overflow; so do the others
+            for p in params:
+                p.grad = None
 
     # -- logging, evaluation, checkpoints ---------------------------------------------------------------
     def _progress(self, **info: Any) -> None:
@@ -408,6 +417,7 @@ class Trainer:
             save_training_state(
                 tmp, engine=self.engine, classifier=self.objective.classifier, classifier_optimizer=self.clf_opt,
                 state=self.state, rank=self.rank, model_config=self.cfg.to_dict(),
+                replicated=self.objective.replicated, replicated_optimizer=self.rep_opt,
                 extra={"step": self.state.step, "metrics": self.state.last_metrics},
             )
             self._report({"step": self.state.step, "epoch": self.state.epoch, **{f"eval/{k}": v for k, v in self.state.last_metrics.items()}},
@@ -476,4 +486,9 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     """Ray Train entry point: ``payload = {'config': Config dict, 'run': RunContext dict}``."""
     quiet_worker_logs()
     cfg = Config.model_validate(payload["config"])
-    Trainer(cfg, RunContext.from_dict(payload["run"])).fit()
+    trainer = Trainer(cfg, RunContext.from_dict(payload["run"]))
+    try:
+        trainer.fit()
+    finally:
+        if trainer.logger is not None:
+            trainer.logger.close()
