@@ -102,11 +102,39 @@ def prepare_data(cfg: Config) -> None:
         build_synthetic_shards(shards_dir, classes=s.classes, per_class=s.per_class, image_size=s.image_size, seed=s.seed,
                                shard_size=s.shard_size, overwrite=False)
     manifest = Manifest.load(shards_dir)
-    for split in [cfg.data.train_split, *cfg.data.eval_splits]:
+    for key, split in [("data.train_split", cfg.data.train_split), *(("data.eval_splits", s) for s in cfg.data.eval_splits)]:
         try:
             manifest.split(split)
-        except (KeyError, ValueError):
-            raise UserError(f"data.eval_splits: {shards_dir} has no split '{split}'") from None
+        except UserError as e:
+            raise UserError(f"{key}: {e}") from None
+
+
+def check_run(cfg: Config) -> None:
+    """What the workers would otherwise find out one by one, after retries: checked once on the driver."""
+    from dmltrain.training.engine import deepspeed_config
+    from shards.stream import TrainStream
+
+    c, d = cfg.cluster, cfg.data
+    deepspeed_config(cfg, c.num_workers)  # reads and checks a user DeepSpeed JSON
+    stream = TrainStream(d.shards, split=d.train_split, rank=0, world_size=c.num_workers, sampler=d.sampler,
+                         batch_size=d.batch_size, samples_per_class=d.samples_per_class, seed=cfg.train.seed, loader_workers=0)
+    if stream.batches_per_epoch < 1:
+        raise UserError(f"data.batch_size: {d.batch_size} is larger than one epoch of {d.shards} ({d.train_split}) can fill")
+
+
+def user_error_in(error: BaseException | None) -> UserError | None:
+    """The UserError a worker raised, if that is what ended the training (Ray wraps worker exceptions)."""
+    seen: set[int] = set()
+    stack = [error] + list(getattr(error, "worker_failures", {}).values()) if error is not None else []
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, UserError):
+            return e
+        stack += [getattr(e, "cause", None), e.__cause__, e.__context__, *getattr(e, "worker_failures", {}).values()]
+    return None
 
 
 def absolutize(cfg: Config) -> Config:
@@ -180,6 +208,7 @@ def train(cfg: Config, *, progress: bool = True, config_name: str | None = None,
     started = time.time()
     prepare_data(cfg)
     cfg = absolutize(cfg)
+    check_run(cfg)
     run_name = cfg.train.run_name or default_run_name(config_name)
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_name": run_name})})
     storage_dir = f"{storage_root(cfg).rstrip('/')}/{run_name}"
@@ -197,17 +226,30 @@ def train(cfg: Config, *, progress: bool = True, config_name: str | None = None,
     trainer = build_trainer(cfg, run_name, context)
     error = None
     result = None
+    status = "FAILED"
     try:
-        if progress:
-            with ProgressPrinter(board):
+        try:
+            if progress:
+                with ProgressPrinter(board):
+                    result = trainer.fit()
+            else:
                 result = trainer.fit()
-        else:
-            result = trainer.fit()
-        error = str(result.error) if result.error else None
-    except Exception as e:  # noqa: BLE001 — the summary reports it; the exit code says it failed
-        error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-    _, summary = ray.get(board.get.remote())
-    ray.kill(board)
-    finish_run(uri, run_id, "FINISHED" if error is None else "FAILED")
+            failure = result.error
+        except Exception as e:  # noqa: BLE001 — reported below, and by the exit code
+            failure = e
+        if failure is not None:
+            user = user_error_in(failure)
+            if user is not None:  # a config or input problem a worker found: one line, exit 2
+                raise UserError(str(user), user.exit_code) from None
+            text = str(failure).strip()
+            error = f"{type(failure).__name__}: {text.splitlines()[-1] if text else ''}"
+        status = "FINISHED" if error is None else "FAILED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        _, summary = ray.get(board.get.remote())
+        ray.kill(board)
+        finish_run(uri, run_id, status)
     ckpt = result.checkpoint.path if result is not None and result.checkpoint is not None else None
     return TrainSummary(run_name, error is None, run_id, uri, ckpt, storage_dir, summary, error, time.time() - started)

@@ -362,7 +362,7 @@ def _train_point(cfg, point: Point, runs_root: str, parent_run_id: str | None, p
 
     pcfg = point_config(cfg, point, runs_root)
     c = pcfg.loss.classifier
-    drawn = int(point.ratio * point.classes + 0.5)  # the sampler's count (dmltrain.distributed.class_sampling)
+    drawn = int(point.ratio * point.classes + 0.5)  # the draw's count before the batch's classes (class_sampling.target_total)
     if drawn < pcfg.data.P:
         print(f"{index} note: ratio {point.ratio:g} x {point.classes} classes = {drawn} < the {pcfg.data.P} classes of a batch: "
               "each softmax holds just the batch's classes", file=sys.stderr)

@@ -124,18 +124,6 @@ class SearchSpace:
         return {d.key: d.domain() for d in self.dims}
 
 
-def available_metrics(eval_cfg) -> list[str]:
-    """Metric names an evaluation with ``eval_cfg`` reports (without the ``eval/`` prefix)."""
-    names = [f"recall@{k}" for k in eval_cfg.ks]
-    if eval_cfg.map_at_r:
-        names += ["map@r", "r_precision"]
-    if eval_cfg.binary:
-        names += [f"binary/{n}" for n in names]
-    if eval_cfg.nmi:
-        names.append("nmi")
-    return names
-
-
 def _unwrap_model(annotation: Any):
     """The config section class inside ``annotation`` (``X``, ``X | None``), or None."""
     from pydantic import BaseModel
@@ -311,7 +299,7 @@ def load_space(path: str | Path, base_tree: dict[str, Any]) -> SearchSpace:
 
     base = build_config(base_tree, source="config")
     metric = str(doc.get("metric", base.eval.metric))
-    metrics = available_metrics(base.eval)
+    metrics = base.eval.metric_names()
     if metric not in metrics:
         raise UserError(f"{path}: metric: '{metric}' is not reported by the evaluation of this config (it reports: {', '.join(metrics)})")
     mode = str(doc.get("mode", "max"))
@@ -372,11 +360,11 @@ def trial_run_name(search_name: str, index: int) -> str:
 
 
 def is_new_evaluation(metrics: dict[str, Any], result_key: str, last_step: int | None) -> bool:
-    """Whether a worker report is an evaluation Tune has not seen: it holds the metric, at a step > 0
-    other than the last one forwarded (the trainer reports again at each checkpoint, and evaluates
-    the untrained model at step 0)."""
+    """Whether a worker report is an evaluation Tune has not seen: an evaluation report (the trainer
+    marks them ``evaluation: 1``; checkpoint reports repeat the last metrics without it) holding the
+    metric, at a step > 0 (step 0 is the untrained model) other than the last one forwarded."""
     step = metrics.get("step")
-    return result_key in metrics and bool(step) and step != last_step
+    return metrics.get("evaluation") == 1 and result_key in metrics and bool(step) and step != last_step
 
 
 def _evaluation_callback(result_key: str, extra: dict[str, Any]):
@@ -625,8 +613,41 @@ def _rows_from_results(results, space: SearchSpace, name: str) -> list[TrialRow]
     return sorted(rows, key=lambda r: r.index)
 
 
-def _reconcile_with_mlflow(rows: list[TrialRow], parent: ParentRun) -> None:
-    """Set the child runs' final status from how Tune saw each trial.
+def _scores_from_mlflow(row: TrialRow, run, parent: ParentRun, result_key: str, mode: str) -> None:
+    """Re-score a trial from its MLflow run when the run holds evaluations Tune never received.
+
+    A trial the scheduler stops keeps training until its process is killed, so it may evaluate
+    (and keep that model as ``best_model``) after its last Tune result; the run is the full record.
+    """
+    from dmltrain.training.tracking import display_key, metric_key
+
+    key = metric_key(result_key)
+    hist: list = []
+    parent._safely("read a trial's evaluations", lambda c: hist.extend(c.get_metric_history(run.info.run_id, key)))
+    by_step = {m.step: m.value for m in hist if m.step > 0}  # step 0: the untrained model, not an evaluation of the trial
+    if len(by_step) <= row.evaluations:
+        return
+    sign = 1 if mode == "max" else -1
+    steps = sorted(by_step)
+    best_step = max(steps, key=lambda s: (sign * by_step[s], -s))  # the first of equal bests, as Tune's idxmax
+    row.best, row.best_step, row.last, row.evaluations = by_step[best_step], best_step, by_step[steps[-1]], len(steps)
+    row.steps = max(row.steps or 0, steps[-1])
+    metrics: dict[str, float] = {}
+
+    def at_best(c) -> None:
+        for k in run.data.metrics:
+            if k.startswith("eval/"):
+                vals = [m.value for m in c.get_metric_history(run.info.run_id, k) if m.step == best_step]
+                if vals:
+                    metrics[display_key(k)] = float(vals[-1])
+
+    parent._safely("read a trial's evaluation metrics", at_best)
+    row.best_metrics = metrics or row.best_metrics
+
+
+def _reconcile_with_mlflow(rows: list[TrialRow], parent: ParentRun, result_key: str | None = None, mode: str = "max") -> None:
+    """Set the child runs' final status from how Tune saw each trial (and, given ``result_key``,
+    complete their scores from the runs: :func:`_scores_from_mlflow`).
 
     A trial Tune ended without an error was stopped by the scheduler unless its run FINISHED: its
     process was killed mid-step (the run is still RUNNING) or its trainer died under it (the trial
@@ -641,6 +662,8 @@ def _reconcile_with_mlflow(rows: list[TrialRow], parent: ParentRun) -> None:
             continue
         row.mlflow_run_id = row.mlflow_run_id or run.info.run_id
         status, rid = run.info.status, run.info.run_id
+        if result_key is not None and row.status != "failed":
+            _scores_from_mlflow(row, run, parent, result_key, mode)
         if row.status == "failed":
             if status == "RUNNING":
                 finish_run(parent.uri, rid, "FAILED")
@@ -783,7 +806,7 @@ def tune_search(
         raise
 
     rows = _rows_from_results(results, space, name)
-    _reconcile_with_mlflow(rows, parent)
+    _reconcile_with_mlflow(rows, parent, space.result_key, space.mode)
     sign = 1 if space.mode == "max" else -1
     scored = [r for r in rows if r.best is not None]
     best = max(scored, key=lambda r: sign * r.best) if scored else None

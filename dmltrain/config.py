@@ -177,10 +177,11 @@ class TrainConfig(Section):
     grad_clip: float | None = Field(None, gt=0)
     deepspeed_config: str | None = Field(None, description="a DeepSpeed JSON whose keys override the generated ones")
     seed: int = 0
-    run_name: str | None = Field(None, description="re-running with the same name resumes that run")
+    run_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=200,
+                                 description="re-running with the same name resumes that run (letters, digits, _ . -)")
     output_dir: str = "runs"
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0: at each epoch end")
-    keep_checkpoints: int = Field(2, ge=1, description="recent checkpoints kept besides the best")
+    keep_checkpoints: int = Field(2, ge=1, description="most recent training checkpoints kept (the best model is kept apart)")
     log_every: int = Field(10, ge=1)
 
     @model_validator(mode="after")
@@ -207,6 +208,23 @@ class EvalConfig(Section):
         if not v or any(k < 1 for k in v):
             raise ValueError(f"need positive integers, got {v}")
         return sorted(set(v))
+
+    def metric_names(self) -> list[str]:
+        """Metric names an evaluation with this config reports (as in ``eval/<name>``)."""
+        names = [f"recall@{k}" for k in self.ks]
+        if self.map_at_r:
+            names += ["map@r", "r_precision"]
+        if self.binary:
+            names += [f"binary/{n}" for n in names]
+        if self.nmi:
+            names.append("nmi")
+        return names
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if self.metric not in self.metric_names():
+            raise ValueError(f"eval.metric: '{self.metric}' is not reported by this evaluation (choose from {', '.join(self.metric_names())})")
+        return self
 
 
 class TrackingConfig(Section):
@@ -267,6 +285,8 @@ class Config(Section):
                 raise ValueError(f"data.batch_size: {d.batch_size} is not divisible by cluster.num_workers = {w}")
             if self.loss.instance is not None:
                 raise ValueError("data.sampler: instance losses need positives in every batch; use data.sampler=pk")
+        if self.train.precision == "fp16" and not self.cluster.use_gpu:
+            raise ValueError("train.precision: fp16 needs GPUs (DeepSpeed's CPU backend has no fp16); use bf16 or fp32")
         if self.schedule.unit == "step" and self.train.max_steps is None and self.schedule.kind == "cosine":
             raise ValueError("schedule.unit: a cosine schedule in steps needs train.max_steps")
         return self

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import sys
 import time
 import zlib
@@ -73,10 +72,28 @@ class BuildResult:
         return lines
 
 
+def _is_number_list(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(v, (int, float)) for v in x)
+
+
+def manifest_json(obj: Any, level: int = 0) -> str:
+    """``json.dumps(obj, indent=1)``, except that a non-empty list of numbers goes on one line without spaces
+    (a group row, ``class_counts``), so the group table stays one short line per class. Strings, keys
+    included, are always encoded by :func:`json.dumps` and never rewritten."""
+    if _is_number_list(obj):
+        return json.dumps(obj, separators=(",", ":"))
+    pad = " " * (level + 1)
+    if isinstance(obj, dict) and obj:
+        items = [f"{pad}{json.dumps(str(k))}: {manifest_json(v, level + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + " " * level + "}"
+    if isinstance(obj, (list, tuple)) and obj:
+        return "[\n" + ",\n".join(pad + manifest_json(v, level + 1) for v in obj) + "\n" + " " * level + "]"
+    return json.dumps(obj)
+
+
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
-    """Atomically write the manifest as indented JSON with number lists on one line (the group table stays short)."""
-    text = json.dumps(manifest, indent=1)
-    text = re.sub(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]", lambda m: "[" + ",".join(x.strip() for x in m.group(1).split(",")) + "]", text)
+    """Atomically write the manifest as indented JSON with number lists on one line (see :func:`manifest_json`)."""
+    text = manifest_json(manifest)
     with atomic_path(path) as tmp:
         tmp.write_text(text + "\n")
         make_readable(tmp)
@@ -97,6 +114,34 @@ def prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
 
 
+def check_disjoint_classes(layout: Layout, allow_shared: bool = False) -> list[str]:
+    """Refuse a layout whose label spaces share an original class id (train vs test, or vs In-Shop query/gallery).
+
+    Retrieval benchmarks evaluate on classes never seen in training; a folder tree that reuses a
+    class name under ``train/`` and ``test/`` (or an edited index) would silently break that. Raises
+    :class:`UserError` naming the first shared class, the splits and the layout; with ``allow_shared``
+    it only warns (on stderr) and returns the shared ids.
+    """
+    spaces = layout.spaces()
+    ids = [{e.class_id for s in space for e in layout.splits[s]} for space in spaces]
+    for i in range(len(spaces)):
+        for j in range(i + 1, len(spaces)):
+            shared = sorted(ids[i] & ids[j], key=class_sort_key)
+            if not shared:
+                continue
+            a, b = "+".join(spaces[i]), "+".join(spaces[j])
+            more = f" (and {len(shared) - 1} more)" if len(shared) > 1 else ""
+            msg = (
+                f"--layout {layout.name} --root {layout.root}: class {shared[0]!r}{more} is in both the {a} and the {b} split; "
+                f"retrieval needs disjoint train and evaluation classes"
+            )
+            if not allow_shared:
+                raise UserError(msg + " (pass --allow-shared-classes to build anyway)")
+            print(f"WARNING: {msg}; building anyway (--allow-shared-classes): evaluation will see training classes", file=sys.stderr)
+            return shared
+    return []
+
+
 def _split_seed(seed: int, split: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(split.encode()), 0x5EED])
 
@@ -114,17 +159,21 @@ def build_shards(
     overwrite: bool = False,
     progress: bool = True,
     options: dict[str, Any] | None = None,
+    allow_shared_classes: bool = False,
 ) -> BuildResult:
     """Write every split of ``layout`` to ``out_dir``.
 
     ``args[split][i]`` is what ``load`` (a picklable function) turns into ``(bytes, extension)``
     for ``layout.splits[split][i]``; it raises :class:`SkipImage` for an unusable image.
+    Splits in different label spaces must not share an original class id
+    (:func:`check_disjoint_classes`; checked before anything in ``out_dir`` is touched).
     """
     from tqdm import tqdm
 
     out_dir = Path(out_dir).expanduser()
     if shard_size < 1:
         raise UserError(f"--shard-size: must be at least 1, got {shard_size}")
+    shared = check_disjoint_classes(layout, allow_shared_classes)
     prepare_out_dir(out_dir, overwrite)
     workers = max(1, workers if workers is not None else min(8, os.cpu_count() or 1))
     total = sum(len(v) for v in layout.splits.values())
@@ -162,7 +211,7 @@ def build_shards(
         "layout": layout.name,
         "source": layout.root,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "options": {"shard_size": shard_size, "seed": seed, **(options or {})},
+        "options": {"shard_size": shard_size, "seed": seed, **(options or {}), **({"shared_classes": len(shared)} if shared else {})},
         "splits": {name: splits_json[name] for name in layout.splits},
     }
     write_manifest(out_dir / MANIFEST_NAME, manifest)
@@ -226,6 +275,7 @@ def build_layout(
     strict: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    allow_shared_classes: bool = False,
 ) -> BuildResult:
     """``dmltrain shards build --layout NAME --root ROOT --out DIR``: shards from an official layout or a folder tree."""
     if resize is not None and resize < 8:
@@ -235,5 +285,5 @@ def build_layout(
     args = {s: [e.path for e in entries] for s, entries in layout.splits.items()}
     return build_shards(
         out_dir, layout, load=load, args=args, shard_size=shard_size, seed=seed, workers=workers,
-        strict=strict, overwrite=overwrite, progress=progress, options={"resize": resize},
+        strict=strict, overwrite=overwrite, progress=progress, options={"resize": resize}, allow_shared_classes=allow_shared_classes,
     )

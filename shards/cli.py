@@ -27,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--strict", action="store_true", help="stop at the first unreadable image instead of skipping it")
     b.add_argument("--overwrite", action="store_true", help="replace the shards of a non-empty --out")
+    b.add_argument(
+        "--allow-shared-classes", action="store_true",
+        help="build even when a class id is in both train and an evaluation split (refused by default: retrieval needs disjoint classes)",
+    )
     b.add_argument("--workers", type=int, default=None, help="image-checking processes (default: CPU count, at most 8)")
     b.add_argument("--seed", type=int, default=0, help="seed of the class order (and of the synthetic images)")
     b.add_argument("--classes", type=int, help="synthetic: train classes (as many disjoint test classes)")
@@ -69,6 +73,7 @@ def _build(args: argparse.Namespace) -> int:
         result = build_layout(
             args.layout, args.root, args.out, shard_size=args.shard_size, resize=args.resize, seed=args.seed,
             workers=args.workers, strict=args.strict, overwrite=args.overwrite, progress=not args.quiet,
+            allow_shared_classes=args.allow_shared_classes,
         )
     print("\n".join(result.summary_lines()))
     return 0

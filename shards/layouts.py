@@ -1,9 +1,10 @@
 """Readers of the official dataset layouts: each lists (source path, original class id) per split.
 
 A reader only parses index files and lists folders; it never opens an image (the build
-checks images in parallel and skips the unreadable ones). A missing index file, image
-folder or malformed index line raises :class:`~dmltrain.errors.UserError` naming the path
-(and line). Train and test classes are disjoint by construction in the four benchmarks:
+checks images in parallel and skips the unreadable ones). A missing, unreadable or
+malformed index file (an empty or truncated ``.mat``, a MATLAB v7.3 one), a missing image
+folder or a malformed index line raises :class:`~dmltrain.errors.UserError` naming the
+path (and line). Train and test classes are disjoint by construction in the four benchmarks:
 
 ==========  ==============================================  ==================================
 layout      index                                           splits
@@ -74,15 +75,19 @@ def _need_dir(path: Path, what: str) -> Path:
 
 def _rows(path: Path, n_fields: int, skip: int = 0) -> list[tuple[int, list[str]]]:
     """(line number, fields) of the non-blank lines after ``skip``; a short line names the file and line."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
     out = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if lineno <= skip or not line.strip():
-                continue
-            parts = line.split()
-            if len(parts) < n_fields:
-                raise UserError(f"{path}:{lineno}: expected {n_fields} fields, got {line.strip()!r}")
-            out.append((lineno, parts))
+    for lineno, line in enumerate(lines, 1):
+        if lineno <= skip or not line.strip():
+            continue
+        parts = line.split()
+        if len(parts) < n_fields:
+            raise UserError(f"{path}:{lineno}: expected {n_fields} fields, got {line.strip()!r}")
+        out.append((lineno, parts))
     return out
 
 
@@ -131,6 +136,11 @@ def read_cars(root: Path) -> Layout:
     mat_path = _need_file(root / "cars_annos.mat", "Cars annotation file")
     try:
         mat = scipy.io.loadmat(str(mat_path), squeeze_me=True, struct_as_record=True)
+    except NotImplementedError:  # scipy reads MATLAB v4-v7; v7.3 is HDF5
+        raise UserError(f"{mat_path}: MATLAB v7.3 (HDF5) file, which scipy cannot read; re-save it in MATLAB v7 format (save(..., '-v7'))") from None
+    except Exception as e:  # empty, truncated or not a MAT file: scipy raises MatReadError, OSError, ValueError, IndexError...
+        raise UserError(f"{mat_path}: unreadable MAT file ({type(e).__name__}: {e})") from None
+    try:
         annos = np.atleast_1d(mat["annotations"])
         rels = [str(r) for r in annos["relative_im_path"]]
         classes = [int(c) for c in annos["class"]]
@@ -178,6 +188,11 @@ def read_inshop(root: Path) -> Layout:
     return Layout("inshop", str(root), splits, label_spaces=[["query", "gallery"]])
 
 
+def _unlistable(e: OSError) -> None:
+    # os.walk skips a folder it cannot list unless told otherwise: its images would vanish without a word
+    raise UserError(f"{e.filename}: cannot list ({e.strerror or e})")
+
+
 def read_folder(root: Path) -> Layout:
     """``root/train/<class>/*`` and ``root/test/<class>/*``: every non-hidden file of a class folder is a candidate
     image (the build skips what PIL cannot read); files directly under ``train/`` or ``test/`` are ignored."""
@@ -185,8 +200,12 @@ def read_folder(root: Path) -> Layout:
     for split in ("train", "test"):
         split_dir = _need_dir(root / split, "image directory")
         entries = []
-        for class_dir in sorted((d for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith(".")), key=lambda d: d.name):
-            for dirpath, dirnames, filenames in os.walk(class_dir):
+        try:
+            class_dirs = sorted((d for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith(".")), key=lambda d: d.name)
+        except OSError as e:
+            raise UserError(f"{split_dir}: cannot list ({e.strerror or e})") from None
+        for class_dir in class_dirs:
+            for dirpath, dirnames, filenames in os.walk(class_dir, onerror=_unlistable):
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
                 for name in sorted(filenames):
                     if name.startswith("."):

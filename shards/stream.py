@@ -6,27 +6,33 @@ exactly :attr:`TrainStream.batches_per_epoch` batches, a number computed from th
 before reading anything, so uneven shards never leave a rank short inside a collective.
 The plan (:mod:`shards.sampler`) is a pure function of (seed, epoch, rank, batch), and so is
 each batch's augmentation, whichever loader process decodes it: ``epoch(e, start_batch=b)``
-replays an interrupted epoch from batch ``b`` exactly.
+replays an interrupted epoch from batch ``b`` exactly, provided
+:meth:`TrainStream.plan_signature` (world size, batch settings, seed, shards) is unchanged.
 
 Reading: the manifest gives each class group's byte range in its shard, so a loader process
 seeks to the groups its batches need and parses just those tar members with WebDataset's
 tar iterator; nothing holds an index of images, and the memory in use is a batch's worth of
 encoded images. With ``loader_workers = n > 0`` a torch DataLoader runs ``n`` processes;
 process ``i`` builds batches ``start + i, start + i + n, ...`` and the main process puts
-them back in order, so the output does not depend on ``n``.
+them back in order, so the output does not depend on ``n``. Loader processes hand over
+uint8 ``b×3×S×S`` batches; normalization to float32 happens in the consumer's process
+(``normalize=True``) or on its device (``normalize=False`` + :func:`shards.transforms.normalize_batch`).
 
-A corrupt or truncated member is skipped: another image of the same group (else of the same
-batch, with its label) takes its place so batch shapes stay fixed (``index`` still names the
-planned sample), the member is counted in :attr:`TrainStream.skipped` and logged (the first
-few). It never stops training.
+Unreadable members (missing, truncated, not decodable) are logged (the first few) and counted;
+they never stop a run. In *training* batch shapes stay fixed: another image of the same group
+takes the slot, or, when the whole group is unreadable, another image of the batch together
+with its label (``index`` still names the planned sample); see :attr:`TrainStream.skipped`.
+In *evaluation* nothing is substituted (it would inflate Recall@K and MAP@R): the sample is
+dropped from its batch and counted in :attr:`EvalBatches.skipped`.
 
 :func:`eval_batches` gives each rank a contiguous, disjoint part of a split (the union is
-the whole split), the same number of batches on every rank, and the position of each
-sample in the split for gathering.
+the whole split minus any unreadable samples), the same number of batches on every rank,
+and the position of each sample in the split for gathering.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import random
@@ -244,9 +250,27 @@ def slot_rngs(seed: int, epoch: int, rank: int, batch: int, slots: int) -> list[
 
 
 def build_batch(
-    reader: GroupReader, pieces: list[Piece], transform, *, seed: int, epoch: int, rank: int, batch: int, image_size: int
+    reader: GroupReader,
+    pieces: list[Piece],
+    transform,
+    *,
+    seed: int,
+    epoch: int,
+    rank: int,
+    batch: int,
+    image_size: int,
+    substitute: bool = True,
 ) -> dict[str, Any]:
-    """Decode and augment one batch; unreadable images are replaced (see the module docstring) and counted."""
+    """Decode and augment one batch: ``images`` uint8 ``b×3×S×S`` (contiguous), ``labels``, ``index``, ``skipped``, ``notes``.
+
+    ``substitute=True`` (training): every slot is filled so the batch keeps its planned shape. An
+    unreadable image is replaced by another image of its class group (seeded order); when the whole
+    group is unreadable, by a decoded image of this batch *together with that image's label* (black
+    if nothing in the batch decodes). ``index`` keeps naming the planned samples.
+    ``substitute=False`` (evaluation): unreadable samples are dropped, so ``images``, ``labels``
+    and ``index`` hold only the samples that decoded (a batch may come out smaller, or empty).
+    Either way ``skipped`` counts the unreadable planned samples.
+    """
     slots = [(p.group, p.label, pos) for p in pieces for pos in p.positions]
     images: list[np.ndarray | None] = [None] * len(slots)
     labels = np.array([lab for _, lab, _ in slots], dtype=np.int64)
@@ -254,34 +278,35 @@ def build_batch(
     notes: list[str] = []
     seen: set = set()
     skipped = 0
-    if not slots:
-        empty = torch.zeros((0, image_size, image_size, 3), dtype=torch.uint8)
-        return {"batch": batch, "images": empty, "labels": torch.from_numpy(labels), "index": torch.from_numpy(index), "skipped": 0, "notes": []}
-    rngs = slot_rngs(seed, epoch, rank, batch, len(slots))
+    rngs = slot_rngs(seed, epoch, rank, batch, len(slots)) if slots else []
     for i, (g, _, pos) in enumerate(slots):
         rng = rngs[i]
         img = _decode(reader, g, pos, transform, rng, notes, seen)
         if img is None:
             skipped += 1
-            # another image of the same class group, in a seeded order
-            count = int(reader.table.count[g])
-            for alt in rng.sample(range(count), count):
-                if alt != pos and (img := _decode(reader, g, alt, transform, rng, notes, seen)) is not None:
-                    break
+            if substitute:  # another image of the same class group, in a seeded order
+                count = int(reader.table.count[g])
+                for alt in rng.sample(range(count), count):
+                    if alt != pos and (img := _decode(reader, g, alt, transform, rng, notes, seen)) is not None:
+                        break
         images[i] = img
     good = [i for i, im in enumerate(images) if im is not None]
-    for i, im in enumerate(images):
-        if im is None:  # the whole group is unreadable: borrow a decoded image (and its label) of this batch
-            if good:
+    if substitute:
+        for i, im in enumerate(images):
+            if im is None and good:  # the whole group is unreadable: borrow a decoded image (and its label) of this batch
                 j = good[i % len(good)]
                 images[i], labels[i] = images[j], labels[j]
-            else:
-                images[i] = np.zeros((image_size, image_size, 3), np.uint8)
+    else:
+        images, labels, index = [images[i] for i in good], labels[good], index[good]
+    out = np.zeros((len(images), 3, image_size, image_size), np.uint8)  # a slot left None stays black
+    for i, im in enumerate(images):
+        if im is not None:
+            out[i] = im.transpose(2, 0, 1)  # HWC -> CHW here, in the loader process
     notes.extend(reader.notes)
     reader.notes.clear()
     return {
         "batch": batch,
-        "images": torch.from_numpy(np.stack(images)),
+        "images": torch.from_numpy(out),
         "labels": torch.from_numpy(labels),
         "index": torch.from_numpy(index),
         "skipped": skipped,
@@ -334,7 +359,9 @@ class _EvalBatches(IterableDataset):
                 pos = np.arange(lo, hi, dtype=np.int64)
                 groups = np.searchsorted(starts, pos, side="right") - 1
                 pieces = [Piece(int(g), int(self.table.label[g]), (int(p - starts[g]),)) for g, p in zip(groups, pos)]
-                yield build_batch(reader, pieces, self.transform, seed=0, epoch=0, rank=0, batch=b, image_size=self.transform.crop)
+                yield build_batch(
+                    reader, pieces, self.transform, seed=0, epoch=0, rank=0, batch=b, image_size=self.transform.crop, substitute=False
+                )
         finally:
             reader.close()
 
@@ -377,19 +404,52 @@ class _SkipLog:
             self.lines += 1
 
 
+def _pin_available(pin_memory: bool) -> bool:
+    # page-locked memory needs CUDA; without it pinning is a no-op request (DataLoader would only warn)
+    return bool(pin_memory) and torch.cuda.is_available()
+
+
+def _deliver(images: torch.Tensor, normalize: bool, pin: bool) -> torch.Tensor:
+    """The tensor handed to the caller: normalized float32 (written straight into pinned memory when ``pin``)
+    or the uint8 batch itself (pinned when ``pin``; the DataLoader's pin thread already did it when it ran)."""
+    if normalize:
+        return normalize_batch(images, out=torch.empty(images.shape, dtype=torch.float32, pin_memory=pin))
+    return images.pin_memory() if pin and not images.is_pinned() else images
+
+
+def plan_digest(split: SplitInfo, table: GroupTable | None = None) -> str:
+    """SHA-256 (first 16 hex digits) of what a split contributes to a batch plan: its name, label-space size
+    and class-group table (shard, label, count per group). Re-encoding the same images keeps it; a
+    rebuild with another class order, seed or shard size, or other images per class, changes it."""
+    t = table if table is not None else split.group_table()
+    h = hashlib.sha256(f"{split.name}\0{split.num_labels}\0{len(t)}\0".encode())
+    for arr in (t.shard, t.label, t.count):
+        h.update(np.ascontiguousarray(arr, dtype="<i8").tobytes())
+    return h.hexdigest()[:16]
+
+
 # -- public API -----------------------------------------------------------------------------
+PLAN_VERSION = 1  # bump when shards.sampler changes which samples a (seed, epoch, rank, batch) plan names
+
+
 class TrainStream:
     """Training batches of one rank (see the module docstring).
 
     ``batch_size`` is the global batch over all ranks. ``sampler="pk"``: P = batch_size // K
     classes per global batch, P divisible by ``world_size``; each rank's batch holds P/W
     classes × K images (a class with fewer than K images is sampled with replacement).
-    ``sampler="random"``: batch_size / W images per rank. Images are float32 ``b×3×S×S``
-    normalized with the ImageNet mean and std, labels int64 contiguous training ids.
+    ``sampler="random"``: batch_size / W images per rank. Labels are int64 contiguous training ids.
+
+    Images: with ``normalize=True`` (default) float32 ``b×3×S×S`` normalized with the ImageNet
+    mean and std in this process; with ``normalize=False`` the uint8 ``b×3×S×S`` batch as decoded
+    (a quarter of the bytes to pin and copy), which the caller normalizes where it wants, usually
+    after the copy to the accelerator: ``shards.transforms.normalize_batch(images.to(device))``.
+    ``pin_memory`` (only with CUDA) pins what is yielded: the uint8 batch, or the float32 one.
 
     ``shuffle_images`` bounds the shuffle window (in images); larger mixes classes more widely.
-    A resumed run sees the same batches when the shards, seed, world size and batch settings
-    are unchanged (``loader_workers`` does not matter).
+    A resumed run sees the same batches when :meth:`plan_signature` is unchanged (shards, seed,
+    world size, batch settings; ``loader_workers``, ``normalize`` and the augmentation do not
+    matter): store it with the (epoch, batch) position and resume mid-epoch only under an equal one.
     """
 
     def __init__(
@@ -410,6 +470,7 @@ class TrainStream:
         shuffle_images: int = DEFAULT_SHUFFLE_IMAGES,
         pin_memory: bool = False,
         draft: bool = True,
+        normalize: bool = True,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
@@ -417,7 +478,7 @@ class TrainStream:
         self.split = self.manifest.split(split)
         self.rank, self.world_size, self.seed = rank, world_size, int(seed)
         self.sampler = sampler
-        self.loader_workers, self.pin_memory = loader_workers, pin_memory
+        self.loader_workers, self.pin_memory, self.normalize = loader_workers, pin_memory, bool(normalize)
         if sampler == "pk":
             k = samples_per_class
             if k < 1 or batch_size % k:
@@ -452,12 +513,32 @@ class TrainStream:
         self.transform = TrainTransform(image_size, crop_scale, color_jitter=color_jitter, draft=draft)
         self.image_size = image_size
         self._skips = _SkipLog()
-        self.position = (0, 0)  # (epoch, next batch): what a checkpoint stores to resume mid-epoch
 
     @property
     def skipped(self) -> int:
         """Corrupt or truncated members met so far (each replaced; counted per occurrence)."""
         return self._skips.count
+
+    def plan_signature(self) -> dict[str, Any]:
+        """Everything that decides which samples each (epoch, rank, batch) gets, as a JSON-ready dict.
+
+        Keys: ``plan_version``, ``split``, ``world_size``, ``sampler``, ``batch_size``,
+        ``samples_per_class``, ``seed``, ``shuffle_window_batches``, ``manifest_digest``
+        (:func:`plan_digest`). A position (epoch, batch) saved with one signature replays the same
+        batches only under an equal signature; under another, resume at the next epoch boundary
+        (``start_batch=0``). The same on every rank.
+        """
+        return {
+            "plan_version": PLAN_VERSION,
+            "split": self.split.name,
+            "world_size": self.world_size,
+            "sampler": self.sampler,
+            "batch_size": self.batch_size,
+            "samples_per_class": self.samples_per_class,
+            "seed": self.seed,
+            "shuffle_window_batches": self.planner.window_batches,
+            "manifest_digest": plan_digest(self.split, self.table),
+        }
 
     def plan(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[int, list[Piece]]]:
         """The batches' content (group, label, positions) without reading any image."""
@@ -465,20 +546,32 @@ class TrainStream:
 
     def epoch(self, epoch: int, start_batch: int = 0, *, with_index: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
         """``(images, labels)`` (``+ index`` of each sample in the split with ``with_index``) for batches
-        ``start_batch .. batches_per_epoch - 1`` of ``epoch`` on this rank."""
-        if not 0 <= start_batch <= self.batches_per_epoch:
-            raise ValueError(f"start_batch {start_batch} outside 0..{self.batches_per_epoch}")
-        self.position = (epoch, start_batch)
+        ``start_batch .. batches_per_epoch - 1`` of ``epoch`` on this rank.
+
+        ``start_batch`` must lie in ``0..batches_per_epoch`` (the end: nothing left), else
+        :class:`UserError` right here, before any batch: a position saved under another plan
+        (see :meth:`plan_signature`) cannot be resumed mid-epoch.
+        """
+        if isinstance(start_batch, bool) or not isinstance(start_batch, (int, np.integer)) or not 0 <= start_batch <= self.batches_per_epoch:
+            raise UserError(
+                f"start_batch {start_batch!r}: outside 0..{self.batches_per_epoch}, the batches per epoch of split "
+                f"{self.split.name!r} of {self.manifest.root} at world size {self.world_size}, batch size {self.batch_size}; "
+                f"a position saved under another plan (plan_signature) cannot be resumed mid-epoch: start the next epoch"
+            )
+        return self._epoch(int(epoch), int(start_batch), with_index)
+
+    def _epoch(self, epoch: int, start_batch: int, with_index: bool) -> Iterator[tuple[torch.Tensor, ...]]:
         if start_batch == self.batches_per_epoch:
             return
         ds = _TrainBatches(
             self.split, self.table, self.planner, self.transform, epoch=epoch, start=start_batch, rank=self.rank, seed=self.seed
         )
+        pin = _pin_available(self.pin_memory)
         n, skipped_before = 0, self.skipped
-        for item in _in_order(ds, self.loader_workers, start_batch, self.pin_memory):
+        # the loader pins uint8 batches itself; normalized ones are written straight into pinned memory here
+        for item in _in_order(ds, self.loader_workers, start_batch, pin and not self.normalize):
             self._skips.add(item)
-            images = normalize_batch(item["images"])
-            self.position = (epoch, item["batch"] + 1)
+            images = _deliver(item["images"], self.normalize, pin)
             n += 1
             yield (images, item["labels"], item["index"]) if with_index else (images, item["labels"])
         if n != self.batches_per_epoch - start_batch:
@@ -487,13 +580,38 @@ class TrainStream:
             new = self.skipped - skipped_before
             log.warning("rank %d epoch %d: %d corrupt shard members skipped (%d so far)", self.rank, epoch, new, self.skipped)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.position[0], "batch": self.position[1], "skipped": self.skipped, "seed": self.seed}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore the position; then ``epoch(state['epoch'], state['batch'])`` continues where the run stopped."""
-        self.position = (int(state["epoch"]), int(state["batch"]))
-        self._skips.count = int(state.get("skipped", 0))
+class EvalBatches:
+    """The iterable :func:`eval_batches` returns: ``(images, labels, index)`` batches of one rank's share.
+
+    Each pass reads the shards again. ``skipped`` is the number of this rank's samples left out of
+    the latest pass because their member was missing, truncated or would not decode (0 before a
+    pass); ``num_samples`` is the size of the whole split (all ranks), ``len()`` the batches per pass.
+    """
+
+    def __init__(self, info: SplitInfo, root: Path, ranges: list[tuple[int, int]], transform: EvalTransform, *,
+                 rank: int, loader_workers: int, pin_memory: bool, normalize: bool):
+        self.split, self.root, self.ranges, self.transform = info, root, ranges, transform
+        self.rank, self.loader_workers, self.pin_memory, self.normalize = rank, loader_workers, pin_memory, normalize
+        self.num_samples = info.num_images
+        self.skipped = 0
+
+    def __len__(self) -> int:
+        return len(self.ranges)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        self.skipped = 0
+        skips = _SkipLog()
+        ds = _EvalBatches(self.split, self.split.group_table(), self.ranges, self.transform)
+        pin = _pin_available(self.pin_memory)
+        for item in _in_order(ds, self.loader_workers, 0, pin and not self.normalize):
+            skips.add(item)
+            self.skipped = skips.count
+            yield _deliver(item["images"], self.normalize, pin), item["labels"], item["index"]
+        if self.skipped:
+            log.warning(
+                "rank %d: %d unreadable samples of split %r (%s) left out of the evaluation", self.rank, self.skipped, self.split.name, self.root
+            )
 
 
 def eval_batches(
@@ -508,23 +626,26 @@ def eval_batches(
     loader_workers: int = 2,
     pin_memory: bool = False,
     draft: bool = True,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """``(images, labels, index)`` batches of ``rank``'s contiguous share of ``split``.
+    normalize: bool = True,
+) -> EvalBatches:
+    """``(images, labels, index)`` batches of ``rank``'s contiguous share of ``split`` (an :class:`EvalBatches`).
 
     Every rank yields the same number of batches (sizes may differ by one; a batch is empty
     only when the split has fewer samples than ranks × batches). Labels are the split's label
     space (In-Shop query and gallery share it); ``index`` is each sample's position in the
-    split. An unreadable sample is replaced by another image of its class (its ``index`` and
-    label are kept, so every index still appears exactly once) and logged.
+    split. An unreadable sample is *dropped*, never replaced (a stand-in image would inflate
+    the retrieval metrics): its batch comes out smaller, its index is absent, it is logged and
+    counted in the returned object's ``skipped``. Images as in :class:`TrainStream`
+    (``normalize``, ``pin_memory``).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world_size {world_size}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    info = Manifest.load(shard_dir).split(split)
+    manifest = Manifest.load(shard_dir)
+    info = manifest.split(split)
     ranges = eval_batch_ranges(info.num_images, world_size, rank, batch_size)
-    ds = _EvalBatches(info, info.group_table(), ranges, EvalTransform(resize, crop, draft=draft))
-    skips = _SkipLog()
-    for item in _in_order(ds, loader_workers, 0, pin_memory):
-        skips.add(item)
-        yield normalize_batch(item["images"]), item["labels"], item["index"]
+    return EvalBatches(
+        info, manifest.root, ranges, EvalTransform(resize, crop, draft=draft),
+        rank=rank, loader_workers=loader_workers, pin_memory=pin_memory, normalize=normalize,
+    )

@@ -13,7 +13,8 @@ coloured by class (a class's images share a hue), so a test can also tell classe
 * In-Shop: ``list_eval_partition.txt`` (count line, header, rows) and ``img/...`` JPEGs;
   query and gallery share items, and one gallery-only item is a distractor.
 * folder: ``train/<class>/*`` and ``test/<class>/*`` mixing JPEG, grayscale PNG, RGBA PNG,
-  BMP, plus a text file that is not an image.
+  BMP, plus a text file that is not an image; :func:`make_folder_tree` for any class names,
+  :func:`make_folder_shared_class` for a tree whose train and test share a class (refused).
 """
 
 from __future__ import annotations
@@ -179,6 +180,23 @@ def make_folder(root: Path) -> Fixture:
         (root / split / names[0] / "notes.txt").write_text("not an image\n")
         fx.broken.append(f"{split}/{names[0]}/notes.txt")
     return fx
+
+
+def make_folder_tree(root: Path, plan: dict[str, dict[str, int]]) -> Fixture:
+    """``root/<split>/<class>/img<k>.jpg`` for ``plan[split][class] = count``; class names may hold any characters."""
+    fx = Fixture(root)
+    for split, classes in plan.items():
+        fx.classes[split] = {}
+        for ci, (name, count) in enumerate(classes.items()):
+            for k in range(count):
+                save(class_image(60 + ci + 20 * (split != "train"), k), root / split / name / f"img{k}.jpg")
+            fx.classes[split][name] = count
+    return fx
+
+
+def make_folder_shared_class(root: Path) -> Fixture:
+    """A folder tree that reuses class ``banana`` under both ``train/`` and ``test/`` (the build must refuse it)."""
+    return make_folder_tree(root, {"train": {"apple": 2, "banana": 2}, "test": {"banana": 2, "cherry": 2}})
 
 
 MAKERS = {"sop": make_sop, "cub": make_cub, "cars": make_cars, "inshop": make_inshop, "folder": make_folder}

@@ -73,6 +73,9 @@ def test_overrides_apply_with_yaml_values():
         (["model.embedding_dim=8"], "model.embedding_dim"),
         (["data.sampler=random"], "data.sampler"),  # instance loss without positives
         (["optim.lr.x=1"], "optim.lr"),
+        (["train.precision=fp16"], "train.precision"),  # CPU workers
+        (["eval.metric=recall@3"], "eval.metric"),
+        (["train.run_name=it's"], "train.run_name"),
     ],
 )
 def test_bad_configs_name_the_key(overrides, key):

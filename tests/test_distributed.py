@@ -20,7 +20,7 @@ from dmltrain.distributed import (
     make_classifier_optimizer,
     sample_rows,
 )
-from dmltrain.distributed.class_sampling import target_count
+from dmltrain.distributed.class_sampling import draw_active_rows, target_total
 from dmltrain.errors import ConfigError
 from dmltrain.losses.base import AnchorTerms, InstanceLoss
 
@@ -41,34 +41,53 @@ def test_partition_covers_every_class_once(C, W):
 
 # -- the class draw ----------------------------------------------------------------------------------
 def test_class_draw_rules():
-    n, ratio = 1000, 0.1
+    n = 1000
     pos = torch.tensor([3, 17, 999, 500])
-    rows = sample_rows(n, pos, ratio, seed=1, step=5, shard=2)
-    assert rows.numel() == target_count(n, ratio) == 100
+    rows = sample_rows(n, pos, 96, seed=1, step=5, shard=2)
+    assert rows.numel() == 100
     assert torch.isin(pos, rows).all(), "every batch class must be drawn"
     assert torch.equal(rows, torch.unique(rows)), "sorted, without duplicates"
-    assert torch.equal(rows, sample_rows(n, pos, ratio, seed=1, step=5, shard=2)), "reproducible from (seed, step, shard)"
-    assert not torch.equal(rows, sample_rows(n, pos, ratio, seed=1, step=6, shard=2)), "differs across steps"
-    assert not torch.equal(rows, sample_rows(n, pos, ratio, seed=1, step=5, shard=3)), "differs across shards"
-    assert not torch.equal(rows, sample_rows(n, pos, ratio, seed=2, step=5, shard=2)), "differs across seeds"
+    assert torch.equal(rows, sample_rows(n, pos, 96, seed=1, step=5, shard=2)), "reproducible from (seed, step, shard)"
+    assert not torch.equal(rows, sample_rows(n, pos, 96, seed=1, step=6, shard=2)), "differs across steps"
+    assert not torch.equal(rows, sample_rows(n, pos, 96, seed=1, step=5, shard=3)), "differs across shards"
+    assert not torch.equal(rows, sample_rows(n, pos, 96, seed=2, step=5, shard=2)), "differs across seeds"
     # more positives than the ratio allows: exactly the positives
+    assert target_total(1000, 200, 0.1) == 200 and target_total(1000, 4, 0.1) == 100 and target_total(10, 1, 1.0) == 10
     many = torch.arange(0, 1000, 5)
-    assert torch.equal(sample_rows(n, many, ratio, 0, 0, 0), many)
-    # ratio 1 draws everything
-    assert torch.equal(sample_rows(50, torch.tensor([1]), 1.0, 0, 0, 0), torch.arange(50))
+    assert torch.equal(sample_rows(n, many, 0, 0, 0, 0), many)
+    # everything asked for: everything drawn
+    assert torch.equal(sample_rows(50, torch.tensor([1]), 49, 0, 0, 0), torch.arange(50))
+
+
+@pytest.mark.parametrize("C,W,ratio", [(11318, 8, 0.001), (100, 4, 0.1), (23, 3, 0.5), (1000, 7, 0.01)])
+def test_global_draw_count_is_the_ratio_of_all_classes_at_any_world_size(C, W, ratio):
+    """round(ratio × C) classes per step whatever W; shards agree on the split without communicating."""
+    bounds = ClassPartition(C, W).bounds()
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        batch = torch.unique(torch.randint(0, C, (6,), generator=g))
+        per_shard = [draw_active_rows(batch, bounds, r, ratio, seed=7, step=step) + bounds[r][0] for r in range(W)]
+        drawn = torch.cat(per_shard)
+        assert drawn.numel() == target_total(C, batch.numel(), ratio) == max(batch.numel(), round(ratio * C))
+        assert torch.isin(batch, drawn).all() and torch.unique(drawn).numel() == drawn.numel()
+        assert all(((p >= lo) & (p < hi)).all() for p, (lo, hi) in zip(per_shard, bounds))
 
 
 def test_class_draw_is_uniform_over_the_other_classes():
-    n, ratio, steps = 200, 0.1, 2000
-    pos = torch.tensor([0, 1, 2, 3, 4])
-    counts = torch.zeros(n)
+    """Over many steps every non-batch class is drawn equally often, whichever shard holds it."""
+    C, W, ratio, steps = 200, 3, 0.1, 2000
+    bounds = ClassPartition(C, W).bounds()
+    batch = torch.tensor([0, 1, 2, 3, 150])  # unevenly spread over the shards
+    counts = torch.zeros(C)
     for step in range(steps):
-        counts[sample_rows(n, pos, ratio, seed=0, step=step, shard=0)] += 1
-    assert (counts[pos] == steps).all()
-    others = counts[5:] / steps
-    expected = (target_count(n, ratio) - 5) / (n - 5)
+        for r in range(W):
+            counts[draw_active_rows(batch, bounds, r, ratio, seed=0, step=step) + bounds[r][0]] += 1
+    assert (counts[batch] == steps).all()
+    others = torch.ones(C, dtype=torch.bool)
+    others[batch] = False
+    expected = (target_total(C, 5, ratio) - 5) / (C - 5)
     # binomial sd ≈ sqrt(p(1-p)/steps) ≈ 0.0047; allow 5 sd per class
-    assert (others - expected).abs().max() < 0.024, (others.min(), others.max(), expected)
+    assert (counts[others] / steps - expected).abs().max() < 0.024, (counts[others].min(), counts[others].max(), expected)
 
 
 # -- row-sparse optimizers -----------------------------------------------------------------------------
@@ -176,7 +195,7 @@ def test_subsampled_steps_leave_undrawn_rows_and_state_untouched(name):
         loss.backward()
         rows = clf.active_rows
         seen.append(rows)
-        assert rows.numel() == max(target_count(C, 0.1), torch.unique(y).numel())
+        assert rows.numel() == target_total(C, torch.unique(y).numel(), 0.1)
         assert torch.isin(y, rows).all()
         idle = torch.ones(C, dtype=torch.bool)
         idle[rows] = False
@@ -285,6 +304,22 @@ def test_agrees_with_the_registry_proxy_loss(kind):
     assert rel_err(float(ours.detach()), float(theirs.detach())) < 1e-5
     assert rel_err(xa.grad, xb.grad) < 1e-5
     assert rel_err(clf.weight.grad, ref.weight.grad) < 1e-5
+
+
+def test_label_smoothing_with_a_single_class_has_no_gradient():
+    """With one class the softmax is certain: loss 0 and gradient 0 even with ε > 0 (the
+    smoothing has no other class to spread to), as in the registry loss."""
+    x, y = _batch(1, 6, B=8, seed=6)
+    clf = ShardedClassifier(1, 6, "softmax_ce", smoothing=0.1)
+    with torch.no_grad():
+        clf.weight.normal_()
+        clf.bias.normal_()
+    xa = x.clone().requires_grad_(True)
+    loss = clf(xa, y)
+    loss.backward()
+    assert float(loss.detach()) == 0.0
+    assert float(clf.weight.grad.abs().max()) == 0.0 and float(clf.bias.grad.abs().max()) == 0.0
+    assert float(xa.grad.abs().max()) == 0.0
 
 
 def test_eval_call_without_grad():

@@ -166,20 +166,22 @@ def _instance_checks(rank, W):
 def _sampling_checks(rank, W):
     """sample_ratio < 1: exactness on the drawn classes, the draw's rules, sparse optimizer updates."""
     from dmltrain.distributed import make_classifier_optimizer
-    from dmltrain.distributed.class_sampling import target_count
+    from dmltrain.distributed.class_sampling import draw_active_rows, target_total
 
     report = {}
     for kind, params in [("normsoftmax", {"temperature": 0.1}), ("arcface", {"scale": 16.0, "margin": 0.5}), ("softmax_ce", {"smoothing": 0.1})]:
         for budget in (64.0, 1e-4):
             out, clf = _classifier_case(rank, W, kind, params, budget, ratio=0.5, step=11)
             local_active = out["local_active"]
-            want = max(target_count(out["num_local"], 0.5), out["local_positives"].numel())
+            # the shard's part of the global draw, recomputed here from the draw's own rule
+            batch_classes = torch.unique(_global_batch()[1])
+            want = draw_active_rows(batch_classes, clf.partition.bounds(), rank, 0.5, clf.seed, 11).numel()
             inactive = torch.ones(clf.num_local, dtype=torch.bool)
             inactive[local_active] = False
             entry = {
                 "loss": out["loss"],
                 "positives_drawn": bool(torch.isin(out["local_positives"], local_active).all()),
-                "count_ok": local_active.numel() == want,
+                "count_ok": local_active.numel() == want and out["active"].numel() == target_total(C, batch_classes.numel(), 0.5),
                 "inactive_grad_zero": bool((clf.weight.grad[inactive] == 0).all()),
             }
             # the same step draws the same rows again

@@ -186,7 +186,7 @@ def arcface_case(theta: float, margin=0.5, dtype=torch.float32):
 @pytest.mark.parametrize("theta", [0.0, 1e-7, 1e-4, 1e-2])
 def test_arcface_is_finite_and_exact_near_zero_angle(theta):
     loss, x, y = arcface_case(theta)
-    logits = loss.logits(x, y)
+    logits = loss.scores(x, y)[0]
     loss(x, y).backward()
     assert torch.isfinite(x.grad).all() and torch.isfinite(loss.weight.grad).all()
     assert float(logits[0, 0].detach()) == pytest.approx(64 * math.cos(theta + 0.5), rel=1e-6)
@@ -209,7 +209,7 @@ def test_arcface_beyond_pi_minus_margin_keeps_penalising():
     targets, grads = [], []
     for theta in thetas:
         loss, x, y = arcface_case(theta, margin=m, dtype=F64)
-        target = float(loss.logits(x, y)[0, 0].detach()) / 64
+        target = float(loss.scores(x, y)[0][0, 0].detach()) / 64
         if theta + m > math.pi:
             assert target == pytest.approx(math.cos(theta) - m * math.sin(m), rel=1e-9, abs=1e-12)
         else:
@@ -377,19 +377,48 @@ def test_stats_pos_neg_similarity_values():
     assert loss.stats["neg_sim"] == pytest.approx(sum(neg) / len(neg))
 
 
-# -- the classifier interface the sharded classifier uses ------------------------------------------
-@pytest.mark.parametrize("name", ["normsoftmax", "cosface", "arcface", "softmax_ce", "proxy_nca"])
-def test_logits_of_a_row_subset_match_the_full_logits(name):
-    loss = make(name, num_classes=10, dim=8)
-    if name == "softmax_ce":
-        torch.nn.init.normal_(loss.weight)
-        torch.nn.init.normal_(loss.bias)
-    x, y = batch([1, 1, 4, 4, 7, 9], seed=12)
-    full = loss.logits(x, y)
-    ids = torch.tensor([9, 0, 4, 5])  # a shard's rows in any order, some labels absent
-    bias = loss.bias[ids] if name == "softmax_ce" else None
-    part = loss.logits(x, y, weight=loss.weight[ids], class_ids=ids, bias=bias)
-    torch.testing.assert_close(part, full[:, ids])
+# -- the margin and smoothing maths shared with the sharded classifier --------------------------------
+def test_margin_targets_against_scalar_formulas():
+    """``margins.TARGET_LOGIT`` (which the registry losses and the sharded classifier both call)
+    against float64 scalar formulas through ``acos``, away from θ = 0 where acos is exact enough."""
+    from dmltrain.losses.margins import TARGET_LOGIT
+
+    g = torch.Generator().manual_seed(21)
+    x, w = unit_rows(torch.randn(64, 5, generator=g, dtype=F64)), unit_rows(torch.randn(64, 5, generator=g, dtype=F64))
+    for kind, params in [("normsoftmax", {"temperature": 0.05}), ("cosface", {"scale": 30.0, "margin": 0.35}), ("arcface", {"scale": 30.0, "margin": 0.5}), ("arcface", {"scale": 30.0, "margin": 1.2})]:  # fmt: skip
+        got = TARGET_LOGIT[kind](x, w, **params)
+        for i in range(x.shape[0]):
+            cos = float(x[i] @ w[i])
+            if kind == "normsoftmax":
+                ref = cos / params["temperature"]
+            elif kind == "cosface":
+                ref = params["scale"] * (cos - params["margin"])
+            else:
+                s, m = params["scale"], params["margin"]
+                theta = math.acos(cos)
+                ref = s * (math.cos(theta + m) if theta + m <= math.pi else cos - m * math.sin(m))
+            assert float(got[i]) == pytest.approx(ref, rel=1e-9, abs=1e-9), (kind, params, i)
+
+
+@pytest.mark.parametrize("num_classes,smoothing", [(7, 0.0), (7, 0.1), (2, 0.3), (1, 0.1)])
+def test_smoothed_nll_gradient_is_softmax_minus_smoothed_target(num_classes, smoothing):
+    """The sharded classifier's backward writes ``p - q`` with ``q`` from ``smoothing_weights``:
+    it must be the gradient of ``smoothed_nll`` through its three reductions."""
+    from dmltrain.losses.margins import smoothing_weights
+
+    g = torch.Generator().manual_seed(22)
+    z = (3 * torch.randn(5, num_classes, generator=g, dtype=F64)).requires_grad_(True)
+    y = torch.randint(num_classes, (5,), generator=g)
+    target = z.gather(1, y[:, None]).squeeze(1)
+    smoothed_nll(torch.logsumexp(z, 1), target, z.sum(1), num_classes, smoothing).sum().backward()
+    on, off = smoothing_weights(num_classes, smoothing)
+    q = torch.full_like(z, off)
+    q[torch.arange(5), y] = on
+    assert float(q.sum(1).sub(1).abs().max()) < 1e-12  # a distribution
+    torch.testing.assert_close(z.grad, torch.softmax(z.detach(), 1) - q, rtol=1e-12, atol=1e-12)
+    if smoothing and num_classes > 1:  # and the loss is CE against that distribution
+        ce = -(q * torch.log_softmax(z.detach(), 1)).sum(1)
+        torch.testing.assert_close(smoothed_nll(torch.logsumexp(z, 1), target, z.sum(1), num_classes, smoothing).detach(), ce)
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
@@ -405,7 +434,7 @@ def test_smoothed_nll_from_reductions_equals_the_loss(smoothing):
 
 
 def check_smoothed_nll(loss, x, y, smoothing):
-    z = loss.logits(x, y)
+    z = loss.scores(x, y)[0]
     parts = smoothed_nll(torch.logsumexp(z, 1), z.gather(1, y[:, None]).squeeze(1), z.sum(1), 7, smoothing)
     assert float(parts.mean()) == pytest.approx(float(loss(x, y)), rel=1e-6)
     if smoothing == 0:

@@ -6,8 +6,11 @@ image; everything else uses the small CNN.
 
 from __future__ import annotations
 
+import http.client
+import http.server
 import math
 import socket
+import threading
 import urllib.error
 
 import numpy as np
@@ -424,6 +427,80 @@ def test_imagenet_offline_one_line_error(monkeypatch, tmp_path, resnet18_file):
         small(pretrained="imagenet")
 
 
+class _TruncatingHandler(http.server.BaseHTTPRequestHandler):
+    """Serves a body that stops early: ``/short/*`` promises more bytes than it sends, ``/chunked/*``
+    breaks off inside a chunk; ``/cut/*`` sends part of the promised body and then stops (for
+    a client read that raises mid-stream)."""
+
+    def do_GET(self):
+        self.send_response(200)
+        if self.path.startswith("/chunked/"):
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.wfile.write(b"4000\r\n" + b"x" * 1000)
+        else:
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            self.wfile.write(b"x" * 3000)
+        self.wfile.flush()
+        self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def truncating_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _TruncatingHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def test_imagenet_partial_download_one_line_error_and_no_file(monkeypatch, tmp_path, truncating_server):
+    """A download that breaks off (short body, broken chunked body, IncompleteRead mid-stream) is
+    the same one-line error as no network, and leaves nothing in the torch hub cache."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.setattr(pretrained_mod, "DOWNLOAD_TIMEOUT_S", 5.0)
+    for route in ("short", "chunked"):
+        url = f"{truncating_server}/{route}/resnet18-f37072fd.pth"
+        monkeypatch.setattr(pretrained_mod, "imagenet_weights", lambda name, url=url: _FakeWeights(url))
+        with pytest.raises(UserError) as e:
+            build_model(ModelConfig(backbone="resnet18", pretrained="imagenet"))
+        msg = one_line_user_error(e)
+        assert url in msg and "model.pretrained=/path/to/resnet18-f37072fd.pth" in msg, msg
+        assert ("3000 of 100000 bytes" in msg) if route == "short" else ("IncompleteRead" in msg), msg
+        assert not [p for p in (tmp_path / "torch").rglob("*") if p.is_file()]
+
+    class Broken:  # what urlopen returns when the peer resets the stream inside a read
+        headers = {"Content-Length": "100"}
+
+        def __init__(self):
+            self.calls = 0
+
+        def read(self, n):
+            self.calls += 1
+            if self.calls == 1:
+                return b"y" * 10
+            raise http.client.IncompleteRead(b"y" * 5, 85)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(pretrained_mod, "imagenet_weights", lambda name: _FakeWeights("http://example.invalid/resnet18-f37072fd.pth"))
+    monkeypatch.setattr(pretrained_mod.urllib.request, "urlopen", lambda *a, **k: Broken())
+    with pytest.raises(UserError) as e:
+        build_model(ModelConfig(backbone="resnet18", pretrained="imagenet"))
+    assert "IncompleteRead(5 bytes read, 85 more expected)" in one_line_user_error(e)
+    assert not [p for p in (tmp_path / "torch").rglob("*") if p.is_file()]
+
+
 # -- saving and loading -------------------------------------------------------------------------------------
 def test_save_load_round_trip(tmp_path, images32):
     torch.manual_seed(0)
@@ -474,6 +551,16 @@ def test_load_model_errors(tmp_path):
     torch.save({"a": 1}, tmp_path / "other.pt")
     with pytest.raises(UserError, match="not a dmltrain model file"):
         load_model(tmp_path / "other.pt")
+    # a file whose stored model config this version no longer accepts: the file and the key
+    good = tmp_path / "good.pt"
+    save_model(good, small(), {})
+    payload = torch.load(good, weights_only=True)
+    for change, key in (({"pooling": "gem"}, "model.pooling"), ({"removed_option": 1}, "model.removed_option"), ({"backbone": "vit"}, "model.backbone")):
+        torch.save({**payload, "model_config": {**payload["model_config"], **change}}, tmp_path / "stale.pt")
+        with pytest.raises(UserError) as e:
+            load_model(tmp_path / "stale.pt")
+        msg = one_line_user_error(e)
+        assert msg.startswith(f"{tmp_path / 'stale.pt'}: stored model config") and f"{key}:" in msg, msg
     with pytest.raises(ValueError, match="state_dict keys"):
         save_model(tmp_path / "x.pt", small(), {}, state_dict={"stage1.0.weight": torch.zeros(1)})
     with pytest.raises(TypeError, match="extra"):

@@ -13,7 +13,7 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from dataset_fixtures import MAKERS, make_sop, write_truncated_jpeg
+from dataset_fixtures import MAKERS, make_folder_shared_class, make_folder_tree, make_sop, write_truncated_jpeg
 from dmltrain.cli import main
 from dmltrain.errors import UserError
 from shards.layouts import class_sort_key
@@ -188,6 +188,67 @@ def test_bad_input_is_one_line(built, tmp_path, capsys):
     assert not (tmp_path / "o5" / "manifest.json").exists()
     with pytest.raises(UserError, match="manifest.json: not found"):
         Manifest.load(tmp_path / "o5")
+
+
+def test_unreadable_cars_annotations_are_one_line(built, tmp_path, capsys):
+    """An empty, truncated, HDF5 (MATLAB v7.3) or foreign .mat file: one error line naming it, no traceback."""
+    import shutil
+
+    fx, _ = built["cars"]
+    root = tmp_path / "cars"
+    shutil.copytree(fx.root, root)
+    mat = root / "cars_annos.mat"
+    good = mat.read_bytes()
+    # a v7.3 file is HDF5 behind a MATLAB header whose version field is 0x0200
+    v73 = b"MATLAB 7.3 MAT-file, Platform: GLNXA64, Created on: Mon Jan  1 00:00:00 2024 HDF5 schema 1.00 .".ljust(116)
+    v73 += b"\0" * 8 + b"\x00\x02IM" + b"\x89HDF\r\n\x1a\n" + b"\0" * 500
+    cases = {"empty": b"", "truncated": good[: len(good) // 2], "header only": good[:100], "v7.3": v73, "no annotations": None}
+    for i, (what, data) in enumerate(cases.items()):
+        if data is None:
+            import scipy.io
+
+            scipy.io.savemat(str(mat), {"class_names": np.array(["a", "b"], dtype=object)})
+        else:
+            mat.write_bytes(data)
+        assert cli("build", "--layout", "cars", "--root", str(root), "--out", str(tmp_path / f"o{i}"), "--quiet") == 2, what
+        line = _error_line(capsys)
+        assert str(mat) in line, (what, line)
+        if what == "v7.3":
+            assert "v7.3" in line and "re-save it in MATLAB v7 format" in line
+
+
+def test_manifest_keeps_strings_verbatim(tmp_path):
+    """Class ids and paths that look like number lists are written as they are; number lists are compact."""
+    name = "lot [1, 2]"
+    fx = make_folder_tree(tmp_path / "src", {"train": {name: 2, "[3,4]": 1}, "test": {"other [ 5 ]": 2}})
+    assert cli("build", "--layout", "folder", "--root", str(fx.root), "--out", str(tmp_path / "out"), "--quiet") == 0
+    m = Manifest.load(tmp_path / "out")
+    assert set(m.split("train").classes) == {name, "[3,4]"} and set(m.split("test").classes) == {"other [ 5 ]"}
+    text = (tmp_path / "out" / "manifest.json").read_text()
+    assert json.dumps(name) in text and '"other [ 5 ]"' in text
+    assert json.loads(text)["splits"]["train"]["class_counts"] == [1, 2]  # sorted as strings: "[3,4]" < "lot [1, 2]"
+    assert '"class_counts": [1,2]' in text  # numeric lists stay on one line
+    rows = [line.strip().rstrip(",") for line in text.splitlines() if line.strip().startswith("[") and line.strip()[1:2].isdigit()]
+    assert rows and all(",".join(map(str, json.loads(r))) == r[1:-1] for r in rows)  # group rows: one compact line each
+    for sh in m.split("train").shards:  # and the shards agree with the manifest about the ids
+        for s in wds.WebDataset([str(sh.path)], shardshuffle=False, empty_check=False, nodesplitter=None):
+            meta = json.loads(s["json"])
+            assert m.split("train").classes[meta["class_id"]] == meta["label"]
+            assert meta["path"].startswith(f"train/{meta['class_id']}/img")
+
+
+def test_shared_train_and_test_class_is_refused(tmp_path, capsys):
+    fx = make_folder_shared_class(tmp_path / "src")
+    out = tmp_path / "out"
+    assert cli("build", "--layout", "folder", "--root", str(fx.root), "--out", str(out), "--quiet") == 2
+    line = _error_line(capsys)
+    assert "'banana'" in line and "--layout folder" in line and "train" in line and "test" in line and "--allow-shared-classes" in line
+    assert not out.exists(), "refused before anything is written"
+    assert cli("build", "--layout", "folder", "--root", str(fx.root), "--out", str(out), "--quiet", "--allow-shared-classes") == 0
+    assert "WARNING" in capsys.readouterr().err
+    m = Manifest.load(out)
+    assert "banana" in m.split("train").classes and "banana" in m.split("test").classes
+    assert m.data["options"]["shared_classes"] == 1
 
 
 def test_existing_output_refused_unless_overwrite(built, tmp_path, capsys):

@@ -8,8 +8,9 @@ its plan and against the manifest.
 from __future__ import annotations
 
 import io
-import random
+import json
 import logging
+import random
 import shutil
 import tarfile
 from collections import Counter
@@ -41,14 +42,29 @@ def render(job: tuple[int, int]) -> tuple[bytes, str]:
 
 
 def make_shards(out: Path, sizes=SIZES, shard_size: int = 10, seed: int = 3) -> Path:
+    """Train: ``sizes[c]`` images of class ``c``; test: the first 37 of those images under their own class ids (1000 + c)."""
     entries, jobs = [], []
     for c, n in enumerate(sizes):
         for i in range(n):
             entries.append(Entry(f"c{c}/{i}.jpg", str(c), f"c{c}/{i}.jpg"))
             jobs.append((c, i))
-    layout = Layout("folder", "memory", {"train": entries, "test": entries[:37]})
+    test = [Entry(e.path, str(1000 + int(e.class_id)), e.relpath) for e in entries[:37]]
+    layout = Layout("folder", "memory", {"train": entries, "test": test})
     build_shards(out, layout, load=render, args={"train": jobs, "test": jobs[:37]}, shard_size=shard_size, seed=seed, workers=1, progress=False)
     return out
+
+
+def garble_members(path: Path, group: list[int], positions: list[int]) -> None:
+    """Overwrite the image bytes of samples ``positions`` of a class group in place (the tar stays valid)."""
+    raw = bytearray(path.read_bytes())
+    label, count, offset, length = group
+    with tarfile.open(fileobj=io.BytesIO(bytes(raw[offset : offset + length])), mode="r|") as tf:
+        images = [t for t in tf if t.name.endswith(".jpg")]
+    assert len(images) == count
+    for pos in positions:
+        t = images[pos]
+        raw[offset + t.offset_data : offset + t.offset_data + t.size] = b"JUNK" * (t.size // 4) + b"J" * (t.size % 4)
+    path.write_bytes(bytes(raw))
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +167,25 @@ def test_stream_follows_plan_and_manifest(shard_dir):
     x = torch.cat([g[0] for g in got])
     assert -3 < x.mean() < 3 and 0.2 < x.std() < 3
     assert ts.skipped == 0
+    # normalize=False: the same batches as uint8 NCHW; normalize_batch (the caller's, on any device) gives the same floats
+    from shards.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize_batch
+
+    raw = list(stream(shard_dir, normalize=False, pin_memory=True).epoch(0, with_index=True))
+    assert len(raw) == len(got)
+    mean, std = (torch.tensor(v, dtype=torch.float64).view(1, 3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
+    for (images, labels, index), (u8, labels2, index2) in zip(got, raw):
+        assert u8.dtype == torch.uint8 and u8.shape == (P * K, 3, IMG, IMG) and u8.is_contiguous()
+        assert torch.equal(labels, labels2) and torch.equal(index, index2)
+        assert torch.equal(normalize_batch(u8), images)
+        ref = (u8.double() / 255 - mean) / std  # the formula, independently
+        assert torch.allclose(images.double(), ref, atol=1e-5)
+    u8 = raw[0][0]
+    channels_last = normalize_batch(u8.contiguous(memory_format=torch.channels_last), torch.bfloat16)
+    assert channels_last.dtype == torch.bfloat16 and channels_last.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(channels_last.float(), got[0][0], atol=0.02)
+    assert torch.equal(normalize_batch(u8.float()), got[0][0]), "float pixel values work too, and the input is left alone"
+    with pytest.raises(ValueError, match="b×3×H×W"):
+        normalize_batch(u8.permute(0, 2, 3, 1))
 
 
 def test_loader_processes_resume_and_determinism(shard_dir):
@@ -172,10 +207,44 @@ def test_loader_processes_resume_and_determinism(shard_dir):
     flat2 = {int(i): img for im, _, ix in other for img, i in zip(im, ix)}
     common = sorted(set(flat) & set(flat2))[:5]
     assert common and all(not torch.equal(flat[i], flat2[i]) for i in common)
-    ts.position = (1, 0)
-    it = ts.epoch(1, start_batch=0)
-    next(it), next(it)
-    assert ts.state_dict()["epoch"] == 1 and ts.state_dict()["batch"] == 2
+    assert list(ts.epoch(1, start_batch=ts.batches_per_epoch)) == []  # the end of an epoch: nothing left
+
+
+def test_plan_signature_and_resume_position(shard_dir, tmp_path):
+    from dmltrain.errors import UserError
+
+    base = stream(shard_dir)
+    sig = base.plan_signature()
+    assert json.loads(json.dumps(sig)) == sig, "JSON-ready, to store in a checkpoint"
+    assert set(sig) == {
+        "plan_version", "split", "world_size", "sampler", "batch_size", "samples_per_class", "seed", "shuffle_window_batches", "manifest_digest",
+    }
+    # what does not change the plan does not change the signature; every plan input does
+    assert stream(shard_dir, loader_workers=2, color_jitter=0.4, image_size=IMG + 8, normalize=False).plan_signature() == sig
+    assert stream(shard_dir, rank=1, world_size=2).plan_signature() == stream(shard_dir, rank=0, world_size=2).plan_signature(), "same on all ranks"
+    changed = {
+        "world_size": stream(shard_dir, world_size=3),
+        "batch_size": stream(shard_dir, batch_size=2 * P * K),
+        "samples_per_class": stream(shard_dir, batch_size=2 * P * K, samples_per_class=2 * K),
+        "sampler": stream(shard_dir, sampler="random"),
+        "seed": stream(shard_dir, seed=12),
+        "shuffle_window_batches": stream(shard_dir, shuffle_images=600),
+    }
+    for key, ts in changed.items():
+        assert ts.plan_signature()[key] != sig[key], key
+    other = make_shards(tmp_path / "reseeded", seed=4)  # same images, another class order: another plan
+    assert stream(other).plan_signature()["manifest_digest"] != sig["manifest_digest"]
+    assert stream(other).plan_signature() != sig
+    # a position outside this plan's epoch is a one-line UserError at the call, before any batch
+    for bad in (-1, base.batches_per_epoch + 1, 10**6):
+        with pytest.raises(UserError, match=rf"start_batch {bad}: outside 0\.\.{base.batches_per_epoch}"):
+            base.epoch(0, start_batch=bad)
+    # a doubled global batch halves the epoch: a position saved near the end of the old plan is refused
+    bigger = changed["batch_size"]
+    assert bigger.batches_per_epoch < base.batches_per_epoch - 1
+    with pytest.raises(UserError, match="plan_signature"):
+        bigger.epoch(0, start_batch=base.batches_per_epoch - 1)
+    assert not hasattr(base, "state_dict") and not hasattr(base, "position")
 
 
 def test_random_sampler_batches(shard_dir):
@@ -255,6 +324,65 @@ def test_large_groups_are_read_member_by_member(shard_dir):
     assert len(walked._indexes) == len(table) and not whole.notes and not walked.notes
 
 # -- evaluation -----------------------------------------------------------------------------------
+class _TinyEmbedder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(3 * 4 * 4, 8)
+
+    def forward(self, x):
+        return self.fc(torch.nn.functional.adaptive_avg_pool2d(x, 4).flatten(1))
+
+
+def test_eval_drops_unreadable_samples(shard_dir, tmp_path, caplog):
+    """Evaluation never substitutes: unreadable samples (one member, and a whole class group) are left
+    out, counted, and the metrics are those of the readable samples alone."""
+    from dmltrain.config import DataConfig, EvalConfig
+    from dmltrain.evaluate.embedding import evaluate_model
+    from dmltrain.evaluate.retrieval import retrieval_metrics
+
+    bad = tmp_path / "bad"
+    shutil.copytree(shard_dir, bad)
+    info = Manifest.load(bad).split("test")
+    table = info.group_table()
+    whole = next(g for g in range(len(table)) if table.count[g] == 2)  # a class whose images are all unreadable
+    part = next(g for g in range(len(table)) if table.count[g] >= 4)
+    for g, positions in ((whole, [0, 1]), (part, [1])):
+        sh = info.shards[int(table.shard[g])]
+        garble_members(sh.path, next(row for row in sh.groups if row[0] == table.label[g]), positions)
+    dropped = {int(table.start[whole]), int(table.start[whole]) + 1, int(table.start[part]) + 1}
+    label_of = np.repeat(table.label, table.count)
+    caplog.set_level(logging.WARNING, logger="shards.stream")
+    for world_size, bs, workers in ((1, 8, 0), (2, 3, 1)):
+        seen, skipped, n_batches = [], 0, set()
+        for rank in range(world_size):
+            batches = eval_batches(bad, "test", rank=rank, world_size=world_size, batch_size=bs, resize=18, crop=IMG, loader_workers=workers)
+            assert batches.skipped == 0 and batches.num_samples == info.num_images
+            got = list(batches)
+            n_batches.add(len(got))
+            assert len(got) == len(batches)
+            for images, labels, index in got:
+                assert images.shape == (len(index), 3, IMG, IMG) and len(labels) == len(index)
+                assert labels.tolist() == label_of[index.numpy()].tolist(), "every label is the sample's own"
+                seen += index.tolist()
+            skipped += batches.skipped
+        assert sorted(seen) == sorted(set(range(info.num_images)) - dropped), "readable samples once each, unreadable ones never"
+        assert skipped == len(dropped) and len(n_batches) == 1
+        assert int(table.label[whole]) not in label_of[np.array(seen)].tolist()
+    assert any("left out of the evaluation" in r.getMessage() for r in caplog.records)
+    # evaluate_model reports the count, and its metrics are those of the readable samples alone
+    model = _TinyEmbedder()
+    data, ev = DataConfig(eval_batch_size=5, eval_resize=18, eval_crop=IMG, loader_workers=0), EvalConfig(ks=[1, 2])
+    metrics, gathered = evaluate_model(model, str(bad), ["test"], ev, data, progress=False)
+    clean, clean_gathered = evaluate_model(model, str(shard_dir), ["test"], ev, data, progress=False)
+    assert metrics["unreadable_samples"] == 3.0 and "unreadable_samples" not in clean
+    keep = np.array([i not in dropped for i in range(info.num_images)])
+    emb, lab = clean_gathered["test"]
+    assert np.allclose(gathered["test"][0], emb[keep], atol=1e-6) and np.array_equal(gathered["test"][1], lab[keep])
+    ref = retrieval_metrics(emb[keep], lab[keep], ks=ev.ks, nmi=ev.nmi, map_at_r=ev.map_at_r, device="cpu", progress=False)
+    assert {k: v for k, v in metrics.items() if k != "unreadable_samples"} == pytest.approx(ref)
+
+
 def test_eval_batches_partition_the_split(shard_dir):
     info = Manifest.load(shard_dir).split("test")
     table = info.group_table()

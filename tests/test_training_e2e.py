@@ -136,14 +136,22 @@ def _registered_checkpoints(run_dir: Path) -> list[str]:
     return [r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results", [])]
 
 
-def _kill_a_worker_after_first_checkpoint(run_dir: Path, killed: list[int]) -> None:
+def _train_worker_pids() -> set[int]:
+    import psutil
+
+    return {p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])}
+
+
+def _kill_a_worker_after_first_checkpoint(run_dir: Path, killed: list[int], earlier: set[int]) -> None:
+    """SIGKILL a training worker of this run (not a lingering one of an earlier run: ``earlier``)."""
     import psutil
 
     deadline = time.time() + 600
     while time.time() < deadline and not _registered_checkpoints(run_dir):
-        time.sleep(0.1)
+        time.sleep(0.05)
     for _ in range(100):
-        workers = [p for p in psutil.process_iter(["pid", "cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+        workers = [p for p in psutil.process_iter(["pid", "cmdline"])
+                   if "RayTrainWorker" in " ".join(p.info["cmdline"] or []) and p.info["pid"] not in earlier]
         if workers:
             victim = max(workers, key=lambda p: p.info["pid"])
             os.kill(victim.info["pid"], signal.SIGKILL)
@@ -158,7 +166,8 @@ def test_worker_killed_mid_run_resumes_to_the_same_weights(env, plain_run):
     root, shards = env
     cfg = _config(root, shards, **{"train.run_name": "killed"})
     killed: list[int] = []
-    watcher = threading.Thread(target=_kill_a_worker_after_first_checkpoint, args=(root / "runs" / "killed", killed), daemon=True)
+    earlier = _train_worker_pids()
+    watcher = threading.Thread(target=_kill_a_worker_after_first_checkpoint, args=(root / "runs" / "killed", killed, earlier), daemon=True)
     watcher.start()
     summary = train(cfg, progress=False)
     watcher.join(5)
@@ -167,7 +176,8 @@ def test_worker_killed_mid_run_resumes_to_the_same_weights(env, plain_run):
     assert summary.metrics["step"] == plain_run.metrics["step"]
     _, runs = _runs(root, "killed")
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-    assert "dmltrain.resumed_from_step" in runs[0].data.tags  # the restarted group resumed from a checkpoint
+    # the restarted group resumed from a checkpoint
+    assert "dmltrain.resumed_from_step" in runs[0].data.tags, (killed, earlier, sorted(runs[0].data.tags))
     # killed and resumed reaches the same weights as the uninterrupted run (CPU, fp32, same seed and W)
     a, b = _final_weights(plain_run), _final_weights(summary)
     assert a.keys() == b.keys()
@@ -176,15 +186,19 @@ def test_worker_killed_mid_run_resumes_to_the_same_weights(env, plain_run):
 
 
 def test_resume_at_a_different_worker_count(env):
+    """Also the recipes' bf16 engine and head-only start (the backbone frozen for the first step)."""
     from cluster.launch import train
 
     root, shards = env
-    first = train(_config(root, shards, **{"train.run_name": "reshard", "train.max_steps": 2}), progress=False)
+    common = {"train.run_name": "reshard", "train.precision": "bf16", "schedule.unit": "step", "schedule.head_only": 1}
+    first = train(_config(root, shards, **common, **{"train.max_steps": 2}), progress=False)
     assert first.ok and first.metrics["step"] == 2, first.error
-    again = train(_config(root, shards, **{"train.run_name": "reshard", "train.max_steps": 4, "cluster.num_workers": 1}), progress=False)
+    again = train(_config(root, shards, **common, **{"train.max_steps": 4, "cluster.num_workers": 1}), progress=False)
     assert again.ok, again.error
     assert again.metrics["step"] == 4
     client, runs = _runs(root, "reshard")
     assert len(runs) == 1
     tags = runs[0].data.tags
     assert tags["dmltrain.resumed_from_step"] == "2" and tags["resumed.cluster.num_workers"] == "1"
+    # step 2 was mid-epoch under a 2-worker batch plan: the 1-worker run starts the next epoch instead
+    assert "world_size" in tags["dmltrain.resumed_at_epoch_start"]

@@ -96,3 +96,23 @@ def test_schedule_shapes():
     assert [cos.factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert cos.factor(54) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert cos.factor(104) == pytest.approx(0.1)
+
+
+def test_a_changed_batch_plan_moves_a_mid_epoch_position_to_the_next_epoch(tmp_path):
+    from dmltrain.training.checkpoint import TrainState, realign_to_plan
+
+    plan = {"world_size": 2, "batch_size": 32, "seed": 0, "manifest_digest": "ab"}
+    # the same plan: the position stands (and survives a JSON round trip)
+    st = TrainState(step=7, epoch=1, batch=3, plan=dict(plan))
+    (tmp_path / "s.json").write_text(__import__("json").dumps(__import__("dataclasses").asdict(st)))
+    st = TrainState.from_json(tmp_path / "s.json")
+    assert realign_to_plan(st, plan) == [] and (st.epoch, st.batch) == (1, 3)
+    # another world size mid-epoch: the next epoch's start, and the changed keys named
+    st = TrainState(step=7, epoch=1, batch=3, plan=dict(plan))
+    assert realign_to_plan(st, {**plan, "world_size": 3, "manifest_digest": "cd"}) == ["manifest_digest", "world_size"]
+    assert (st.step, st.epoch, st.batch) == (7, 2, 0) and st.plan["world_size"] == 3
+    # at an epoch boundary nothing moves; a state saved before plans were recorded keeps its position
+    st = TrainState(step=8, epoch=2, batch=0, plan=dict(plan))
+    assert realign_to_plan(st, {**plan, "seed": 1}) == ["seed"] and (st.epoch, st.batch) == (2, 0)
+    st = TrainState(step=8, epoch=1, batch=4)
+    assert realign_to_plan(st, plan) == [] and (st.epoch, st.batch) == (1, 4) and st.plan == plan

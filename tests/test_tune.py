@@ -137,8 +137,11 @@ def test_cli_refuses_a_bad_space_before_starting_anything(tmp_path, capsys):
 
 def test_only_new_evaluations_reach_tune():
     # what the trainer reports over a run: the untrained model, each evaluation, then the checkpoint repeating it
-    reports = [{"eval/recall@1": 0.1, "step": 0}, {"eval/recall@1": 0.3, "step": 4}, {"eval/recall@1": 0.3, "step": 4},
-               {"step": 6}, {"eval/recall@1": 0.4, "step": 8}, {"eval/recall@1": 0.4, "step": 8}]
+    # (eval.before_training, then checkpoints at steps 2 and 6 that repeat the latest metrics)
+    ev = {"evaluation": 1}
+    reports = [{"eval/recall@1": 0.1, "step": 0, **ev}, {"eval/recall@1": 0.1, "step": 2}, {"eval/recall@1": 0.3, "step": 4, **ev},
+               {"eval/recall@1": 0.3, "step": 4}, {"eval/recall@1": 0.3, "step": 6}, {"eval/recall@1": 0.4, "step": 8, **ev},
+               {"eval/recall@1": 0.4, "step": 8}]
     last, forwarded = None, []
     for m in reports:
         if tn.is_new_evaluation(m, "eval/recall@1", last):
@@ -311,3 +314,27 @@ def test_report_over_the_search_compares_its_trials(search, tmp_path):
     assert sorted(r.name for r in rep.records) == ["search-t000", "search-t001"]
     text = rep.markdown.read_text()
     assert "optim.lr" in text and rep.html.is_file() and (tmp_path / "report" / "recall_at_1.png").is_file()
+
+
+def test_a_stopped_trial_is_scored_by_every_evaluation_its_run_logged(store):
+    """ASHA's stop reaches a trial asynchronously: it may evaluate again after its last Tune result."""
+    from mlflow.entities import Metric
+
+    from dmltrain.training.tracking import create_or_resume_run
+
+    uri, cfg, client = _store(store, "rescored")
+    parent = tn.ParentRun(cfg, "srch", {}, tags={})
+    rid, _ = create_or_resume_run(uri, "rescored", "srch-t000", {}, parent_run_id=parent.run_id)
+    history = [(0, 0.9, 0.5), (2, 0.30, 0.6), (4, 0.45, 0.7), (6, 0.45, 0.8)]  # step, recall@1, map@r; step 0: untrained
+    client.log_batch(rid, metrics=[Metric(k, v, 0, s) for s, r, m in history for k, v in (("eval/recall_at_1", r), ("eval/map_at_r", m))])
+    row = tn.TrialRow(0, "", "srch-t000", "finished", {}, 0.30, 2, 0.30, 1, 2, rid, {"eval/recall@1": 0.30})
+    tn._reconcile_with_mlflow([row], parent, "eval/recall@1", "max")
+    assert (row.status, row.best, row.best_step, row.last, row.evaluations, row.steps) == ("stopped early", 0.45, 4, 0.45, 3, 6)
+    assert row.best_metrics == {"eval/recall@1": 0.45, "eval/map@r": 0.7}
+    # mode min picks the lowest, and a row Tune already saw complete is left alone
+    row_min = tn.TrialRow(0, "", "srch-t000", "finished", {}, 0.30, 2, 0.30, 1, 2, rid)
+    tn._reconcile_with_mlflow([row_min], parent, "eval/recall@1", "min")
+    assert (row_min.best, row_min.best_step) == (0.30, 2)
+    full = tn.TrialRow(0, "", "srch-t000", "finished", {}, 0.1, 2, 0.2, 3, 6, rid)
+    tn._reconcile_with_mlflow([full], parent, "eval/recall@1", "max")
+    assert (full.best, full.evaluations) == (0.1, 3)

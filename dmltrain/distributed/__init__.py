@@ -20,6 +20,7 @@ _EXPORTS = {
     "group_rank_size": "collectives",
     "ClassPartition": "class_partition",
     "sample_rows": "class_sampling",
+    "draw_active_rows": "class_sampling",
     "RowSparseSGD": "sparse_optim",
     "RowSparseAdamW": "sparse_optim",
     "make_classifier_optimizer": "sparse_optim",

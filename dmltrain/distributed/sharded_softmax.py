@@ -10,7 +10,8 @@ How one call works:
 1. The local embeddings (L2-normalised first, except for ``softmax_ce``) and labels are
    all-gathered (uneven local batch sizes allowed); labels are global class ids.
 2. With ``sample_ratio < 1`` the shard picks its active rows: every class of the global batch
-   it owns plus uniformly drawn others (:mod:`~dmltrain.distributed.class_sampling`).
+   it owns plus its share of a global uniform draw of other classes, ``round(ratio × C)`` in
+   all whatever the number of workers (:mod:`~dmltrain.distributed.class_sampling`).
 3. The gathered batch is scored against the active rows a block of classes at a time. Each
    sample's log-sum-exp over this shard is accumulated online (block by block); if the whole
    ``global batch × active rows`` logit matrix (plus, when subsampling, the gathered active
@@ -27,12 +28,12 @@ How one call works:
    the gather's backward sums the shards' shares and hands each worker its own samples'.
 
 Margins act on the target logit only: CosFace ``s(cosθ − m)``, ArcFace ``s·cos(θ + m)`` with
-its true gradient (θ from ``atan2`` of the unit vectors, accurate at every angle; InsightFace's
-continuation ``s(cosθ − m·sin m)`` beyond ``θ + m > π``, as ``dmltrain.losses.arcface``). Each
+its true gradient. The maths is the registry losses' own, :mod:`dmltrain.losses.margins` (θ
+from ``atan2`` of the unit vectors, InsightFace's continuation beyond ``θ + m > π``). Each
 sample's target logit is computed on its (embedding, class row) pair and differentiated by
 autograd there, O(batch × D); the block GEMMs carry the other classes. Label smoothing
-(softmax CE) spreads ``ε`` over the other ``K − 1`` classes taking part, ``K`` counted over
-all shards, using the global sum of logits.
+(softmax CE, :func:`~dmltrain.losses.margins.smoothed_nll`) spreads ``ε`` over the other
+``K − 1`` classes taking part, ``K`` counted over all shards, using the global sum of logits.
 
 The weight gradient is written into ``clf.weight.grad`` (and ``clf.bias.grad``) directly,
 accumulating when it already exists, as Megatron's fused gradient accumulation does. When
@@ -60,7 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dmltrain.distributed.class_partition import ClassPartition
-from dmltrain.distributed.class_sampling import draw_seed, sample_rows
+from dmltrain.distributed.class_sampling import draw_active_rows, draw_seed
 from dmltrain.distributed.collectives import (
     _gather_rows,
     all_gather_sizes,
@@ -69,6 +70,7 @@ from dmltrain.distributed.collectives import (
     group_rank_size,
 )
 from dmltrain.distributed.workspace import Workspace
+from dmltrain.losses.margins import TARGET_LOGIT, pair_cos, smoothed_nll, smoothing_weights
 
 #: hyperparameters of each kind and their defaults (the registry losses' names and values)
 KIND_PARAMS: dict[str, dict[str, float]] = {
@@ -108,30 +110,6 @@ def _union(a: Tensor | _AllRows | None, b: Tensor | _AllRows) -> Tensor | _AllRo
     if a is ALL_ROWS or b is ALL_ROWS:
         return ALL_ROWS
     return torch.unique(torch.cat([a, b]))
-
-
-def unit_angle(u: Tensor, v: Tensor) -> Tensor:
-    """Angle between paired rows of unit vectors, accurate at every angle (unlike ``acos``)."""
-    return 2.0 * torch.atan2(torch.linalg.vector_norm(u - v, dim=1), torch.linalg.vector_norm(u + v, dim=1))
-
-
-def target_logits(kind: str, params: dict[str, float], x_hat: Tensor, w: Tensor) -> Tensor:
-    """Differentiable target logits of paired rows: unit embeddings ``x_hat`` and raw class rows ``w``.
-
-    NormSoftmax ``cosθ/T``; CosFace ``s(cosθ − m)``; ArcFace ``s·cos(θ + m)``, continued as
-    ``s(cosθ − m·sin m)`` beyond ``θ + m > π`` (InsightFace's rule, as ``dmltrain.losses.arcface``)
-    where ``cos(θ + m)`` would turn upward; θ comes from ``atan2`` of the two unit vectors.
-    """
-    w_hat = F.normalize(w, dim=1, eps=_NORM_EPS)
-    if kind == "arcface":
-        s, m = params["scale"], params["margin"]
-        theta = unit_angle(x_hat, w_hat)
-        inside = theta + m <= math.pi
-        return s * torch.where(inside, torch.cos(theta + m), torch.cos(theta) - m * math.sin(m))
-    cos = (x_hat * w_hat).sum(1)
-    if kind == "cosface":
-        return params["scale"] * (cos - params["margin"])
-    return cos / params["temperature"]
 
 
 def logit_scale(kind: str, params: dict[str, float]) -> float:
@@ -246,15 +224,17 @@ class _ShardSoftmax:
         inv = self.inv[c0:c1] if self.normalized else None
         return z, wb, inv, self.block_targets(c0, c1)
 
-    def target_pairs(self, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """(unit embeddings, class rows, target logits) of the owned samples; differentiable if ``grad``."""
+    def target_pairs(self, grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(unit embeddings, class rows, unit class rows, target logits) of the owned samples;
+        differentiable w.r.t. the first two if ``grad``."""
         xt = self.x[self.t_idx].float()
         wt = self.weight[self.t_row].float()
         if grad:
             xt.requires_grad_(True)
             wt.requires_grad_(True)
         with torch.set_grad_enabled(grad):
-            return xt, wt, target_logits(self.kind, self.params, xt, wt)
+            wt_hat = F.normalize(wt, dim=1, eps=_NORM_EPS)
+            return xt, wt, wt_hat, TARGET_LOGIT[self.kind](xt, wt_hat, **self.params)
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self) -> Tensor:
@@ -267,8 +247,8 @@ class _ShardSoftmax:
         z_t = torch.zeros(n_t, device=dev)
         cos_t = torch.zeros(n_t, device=dev)
         if self.normalized:
-            xt, wt, self.z_t = self.target_pairs(grad=False)
-            cos_t = (xt * F.normalize(wt, dim=1, eps=_NORM_EPS)).sum(1)
+            xt, _, wt_hat, self.z_t = self.target_pairs(grad=False)
+            cos_t = pair_cos(xt, wt_hat)
             self.inv = torch.empty(self.k_local, device=dev)
         for c0, c1 in self.blocks():
             z, _, _, (sel, ti, tc) = self.block_logits(c0, c1, forward=True)
@@ -302,10 +282,8 @@ class _ShardSoftmax:
         sum_z, tgt, cos_tgt = parts[:, 2].sum(0), parts[:, 3].sum(0), parts[:, 4].sum(0)
         K = int(allp[:, -1].sum())
         self.K = K
-        self.u = self.eps / (K - 1) if self.eps and K > 1 else 0.0
-        per = lse - tgt
-        if self.u:
-            per = lse - (1 - self.eps) * tgt - self.u * (sum_z - tgt)
+        self.on, self.off = smoothing_weights(K, self.eps)  # the smoothed target distribution
+        per = smoothed_nll(lse, tgt, sum_z, K, self.eps)
         self.lse = lse.float()
         loss = per.mean().float()
         self.stats_tensor = torch.stack([loss.double(), (tgt >= zmax).double().mean(), tgt.mean(), cos_tgt.mean()])
@@ -319,7 +297,7 @@ class _ShardSoftmax:
         a = grad_out.float() / N
         grad_x = torch.zeros_like(x) if need_x else None
         writer = self.clf._grad_writer(self.rows)
-        u, eps = self.u, self.eps
+        on, off = self.on, self.off
         G_t = torch.zeros(self.t_idx.numel(), device=x.device)  # dL/d(target logit), for the pair path
         neg_lse = self.lse.neg()[:, None]
         for c0, c1 in self.blocks():
@@ -327,9 +305,9 @@ class _ShardSoftmax:
             z, wb, inv, tgt = self.kept_block(c0, c1) if self.keep else self.block_logits(c0, c1, forward=False)
             sel, ti, tc = tgt
             G = torch.add(z, neg_lse, out=self.ws.get("g", (N, nb), x.device)).exp_()  # probabilities
-            if u:
-                G.sub_(u)
-            G[ti, tc] -= 1 - eps - u
+            if off:
+                G.sub_(off)
+            G[ti, tc] -= on - off
             if not self.normalized:
                 G.mul_(a)
                 if grad_x is not None:
@@ -348,7 +326,7 @@ class _ShardSoftmax:
         self.consumed = True
         self.clf._release_kept(self)
         if self.normalized and self.t_idx.numel():
-            xt, wt, zt = self.target_pairs(grad=True)
+            xt, wt, _, zt = self.target_pairs(grad=True)
             gx_t, gw_t = torch.autograd.grad(zt, (xt, wt), G_t * a)
             if grad_x is not None:
                 _add_rows(grad_x, self.t_idx, gx_t)
@@ -609,9 +587,7 @@ class ShardedClassifier(nn.Module):
     def _draw(self, labels_g: Tensor, step: int) -> Tensor | None:
         if self.sample_ratio >= 1.0:
             return None
-        local = labels_g - self.class_start
-        positives = torch.unique(local[(local >= 0) & (local < self.num_local)])
-        rows = sample_rows(self.num_local, positives, self.sample_ratio, self.seed, step, self.rank)
+        rows = draw_active_rows(torch.unique(labels_g.cpu()), self.partition.bounds(), self.rank, self.sample_ratio, self.seed, step)
         return rows.to(self.weight.device)
 
     def _num_active(self) -> int:

@@ -145,10 +145,8 @@ def run(args: argparse.Namespace) -> int:
     ckpt_path = None
     if ckpt is not None:
         ckpt_path = _checkpoint_file(ckpt)
-        try:
-            from dmltrain.models import load_model
-        except ImportError as e:  # the models package is missing in this install
-            raise UserError(f"{ckpt_path}: cannot load models ({e})") from None
+        from dmltrain.models import load_model
+
         model, config, _ = load_model(ckpt_path, map_location=device)
     ev = _section(config, "eval")
     ks = _parse_ks(args.ks) if args.ks else sorted(set(ev.get("ks") or DEFAULT_KS))

@@ -8,7 +8,6 @@ back in index order, the metrics are identical for any number of workers.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import warnings
 from collections.abc import Iterable, Mapping
@@ -36,15 +35,6 @@ def _embedding_of(out: Any) -> Tensor:
     raise TypeError(f"embed_batches: the model returned {type(out).__name__}; expected a tensor of embeddings")
 
 
-def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
-    try:
-        from dmltrain.models.precision import autocast
-    except ImportError:  # models package absent: plain torch autocast
-        dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-        return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
-    return autocast(device, precision)
-
-
 def embed_batches(
     model: nn.Module,
     batches: Iterable[tuple[Any, Any, Any]],
@@ -61,6 +51,8 @@ def embed_batches(
     """
     from tqdm import tqdm
 
+    from dmltrain.models.precision import autocast
+
     dev = torch.device(device)
     was_training = model.training
     model.eval()
@@ -69,7 +61,7 @@ def embed_batches(
     index: list[np.ndarray] = []
     bar = tqdm(desc="embed", unit="img", file=sys.stderr, disable=not progress, leave=False)
     try:
-        with torch.no_grad(), _autocast(dev, precision):
+        with torch.no_grad(), autocast(dev, precision):
             for images, y, idx in batches:
                 if len(images) == 0:
                     continue
@@ -171,6 +163,8 @@ def evaluate_model(
     (per worker), ``eval_resize``, ``eval_crop``, ``loader_workers``. Every rank must call it.
     ``progress``: rank 0 draws bars (off inside training, where the driver shows progress).
     Rank 0 returns ``(metrics, {split: (embeddings, labels)})``; the other ranks ``(None, None)``.
+    Samples whose shard member cannot be read are left out of the metrics (not replaced); when
+    there are any, ``metrics["unreadable_samples"]`` says how many (all splits, all ranks).
     """
     import torch.distributed as dist
 
@@ -183,6 +177,7 @@ def evaluate_model(
     if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"evaluate_model: world_size={world_size} needs an initialized torch.distributed process group")
     gathered: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    unreadable = 0
     for split in splits:
         batches = eval_batches(
             shard_dir, split, rank=rank, world_size=world_size, batch_size=data_cfg.eval_batch_size,
@@ -192,6 +187,9 @@ def evaluate_model(
         out = gather_to_rank0(emb, labels, index)
         if out[0] is not None:
             gathered[split] = out  # type: ignore[assignment]
+            # the samples no rank could read (each rank dropped and counted its own in batches.skipped);
+            # counted from the gathered rows, so no extra collective is needed
+            unreadable += batches.num_samples - len(out[1])
     if rank != 0 or not gathered:
         return None, None
     q_emb, q_lab = gathered[splits[0]]
@@ -201,4 +199,6 @@ def evaluate_model(
         q_emb, q_lab, g_emb, g_lab, ks=eval_cfg.ks, nmi=eval_cfg.nmi, map_at_r=eval_cfg.map_at_r,
         binary=eval_cfg.binary, device=metric_device, progress=progress,
     )
+    if unreadable > 0:  # left out of the metrics, never replaced by another image
+        metrics["unreadable_samples"] = float(unreadable)
     return metrics, gathered

@@ -3,8 +3,9 @@
 ``build_loss(name, **params)`` (or :func:`make_loss` from a config part); the names:
 
 * proxy losses (own ``weight``: ``num_classes × dim``): ``normsoftmax``, ``cosface``,
-  ``arcface``, ``softmax_ce`` (the four classifier kinds, :class:`ClassifierLoss`, which
-  the sharded classifier scores shard by shard through ``logits``), ``proxy_nca``, ``center``;
+  ``arcface``, ``softmax_ce`` (the four classifier kinds, :class:`ClassifierLoss`; their
+  margin and label-smoothing maths, :mod:`~dmltrain.losses.margins`, is shared with the
+  class-sharded classifier), ``proxy_nca``, ``center``;
 * instance losses (:class:`InstanceLoss`, decomposed over anchors for the distributed
   layer): ``ice``, ``ranked_list``, ``spce``, ``contrastive``, ``triplet``,
   ``multi_similarity``, ``snca``, ``lifted_structure``, ``npair``.
@@ -39,8 +40,9 @@ from dmltrain.losses import (  # noqa: F401  (each import registers its loss)
     triplet,
 )
 from dmltrain.losses.base import AnchorTerms, BaseLoss, InstanceLoss, ProxyLoss
-from dmltrain.losses.classifier import ClassifierLoss, smoothed_nll, target_pairs
+from dmltrain.losses.classifier import ClassifierLoss
 from dmltrain.losses.factory import is_proxy_loss, make_loss
+from dmltrain.losses.margins import smoothed_nll
 from dmltrain.losses.registry import build_loss, check_params, loss_names, register
 
 __all__ = [
@@ -56,5 +58,4 @@ __all__ = [
     "make_loss",
     "register",
     "smoothed_nll",
-    "target_pairs",
 ]

@@ -1,47 +1,26 @@
 """Softmax classifiers over learnable class weights: the shared machinery of the proxy losses.
 
-A :class:`ClassifierLoss` turns embeddings into logits against class weights
-(:meth:`ClassifierLoss.scores`) and takes a cross-entropy of them. The logits method
-accepts any subset of the weight rows with their global class ids, so the sharded
-classifier can score the gathered batch against its own rows (and a sampled subset of
-classes) with the same margins; :func:`smoothed_nll` is the per-example loss from the
-three reductions (log-sum-exp, target logit, logit sum) that the shards all-reduce.
+A :class:`ClassifierLoss` turns embeddings into logits against its class weights
+(:meth:`ClassifierLoss.scores`) and takes a (label-smoothed) cross-entropy of them;
+:class:`MarginClassifierLoss` is the cosine classifier whose target logit carries a margin
+(CosFace, ArcFace). The margin and smoothing maths live in :mod:`~dmltrain.losses.margins`,
+shared with the class-sharded classifier.
 """
 
 from __future__ import annotations
+
+import math
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from dmltrain.losses.base import ProxyLoss
-from dmltrain.losses.pairs import NONTRIVIAL_NLL
+from dmltrain.losses.margins import TARGET_LOGIT, smoothed_nll
+from dmltrain.losses.pairs import NONTRIVIAL_NLL, normalize, similarity
 
 #: A non-target class with softmax probability above this still pushes the embedding.
 ACTIVE_PROB = 1e-3
-
-
-def target_pairs(labels: Tensor, num_rows: int, class_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(example, column) index pairs of every example's own class among the weight rows.
-
-    With ``class_ids`` None the rows are classes ``0..num_rows-1``; otherwise row ``c`` holds
-    global class ``class_ids[c]`` and examples whose class is not among them get no pair.
-    """
-    if class_ids is None:
-        return torch.arange(labels.shape[0], device=labels.device), labels
-    rows, cols = (labels[:, None] == class_ids[None, :]).nonzero(as_tuple=True)
-    return rows, cols
-
-
-def smoothed_nll(lse: Tensor, target_logit: Tensor, logit_sum: Tensor, num_classes: int, smoothing: float) -> Tensor:
-    """Per-example cross-entropy with label smoothing ``1-ε`` on the target, ``ε/(K-1)`` elsewhere.
-
-    ``lse`` = log Σ_j exp(z_j), ``target_logit`` = z_y, ``logit_sum`` = Σ_j z_j over all ``K``
-    classes of the softmax. ``ε = 0`` (or ``K = 1``) is the plain ``lse - z_y``.
-    """
-    if smoothing == 0.0 or num_classes < 2:
-        return lse - target_logit
-    other = smoothing / (num_classes - 1)
-    return lse - (1.0 - smoothing) * target_logit - other * (logit_sum - target_logit)
 
 
 class ClassifierLoss(ProxyLoss):
@@ -58,21 +37,10 @@ class ClassifierLoss(ProxyLoss):
 
     smoothing: float = 0.0
 
-    def scores(
-        self, embeddings: Tensor, labels: Tensor, weight: Tensor | None = None, class_ids: Tensor | None = None, bias: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """(logits, cosine) of ``embeddings`` (B×D) against ``weight`` rows (default: all, ``self.weight``).
-
-        ``class_ids`` gives the global class of each weight row (default ``arange``); the
-        margin applies where it equals the example's label. ``bias`` only for ``softmax_ce``.
-        """
+    def scores(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """(logits, cosine), both B × ``num_classes``: float32 logits with the loss's margin on
+        each example's own class, and the cosine to every class weight (for the statistics)."""
         raise NotImplementedError
-
-    def logits(
-        self, embeddings: Tensor, labels: Tensor, weight: Tensor | None = None, class_ids: Tensor | None = None, bias: Tensor | None = None
-    ) -> Tensor:
-        """B×C' float32 logits with the loss's margin applied on each example's own class."""
-        return self.scores(embeddings, labels, weight, class_ids, bias)[0]
 
     def nll(self, logits: Tensor, labels: Tensor) -> Tensor:
         """Per-example loss from full logits (all ``num_classes`` columns)."""
@@ -89,6 +57,28 @@ class ClassifierLoss(ProxyLoss):
         loss = self.nll(logits, labels)
         self.stats = classifier_stats(logits.detach(), cos.detach(), labels)
         return loss.mean() if loss.numel() else logits.sum() * 0.0
+
+
+class MarginClassifierLoss(ClassifierLoss):
+    """Cosine classifier ``s·cos θ_j`` with the target logit from :data:`~dmltrain.losses.margins.TARGET_LOGIT`
+    (``kind``), computed on each (embedding, own class weight) pair."""
+
+    kind: ClassVar[str] = ""
+    max_margin: ClassVar[float] = math.inf
+
+    def __init__(self, num_classes: int, dim: int, scale: float, margin: float) -> None:
+        if scale <= 0 or not 0 <= margin < self.max_margin:
+            bound = "" if self.max_margin == math.inf else " < pi"
+            raise ValueError(f"{self.kind}: need scale > 0 and 0 <= margin{bound}, got {scale}, {margin}")
+        super().__init__(num_classes, dim)
+        self.scale, self.margin = float(scale), float(margin)
+
+    def scores(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        x_hat, w_hat = normalize(embeddings), normalize(self.weight)
+        cos = similarity(x_hat, w_hat, allow_autocast=True)
+        target = TARGET_LOGIT[self.kind](x_hat, w_hat[labels], scale=self.scale, margin=self.margin)
+        rows = torch.arange(labels.shape[0], device=labels.device)
+        return (self.scale * cos).index_put((rows, labels), target), cos
 
 
 def classifier_stats(logits: Tensor, cos: Tensor, labels: Tensor) -> dict[str, float]:

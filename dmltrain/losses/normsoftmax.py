@@ -23,6 +23,6 @@ class NormSoftmaxLoss(ClassifierLoss):
         super().__init__(num_classes, dim)
         self.temperature = float(temperature)
 
-    def scores(self, embeddings: Tensor, labels: Tensor, weight: Tensor | None = None, class_ids: Tensor | None = None, bias: Tensor | None = None):
-        cos = similarity(normalize(embeddings), normalize(self.weight if weight is None else weight), allow_autocast=True)
+    def scores(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        cos = similarity(normalize(embeddings), normalize(self.weight), allow_autocast=True)
         return cos / self.temperature, cos

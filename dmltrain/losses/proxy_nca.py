@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dmltrain.losses.classifier import ClassifierLoss, target_pairs
+from dmltrain.losses.classifier import ClassifierLoss
 from dmltrain.losses.pairs import masked_logsumexp, normalize, similarity
 from dmltrain.losses.registry import register
 
@@ -33,15 +33,15 @@ class ProxyNCALoss(ClassifierLoss):
         super().__init__(num_classes, dim)
         self.scale, self.exclude_positive = float(scale), bool(exclude_positive)
 
-    def scores(self, embeddings: Tensor, labels: Tensor, weight: Tensor | None = None, class_ids: Tensor | None = None, bias: Tensor | None = None):
-        cos = similarity(normalize(embeddings), normalize(self.weight if weight is None else weight), allow_autocast=True)
+    def scores(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        cos = similarity(normalize(embeddings), normalize(self.weight), allow_autocast=True)
         # -s ||x̂ - p̂||² = -s (2 - 2 cos) for unit vectors
         return -self.scale * (2.0 - 2.0 * cos), cos
 
     def nll(self, logits: Tensor, labels: Tensor) -> Tensor:
         if not self.exclude_positive:
             return super().nll(logits, labels)
-        rows, cols = target_pairs(labels, logits.shape[1])
-        others = torch.ones_like(logits, dtype=torch.bool).index_put((rows, cols), torch.tensor(False, device=logits.device))
+        rows = torch.arange(labels.shape[0], device=labels.device)
+        others = torch.ones_like(logits, dtype=torch.bool).index_put((rows, labels), torch.tensor(False, device=logits.device))
         lse, _ = masked_logsumexp(logits, others)
-        return lse - logits[rows, cols]
+        return lse - logits[rows, labels]

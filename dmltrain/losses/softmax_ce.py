@@ -1,7 +1,8 @@
 """Softmax cross-entropy with label smoothing (the CE paper's recipe; Boudiaf et al., ECCV 2020).
 
 A linear classifier **with** bias on the raw embeddings, weight and bias initialised to
-zero; targets ``1 - ε`` on the true class and ``ε/(K-1)`` on each other class (note:
+zero; targets ``1 - ε`` on the true class and ``ε/(K-1)`` on each other class
+(:func:`~dmltrain.losses.margins.smoothed_nll`; note:
 ``torch.nn.CrossEntropyLoss(label_smoothing=ε)`` spreads ``ε/K`` over all classes instead).
 Default ``ε = 0.1`` is the paper's. The paper's dropout 0.5 before the classifier belongs
 to the model's classifier branch, not to this loss.
@@ -33,12 +34,9 @@ class SoftmaxCELoss(ClassifierLoss):
         if hasattr(self, "bias"):
             nn.init.zeros_(self.bias)
 
-    def scores(self, embeddings: Tensor, labels: Tensor, weight: Tensor | None = None, class_ids: Tensor | None = None, bias: Tensor | None = None):
-        if weight is None:
-            weight, bias = self.weight, self.bias
+    def scores(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         x = upcast(embeddings)
-        logits = upcast(torch.nn.functional.linear(x, weight, bias))
+        logits = upcast(torch.nn.functional.linear(x, self.weight, self.bias))
         with torch.no_grad():  # cosine for the statistics only: (z - b) / (|x| |w|)
-            raw = logits if bias is None else logits - upcast(bias)
-            cos = raw / (x.norm(dim=1)[:, None] * upcast(weight).norm(dim=1)[None, :]).clamp_min(1e-12)
+            cos = (logits - upcast(self.bias)) / (x.norm(dim=1)[:, None] * upcast(self.weight).norm(dim=1)[None, :]).clamp_min(1e-12)
         return logits, cos

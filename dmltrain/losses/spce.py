@@ -15,6 +15,14 @@ The paper's form suits raw (e.g. BatchNorm-head) embeddings. For unit-norm embed
 ``c_k`` the plain class mean instead, and ``normalize=True`` to L2-normalise inside.
 
 It decomposes over anchors: the class means come from the reference set (the global batch).
+
+The paper's PCE (Prop. 1, eq. 10), which SPCE simplifies, is deliberately not a loss here: it
+is written in a classifier's softmax probabilities ``p_jk`` (not a function of the embeddings
+alone) and divides every term by ``λ = min eig A_k``, ``A_k = (1/n) Σ_i (p_ik - p_ik²) z_i z_iᵀ``,
+a ``d × d`` matrix of rank ``≤ n`` and so singular (``λ = 0``) whenever ``d > n``: the usual
+case, and the paper's own MNIST set-up (``d = 100``, ``n = 64``). Its proof also takes the
+stationary point of ``f_2`` as its minimum, but ``f_2`` is concave along a common shift of all
+``θ_k`` for any ``λ > 0``. PCE is the object of the bound argument; SPCE is its trainable form.
 """
 
 from __future__ import annotations

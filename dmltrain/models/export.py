@@ -70,7 +70,8 @@ def load_model(
     """``(model, config, extra)`` from a :func:`save_model` file; the model is on ``map_location``, in eval mode.
 
     One-line :class:`UserError` naming ``path`` when it is missing, unreadable, not a model
-    file, or its weights do not fit the architecture its config describes.
+    file, its stored model config no longer validates (naming the key), or its weights do not
+    fit the architecture that config describes.
     """
     path = Path(path)
     if not path.is_file():
@@ -84,7 +85,7 @@ def load_model(
         raise UserError(f"{path}: not a dmltrain model file (no '{FORMAT}' format tag)")
     if int(obj.get("version", 0)) > VERSION:
         raise UserError(f"{path}: model file version {obj['version']} is newer than this dmltrain reads ({VERSION})")
-    model = build_model(obj["model_config"], load_pretrained=False)
+    model = _rebuild(path, obj.get("model_config"))
     try:
         model.load_state_dict(obj["state_dict"], strict=True)
     except RuntimeError as e:
@@ -92,6 +93,26 @@ def load_model(
         raise UserError(f"{path}: weights do not fit the stored model config ({reason})") from None
     model.to(map_location).eval()
     return model, obj["config"], obj["extra"]
+
+
+def _rebuild(path: Path, model_config: Any) -> EmbeddingModel:
+    """The architecture ``model_config`` describes; a config this dmltrain no longer accepts (a
+    renamed or removed key or value) is a one-line :class:`UserError` naming the file and the key."""
+    from pydantic import ValidationError
+
+    from dmltrain.config import _format_validation_error
+
+    if not isinstance(model_config, dict):
+        raise UserError(f"{path}: the model file stores no model_config to rebuild the model from")
+    try:
+        return build_model(model_config, load_pretrained=False)
+    except ValidationError as e:
+        text = _format_validation_error(e, "model")  # "model: key: what is wrong"
+        if e.errors()[0]["loc"]:
+            text = "model." + text.removeprefix("model: ")
+        raise UserError(f"{path}: stored model config no longer valid: {text}") from None
+    except UserError as e:  # e.g. a backbone or stage name this version does not know
+        raise UserError(f"{path}: stored model config no longer valid: {e}") from None
 
 
 def _model_section(config: dict[str, Any]) -> dict[str, Any] | None:

@@ -14,8 +14,8 @@
 from __future__ import annotations
 
 import hashlib
+import http.client
 import sys
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -96,7 +96,9 @@ def imagenet_file(name: str) -> Path:
     if not cache.is_file():
         try:
             download(url, cache)
-        except (OSError, urllib.error.URLError, ValueError) as e:
+        # OSError covers URLError, timeouts and resets; HTTPException covers IncompleteRead and
+        # the other broken-response errors of http.client. download() leaves no file behind.
+        except (OSError, http.client.HTTPException, ValueError) as e:
             reason = getattr(e, "reason", None) or e
             raise UserError(
                 f"model.pretrained=imagenet: cannot download {url} ({_one_line(reason)}); "
@@ -109,7 +111,10 @@ def imagenet_file(name: str) -> Path:
 def download(url: str, dest: Path, timeout: float | None = None) -> None:
     """Stream ``url`` to ``dest`` atomically with a tqdm bar on stderr; check torch hub's hash prefix.
 
-    ``ValueError`` when the content's SHA-256 does not start with the hash in the file name.
+    ``ValueError`` when the content's SHA-256 does not start with the hash in the file name;
+    ``ConnectionError`` when the body ends before its ``Content-Length`` (http.client reads a
+    short body silently; a broken chunked body raises its ``IncompleteRead``). On any error
+    nothing is left at ``dest`` or beside it.
     """
     from tqdm import tqdm
 
@@ -118,11 +123,15 @@ def download(url: str, dest: Path, timeout: float | None = None) -> None:
     with urllib.request.urlopen(request, timeout=timeout or DOWNLOAD_TIMEOUT_S) as response, atomic_path(dest) as tmp:
         total = int(response.headers.get("Content-Length") or 0) or None
         digest = hashlib.sha256()
+        received = 0
         with open(tmp, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc=dest.name, file=sys.stderr) as bar:
             while chunk := response.read(1 << 20):
                 f.write(chunk)
                 digest.update(chunk)
+                received += len(chunk)
                 bar.update(len(chunk))
+        if total is not None and received < total:
+            raise ConnectionError(f"incomplete download: the connection closed after {received} of {total} bytes")
         if expected and not digest.hexdigest().startswith(expected):
             raise ValueError(f"downloaded file's SHA-256 {digest.hexdigest()[:12]}... does not match {expected}")
 

@@ -53,11 +53,29 @@ class TrainState:
     initial_metrics: dict[str, float] = field(default_factory=dict)
     last_metrics: dict[str, float] = field(default_factory=dict)
     best_metrics: dict[str, float] = field(default_factory=dict)
+    plan: dict[str, Any] | None = None  # TrainStream.plan_signature() under which (epoch, batch) was reached
 
     @classmethod
     def from_json(cls, path: Path) -> TrainState:
         data = json.loads(path.read_text())
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+def realign_to_plan(state: TrainState, plan: dict[str, Any]) -> list[str]:
+    """Make ``state``'s (epoch, batch) valid under the batch ``plan`` (``TrainStream.plan_signature()``).
+
+    A mid-epoch position replays the same batches only under the plan it was reached with; under
+    another (world size, batch settings, seed or shards changed) the run moves to the start of
+    the next epoch. Returns the plan keys that changed (empty: nothing moved). A state saved
+    without a plan, or at an epoch boundary, keeps its position. ``state.plan`` becomes ``plan``.
+    """
+    old, state.plan = state.plan, dict(plan)
+    if old is None or old == plan:
+        return []
+    changed = sorted(k for k in {*old, *plan} if old.get(k) != plan.get(k))
+    if state.batch > 0:
+        state.epoch, state.batch = state.epoch + 1, 0
+    return changed
 
 
 def rng_state() -> dict[str, Any]:

@@ -60,6 +60,10 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if precision != "fp32":
+        # DeepSpeed casts parameters only; BatchNorm's running statistics must follow them, or
+        # eval-mode BatchNorm meets half-precision weights next to fp32 statistics (an error on CPU)
+        generated["data_types"] = {"buffer_dtype": precision}
     if not cfg.train.deepspeed_config:
         return generated
     path = Path(cfg.train.deepspeed_config)

@@ -12,6 +12,7 @@ pure function of the step, identical on every rank, so no rank ever waits alone.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -25,11 +26,14 @@ import torch
 import torch.distributed as dist
 
 from dmltrain.config import Config
-from dmltrain.training.checkpoint import TrainState, load_training_state, save_training_state, seed_rngs
+from dmltrain.training.checkpoint import TrainState, load_training_state, realign_to_plan, save_training_state, seed_rngs
 from dmltrain.training.objective import Objective
 from dmltrain.training.progress import post
 from dmltrain.training.schedule import LRSchedule
 from dmltrain.training.tracking import RunLogger
+from shards.transforms import normalize_batch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,8 +57,7 @@ class StepTimer:
 
     PARTS = ("data", "forward", "backward", "step")
 
-    def __init__(self, sync) -> None:
-        self.sync = sync
+    def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
@@ -70,6 +73,10 @@ class StepTimer:
         for k, v in stats.items():
             self.stats_sum[k] = self.stats_sum.get(k, 0.0) + v
         self.steps += 1
+
+    def exclude(self, seconds: float) -> None:
+        """Leave time spent outside training steps (evaluation, checkpoints) out of the throughput."""
+        self.started += seconds
 
     def summary(self, global_batch: int) -> dict[str, float]:
         n = max(1, self.steps)
@@ -131,6 +138,7 @@ class Trainer:
             self.clf_opt = make_classifier_optimizer(
                 self.objective.classifier, name=o.name, lr=o.lr * o.new_param_lr_mult, momentum=o.momentum,
                 nesterov=o.nesterov, weight_decay=o.weight_decay, betas=o.betas,
+                bias_weight_decay=None if o.decay_norm_and_bias else 0.0,  # softmax_ce's bias: the CE recipe decays weights only
             )
         self.rep_opt = None
         if self.objective.replicated is not None:
@@ -142,6 +150,8 @@ class Trainer:
             d.shards, split=d.train_split, rank=self.rank, world_size=self.world, sampler=d.sampler,
             batch_size=d.batch_size, samples_per_class=d.samples_per_class, seed=cfg.train.seed,
             image_size=d.image_size, crop_scale=tuple(d.crop_scale), color_jitter=d.color_jitter, loader_workers=d.loader_workers,
+            normalize=False,  # uint8 crosses to the device (a quarter of the bytes); _train_step normalizes there
+            pin_memory=self.device.type == "cuda",
         )
         self.steps_per_epoch = self.stream.batches_per_epoch
         if self.steps_per_epoch < 1:
@@ -155,7 +165,7 @@ class Trainer:
         groups = self.engine.optimizer.param_groups
         self.base_lr = [g["lr"] for g in groups]
         self.base_wd = [g["weight_decay"] for g in groups]
-        self.state = TrainState(world_size=self.world, zero_stage=self.zero_stage)
+        self.state = TrainState(world_size=self.world, zero_stage=self.zero_stage, plan=self.stream.plan_signature())
 
     # -- schedule --------------------------------------------------------------------------------
     def _set_lr(self, step: int) -> float:
@@ -188,6 +198,14 @@ class Trainer:
                 replicated=self.objective.replicated, replicated_optimizer=self.rep_opt,
             )
         self.state.finished = self.state.step >= self.total_steps  # a longer schedule continues a finished run
+        st = self.state
+        was = (st.epoch, st.batch)
+        changed = realign_to_plan(st, self.stream.plan_signature())
+        if changed and (st.epoch, st.batch) != was and self.rank == 0:
+            log.warning("resuming step %d at the start of epoch %d, not at batch %d of epoch %d: the batch plan changed (%s)",
+                        st.step, st.epoch, was[1], was[0], ", ".join(changed))
+            if self.logger is not None:
+                self.logger.set_tag("dmltrain.resumed_at_epoch_start", f"plan changed: {', '.join(changed)}")
         if self.logger is not None:
             self.logger.set_tag("dmltrain.resumed_from_step", str(self.state.step))
         return True
@@ -207,7 +225,7 @@ class Trainer:
                 st.initial_metrics = self.evaluate(step=0, phase="initial")
         self.engine.train()
         self.objective.train()
-        timer = StepTimer(self._sync)
+        timer = StepTimer()
         last_eval = last_ckpt = -1
         while st.step < self.total_steps:
             epoch = st.epoch
@@ -224,21 +242,25 @@ class Trainer:
                 timer.add(times, stats)
                 if st.step % cfg.train.log_every == 0 or st.step == self.total_steps:
                     self._log_train(timer)
+                t_aside = time.perf_counter()
                 if cfg.eval.unit == "step" and cfg.eval.every and st.step % cfg.eval.every == 0 and st.step < self.total_steps:
                     self.evaluate(st.step, phase="eval")
                     last_eval = st.step
                 if cfg.train.checkpoint_every and st.step % cfg.train.checkpoint_every == 0 and st.step < self.total_steps:
                     self.checkpoint()
                     last_ckpt = st.step
+                timer.exclude(time.perf_counter() - t_aside)
             if st.batch >= self.steps_per_epoch or st.step < self.total_steps:
                 st.epoch, st.batch = epoch + 1, 0  # the epoch is complete (or the stream ended it)
                 done = st.step >= self.total_steps
+                t_aside = time.perf_counter()
                 if not done and cfg.eval.unit == "epoch" and cfg.eval.every and st.epoch % cfg.eval.every == 0:
                     self.evaluate(st.step, phase="eval")
                     last_eval = st.step
                 if not done and cfg.train.checkpoint_every == 0:
                     self.checkpoint()
                     last_ckpt = st.step
+                timer.exclude(time.perf_counter() - t_aside)
         if last_eval != st.step:
             self.evaluate(st.step, phase="final")
         st.finished = True
@@ -255,7 +277,7 @@ class Trainer:
     def _train_step(self, images: torch.Tensor, labels: torch.Tensor, t0: float) -> tuple[dict[str, float], dict[str, float]]:
         engine, step = self.engine, self.state.step
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.train.precision, torch.float32)
-        images = images.to(self.device, dtype=dtype, non_blocking=True)
+        images = normalize_batch(images.to(self.device, non_blocking=True), dtype)
         if self.cfg.model.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         labels = labels.to(self.device, non_blocking=True)
@@ -268,9 +290,10 @@ class Trainer:
         engine.backward(loss)
         self._sync()
         t3 = time.perf_counter()
+        scale = self._loss_scale()  # read before engine.step(), which may change it
         engine.step()
         if self.cfg.train.precision == "fp16":
-            self._unscale_model_parallel_grads()
+            self._unscale_model_parallel_grads(scale, applied=engine.was_step_applied())
         if self.rep_opt is not None:
             self.objective.average_replicated_grads()
         for opt in (self.clf_opt, self.rep_opt):
@@ -283,18 +306,26 @@ class Trainer:
         stats["lr"] = lr
         return {"data": t1 - t0, "forward": t2 - t1, "backward": t3 - t2, "step": t4 - t3}, stats
 
-    def _unscale_model_parallel_grads(self) -> None:
-        # engine.backward multiplied the loss by the fp16 loss scale; the classifier's and proxies' grads carry it too.
-        scale = float(getattr(self.engine.optimizer, "cur_scale", 1.0))
+    def _loss_scale(self) -> float:
+        if self.cfg.train.precision != "fp16":
+            return 1.0
+        opt = self.engine.optimizer
+        for attr in ("loss_scale", "cur_scale"):  # FP16_Optimizer has loss_scale; ZeRO's has both
+            value = getattr(opt, attr, None)
+            if value is not None:
+                return float(value)
+        return float(opt.loss_scaler.cur_scale)
+
+    def _unscale_model_parallel_grads(self, scale: float, applied: bool) -> None:
+        """The classifier's and proxies' grads carry the fp16 loss scale of engine.backward: divide it
+        out, and skip their step whenever the engine skipped its own for an overflow."""
         params = self.objective.classifier_parameters() + self.objective.replicated_parameters()
-        finite = True
         for p in params:
             if p.grad is not None:
-                p.grad.div_(scale)
-                finite = finite and bool(torch.isfinite(p.grad).all())
-        if not finite:  # the engine skips this step for overflow; so do the others
-            for p in params:
-                p.grad = None
+                if applied:
+                    p.grad.div_(scale)
+                else:
+                    p.grad = None
 
     # -- logging, evaluation, checkpoints ---------------------------------------------------------------
     def _progress(self, **info: Any) -> None:
@@ -358,7 +389,9 @@ class Trainer:
         with torch.no_grad():
             metrics, embeddings = evaluate_model(
                 self.model, self.cfg.data.shards, self.cfg.data.eval_splits, self.cfg.eval, self.cfg.data,
-                rank=self.rank, world_size=self.world, device=str(self.device), precision=self.cfg.train.precision,
+                # the engine already holds the weights in its precision; autocast on top would feed
+                # fp32 activations to bf16 norm layers
+                rank=self.rank, world_size=self.world, device=str(self.device), precision="fp32",
                 progress=False,
             )
         self.model.train(was_training)
@@ -379,7 +412,8 @@ class Trainer:
             self._progress(last_eval=f"{key} {metrics.get(key, float('nan')):.4f}")
         if improved and phase != "initial":
             self._export_model("best_model", extra={"step": step, "metrics": metrics})
-        self._report({f"eval/{k}": v for k, v in metrics.items()} | {"step": step, "epoch": st.epoch}, checkpoint=False)
+        # `evaluation: 1` tells evaluation reports from checkpoint reports, which repeat the latest metrics
+        self._report({f"eval/{k}": v for k, v in metrics.items()} | {"step": step, "epoch": st.epoch, "evaluation": 1}, checkpoint=False)
         return metrics
 
     def _plot(self, metrics: dict[str, float], embeddings: Any, step: int, phase: str) -> None:
