@@ -91,42 +91,37 @@ class StudySummary:
 
 
 # -- inputs -----------------------------------------------------------------------------------------------
+def _parse_list(text: str, flag: str, kind: type, what: str, example: str) -> list:
+    """The comma-separated ``kind`` values of ``flag`` (blanks ignored); one-line :class:`UserError` otherwise."""
+    out = []
+    for token in (t.strip() for t in text.split(",")):
+        if token:
+            try:
+                out.append(kind(token))
+            except ValueError:
+                raise UserError(f"{flag}: '{token}' is not {what}") from None
+    if not out:
+        raise UserError(f"{flag}: give at least one value, e.g. {flag} {example}")
+    return out
+
+
 def parse_ratios(text: str) -> list[float]:
     """``1,0.1,0.01`` -> ``[1.0, 0.1, 0.01]`` (deduplicated, largest first); each in (0, 1]."""
-    out = []
-    for token in text.split(","):
-        token = token.strip()
-        if not token:
-            continue
-        try:
-            r = float(token)
-        except ValueError:
-            raise UserError(f"--ratios: '{token}' is not a number") from None
+    out = _parse_list(text, "--ratios", float, "a number", "1,0.1,0.01")
+    for r in out:
         if not 0 < r <= 1 or not math.isfinite(r):
-            raise UserError(f"--ratios: {token} is not a share of classes in (0, 1]")
-        out.append(r)
-    if not out:
-        raise UserError("--ratios: give at least one ratio, e.g. --ratios 1,0.1,0.01")
+            raise UserError(f"--ratios: {r:g} is not a share of classes in (0, 1]")
     return sorted(set(out), reverse=True)
 
 
 def parse_classes(text: str | None) -> list[int] | None:
+    """``1000,11318`` -> ``[1000, 11318]`` (deduplicated, ascending); each at least 2; ``None`` stays ``None``."""
     if text is None:
         return None
-    out = []
-    for token in text.split(","):
-        token = token.strip()
-        if not token:
-            continue
-        try:
-            n = int(token)
-        except ValueError:
-            raise UserError(f"--classes: '{token}' is not an integer") from None
+    out = _parse_list(text, "--classes", int, "an integer", "1000,11318")
+    for n in out:
         if n < 2:
             raise UserError(f"--classes: {n} classes is too few (at least 2)")
-        out.append(n)
-    if not out:
-        raise UserError("--classes: give at least one class count, e.g. --classes 1000,11318")
     return sorted(set(out))
 
 

@@ -34,7 +34,7 @@ def test_ratios_and_classes_parse_or_name_the_flag():
     assert st.parse_ratios("1, 0.01,0.1,1") == [1.0, 0.1, 0.01]
     assert st.parse_classes("11318,1000") == [1000, 11318] and st.parse_classes(None) is None
     for text, words in (("1,x", "'x' is not a number"), ("0", "0 is not a share of classes in (0, 1]"),
-                        ("1.5", "1.5 is not a share"), (",", "give at least one ratio")):
+                        ("1.5", "1.5 is not a share"), (",", "give at least one value, e.g. --ratios")):
         with pytest.raises(UserError) as e:
             st.parse_ratios(text)
         assert str(e.value).startswith(f"--ratios: {words}")

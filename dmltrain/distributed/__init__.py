@@ -7,8 +7,7 @@ Names are imported lazily so that ``dmltrain bench --help`` does not load torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dmltrain.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "ShardedClassifier": "sharded_softmax",
@@ -31,8 +30,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dmltrain.distributed' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"dmltrain.distributed.{module}"), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

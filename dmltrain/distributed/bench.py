@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 GIB = 2**30
@@ -164,10 +165,22 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2]
 
 
+def _timed_phases(forward, opt) -> dict[str, float]:
+    """Seconds of one training step's forward (``forward()`` returns the loss), backward and optimizer step."""
+    t0 = time.perf_counter()
+    loss = forward()
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    opt.step()
+    opt.zero_grad()
+    t3 = time.perf_counter()
+    return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}
+
+
 def _time_steps(step_fn, steps: int, desc: str) -> dict[str, float]:
     from tqdm import tqdm
 
-    import time
 
     parts: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
     cpu: list[float] = []
@@ -187,7 +200,6 @@ def _time_steps(step_fn, steps: int, desc: str) -> dict[str, float]:
 
 def _gemm_bound(x, weight, K: int, steps: int) -> float:
     """Median time of the step's three bare GEMMs on the first K rows of ``weight``."""
-    import time
 
     import torch
 
@@ -211,7 +223,6 @@ def _gemm_bound(x, weight, K: int, steps: int) -> float:
 
 
 def _ours_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
-    import time
 
     import torch
 
@@ -226,15 +237,7 @@ def _ours_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     def step(i: int) -> dict[str, float]:
         x = torch.randn(b, D, generator=gen).requires_grad_(True)
         y = torch.randint(0, N, (b,), generator=gen)
-        t0 = time.perf_counter()
-        loss = clf(x, y, step=i)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        t3 = time.perf_counter()
-        return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}
+        return _timed_phases(lambda: clf(x, y, step=i), opt)
 
     res: dict[str, Any] = _time_steps(step, job["steps"], f"R={R:g} rank {rank}")
     res["rss"] = _peak_rss()
@@ -290,7 +293,6 @@ def _ours(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _peer_run(job: dict[str, Any]) -> dict[str, Any]:
-    import time
 
     import torch
     from pytorch_metric_learning.losses import NormalizedSoftmaxLoss
@@ -303,15 +305,7 @@ def _peer_run(job: dict[str, Any]) -> dict[str, Any]:
     def step(i: int) -> dict[str, float]:
         x = torch.randn(B, D, generator=gen).requires_grad_(True)
         y = torch.randint(0, N, (B,), generator=gen)
-        t0 = time.perf_counter()
-        loss = loss_fn(x, y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        t3 = time.perf_counter()
-        return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}
+        return _timed_phases(lambda: loss_fn(x, y), opt)
 
     res: dict[str, Any] = _time_steps(step, job["steps"], "peer")
     res["rss"] = _peak_rss()

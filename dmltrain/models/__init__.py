@@ -13,8 +13,7 @@ Names are imported on first use, so ``import dmltrain.models.binary`` stays ligh
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dmltrain.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "Backbone": "backbones",
@@ -41,13 +40,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
