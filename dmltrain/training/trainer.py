@@ -330,8 +330,11 @@ class Trainer:
     # -- logging, evaluation, checkpoints ---------------------------------------------------------------
     def _progress(self, **info: Any) -> None:
         if self.rank == 0:
-            post(self.run.board_name, {"epochs": self.num_epochs, "total_steps": self.total_steps, "step": self.state.step,
-                                       "epoch": self.state.epoch, **info})
+            st = self.state
+            # at an epoch boundary the work in hand (eval, checkpoint) belongs to the epoch just completed
+            epoch = st.epoch - 1 if st.batch == 0 and st.step > 0 else st.epoch
+            post(self.run.board_name, {"epochs": self.num_epochs, "total_steps": self.total_steps, "step": st.step,
+                                       "epoch": max(0, epoch), **info})
 
     def _log_train(self, timer: StepTimer) -> None:
         summary = timer.summary(self.cfg.data.batch_size)
