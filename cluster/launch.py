@@ -116,10 +116,9 @@ def check_run(cfg: Config) -> None:
 
     c, d = cfg.cluster, cfg.data
     deepspeed_config(cfg, c.num_workers)  # reads and checks a user DeepSpeed JSON
-    stream = TrainStream(d.shards, split=d.train_split, rank=0, world_size=c.num_workers, sampler=d.sampler,
-                         batch_size=d.batch_size, samples_per_class=d.samples_per_class, seed=cfg.train.seed, loader_workers=0)
-    if stream.batches_per_epoch < 1:
-        raise UserError(f"data.batch_size: {d.batch_size} is larger than one epoch of {d.shards} ({d.train_split}) can fill")
+    # refuses (UserError) a global batch the split cannot fill once per epoch at this worker count
+    TrainStream(d.shards, split=d.train_split, rank=0, world_size=c.num_workers, sampler=d.sampler,
+                batch_size=d.batch_size, samples_per_class=d.samples_per_class, seed=cfg.train.seed, loader_workers=0)
 
 
 def user_error_in(error: BaseException | None) -> UserError | None:

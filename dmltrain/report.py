@@ -36,9 +36,9 @@ from urllib.parse import quote
 
 from dmltrain.errors import UserError
 from dmltrain.fileio import atomic_path, write_text
+from dmltrain.training.tracking import RUN_NAME_TAG, display_key
 
 DEFAULT_UI = "http://127.0.0.1:5000"
-RUN_NAME_TAG = "dmltrain.run_name"
 PARENT_TAG = "mlflow.parentRunId"
 IGNORED_PARAMS = frozenset({"train.run_name"})  # differs between any two runs; the run column names it
 LOSS_KEY = "loss"
@@ -82,13 +82,6 @@ class Report:
     html: Path
     figures: dict[str, Path]
     csv: Path
-
-
-def pretty_metric(key: str) -> str:
-    """The metric's own name from its MLflow key (``eval/recall_at_1`` -> ``eval/recall@1``)."""
-    from dmltrain.training.tracking import display_key
-
-    return display_key(key)
 
 
 def _first_key(keys, candidates) -> str | None:
@@ -238,10 +231,10 @@ def metric_columns(records: list[RunRecord], everything: bool = False) -> list[s
     """
     keys = {k for r in records for k in r.metrics if not EVAL_COUNTS.search(k)}
     if not everything:
-        keys = {k for k in keys if "/binary/" not in k or pretty_metric(k).endswith("/binary/recall@1")}
+        keys = {k for k in keys if "/binary/" not in k or display_key(k).endswith("/binary/recall@1")}
 
     def order(k: str):
-        p = pretty_metric(k)
+        p = display_key(k)
         kind = 0 if "/recall@" in p and "/binary/" not in p else 1 if "/binary/" not in p else 2
         return (kind, _natural(p))
 
@@ -370,7 +363,7 @@ def _tables(records: list[RunRecord]) -> tuple[list[str], list[list[str]], list[
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.start_time / 1000)) if r.start_time else "—"
         run_rows.append([r.name, r.status, started, _fmt_duration(r.duration_s), *(_clip(r.params.get(p)) for p in params)])
     cols = metric_columns(records)
-    met_head = ["run", *(pretty_metric(c) for c in cols), "best recall@1 (step)"]
+    met_head = ["run", *(display_key(c) for c in cols), "best recall@1 (step)"]
     met_rows = []
     for r in records:
         b = best_recall(r)
@@ -526,7 +519,7 @@ def write_csv(path: Path, records: list[RunRecord]) -> None:
     cols = metric_columns(records, everything=True)
     with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["run", "run_id", "status", "duration_s", *params, *(pretty_metric(c) for c in cols)])
+        w.writerow(["run", "run_id", "status", "duration_s", *params, *(display_key(c) for c in cols)])
         for r in records:
             w.writerow([r.name, r.run_id, r.status, "" if r.duration_s is None else f"{r.duration_s:.1f}",
                         *(r.params.get(p, "") for p in params), *("" if c not in r.metrics else repr(r.metrics[c]) for c in cols)])

@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 
 from dmltrain.errors import UserError
-from dmltrain.fileio import atomic_path
+from dmltrain.fileio import write_text
 from shards.ingest import ingest_file, load_or_skip
 from shards.layouts import Entry, Layout, class_sort_key, read_layout
 from shards.manifest import FORMAT, MANIFEST_NAME, VERSION, Manifest
-from shards.writer import SplitWriter, make_readable
+from shards.writer import SplitWriter
 
 # below this many images a build runs in-process: a pool costs more than it saves
 POOL_MIN_IMAGES = 512
@@ -93,10 +93,7 @@ def manifest_json(obj: Any, level: int = 0) -> str:
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
     """Atomically write the manifest as indented JSON with number lists on one line (see :func:`manifest_json`)."""
-    text = manifest_json(manifest)
-    with atomic_path(path) as tmp:
-        tmp.write_text(text + "\n")
-        make_readable(tmp)
+    write_text(path, manifest_json(manifest) + "\n")
 
 
 def prepare_out_dir(out_dir: Path, overwrite: bool) -> None:

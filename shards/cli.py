@@ -6,8 +6,7 @@ import argparse
 import sys
 
 from dmltrain.errors import UserError
-
-LAYOUT_CHOICES = ("sop", "cub", "cars", "inshop", "folder", "synthetic")
+from shards.layouts import LAYOUTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Write WebDataset shards (train-000000.tar, test-..., In-Shop query-/gallery-) and manifest.json. "
         "Images are grouped by class, classes in a seeded random order; unreadable images are skipped and listed.",
     )
-    b.add_argument("--layout", required=True, choices=LAYOUT_CHOICES, help="dataset layout of --root (synthetic: generated)")
+    b.add_argument("--layout", required=True, choices=LAYOUTS, help="dataset layout of --root (synthetic: generated)")
     b.add_argument("--root", help="dataset root (the folder holding the index files); not for synthetic")
     b.add_argument("--out", required=True, help="output directory for the shards and manifest.json")
     b.add_argument("--shard-size", type=int, default=2000, help="samples per shard (default 2000)")

@@ -229,14 +229,13 @@ class GroupReader:
 def _decode(reader: GroupReader, g: int, pos: int, transform, rng, notes: list[str], seen: set) -> np.ndarray | None:
     """Decode sample ``pos`` of group ``g``; None (noted once) when it is missing or does not decode."""
     s = reader.sample(g, pos)
-    key = f"{reader._name(g)}:{int(reader.table.start[g]) + pos:08d}"
-    if s is None:
-        note = f"{key}: member missing or truncated"
-    else:
+    if s is not None:
         try:
             return transform(s[2], rng)
-        except Exception as e:
-            note = f"{key}.{s[1]}: cannot decode ({type(e).__name__}: {e})"
+        except Exception as e:  # noqa: BLE001 — any decoder failure: the sample is unreadable, the run goes on
+            note = f"{reader._name(g)}:{s[0]}.{s[1]}: cannot decode ({type(e).__name__}: {e})"
+    else:
+        note = f"{reader._name(g)}:{int(reader.table.start[g]) + pos:08d}: member missing or truncated"
     if (g, pos) not in seen:
         seen.add((g, pos))
         notes.append(note)
@@ -487,13 +486,13 @@ class TrainStream:
             if p % world_size:
                 raise UserError(f"data.classes_per_batch: P = {p} classes cannot be split evenly over {world_size} workers")
             per_batch, self.local_batch_size = p // world_size, (p // world_size) * k
-            self.classes_per_batch, self.samples_per_class = p, k
+            self.samples_per_class = k
         elif sampler == "random":
             if batch_size % world_size:
                 raise UserError(f"data.batch_size: {batch_size} cannot be split evenly over {world_size} workers")
             k, per_batch = 1, batch_size // world_size
             self.local_batch_size = per_batch
-            self.classes_per_batch, self.samples_per_class = None, 1
+            self.samples_per_class = 1
         else:
             raise UserError(f"data.sampler: {sampler!r} is not 'pk' or 'random'")
         self.batch_size = batch_size
@@ -511,7 +510,6 @@ class TrainStream:
             )
         self.num_classes = self.split.num_labels
         self.transform = TrainTransform(image_size, crop_scale, color_jitter=color_jitter, draft=draft)
-        self.image_size = image_size
         self._skips = _SkipLog()
 
     @property

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,13 +31,6 @@ import webdataset as wds
 from dmltrain.fileio import atomic_path
 
 TAR_MTIME = 946684800  # 2000-01-01: a fixed mtime makes shards reproducible
-
-
-def make_readable(path: str | Path) -> None:
-    """Give a finished file the usual permissions (0666 minus the umask); temporary files start as 0600."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
 
 
 def shard_name(prefix: str, number: int) -> str:
@@ -118,7 +110,7 @@ class SplitWriter:
     def _open_shard(self) -> None:
         name = shard_name(self.prefix, len(self.shards))
         self._stack = contextlib.ExitStack()
-        tmp = self._tmp = self._stack.enter_context(atomic_path(self.out_dir / name))
+        tmp = self._stack.enter_context(atomic_path(self.out_dir / name))  # atomic_path gives it umask permissions
         self._file = _HashingFile(self._stack.enter_context(open(tmp, "wb")))
         # encoder=False: we hand over bytes; TarWriter still writes standard ustar members
         self._tar = wds.TarWriter(self._file, encoder=False, mtime=TAR_MTIME)
@@ -131,7 +123,6 @@ class SplitWriter:
         self._tar.close()  # writes the end-of-archive blocks through the hashing file
         rec = self._current
         rec.bytes, rec.sha256 = self._file.bytes, self._file.sha256.hexdigest()
-        make_readable(self._tmp)
         self._stack.close()  # closes the file, then renames it into place
         self.shards.append(rec)
         self._tar = self._file = self._current = self._stack = None

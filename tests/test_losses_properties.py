@@ -267,16 +267,19 @@ def test_bf16_autocast_close_to_fp32(name):
     loss = make(name, num_classes=4, dim=16)
     x, y = batch([0, 0, 1, 1, 1, 2, 2, 3, 3], dim=16, seed=5, spread=0.8)
     with torch.no_grad():
+        torch.manual_seed(1)
+        for p in loss.parameters():  # away from the init (softmax_ce's zeros give log C whatever the precision)
+            p.normal_(0, 0.5)
         ref = loss(x, y)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             low = loss(x, y)
             low_in = loss(x.bfloat16(), y)  # a bf16 backbone output
     assert low.dtype == torch.float32 and low_in.dtype == torch.float32
     if is_proxy_loss(name):  # the classifier GEMM follows autocast
-        assert float(low) == pytest.approx(float(ref), rel=0.05, abs=0.02)
+        assert float(low) == pytest.approx(float(ref), rel=1.5e-2)  # bf16 logits: measured 0.06-0.3 %
     else:  # the instance losses' similarity GEMM stays float32
         assert float(low) == pytest.approx(float(ref), rel=1e-6)
-    assert float(low_in) == pytest.approx(float(ref), rel=0.05, abs=0.02)
+    assert float(low_in) == pytest.approx(float(ref), rel=1.5e-2)  # bf16-rounded inputs: measured up to 0.6 %
 
 
 # -- degenerate batches --------------------------------------------------------------------------

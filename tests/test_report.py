@@ -108,6 +108,7 @@ def test_runs_table_shows_exactly_the_params_that_differ(full_report, store):
     head, rows = md_table(rep.markdown.read_text(), "Runs")
     assert head == ["run", "status", "started", "duration", *EXPECTED_DIFF]
     assert EXPECTED_DIFF == ["loss.classifier.sample_ratio", "loss.instance.kind", "optim.lr"]
+    assert len(rows) == 3
     for row, name in zip(rows, ["trial-a", "trial-b", "solo"]):
         assert row[0] == f"[{name}]({UI}/#/experiments/{store['exp_id']}/runs/{store['ids'][name]})"
         assert row[1] == "FINISHED" and row[3] == "1m35s"

@@ -135,19 +135,27 @@ def test_cli_refuses_a_bad_space_before_starting_anything(tmp_path, capsys):
     assert not (tmp_path / "missing").exists()  # nothing was built
 
 
-def test_only_new_evaluations_reach_tune():
+def test_only_new_evaluations_reach_tune(monkeypatch):
+    from types import SimpleNamespace
+
+    from ray.tune.integration.ray_train import TuneReportCallback
+
     # what the trainer reports over a run: the untrained model, each evaluation, then the checkpoint repeating it
     # (eval.before_training, then checkpoints at steps 2 and 6 that repeat the latest metrics)
     ev = {"evaluation": 1}
     reports = [{"eval/recall@1": 0.1, "step": 0, **ev}, {"eval/recall@1": 0.1, "step": 2}, {"eval/recall@1": 0.3, "step": 4, **ev},
                {"eval/recall@1": 0.3, "step": 4}, {"eval/recall@1": 0.3, "step": 6}, {"eval/recall@1": 0.4, "step": 8, **ev},
                {"eval/recall@1": 0.4, "step": 8}]
-    last, forwarded = None, []
+    forwarded = []
+
+    def outside_tune(self):  # Ray's __init__ needs a Tune session for its queue; this one records what it would carry
+        self._training_actor_item_queue = SimpleNamespace(put=forwarded.append)
+
+    monkeypatch.setattr(TuneReportCallback, "__init__", outside_tune)
+    callback = tn._evaluation_callback("eval/recall@1", {"mlflow_run_id": "r1"})
     for m in reports:
-        if tn.is_new_evaluation(m, "eval/recall@1", last):
-            last = m["step"]
-            forwarded.append(m["step"])
-    assert forwarded == [4, 8]
+        callback.after_report(None, [m, dict(m)], None)  # every rank reports; rank 0's is forwarded
+    assert [(m["step"], m["eval/recall@1"], m["mlflow_run_id"]) for m in forwarded] == [(4, 0.3, "r1"), (8, 0.4, "r1")]
 
 
 @pytest.fixture(scope="module")

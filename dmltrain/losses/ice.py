@@ -81,6 +81,7 @@ class ICELoss(InstanceLoss):
         nll = F.softplus(z).detach()
         means = similarity_stats(cos, m)
         means["nll"] = masked_mean_stat(nll, active)
-        means["nontrivial_fraction"] = ((nll > NONTRIVIAL_NLL) & active).sum(), active.sum()
-        totals = {"active_pairs": ((nll > NONTRIVIAL_NLL) & active).sum(), "skipped_anchors": m.skipped}
+        nontrivial = ((nll > NONTRIVIAL_NLL) & active).sum()
+        means["nontrivial_fraction"] = nontrivial, active.sum()
+        totals = {"active_pairs": nontrivial, "skipped_anchors": m.skipped}
         return AnchorTerms(total=total, count=m.valid.sum(), means=means, totals=totals)

@@ -38,10 +38,8 @@ class LiftedStructureLoss(InstanceLoss):
         lse_a, has_a = masked_logsumexp(self.margin - D, m.neg)
 
         # the same log-sum for every reference that is some anchor's positive
-        if anchors is refs:  # one process, whole batch: every reference is an anchor, reuse its row
-            lse_rows, has_rows = masked_logsumexp(self.margin - D, anchor_labels[:, None] != ref_labels[None, :])
-            lse_r = torch.zeros_like(lse_rows).index_put((anchor_index,), lse_rows)
-            has_r = torch.zeros_like(has_rows).index_put((anchor_index,), has_rows)
+        if anchors is refs:  # one process, whole batch: every reference is an anchor, its row's log-sum is lse_a
+            lse_r, has_r = lse_a, has_a
         else:
             cols = m.pos.any(dim=0).nonzero().squeeze(1)
             D_cols = unit_distance(similarity(ref_hat[cols], ref_hat))

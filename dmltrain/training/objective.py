@@ -9,6 +9,8 @@ averaging equal the single-process gradient of the global batch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -64,19 +66,16 @@ class Objective(nn.Module):
 
             emb = grad_scale(emb, float(self.world_size))
         total = emb.new_zeros(())
-        stats: dict[str, float] = {}
+        stats: dict[str, float] = {"loss": 0.0}
         if self.classifier is not None:
             x = F.dropout(emb, self.classifier_dropout, self.training) if self.classifier_dropout else emb
             loss = self.classifier(x, labels, step=step)
             total = total + self.w_classifier * loss
-            stats["classifier/loss"] = float(loss.detach())
-            stats.update({f"classifier/{k}": float(v) for k, v in self.classifier.stats.items()})
+            _record(stats, "classifier", self.classifier.stats, loss, self.w_classifier)
         if self.instance is not None:
             loss = self.instance(emb, labels)
             total = total + self.w_instance * loss
-            stats["instance/loss"] = float(loss.detach())
-            stats.update({f"instance/{k}": float(v) for k, v in self.instance.stats.items()})
-        stats["loss"] = float(total.detach())
+            _record(stats, "instance", self.instance.stats, loss, self.w_instance)
         self.stats = stats
         return total
 
@@ -99,3 +98,12 @@ class Objective(nn.Module):
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=self.group)
                     p.grad.div_(self.world_size)
+
+
+def _record(stats: dict[str, float], name: str, part: dict[str, Any], loss: torch.Tensor, weight: float) -> None:
+    """Add one loss's statistics as ``name/...`` and its weighted value to ``stats["loss"]``. The sharded
+    and gathered losses already report ``loss`` on the host; reading it costs no extra device sync."""
+    value = float(part["loss"]) if "loss" in part else float(loss.detach())
+    stats.update({f"{name}/{k}": float(v) for k, v in part.items()})
+    stats[f"{name}/loss"] = value
+    stats["loss"] += weight * value

@@ -7,6 +7,7 @@ because rank 0 and the driver may sit on different machines of a cluster.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -36,10 +37,16 @@ def post(board_name: str | None, info: dict[str, Any], summary: bool = False) ->
     if not board_name:
         return
     try:
-        board = ray.get_actor(board_name)
+        board = _board(board_name)
     except ValueError:
         return
     (board.set_summary if summary else board.update).remote(info)
+
+
+@functools.lru_cache(maxsize=4)
+def _board(name: str):
+    # one lookup on the Ray head per process, not one per log line (a missing board raises and is not cached)
+    return ray.get_actor(name)
 
 
 def _fmt_time(seconds: float) -> str:

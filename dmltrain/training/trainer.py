@@ -116,13 +116,21 @@ class Trainer:
     def _build(self) -> None:
         from dmltrain.distributed import make_classifier_optimizer
         from dmltrain.models import build_model, param_groups
+        from dmltrain.models.precision import autocast_dtype
         from dmltrain.training.engine import build_engine
-        from shards.manifest import Manifest
         from shards.stream import TrainStream
 
-        cfg = self.cfg
-        self.manifest = Manifest.load(cfg.data.shards)
-        self.num_classes = self.manifest.split(cfg.data.train_split).num_classes
+        cfg, d = self.cfg, self.cfg.data
+        self.stream = TrainStream(
+            d.shards, split=d.train_split, rank=self.rank, world_size=self.world, sampler=d.sampler,
+            batch_size=d.batch_size, samples_per_class=d.samples_per_class, seed=cfg.train.seed,
+            image_size=d.image_size, crop_scale=tuple(d.crop_scale), color_jitter=d.color_jitter, loader_workers=d.loader_workers,
+            normalize=False,  # uint8 crosses to the device (a quarter of the bytes); _train_step normalizes there
+            pin_memory=self.device.type == "cuda",
+        )
+        self.manifest = self.stream.manifest
+        # the label space, not the classes with images: a class whose images were all skipped keeps its id
+        self.num_classes = self.stream.num_classes
         model = build_model(cfg.model).to(self.device)
         if cfg.model.channels_last:
             model = model.to(memory_format=torch.channels_last)
@@ -145,19 +153,8 @@ class Trainer:
             from dmltrain.training.engine import build_optimizer
 
             self.rep_opt = build_optimizer([{"params": self.objective.replicated_parameters(), "lr_mult": cfg.optim.new_param_lr_mult}], cfg)
-        d = cfg.data
-        self.stream = TrainStream(
-            d.shards, split=d.train_split, rank=self.rank, world_size=self.world, sampler=d.sampler,
-            batch_size=d.batch_size, samples_per_class=d.samples_per_class, seed=cfg.train.seed,
-            image_size=d.image_size, crop_scale=tuple(d.crop_scale), color_jitter=d.color_jitter, loader_workers=d.loader_workers,
-            normalize=False,  # uint8 crosses to the device (a quarter of the bytes); _train_step normalizes there
-            pin_memory=self.device.type == "cuda",
-        )
-        self.steps_per_epoch = self.stream.batches_per_epoch
-        if self.steps_per_epoch < 1:
-            from dmltrain.errors import UserError
-
-            raise UserError(f"data.batch_size: {d.batch_size} is larger than what one epoch of {d.shards} can fill")
+        self.input_dtype = autocast_dtype(cfg.train.precision) or torch.float32
+        self.steps_per_epoch = self.stream.batches_per_epoch  # >= 1: TrainStream refuses a batch no epoch can fill
         t = cfg.train
         self.total_steps = t.max_steps if t.max_steps is not None else t.epochs * self.steps_per_epoch
         self.num_epochs = math.ceil(self.total_steps / self.steps_per_epoch)
@@ -276,10 +273,10 @@ class Trainer:
 
     def _train_step(self, images: torch.Tensor, labels: torch.Tensor, t0: float) -> tuple[dict[str, float], dict[str, float]]:
         engine, step = self.engine, self.state.step
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.train.precision, torch.float32)
-        images = normalize_batch(images.to(self.device, non_blocking=True), dtype)
-        if self.cfg.model.channels_last:
+        images = images.to(self.device, non_blocking=True)
+        if self.cfg.model.channels_last:  # on the uint8 batch: a quarter of the bytes; normalize_batch keeps the format
             images = images.contiguous(memory_format=torch.channels_last)
+        images = normalize_batch(images, self.input_dtype)
         labels = labels.to(self.device, non_blocking=True)
         lr = self._set_lr(step)
         t1 = time.perf_counter()
