@@ -99,7 +99,7 @@ def test_schedule_shapes():
 
 
 def test_a_changed_batch_plan_moves_a_mid_epoch_position_to_the_next_epoch(tmp_path):
-    from dmltrain.training.checkpoint import TrainState, realign_to_plan
+    from dmltrain.training.state import TrainState, realign_to_plan
 
     plan = {"world_size": 2, "batch_size": 32, "seed": 0, "manifest_digest": "ab"}
     # the same plan: the position stands (and survives a JSON round trip)

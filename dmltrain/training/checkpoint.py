@@ -1,4 +1,4 @@
-"""Training-state checkpoints: what one Ray Train checkpoint directory holds, and how a run resumes from it.
+"""Training checkpoints: the only code that writes or reads a run's checkpoint files.
 
 Every worker writes into its own local directory; Ray Train merges the directories of all
 workers into one checkpoint, so every per-rank file has a rank-unique name:
@@ -8,7 +8,8 @@ workers into one checkpoint, so every per-rank file has a rank-unique name:
                                     ZeRO optimizer partitions (one file per rank), counters
 ``model.pt``                rank 0  full fp32 weights + resolved config (``dmltrain eval`` reads it)
 ``dp_optimizer.pt``         rank 0  per-parameter optimizer state of the data-parallel model
-``instance_loss.pt``        rank 0  replicated proxies of a proxy instance loss + their optimizer
+``<name>.pt``               rank 0  each replicated stateful object's ``state_dict()``: the loss
+                                    head's proxies and their optimizer as ``instance_loss.pt``
 ``classifier/``             each    classifier rows and their optimizer state by global class id:
                                     one piece per rank plus an index (no rank ever holds all C rows)
 ``rng-rank{r}.pt``          each    torch / numpy / python RNG states of rank r
@@ -18,175 +19,137 @@ workers into one checkpoint, so every per-rank file has a rank-unique name:
 Resuming at the same world size and ZeRO stage loads DeepSpeed's own checkpoint (exact,
 bit for bit); at another world size the data-parallel state comes from ``model.pt`` and
 ``dp_optimizer.pt``, the classifier reshards by class id, and RNG streams are re-derived
-from (seed, step, rank).
+from (seed, step, rank). Every file this module reads itself loads with
+``torch.load(weights_only=True)``; DeepSpeed's engine folder is read by DeepSpeed.
 """
 
 from __future__ import annotations
 
-import json
-import random
-from dataclasses import asdict, dataclass, field
+import shutil
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import numpy as np
 import torch
 
+from dmltrain.distributed import load_by_class, save_by_class
+from dmltrain.errors import UserError
 from dmltrain.fileio import write_json
+from dmltrain.models import save_model
 from dmltrain.training.dp_state import full_dp_state, full_module_state_dict, load_full_dp_state
+from dmltrain.training.head import LossHead
+from dmltrain.training.reporting import Reporter, position_metrics
+from dmltrain.training.rng import rng_state, seed_rngs, set_rng_state
+from dmltrain.training.state import TrainState
 
 ENGINE_TAG = "engine"
+CLASSIFIER_DIR = "classifier"
+STATE_FILE = "train_state.json"
 
 
-@dataclass
-class TrainState:
-    """Position of a run; JSON-serialisable."""
+class Stateful(Protocol):
+    """State the same on every rank (``torch.distributed.checkpoint.stateful.Stateful``'s shape)."""
 
-    step: int = 0  # optimizer steps taken
-    epoch: int = 0  # epoch the next batch belongs to
-    batch: int = 0  # batches of ``epoch`` already consumed
-    world_size: int = 1
-    zero_stage: int = 0
-    finished: bool = False
-    best_metric: float | None = None
-    best_step: int | None = None
-    initial_metrics: dict[str, float] = field(default_factory=dict)
-    last_metrics: dict[str, float] = field(default_factory=dict)
-    best_metrics: dict[str, float] = field(default_factory=dict)
-    plan: dict[str, Any] | None = None  # TrainStream.plan_signature() under which (epoch, batch) was reached
+    def state_dict(self) -> dict[str, Any]: ...
 
-    @classmethod
-    def from_json(cls, path: Path) -> TrainState:
-        data = json.loads(path.read_text())
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
-def realign_to_plan(state: TrainState, plan: dict[str, Any]) -> list[str]:
-    """Make ``state``'s (epoch, batch) valid under the batch ``plan`` (``TrainStream.plan_signature()``).
+class Checkpointer:
+    """Saves and restores a run: the DeepSpeed engine, the loss head, ``states``, RNG streams and the position.
 
-    A mid-epoch position replays the same batches only under the plan it was reached with; under
-    another (world size, batch settings, seed or shards changed) the run moves to the start of
-    the next epoch. Returns the plan keys that changed (empty: nothing moved). A state saved
-    without a plan, or at an epoch boundary, keeps its position. ``state.plan`` becomes ``plan``.
+    ``states`` maps a file stem to a replicated :class:`Stateful` (rank 0 writes
+    ``<stem>.pt``, every rank loads it); the head's proxies are added as ``instance_loss``
+    when the objective has them. The classifier's rows are saved by class id, one piece per
+    rank. ``save`` and ``load_from`` are collectives: every rank calls them.
     """
-    old, state.plan = state.plan, dict(plan)
-    if old is None or old == plan:
-        return []
-    changed = sorted(k for k in {*old, *plan} if old.get(k) != plan.get(k))
-    if state.batch > 0:
-        state.epoch, state.batch = state.epoch + 1, 0
-    return changed
 
+    def __init__(self, engine, head: LossHead, reporter: Reporter, *, rank: int, world_size: int, zero_stage: int, seed: int,
+                 model_config: dict[str, Any], states: Mapping[str, Stateful] | None = None):
+        self.engine, self.head, self.reporter = engine, head, reporter
+        self.rank, self.world_size, self.zero_stage, self.seed = rank, world_size, zero_stage, seed
+        self.model_config = model_config
+        self.states: dict[str, Stateful] = dict(states or {})
+        if head.proxies is not None:
+            self.states["instance_loss"] = head
 
-def rng_state() -> dict[str, Any]:
-    """The process's RNG states as tensors and numbers only, so they load with ``weights_only=True``."""
-    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    py_version, py_internal, py_gauss = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        "numpy": {"keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": np_pos, "has_gauss": np_has_gauss, "gauss": np_gauss},
-        "python": {"version": py_version, "internal": torch.tensor(py_internal, dtype=torch.int64), "gauss": py_gauss},
-    }
+    # -- through Ray Train --------------------------------------------------------------------------
+    def save(self, state: TrainState) -> None:
+        """A checkpoint of ``state`` through Ray Train: every rank writes its files, Ray merges and uploads them."""
+        self.reporter.progress(state, phase="checkpointing")
+        tmp = Path(tempfile.mkdtemp(prefix=f"dmltrain-ckpt-rank{self.rank}-"))
+        try:
+            self.save_to(tmp, state)
+            self.reporter.report(position_metrics(state), step=state.step, checkpoint_dir=tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
+    def restore(self) -> TrainState | None:
+        """Load Ray's latest checkpoint of this run into the engine, head and RNGs; its position, or None if there is none."""
+        with self.reporter.latest_checkpoint() as directory:
+            return None if directory is None else self.load_from(directory)
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    p = state["python"]
-    random.setstate((p["version"], tuple(int(x) for x in p["internal"].tolist()), p["gauss"]))
-
-
-def seed_rngs(seed: int, step: int, rank: int) -> None:
-    """Deterministic RNG streams for (seed, step, rank), used at start and after a resharding resume."""
-    s = (seed * 1_000_003 + step * 7_919 + rank) % (2**31 - 1)
-    torch.manual_seed(s)
-    np.random.seed(s)
-    random.seed(s)
-
-
-def save_training_state(
-    directory: Path,
-    *,
-    engine,
-    classifier,
-    classifier_optimizer,
-    state: TrainState,
-    rank: int,
-    replicated=None,
-    replicated_optimizer=None,
-    model_config: dict[str, Any],
-    extra: dict[str, Any] | None = None,
-) -> None:
-    """Write this rank's part of a checkpoint into ``directory`` (a collective: all ranks call it)."""
-    from dmltrain.models import save_model
-
-    directory.mkdir(parents=True, exist_ok=True)
-    engine.save_checkpoint(str(directory), tag=ENGINE_TAG)
-    # collectives under ZeRO; ZeRO-3 runs resume only at their own world size (DeepSpeed's checkpoint)
-    dp = full_dp_state(engine) if state.zero_stage < 3 else None
-    weights = full_module_state_dict(engine)
-    if classifier is not None:
-        from dmltrain.distributed import save_by_class
-
-        save_by_class(classifier, directory / "classifier", classifier_optimizer)  # collective
-    torch.save(rng_state(), directory / f"rng-rank{rank}.pt")
-    if rank == 0:
+    # -- one directory ------------------------------------------------------------------------------
+    def save_to(self, directory: Path, state: TrainState) -> None:
+        """Write this rank's part of a checkpoint of ``state`` into ``directory``."""
+        engine = self.engine
+        directory.mkdir(parents=True, exist_ok=True)
+        engine.save_checkpoint(str(directory), tag=ENGINE_TAG)
+        # collectives under ZeRO; ZeRO-3 runs resume only at their own world size (DeepSpeed's checkpoint)
+        dp = full_dp_state(engine) if state.zero_stage < 3 else None
+        weights = full_module_state_dict(engine)
+        if self.head.classifier is not None:
+            save_by_class(self.head.classifier, directory / CLASSIFIER_DIR, self.head.classifier_optimizer)  # collective
+        torch.save(rng_state(), directory / f"rng-rank{self.rank}.pt")
+        if self.rank != 0:
+            return
         if dp is not None:
             weights.update(dp["weights"])  # fp32 masters over the (possibly bf16) module copy
             torch.save({"optim": dp["optim"], "scalars": dp["scalars"]}, directory / "dp_optimizer.pt")
-        save_model(directory / "model.pt", engine.module, model_config, extra=extra, state_dict=weights)
-        if replicated is not None:
-            torch.save({"params": replicated.state_dict(), "optimizer": replicated_optimizer.state_dict()}, directory / "instance_loss.pt")
-        write_json(directory / "train_state.json", asdict(state))
+        extra = {"step": state.step, "metrics": state.last_metrics}
+        save_model(directory / "model.pt", engine.module, self.model_config, extra=extra, state_dict=weights)
+        for stem, obj in self.states.items():
+            torch.save(obj.state_dict(), directory / f"{stem}.pt")
+        write_json(directory / STATE_FILE, state.to_dict())
 
+    def load_from(self, directory: Path) -> TrainState:
+        """Restore everything from a merged checkpoint directory; returns the saved position (now at this layout)."""
+        state = TrainState.from_json(directory / STATE_FILE)
+        same_layout = state.world_size == self.world_size and state.zero_stage == self.zero_stage
+        if same_layout:
+            load_path, _ = self.engine.load_checkpoint(str(directory), tag=ENGINE_TAG, load_lr_scheduler_states=False)
+            if load_path is None:
+                raise RuntimeError(f"{directory}: DeepSpeed could not load the engine checkpoint")
+        else:
+            self._load_portable(directory, state)
+        if self.head.classifier is not None:
+            load_by_class(self.head.classifier, directory / CLASSIFIER_DIR, self.head.classifier_optimizer)  # reads only overlapping pieces
+        for stem, obj in self.states.items():
+            obj.load_state_dict(_load(directory / f"{stem}.pt"))
+        rng_file = directory / f"rng-rank{self.rank}.pt"
+        if same_layout and rng_file.exists():
+            set_rng_state(_load(rng_file))
+        else:
+            seed_rngs(self.seed, state.step, self.rank)
+        state.world_size, state.zero_stage = self.world_size, self.zero_stage
+        return state
 
-def load_training_state(
-    directory: Path,
-    *,
-    engine,
-    classifier,
-    classifier_optimizer,
-    rank: int,
-    world_size: int,
-    zero_stage: int,
-    seed: int,
-    replicated=None,
-    replicated_optimizer=None,
-) -> TrainState:
-    """Restore everything from a merged checkpoint directory; returns the saved position."""
-    state = TrainState.from_json(directory / "train_state.json")
-    same_layout = state.world_size == world_size and state.zero_stage == zero_stage
-    if same_layout:
-        load_path, _ = engine.load_checkpoint(str(directory), tag=ENGINE_TAG, load_lr_scheduler_states=False)
-        if load_path is None:
-            raise RuntimeError(f"{directory}: DeepSpeed could not load the engine checkpoint")
-    else:
-        if zero_stage >= 3 or state.zero_stage >= 3:
-            from dmltrain.errors import UserError
-
+    def _load_portable(self, directory: Path, state: TrainState) -> None:
+        """The data-parallel state saved at another world size: full weights and per-parameter optimizer state."""
+        if self.zero_stage >= 3 or state.zero_stage >= 3:
             raise UserError(
                 f"{directory}: saved with ZeRO-{state.zero_stage} at {state.world_size} workers; a ZeRO-3 run resumes only "
                 f"with the same cluster.num_workers and train.zero_stage"
             )
-        weights = torch.load(directory / "model.pt", map_location="cpu", weights_only=True)["state_dict"]
-        opt = torch.load(directory / "dp_optimizer.pt", map_location="cpu", weights_only=True)
-        params = dict(engine.module.named_parameters())
-        load_full_dp_state(engine, {"weights": {k: weights[k] for k in params}, "optim": opt["optim"], "scalars": opt["scalars"]})
+        module = self.engine.module
+        weights = _load(directory / "model.pt")["state_dict"]
+        opt = _load(directory / "dp_optimizer.pt")
+        params = dict(module.named_parameters())
+        load_full_dp_state(self.engine, {"weights": {k: weights[k] for k in params}, "optim": opt["optim"], "scalars": opt["scalars"]})
         buffers = {k: v for k, v in weights.items() if k not in params}
-        engine.module.load_state_dict({**engine.module.state_dict(), **buffers})
-    if classifier is not None:
-        from dmltrain.distributed import load_by_class
+        module.load_state_dict({**module.state_dict(), **buffers})
 
-        load_by_class(classifier, directory / "classifier", classifier_optimizer)  # reads only the pieces it overlaps
-    if replicated is not None:
-        rep = torch.load(directory / "instance_loss.pt", map_location="cpu", weights_only=True)
-        replicated.load_state_dict(rep["params"])
-        replicated_optimizer.load_state_dict(rep["optimizer"])
-    rng_file = directory / f"rng-rank{rank}.pt"
-    if same_layout and rng_file.exists():
-        set_rng_state(torch.load(rng_file, weights_only=True))
-    else:
-        seed_rngs(seed, state.step, rank)
-    state.world_size, state.zero_stage = world_size, zero_stage
-    return state
+
+def _load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from dmltrain.training.engine import import_deepspeed
+
 
 def _zero_stage(engine) -> int:
     return int(engine.zero_optimization_stage()) if hasattr(engine, "zero_optimization_stage") else 0
@@ -57,8 +59,7 @@ def full_dp_state(engine) -> dict[str, Any]:
     """``{'weights': {name: fp32}, 'optim': {name: {key: tensor}}, 'scalars': {key: value}}`` on every rank."""
     if _zero_stage(engine) >= 3:
         raise NotImplementedError("portable state of ZeRO-3 engines")
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
+    ds_utils = import_deepspeed().utils
     weights: dict[str, torch.Tensor] = {}
     optim: dict[str, dict[str, torch.Tensor]] = {}
     scalars: dict[str, Any] = {}
@@ -70,8 +71,8 @@ def full_dp_state(engine) -> dict[str, Any]:
             if not hasattr(p, "_hp_mapping"):
                 continue  # frozen (requires_grad=False): no optimizer state
             # each call all-reduces the fragments of every rank: same order on all ranks
-            weights[name] = safe_get_full_fp32_param(p).detach().float().cpu().clone()
-            optim[name] = {k: safe_get_full_optimizer_state(p, k).detach().float().cpu().clone() for k in keys}
+            weights[name] = ds_utils.safe_get_full_fp32_param(p).detach().float().cpu().clone()
+            optim[name] = {k: ds_utils.safe_get_full_optimizer_state(p, k).detach().float().cpu().clone() for k in keys}
         flat_states = [base.state[q] for g in base.param_groups for q in g["params"] if q in base.state]
     else:
         for name, p in engine.module.named_parameters():
@@ -88,8 +89,7 @@ def load_full_dp_state(engine, state: dict[str, Any]) -> None:
     """Write a :func:`full_dp_state` into a freshly initialised engine of any world size."""
     if _zero_stage(engine) >= 3:
         raise NotImplementedError("portable state of ZeRO-3 engines")
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
+    ds_utils = import_deepspeed().utils
     weights, optim, scalars = state["weights"], state["optim"], state["scalars"]
     base = _base_optimizer(engine)
     keys = sorted({k for per in optim.values() for k in per})
@@ -113,11 +113,11 @@ def load_full_dp_state(engine, state: dict[str, Any]) -> None:
         for name, p in named.items():
             if not hasattr(p, "_hp_mapping"):
                 continue
-            safe_set_full_fp32_param(p, weights[name].to(p.device))
+            ds_utils.safe_set_full_fp32_param(p, weights[name].to(p.device))
             with torch.no_grad():
                 p.copy_(weights[name].to(device=p.device, dtype=p.dtype))  # the low-precision copy the forward uses
             for k, v in optim.get(name, {}).items():
-                safe_set_full_optimizer_state(p, v.to(p.device), k)
+                ds_utils.safe_set_full_optimizer_state(p, v.to(p.device), k)
     else:
         with torch.no_grad():
             for name, p in named.items():
@@ -136,9 +136,7 @@ def full_module_state_dict(engine) -> dict[str, torch.Tensor]:
     """
     module = engine.module
     if _zero_stage(engine) >= 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        with import_deepspeed().zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
             return {k: (v.float() if v.is_floating_point() else v).cpu().clone() for k, v in module.state_dict().items()}
     return {k: (v.float() if v.is_floating_point() else v).cpu().clone() for k, v in module.state_dict().items()}
 

@@ -6,6 +6,7 @@ model-parallel, so DeepSpeed's data-parallel gradient averaging must never touch
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dmltrain.config import Config, deep_merge
+from dmltrain.config import Config, OptimConfig, deep_merge
 from dmltrain.errors import UserError
 
 # Keys the data pipeline owns; a user DeepSpeed JSON may not change them.
@@ -25,10 +26,10 @@ def import_deepspeed():
 
     DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op on first use
     (tens of seconds on a fresh machine); that op only serves ``inference_all_reduce``,
-    which training never calls, so we skip building it.
+    which training never calls, so we skip building it. The one import deliberately inside
+    a function: the driver imports this package to check configs and must not load
+    DeepSpeed (seconds, and its accelerator probe) for that.
     """
-    import importlib
-
     import deepspeed
 
     # `import deepspeed.comm.torch as m` would bind PyTorch itself (deepspeed.comm re-exports `torch`)
@@ -81,9 +82,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     return deep_merge(generated, user)
 
 
-def build_optimizer(param_groups: list[dict[str, Any]], cfg: Config) -> torch.optim.Optimizer:
-    """The torch optimizer of the data-parallel parameters; each group's lr is base lr × its ``lr_mult``."""
-    o = cfg.optim
+def build_optimizer(param_groups: list[dict[str, Any]], o: OptimConfig) -> torch.optim.Optimizer:
+    """The torch optimizer of ``param_groups``; each group's lr is base lr × its ``lr_mult``."""
     groups = [{**g, "lr": o.lr * g.get("lr_mult", 1.0)} for g in param_groups]
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay)
@@ -93,7 +93,22 @@ def build_optimizer(param_groups: list[dict[str, Any]], cfg: Config) -> torch.op
 def build_engine(model: torch.nn.Module, param_groups: list[dict[str, Any]], cfg: Config, world_size: int):
     """``deepspeed.initialize`` over an already-initialised process group (Ray's, or a test's)."""
     deepspeed = import_deepspeed()
-    optimizer = build_optimizer(param_groups, cfg)
+    optimizer = build_optimizer(param_groups, cfg.optim)
     ds_config = deepspeed_config(cfg, world_size)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, dist_init_required=False)
     return engine, ds_config
+
+
+def loss_scale(engine) -> float:
+    """The fp16 loss scale ``engine.backward`` applied (1.0 unless the engine runs fp16).
+
+    Read it before ``engine.step()``, which may change it after an overflow.
+    """
+    if not engine.fp16_enabled():
+        return 1.0
+    opt = engine.optimizer
+    for attr in ("loss_scale", "cur_scale"):  # FP16_Optimizer has loss_scale; ZeRO's has both
+        value = getattr(opt, attr, None)
+        if value is not None:
+            return float(value)
+    return float(opt.loss_scaler.cur_scale)

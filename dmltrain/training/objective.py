@@ -12,11 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dmltrain.config import Config
+from dmltrain.distributed import GatheredInstanceLoss, ShardedClassifier, grad_scale
+from dmltrain.distributed.process_group import average_grads, broadcast_params
+from dmltrain.losses import ProxyLoss, make_loss
 
 
 class Objective(nn.Module):
@@ -24,14 +26,12 @@ class Objective(nn.Module):
 
     ``forward(embeddings, labels, step) -> loss``: local embeddings and global class ids in,
     the global objective out (the same value on every worker). ``stats`` holds the parts and
-    their statistics after each call, prefixed ``classifier/`` and ``instance/``.
+    their statistics of the last call, prefixed ``classifier/`` and ``instance/``, as host
+    floats; they are read from the device when ``stats`` is read, not during ``forward``.
     """
 
     def __init__(self, cfg: Config, num_classes: int, dim: int, world_size: int, classifier_dropout: float = 0.0, group=None):
         super().__init__()
-        from dmltrain.distributed import GatheredInstanceLoss, ShardedClassifier
-        from dmltrain.losses import ProxyLoss, make_loss
-
         self.world_size = world_size
         self.group = group
         self.classifier_dropout = classifier_dropout
@@ -53,31 +53,44 @@ class Objective(nn.Module):
                 # gradient; they start equal (broadcast) and their gradients are averaged to stay bit-identical
                 self.replicated = loss
                 self.instance = GatheredInstanceLoss(loss, group=group, mode="full")
-                self._broadcast_replicated(group)
+                broadcast_params(self.replicated_parameters(), group)
             else:
                 self.instance = GatheredInstanceLoss(loss, group=group, mode=i.mode)
-        self.stats: dict[str, float] = {}
+        self._parts: list[tuple[str, dict[str, Any], Tensor, float]] = []
 
     def forward(self, embeddings: Tensor, labels: Tensor, step: int) -> Tensor:
         # The losses run in fp32 whatever the engine's precision (bf16 logits at T = 0.05 lose the ranking).
         emb = embeddings.float()
         if self.world_size > 1:
-            from dmltrain.distributed import grad_scale
-
             emb = grad_scale(emb, float(self.world_size))
         total = emb.new_zeros(())
-        stats: dict[str, float] = {"loss": 0.0}
+        parts = []
         if self.classifier is not None:
             x = F.dropout(emb, self.classifier_dropout, self.training) if self.classifier_dropout else emb
             loss = self.classifier(x, labels, step=step)
             total = total + self.w_classifier * loss
-            _record(stats, "classifier", self.classifier.stats, loss, self.w_classifier)
+            parts.append(("classifier", self.classifier.stats, loss.detach(), self.w_classifier))
         if self.instance is not None:
             loss = self.instance(emb, labels)
             total = total + self.w_instance * loss
-            _record(stats, "instance", self.instance.stats, loss, self.w_instance)
-        self.stats = stats
+            parts.append(("instance", self.instance.stats, loss.detach(), self.w_instance))
+        self._parts = parts
         return total
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """``loss`` (the weighted total) and each part's statistics as ``name/...`` of the last ``forward``.
+
+        The sharded and gathered losses already report their ``loss`` on the host; a part that
+        does not is read from the device here, so reading ``stats`` is the objective's only sync.
+        """
+        stats: dict[str, float] = {"loss": 0.0}
+        for name, part, loss, weight in self._parts:
+            value = float(part["loss"]) if "loss" in part else float(loss)
+            stats.update({f"{name}/{k}": float(v) for k, v in part.items()})
+            stats[f"{name}/loss"] = value
+            stats["loss"] += weight * value
+        return stats
 
     def classifier_parameters(self) -> list[torch.nn.Parameter]:
         return list(self.classifier.parameters()) if self.classifier is not None else []
@@ -86,24 +99,6 @@ class Objective(nn.Module):
         """Parameters of a proxy instance loss, the same on every worker (their own optimizer steps them)."""
         return list(self.replicated.parameters()) if self.replicated is not None else []
 
-    def _broadcast_replicated(self, group) -> None:
-        if self.world_size > 1:
-            for p in self.replicated_parameters():
-                dist.broadcast(p.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-
     def average_replicated_grads(self) -> None:
         """Mean of the replicas' (equal up to rounding) gradients, so the replicas never drift apart."""
-        if self.world_size > 1:
-            for p in self.replicated_parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=self.group)
-                    p.grad.div_(self.world_size)
-
-
-def _record(stats: dict[str, float], name: str, part: dict[str, Any], loss: torch.Tensor, weight: float) -> None:
-    """Add one loss's statistics as ``name/...`` and its weighted value to ``stats["loss"]``. The sharded
-    and gathered losses already report ``loss`` on the host; reading it costs no extra device sync."""
-    value = float(part["loss"]) if "loss" in part else float(loss.detach())
-    stats.update({f"{name}/{k}": float(v) for k, v in part.items()})
-    stats[f"{name}/loss"] = value
-    stats["loss"] += weight * value
+        average_grads(self.replicated_parameters(), self.group)

@@ -1,0 +1,68 @@
+"""What a run leaves besides metrics: its files in MLflow and its models in the run's storage directory.
+
+* :func:`log_run_files`: the resolved config, the DeepSpeed JSON and the manifest summary, once per run.
+* :class:`ModelExporter`: ``<name>/model.pt`` (a :func:`~dmltrain.models.save_model` file) to
+  MLflow and, through :func:`publish`, to ``<storage_dir>/<name>/model.pt`` (``best_model``
+  when an evaluation improves, ``model`` at the end).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs
+
+from dmltrain.models import save_model
+from dmltrain.training.dp_state import full_module_state_dict
+
+
+def log_run_files(logger, cfg, ds_config: dict[str, Any], manifest) -> None:
+    """The resolved config, DeepSpeed JSON and manifest summary as MLflow artifacts (a no-op without tracking)."""
+    if logger is None or not logger.enabled:
+        return
+    files = {
+        "config/config.yaml": cfg.to_yaml(),
+        "config/deepspeed.json": json.dumps(ds_config, indent=2),
+        "data/manifest_summary.json": json.dumps(manifest.summary(), indent=2, default=str),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for rel, text in files.items():
+            path = Path(tmp) / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            logger.log_artifact(path, rel.rsplit("/", 1)[0])
+
+
+class ModelExporter:
+    """Exports the engine's model: every rank calls :meth:`export` (a collective under ZeRO-3); rank 0 writes."""
+
+    def __init__(self, engine, logger, *, rank: int, storage_dir: str, config: dict[str, Any]):
+        self.engine, self.logger, self.rank = engine, logger, rank
+        self.storage_dir, self.config = storage_dir, config
+
+    def export(self, name: str, extra: dict[str, Any]) -> None:
+        """``<name>/model.pt`` with ``extra`` (step, metrics) to MLflow and to the run's storage directory."""
+        weights = full_module_state_dict(self.engine)
+        if self.rank != 0:
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "model.pt"
+            save_model(path, self.engine.module, self.config, extra=extra, state_dict=weights)
+            self.logger.log_artifact(path, name)
+            publish(path, self.storage_dir, f"{name}/model.pt")
+
+
+def publish(local_file: Path, storage_dir: str, relpath: str) -> None:
+    """Copy a file into the run's storage directory (a local/NFS path or a pyarrow URI such as s3://).
+
+    The copy lands under a temporary name and is then renamed, so a reader never sees half a file.
+    """
+    fs, root = pyarrow.fs.FileSystem.from_uri(storage_dir) if "://" in storage_dir else (pyarrow.fs.LocalFileSystem(), storage_dir)
+    dest = f"{root.rstrip('/')}/{relpath}"
+    fs.create_dir(dest.rsplit("/", 1)[0], recursive=True)
+    tmp_dest = dest + ".tmp"
+    pyarrow.fs.copy_files(str(local_file), tmp_dest, destination_filesystem=fs)
+    fs.move(tmp_dest, dest)

@@ -1,0 +1,80 @@
+"""Evaluation during training: metrics, the best model so far, plots and model export.
+
+:meth:`Evaluator.evaluate` embeds the eval splits on every rank (each its part of the test
+shards), computes the metrics on rank 0 and hands the same dict to every rank, records them
+in the run's :class:`~dmltrain.training.state.TrainState` (last and best), logs them to
+MLflow at ``step`` as ``eval/<name>`` (``initial/<name>`` for the untrained model), draws the
+plots, exports ``best_model`` when the tracked metric improved, and reports the evaluation to
+Ray (Tune reads these reports). Every rank calls it: it holds collectives.
+
+The metrics come from the model alone, so the same steps can run on a saved checkpoint's
+``model.pt`` elsewhere (asynchronous evaluation) and land at that checkpoint's step.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dmltrain.config import Config
+from dmltrain.distributed.process_group import broadcast_object
+from dmltrain.evaluate import evaluate_model, plot_embedding_map, plot_recall_at_k
+from dmltrain.training.artifacts import ModelExporter
+from dmltrain.training.reporting import Reporter
+from dmltrain.training.state import TrainState
+
+
+class Evaluator:
+    def __init__(self, model: torch.nn.Module, cfg: Config, exporter: ModelExporter, reporter: Reporter, logger, *,
+                 rank: int, world_size: int, device: torch.device):
+        self.model, self.cfg = model, cfg
+        self.exporter, self.reporter, self.logger = exporter, reporter, logger
+        self.rank, self.world_size, self.device = rank, world_size, device
+
+    def evaluate(self, state: TrainState, step: int, phase: str) -> dict[str, float]:
+        """Evaluate at ``step``; ``phase``: ``initial`` (untrained, never the best), ``eval`` or ``final``."""
+        self.reporter.progress(state, phase=f"evaluating ({phase})")
+        metrics, embeddings = self._metrics()
+        key = self.cfg.eval.metric
+        improved = state.record_evaluation(metrics, step, key, initial=phase == "initial")
+        if self.rank == 0:
+            prefix = "initial" if phase == "initial" else "eval"
+            self.logger.log_metrics({f"{prefix}/{k}": v for k, v in metrics.items()}, step=step)
+            if self.cfg.eval.plots and embeddings is not None:
+                self._plot(metrics, embeddings, step, phase)
+            self.reporter.progress(state, last_eval=f"{key} {metrics.get(key, float('nan')):.4f}")
+        if improved:
+            self.exporter.export("best_model", extra={"step": step, "metrics": metrics})
+        # `evaluation: 1` tells evaluation reports from checkpoint reports, which repeat the latest metrics
+        self.reporter.report({f"eval/{k}": v for k, v in metrics.items()} | {"step": step, "epoch": state.epoch, "evaluation": 1}, step=step)
+        return metrics
+
+    def export_final(self, state: TrainState) -> None:
+        """The trained model as ``model/model.pt`` with the last evaluation (every rank calls it)."""
+        self.exporter.export("model", extra={"step": state.step, "metrics": state.last_metrics})
+
+    def _metrics(self) -> tuple[dict[str, float], Any]:
+        """The metrics on every rank; the embeddings (for plots) on rank 0, None elsewhere."""
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            metrics, embeddings = evaluate_model(
+                self.model, self.cfg.data.shards, self.cfg.data.eval_splits, self.cfg.eval, self.cfg.data,
+                # the engine already holds the weights in its precision; autocast on top would feed
+                # fp32 activations to bf16 norm layers
+                rank=self.rank, world_size=self.world_size, device=str(self.device), precision="fp32",
+                progress=False,
+            )
+        self.model.train(was_training)
+        return broadcast_object(metrics) or {}, embeddings
+
+    def _plot(self, metrics: dict[str, float], embeddings: Any, step: int, phase: str) -> None:
+        emb, labels = embeddings.get("query", next(iter(embeddings.values())))
+        with tempfile.TemporaryDirectory() as tmp:
+            curve = plot_recall_at_k({f"{phase} step {step}": metrics}, Path(tmp) / f"recall_at_k-step{step:07d}.png")
+            emap = plot_embedding_map(emb, labels, Path(tmp) / f"embeddings-step{step:07d}.png", seed=self.cfg.train.seed)
+            for p in (curve, emap):
+                self.logger.log_artifact(p, "plots")
