@@ -98,6 +98,32 @@ def test_schedule_shapes():
     assert cos.factor(104) == pytest.approx(0.1)
 
 
+def test_scheduled_lr_freezes_the_backbone_during_the_head_only_start():
+    from dmltrain.config import ScheduleConfig
+    from dmltrain.training.schedule import LRSchedule, ScheduledLR
+
+    class Model:
+        backbone_trainable = True
+
+        def set_backbone_trainable(self, on):
+            self.backbone_trainable = on
+
+    class Head:
+        def set_lr(self, factor):
+            self.factor = factor
+
+    w = [torch.nn.Parameter(torch.zeros(1)) for _ in range(3)]
+    opt = torch.optim.SGD([{"params": [w[0]], "lr": 0.1, "weight_decay": 1e-4, "name": "backbone"},
+                           {"params": [w[1]], "lr": 0.1, "weight_decay": 0.0, "name": "backbone_no_decay"},
+                           {"params": [w[2]], "lr": 1.0, "weight_decay": 1e-4, "name": "head"}], lr=0.1)
+    model, head = Model(), Head()
+    lr = ScheduledLR(LRSchedule(ScheduleConfig(kind="step", unit="step", milestones=[3], gamma=0.5, head_only=2), 10, 10), opt, model, head, 0.1)
+    assert lr.apply(0) == 0.1 and not model.backbone_trainable and head.factor == 1.0
+    assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(0.0, 0.0), (0.0, 0.0), (1.0, 1e-4)]
+    assert lr.apply(3) == pytest.approx(0.05) and model.backbone_trainable and head.factor == pytest.approx(0.5)
+    assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(0.05, 1e-4), (0.05, 0.0), (0.5, 1e-4)]
+
+
 def test_a_changed_batch_plan_moves_a_mid_epoch_position_to_the_next_epoch(tmp_path):
     from dmltrain.training.state import TrainState, realign_to_plan
 

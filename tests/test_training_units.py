@@ -130,3 +130,188 @@ def test_proxy_instance_losses_are_replicated_and_exact(kind):
     for loss, ref, emb_ok, proxy_ok, _ in out:
         assert loss == pytest.approx(ref, rel=1e-5) and emb_ok and proxy_ok
     assert out[0][4] == out[1][4]  # replicas identical
+
+
+# -- the trainer's components ---------------------------------------------------------------------
+def _old_loop_events(total, steps_per_epoch, log_every, eval_every, eval_unit, ckpt_every):
+    """The event order of the trainer before it was split (its fit() loop transcribed, with its own bookkeeping)."""
+    events, step, epoch, batch, last_eval, last_ckpt = [], 0, 0, 0, -1, -1
+    while step < total:
+        while step < total:
+            if batch >= steps_per_epoch:
+                break  # the stream's epoch is exhausted
+            step, batch = step + 1, batch + 1
+            if step % log_every == 0 or step == total:
+                events.append(("log", step))
+            if eval_unit == "step" and eval_every and step % eval_every == 0 and step < total:
+                events.append(("eval", step))
+                last_eval = step
+            if ckpt_every and step % ckpt_every == 0 and step < total:
+                events.append(("ckpt", step))
+                last_ckpt = step
+        if batch >= steps_per_epoch or step < total:
+            epoch, batch = epoch + 1, 0
+            done = step >= total
+            if not done and eval_unit == "epoch" and eval_every and epoch % eval_every == 0:
+                events.append(("eval", step))
+                last_eval = step
+            if not done and ckpt_every == 0:
+                events.append(("ckpt", step))
+                last_ckpt = step
+    if last_eval != step:
+        events.append(("final eval", step))
+    if last_ckpt != step:
+        events.append(("ckpt", step))
+    return events
+
+
+def _cadence_events(cadence, steps_per_epoch):
+    """The same run driven by Cadence.due in the shape of Trainer.fit."""
+    events, step, epoch, batch = [], 0, 0, 0
+
+    def act(due, at):
+        events.extend((name, at) for name, on in (("log", due.log), ("eval", due.evaluate), ("ckpt", due.checkpoint)) if on)
+
+    while step < cadence.total_steps:
+        for _ in range(min(steps_per_epoch - batch, cadence.total_steps - step)):
+            step, batch = step + 1, batch + 1
+            act(cadence.due(step), step)
+        if batch >= steps_per_epoch or step < cadence.total_steps:
+            epoch, batch = epoch + 1, 0
+            act(cadence.due(step, epoch_end=epoch), step)
+    return events + [("final eval", step), ("ckpt", step)]
+
+
+@pytest.mark.parametrize("total,spe", [(12, 4), (10, 4), (1, 3), (7, 1)])
+@pytest.mark.parametrize("eval_every,unit", [(1, "epoch"), (2, "epoch"), (0, "epoch"), (3, "step")])
+@pytest.mark.parametrize("ckpt_every,log_every", [(0, 1), (2, 5), (5, 3)])
+def test_cadence_keeps_the_event_order_of_the_original_loop(total, spe, eval_every, unit, ckpt_every, log_every):
+    from dmltrain.training.cadence import Cadence
+
+    cadence = Cadence(total, log_every, eval_every, unit, ckpt_every)
+    assert _cadence_events(cadence, spe) == _old_loop_events(total, spe, log_every, eval_every, unit, ckpt_every)
+
+
+def test_cadence_by_hand():
+    from dmltrain.training.cadence import Cadence, Due
+
+    c = Cadence.from_config(load_config(None, ["train.max_steps=10", "train.log_every=4", "train.checkpoint_every=0", "eval.every=2"]), 10)
+    assert c.due(4) == Due(log=True) and c.due(3) == Due() and c.due(10) == Due(log=True)
+    assert c.due(6, epoch_end=2) == Due(evaluate=True, checkpoint=True) and c.due(3, epoch_end=1) == Due(checkpoint=True)
+    assert c.due(10, epoch_end=4) == Due()  # the end of the run checkpoints and evaluates itself
+
+
+def test_best_evaluation_tracking():
+    from dmltrain.training.state import TrainState
+
+    st = TrainState()
+    assert not st.record_evaluation({"recall@1": 0.9}, step=0, key="recall@1", initial=True)  # the untrained model never counts
+    assert st.best_metric is None and st.last_metrics == {"recall@1": 0.9}
+    assert st.record_evaluation({"recall@1": 0.5}, step=3, key="recall@1")
+    assert not st.record_evaluation({"recall@1": 0.5}, step=6, key="recall@1")  # a tie is not an improvement
+    assert not st.record_evaluation({"nmi": 0.7}, step=7, key="recall@1") and st.last_metrics == {"nmi": 0.7}
+    assert st.record_evaluation({"recall@1": 0.6, "nmi": 0.1}, step=9, key="recall@1")
+    assert (st.best_metric, st.best_step, st.best_metrics) == (0.6, 9, {"recall@1": 0.6, "nmi": 0.1})
+    assert st.summary("recall@1") == {"step": 0, "initial": {}, "final": {"recall@1": 0.6, "nmi": 0.1},
+                                      "best": {"recall@1": 0.6, "nmi": 0.1}, "best_step": 9, "metric": "recall@1"}
+
+
+def test_train_metrics_average_and_mlflow_names():
+    from dmltrain.training.metrics import TrainMetrics, mlflow_names
+
+    m = TrainMetrics()
+    m.add({"loss": 1.0, "classifier/loss": torch.tensor(2.0), "active_pairs": 3.0})
+    m.add({"loss": 3.0, "classifier/loss": torch.tensor(4.0), "active_pairs": 5.0})
+    assert m.summary() == {"loss": 2.0, "classifier/loss": 3.0, "active_pairs": 4.0} and m.summary() == {}
+    assert mlflow_names({"loss": 1, "lr": 2, "epoch": 3, "images_per_s": 4, "time/step_ms": 5, "active_pairs": 6}) == {
+        "loss": 1, "lr": 2, "epoch": 3, "images_per_s": 4, "time/step_ms": 5, "train/active_pairs": 6}
+
+
+def _head(overrides, seed=0, dim=6):
+    from dmltrain.training.head import LossHead
+    from dmltrain.training.objective import Objective
+
+    cfg = load_config(None, ["cluster.num_workers=1", "loss.instance.kind=proxy_nca", "loss.instance.params={}",
+                             "optim.name=sgd", "optim.momentum=0.9", "optim.new_param_lr_mult=2", *overrides])
+    torch.manual_seed(seed)
+    return LossHead(Objective(cfg, num_classes=9, dim=dim, world_size=1), cfg.optim)
+
+
+def test_loss_head_unscales_steps_and_skips_with_the_engine():
+    """The head's optimizers see the gradient of the unscaled loss, step with the schedule's lr, and skip an overflowed step."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(10, 6, generator=g), torch.arange(10) % 9
+    scaled, plain = _head([]), _head([])
+    for p, q in zip(scaled.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+    scaled.set_lr(0.5)
+    plain.set_lr(0.5)
+    assert {g["lr"] for o in scaled.optimizers for g in o.param_groups} == {0.01 * 2 * 0.5}
+    (1024.0 * scaled.objective(x, y, step=0)).backward()  # what fp16's engine.backward does
+    plain.objective(x, y, step=0).backward()
+    scaled.step(loss_scale=1024.0)
+    plain.step()
+    for p, q in zip(scaled.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        assert p.grad is None
+    before = [p.detach().clone() for p in scaled.parameters()]
+    (1024.0 * scaled.objective(x, y, step=1)).backward()
+    scaled.step(loss_scale=1024.0, applied=False)  # the engine skipped its step (overflow): so does the head
+    assert all(torch.equal(a, p) and p.grad is None for a, p in zip(before, scaled.parameters()))
+    other = _head([], seed=5)
+    other.load_state_dict(scaled.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(other.proxies.parameters(), scaled.proxies.parameters()))
+    assert other.proxy_optimizer.state_dict()["state"].keys() == scaled.proxy_optimizer.state_dict()["state"].keys()
+
+
+def test_checkpointer_restores_engine_head_rngs_and_position(tmp_path, monkeypatch):
+    """A real DeepSpeed engine at W=1: DeepSpeed's own checkpoint (same layout) and the portable files (another ZeRO stage)."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    from dmltrain.distributed.process_group import ensure_process_group
+    from dmltrain.models import build_model, param_groups
+    from dmltrain.training.checkpoint import Checkpointer
+    from dmltrain.training.engine import build_engine
+    from dmltrain.training.reporting import Reporter, RunContext
+    from dmltrain.training.state import TrainState
+
+    def build(stage, seed):
+        cfg = load_config(None, ["model.backbone=small_cnn", "model.embedding_dim=64", "model.pretrained=none", "data.batch_size=4",
+                                 "cluster.num_workers=1", f"train.zero_stage={stage}", "loss.instance.kind=proxy_nca",
+                                 "loss.instance.params={}", "optim.name=adamw"])
+        torch.manual_seed(seed)
+        model = build_model(cfg.model)
+        engine, _ = build_engine(model, param_groups(model, cfg.optim), cfg, 1)
+        head = _head(["optim.name=adamw"], seed=seed, dim=64)
+        reporter = Reporter(RunContext("r", str(tmp_path), "", None, report_to_ray=False), 0, 10, 1)
+        return engine, head, Checkpointer(engine, head, reporter, rank=0, world_size=1, zero_stage=stage, seed=0, model_config=cfg.to_dict())
+
+    ensure_process_group()
+    try:
+        engine, head, ckpt = build(1, seed=0)
+        g = torch.Generator().manual_seed(0)
+        images, y = torch.randn(4, 3, 32, 32, generator=g), torch.tensor([0, 0, 4, 4])
+        for step in range(2):
+            loss = head.objective(engine(images), y, step=step)
+            engine.backward(loss)
+            engine.step()
+            head.step()
+        state = TrainState(step=2, epoch=0, batch=2, zero_stage=1, last_metrics={"recall@1": 0.5}, plan={"seed": 0})
+        ckpt.save_to(tmp_path / "c", state)
+        assert {"engine", "model.pt", "dp_optimizer.pt", "instance_loss.pt", "classifier", "rng-rank0.pt", "train_state.json"} <= {
+            p.name for p in (tmp_path / "c").iterdir()}
+        want_rand = torch.rand(3)
+        for stage in (1, 0):  # the same layout (DeepSpeed's checkpoint), then another ZeRO stage (the portable files)
+            engine2, head2, ckpt2 = build(stage, seed=7)
+            loaded = ckpt2.load_from(tmp_path / "c")
+            assert (loaded.step, loaded.batch, loaded.last_metrics, loaded.zero_stage) == (2, 2, {"recall@1": 0.5}, stage)
+            for (n, p), q in zip(engine.module.named_parameters(), engine2.module.parameters()):
+                assert torch.equal(p, q), n
+            for p, q in zip(head.parameters(), head2.parameters()):
+                assert torch.equal(p, q)
+            if stage == 1:
+                assert torch.equal(torch.rand(3), want_rand)  # the RNG streams continue where they were saved
+            assert all(torch.equal(s["exp_avg"], t["exp_avg"]) for s, t in zip(
+                head.classifier_optimizer.state.values(), head2.classifier_optimizer.state.values()))
+    finally:
+        torch.distributed.destroy_process_group()

@@ -14,6 +14,7 @@ Every function is a no-op in a group of one, so the same code runs in one proces
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterable
 from typing import Any
@@ -32,8 +33,10 @@ def free_port() -> int:
 
 
 def ensure_process_group() -> tuple[int, int]:
-    """``(rank, world size)`` of the default group, first starting a gloo group of one on 127.0.0.1 if none exists."""
+    """``(rank, world size)`` of the default group, first starting a gloo group of one on 127.0.0.1 if none exists
+    (then also ``LOCAL_RANK=0`` unless set: DeepSpeed refuses to start without it)."""
     if not dist.is_initialized():
+        os.environ.setdefault("LOCAL_RANK", "0")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()
 

@@ -35,9 +35,7 @@ def import_deepspeed():
     # `import deepspeed.comm.torch as m` would bind PyTorch itself (deepspeed.comm re-exports `torch`)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    from deepspeed.utils import logger as ds_logger
-
-    ds_logger.setLevel(logging.WARNING)
+    deepspeed.utils.logger.setLevel(logging.WARNING)
     return deepspeed
 
 
