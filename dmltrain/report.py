@@ -14,14 +14,13 @@ a study, stands for its children) and writes to ``DIR`` (default ``reports/<expe
 
 The HTML page embeds its images, so it can be mailed or attached on its own. Every file is
 written atomically. MLflow does not allow ``@`` in metric keys, so ``eval/recall@1`` is stored
-as ``eval/recall_at_1`` (:func:`dmltrain.training.tracking.metric_key`); the report shows ``recall@1`` again.
+as ``eval/recall_at_1`` (:func:`dmltrain.tracking.names.metric_key`); the report shows ``recall@1`` again.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
-import csv
 import html
 import json
 import os
@@ -34,18 +33,34 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from mlflow import MlflowClient
+from tqdm import tqdm
+
 from dmltrain.errors import UserError
-from dmltrain.fileio import atomic_path, write_text
-from dmltrain.training.tracking import RUN_NAME_TAG, display_key
+from dmltrain.evaluate.plots import plot_curves, run_colors
+from dmltrain.fileio import write_text
+from dmltrain.text import MISSING, clip, csv_text, format_duration, markdown_table, safe_name
+from dmltrain.tracking.names import (
+    BINARY_PREFIX,
+    EVAL_PREFIX,
+    IMAGES_PER_S,
+    LOSS,
+    RUN_NAME_TAG,
+    STEP_MS,
+    STORAGE_DIR_TAG,
+    display_key,
+    eval_key,
+    initial_key,
+)
+from dmltrain.tracking.queries import best_point, child_runs, experiment_runs, find_run, history, leaf_runs
 
 DEFAULT_UI = "http://127.0.0.1:5000"
-PARENT_TAG = "mlflow.parentRunId"
 IGNORED_PARAMS = frozenset({"train.run_name"})  # differs between any two runs; the run column names it
-LOSS_KEY = "loss"
-RECALL1_KEYS = ("eval/recall_at_1",)
-INITIAL_RECALL1_KEYS = ("initial/recall_at_1",)
-SPEED_KEYS = ("images_per_s", "time/step_ms")
-LOWER_IS_BETTER = ("loss", "time/step_ms")
+LOSS_KEY = LOSS
+RECALL1_KEYS = (eval_key("recall@1"),)
+INITIAL_RECALL1_KEYS = (initial_key("recall@1"),)
+SPEED_KEYS = (IMAGES_PER_S, STEP_MS)
+LOWER_IS_BETTER = (LOSS, STEP_MS)
 # evaluation bookkeeping logged beside the metrics (query and gallery counts), not compared
 EVAL_COUNTS = re.compile(r"(^|/)(num_\w+|\w+_size|excluded_\w+|\w+_count)$")
 
@@ -119,27 +134,11 @@ def _get_experiment(client, name: str, uri: str):
     return exp
 
 
-def _children(client, exp_id: str, run_id: str) -> list:
-    return list(client.search_runs([exp_id], filter_string=f"tags.`{PARENT_TAG}` = '{run_id}'",
-                                   order_by=["attributes.start_time ASC"], max_results=5000))
-
-
 def _find_run(client, exp, token: str):
-    """A run of ``exp`` by id, by dmltrain run name, or by MLflow run name."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        run = client.get_run(token)
-        if run.info.experiment_id == exp.experiment_id:
-            return run
-    except MlflowException:
-        pass
-    quoted = token.replace("'", "\\'")
-    for filt in (f"tags.`{RUN_NAME_TAG}` = '{quoted}'", f"attributes.run_name = '{quoted}'"):
-        found = client.search_runs([exp.experiment_id], filter_string=filt, max_results=1)
-        if found:
-            return found[0]
-    raise UserError(f"--runs {token}: no run with this id or name in experiment {exp.name}", exit_code=1)
+    run = find_run(client, exp.experiment_id, token)
+    if run is None:
+        raise UserError(f"--runs {token}: no run with this id or name in experiment {exp.name}", exit_code=1)
+    return run
 
 
 def select_runs(client, exp, tokens: list[str] | None = None, max_runs: int = 100) -> list:
@@ -152,16 +151,14 @@ def select_runs(client, exp, tokens: list[str] | None = None, max_runs: int = 10
             if run.info.run_id in seen:
                 continue
             seen.add(run.info.run_id)
-            kids = _children(client, exp.experiment_id, run.info.run_id)
+            kids = child_runs(client, exp.experiment_id, run.info.run_id)
             if kids:
                 chosen = kids + chosen
             else:
                 out.append(run)
         runs = out
     else:
-        runs = list(client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"], max_results=50000))
-        parents = {r.data.tags.get(PARENT_TAG) for r in runs}
-        runs = [r for r in runs if r.info.run_id not in parents]
+        runs = leaf_runs(experiment_runs(client, exp.experiment_id))
     if not runs:
         raise UserError(f"--experiment {exp.name}: no runs to compare", exit_code=1)
     if len(runs) > max_runs:
@@ -176,14 +173,8 @@ def _display_names(runs) -> list[str]:
     return [f"{n} ({r.info.run_id[:6]})" if counts[n] > 1 else n for n, r in zip(names, runs)]
 
 
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "run"
-
-
 def collect(client, runs, out_dir: Path, progress: bool = True) -> list[RunRecord]:
     """Params, final metrics, loss / Recall@1 histories and plot artifacts (downloaded under ``out_dir/runs``)."""
-    from tqdm import tqdm
-
     records = []
     for run, name in tqdm(list(zip(runs, _display_names(runs))), desc="runs", unit="run", file=sys.stderr,
                           disable=not progress, leave=False):
@@ -192,12 +183,11 @@ def collect(client, runs, out_dir: Path, progress: bool = True) -> list[RunRecor
                         dict(data.params), dict(data.metrics), dict(data.tags))
         for key in (LOSS_KEY, _first_key(rec.metrics, RECALL1_KEYS), _first_key(rec.metrics, INITIAL_RECALL1_KEYS)):
             if key:
-                hist = client.get_metric_history(info.run_id, key)
-                rec.history[key] = sorted((m.step, m.value) for m in hist)
+                rec.history[key] = history(client, info.run_id, key)
         try:
             rec.artifacts = [a.path for a in client.list_artifacts(info.run_id)]
             if any(a == "plots" for a in rec.artifacts):
-                rec.plots = _download_plots(client, info.run_id, out_dir / "runs" / _safe(name) / "plots")
+                rec.plots = _download_plots(client, info.run_id, out_dir / "runs" / safe_name(name) / "plots")
         except Exception as e:  # noqa: BLE001 — a missing artifact store costs the plots, not the report
             print(f"dmltrain: warning: run {name}: cannot read its artifacts ({type(e).__name__}: {str(e)[:150]})", file=sys.stderr)
         records.append(rec)
@@ -229,25 +219,27 @@ def metric_columns(records: list[RunRecord], everything: bool = False) -> list[s
 
     Of the binarized-embedding metrics only Recall@1 is shown unless ``everything`` (the CSV has them all).
     """
+    binary = "/" + BINARY_PREFIX
     keys = {k for r in records for k in r.metrics if not EVAL_COUNTS.search(k)}
     if not everything:
-        keys = {k for k in keys if "/binary/" not in k or display_key(k).endswith("/binary/recall@1")}
+        keys = {k for k in keys if binary not in k or display_key(k).endswith(binary + "recall@1")}
 
     def order(k: str):
         p = display_key(k)
-        kind = 0 if "/recall@" in p and "/binary/" not in p else 1 if "/binary/" not in p else 2
+        kind = 0 if "/recall@" in p and binary not in p else 1 if binary not in p else 2
         return (kind, _natural(p))
 
-    cols = sorted((k for k in keys if k.startswith("eval/")), key=order)
+    cols = sorted((k for k in keys if k.startswith(EVAL_PREFIX)), key=order)
     cols += [k for k in (_first_key(keys, INITIAL_RECALL1_KEYS), LOSS_KEY, *SPEED_KEYS) if k and k in keys]
     return cols
 
 
 def best_recall(rec: RunRecord) -> tuple[float, int] | None:
     key = _first_key(rec.history, RECALL1_KEYS)
-    if not key or not rec.history[key]:
+    best = best_point(rec.history[key]) if key else None
+    if best is None:
         return None
-    step, value = max(rec.history[key], key=lambda sv: (sv[1], -sv[0]))
+    step, value = best
     return value, step
 
 
@@ -268,36 +260,6 @@ def curves(records: list[RunRecord], which: str) -> dict[str, tuple[list[int], l
     return out
 
 
-def plot_curves(data: dict[str, tuple[list[int], list[float]]], path: Path, ylabel: str, title: str,
-                colors: dict[str, Any]) -> Path | None:
-    """Overlay the curves in one PNG; None when no run has any point."""
-    if not data:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    for name, (steps, values) in data.items():
-        ax.plot(steps, values, label=name, color=colors[name], linewidth=1.4, marker="o" if len(steps) <= 30 else None, markersize=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if len(data) <= 12:
-        ax.legend(fontsize=8)
-    else:
-        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
-    return path
-
-
 # -- rendering -------------------------------------------------------------------------------------------------------
 def _fmt_value(v: float | None, key: str = "") -> str:
     if v is None:
@@ -309,19 +271,8 @@ def _fmt_value(v: float | None, key: str = "") -> str:
     return f"{v:.4f}"
 
 
-def _fmt_duration(s: float | None) -> str:
-    if s is None:
-        return "—"
-    s = int(s)
-    h, rem = divmod(s, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
-
-
 def _clip(text: str | None, n: int = 60) -> str:
-    if text is None:
-        return "—"
-    return text if len(text) <= n else text[: n - 1] + "…"
+    return MISSING if text is None else clip(text, n)
 
 
 def _best_rows(records: list[RunRecord], cols: list[str]) -> dict[str, set[int]]:
@@ -361,7 +312,7 @@ def _tables(records: list[RunRecord]) -> tuple[list[str], list[list[str]], list[
     run_rows = []
     for r in records:
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.start_time / 1000)) if r.start_time else "—"
-        run_rows.append([r.name, r.status, started, _fmt_duration(r.duration_s), *(_clip(r.params.get(p)) for p in params)])
+        run_rows.append([r.name, r.status, started, format_duration(r.duration_s), *(_clip(r.params.get(p)) for p in params)])
     cols = metric_columns(records)
     met_head = ["run", *(display_key(c) for c in cols), "best recall@1 (step)"]
     met_rows = []
@@ -369,26 +320,6 @@ def _tables(records: list[RunRecord]) -> tuple[list[str], list[list[str]], list[
         b = best_recall(r)
         met_rows.append([r.name, *(_fmt_value(r.metrics.get(c), c) for c in cols), f"{b[0]:.4f} ({b[1]})" if b else "—"])
     return run_head, run_rows, met_head, met_rows
-
-
-def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _md_table(head: list[str], rows: list[list[str]], bold: dict[int, set[int]] | None = None, link: list[str] | None = None) -> str:
-    bold = bold or {}
-    lines = ["| " + " | ".join(_md_cell(h) for h in head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    for i, row in enumerate(rows):
-        cells = []
-        for j, cell in enumerate(row):
-            text = _md_cell(cell)
-            if j == 0 and link:
-                text = f"[{text}]({link[i]})"
-            elif i in bold.get(j, ()):
-                text = f"**{text}**"
-            cells.append(text)
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def _plot_groups(plots: list[Path]) -> dict[str, list[Path]]:
@@ -416,15 +347,15 @@ def render_markdown(exp_name: str, records: list[RunRecord], figures: dict[str, 
              f"generated {time.strftime('%Y-%m-%d %H:%M')}", "", "## Runs", ""]
     if not differing_params(records):
         parts += ["All runs share the same params." if len(records) > 1 else "One run: no params to compare.", ""]
-    parts += [_md_table(run_head, run_rows, link=run_links), "", "## Final metrics", "",
-              _md_table(met_head, met_rows, bold=bold, link=run_links), ""]
+    parts += [markdown_table(run_head, run_rows, links=run_links), "", "## Final metrics", "",
+              markdown_table(met_head, met_rows, bold=bold, links=run_links), ""]
     for key, title in (("loss", "Loss"), ("recall_at_1", "Recall@1")):
         if key in figures:
             parts += [f"## {title}", "", f"![{title}]({figures[key].relative_to(out_dir).as_posix()})", ""]
     parts += ["## Runs' plots", ""]
     for r in records:
         parts += [f"### [{r.name}]({links.run(r)})", ""]
-        storage = r.tags.get("dmltrain.storage_dir")
+        storage = r.tags.get(STORAGE_DIR_TAG)
         if storage:
             parts += [f"Checkpoints and models: `{storage}`", ""]
         if not r.plots:
@@ -497,7 +428,7 @@ def render_html(exp_name: str, records: list[RunRecord], figures: dict[str, Path
     body.append("<h2>Runs' plots</h2>")
     for r in records:
         body.append(f'<h3><a href="{esc(links.run(r))}">{esc(r.name)}</a> <span class="meta">{esc(r.status)}</span></h3>')
-        storage = r.tags.get("dmltrain.storage_dir")
+        storage = r.tags.get(STORAGE_DIR_TAG)
         if storage:
             body.append(f'<p class="meta">Checkpoints and models: <code>{esc(storage)}</code></p>')
         if not r.plots:
@@ -517,12 +448,10 @@ def render_html(exp_name: str, records: list[RunRecord], figures: dict[str, Path
 def write_csv(path: Path, records: list[RunRecord]) -> None:
     params = differing_params(records)
     cols = metric_columns(records, everything=True)
-    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["run", "run_id", "status", "duration_s", *params, *(display_key(c) for c in cols)])
-        for r in records:
-            w.writerow([r.name, r.run_id, r.status, "" if r.duration_s is None else f"{r.duration_s:.1f}",
-                        *(r.params.get(p, "") for p in params), *("" if c not in r.metrics else repr(r.metrics[c]) for c in cols)])
+    head = ["run", "run_id", "status", "duration_s", *params, *(display_key(c) for c in cols)]
+    rows = [[r.name, r.run_id, r.status, None if r.duration_s is None else f"{r.duration_s:.1f}",
+             *(r.params.get(p) for p in params), *(float(r.metrics[c]) if c in r.metrics else None for c in cols)] for r in records]
+    write_text(path, csv_text(head, rows))
 
 
 # -- the whole report ---------------------------------------------------------------------------------------------------
@@ -530,23 +459,14 @@ def build_report(experiment: str, runs: list[str] | None = None, out: str | os.P
                  tracking_uri: str | None = None, ui_url: str = DEFAULT_UI, max_runs: int = 100,
                  progress: bool = True) -> Report:
     """Collect the runs and write every file of the report; raises :class:`UserError` on unknown input."""
-    from mlflow import MlflowClient
-
     uri = resolve_tracking_uri(tracking_uri)
     client = MlflowClient(tracking_uri=uri)
     exp = _get_experiment(client, experiment, uri)
     chosen = select_runs(client, exp, runs, max_runs=max_runs)
-    out_dir = Path(out) if out else Path("reports") / _safe(experiment)
+    out_dir = Path(out) if out else Path("reports") / safe_name(experiment)
     out_dir.mkdir(parents=True, exist_ok=True)
     records = collect(client, chosen, out_dir, progress=progress)
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import colormaps
-
-    cmap = colormaps["tab10" if len(records) <= 10 else "tab20"]
-    colors = {r.name: cmap(i % cmap.N) for i, r in enumerate(records)}
+    colors = run_colors([r.name for r in records])
     figures = {}
     for key, which, ylabel, title in (("loss", "loss", "loss", "Training loss"),
                                       ("recall_at_1", "recall", "Recall@1", "Recall@1 (step 0: untrained model)")):
@@ -577,7 +497,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-runs {args.max_runs}: must be at least 1")
     rep = build_report(args.experiment, tokens, args.out, args.tracking_uri, args.ui_url, args.max_runs, progress=not args.no_progress)
     _, _, head, rows = _tables(rep.records)
-    print(_md_table(head, rows))
+    print(markdown_table(head, rows))
     print(f"\nreport of {len(rep.records)} run{'s' * (len(rep.records) != 1)} from experiment {rep.experiment}:")
     print(f"  {rep.markdown}\n  {rep.html}\n  {rep.csv}")
     return 0

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from dmltrain.config import Config, deep_merge
+from dmltrain.config import Config
+from dmltrain.config_tree import deep_merge
 from dmltrain.errors import UserError
 
 # Keys the data pipeline owns; a user DeepSpeed JSON may not change them.

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -30,7 +31,7 @@ from dmltrain.training.checkpoint import TrainState, load_training_state, realig
 from dmltrain.training.objective import Objective
 from dmltrain.training.progress import post
 from dmltrain.training.schedule import LRSchedule
-from dmltrain.training.tracking import RunLogger
+from dmltrain.tracking.run import RunHandle
 from shards.transforms import normalize_batch
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class Trainer:
         threads = max(1, int(cfg.cluster.cpus_per_worker)) if not cfg.cluster.use_gpu else max(1, torch.get_num_threads())
         torch.set_num_threads(threads)
         seed_rngs(cfg.train.seed, 0, self.rank)
-        self.logger = RunLogger(run.tracking_uri, run.mlflow_run_id, cfg.tracking.system_metrics) if self.rank == 0 else None
+        self.logger = RunHandle.attach(run.tracking_uri, run.mlflow_run_id, system_metrics=cfg.tracking.system_metrics) if self.rank == 0 else None
         self._build()
 
     # -- construction --------------------------------------------------------------------------
@@ -428,7 +429,7 @@ class Trainer:
 
     def _export_model(self, name: str, extra: dict[str, Any]) -> None:
         """``<name>/model.pt`` to MLflow and to the run's storage directory (all ranks call; rank 0 writes)."""
-        from dmltrain.models import save_model
+        from dmltrain.models import load_model, save_model
         from dmltrain.training.dp_state import full_module_state_dict
 
         weights = full_module_state_dict(self.engine)  # a collective under ZeRO-3
@@ -438,6 +439,9 @@ class Trainer:
             path = Path(tmp) / "model.pt"
             save_model(path, self.model, self.cfg.to_dict(), extra=extra, state_dict=weights)
             self.logger.log_artifact(path, name)
+            if self.logger.enabled:  # MLflow 3's Models view: the model as pt2, linked to this step's metrics
+                crop = self.cfg.data.eval_crop
+                self.logger.log_model(load_model(path)[0], name, step=extra["step"], input_example=np.zeros((2, 3, crop, crop), np.float32))
             publish(path, self.run.storage_dir, f"{name}/model.pt")
 
     def _export_final_model(self) -> None:
