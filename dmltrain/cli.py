@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("cluster.submit", "submit a training to a Ray cluster as a Ray Job; follow, query or stop it"),
     "tune": ("cluster.tune.cli", "search hyperparameters with Ray Tune (ASHA), trials logged as MLflow child runs"),
     "study": ("cluster.study", "run class-subsampling scalability studies (accuracy, speed, memory vs ratio)"),
-    "report": ("dmltrain.report", "compare MLflow runs in a Markdown and HTML report"),
+    "report": ("dmltrain.report.cli", "compare MLflow runs in a Markdown and HTML report"),
     "bench": ("dmltrain.bench", "benchmarks: input pipeline, losses, sharded classifier, evaluation"),
     "config": ("dmltrain.cli", "show the resolved configuration (YAML file + dotted overrides)"),
 }

@@ -316,7 +316,7 @@ def test_search_runs_trials_as_mlflow_children_and_writes_the_best_config(search
 @pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_report_over_the_search_compares_its_trials(search, tmp_path):
-    from dmltrain.report import build_report
+    from dmltrain.report.cli import build_report
 
     rep = build_report("tune-test", runs=["search"], out=tmp_path / "report", tracking_uri=f"sqlite:///{search['root'] / 'mlflow.db'}",
                        progress=False)
