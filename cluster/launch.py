@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 import uuid
@@ -22,6 +21,9 @@ from typing import Any
 
 from dmltrain.config import Config
 from dmltrain.errors import UserError
+from dmltrain.text import safe_name
+from dmltrain.tracking.names import STORAGE_DIR_TAG
+from dmltrain.tracking.run import RunHandle
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,8 +82,7 @@ class TrainSummary:
 
 
 def default_run_name(config_name: str | None) -> str:
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", config_name or "run")
-    return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    return f"{safe_name(config_name)}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
 
 
 def storage_root(cfg: Config) -> str:
@@ -202,7 +203,6 @@ def train(cfg: Config, *, progress: bool = True, config_name: str | None = None,
     import ray
 
     from dmltrain.training.progress import ProgressBoard, ProgressPrinter
-    from dmltrain.training.tracking import create_or_resume_run, finish_run
 
     started = time.time()
     prepare_data(cfg)
@@ -211,13 +211,10 @@ def train(cfg: Config, *, progress: bool = True, config_name: str | None = None,
     run_name = cfg.train.run_name or default_run_name(config_name)
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_name": run_name})})
     storage_dir = f"{storage_root(cfg).rstrip('/')}/{run_name}"
-    uri = cfg.tracking.resolved_uri()
-    run_id = None
-    if cfg.tracking.enabled:
-        run_id, resumed = create_or_resume_run(uri, cfg.tracking.experiment, run_name, cfg.flat(),
-                                               tags={"dmltrain.storage_dir": storage_dir}, parent_run_id=parent_run_id)
-        if resumed:
-            print(f"resuming run {run_name} (MLflow run {run_id})", file=sys.stderr)
+    tracked = RunHandle.for_config(cfg, run_name, cfg.flat(), tags={STORAGE_DIR_TAG: storage_dir}, parent_run_id=parent_run_id)
+    uri, run_id = tracked.uri, tracked.run_id
+    if tracked.resumed:
+        print(f"resuming run {run_name} (MLflow run {run_id})", file=sys.stderr)
     init_ray(cfg)
     board_name = f"dmltrain-progress-{uuid.uuid4().hex[:8]}"
     board = ProgressBoard.options(name=board_name).remote()
@@ -249,6 +246,6 @@ def train(cfg: Config, *, progress: bool = True, config_name: str | None = None,
     finally:
         _, summary = ray.get(board.get.remote())
         ray.kill(board)
-        finish_run(uri, run_id, status)
+        tracked.finish(status)
     ckpt = result.checkpoint.path if result is not None and result.checkpoint is not None else None
     return TrainSummary(run_name, error is None, run_id, uri, ckpt, storage_dir, summary, error, time.time() - started)

@@ -28,6 +28,10 @@ runs are resumed and end at once) and trains the rest.
 
 Points run one at a time by default, so their speed figures are comparable; ``--parallel N``
 runs N at once when only the accuracy matters.
+
+One concept, the study command, at a little over 400 lines: its inputs, the points' shards and
+configs, the measurements, the outputs and the CLI. MLflow goes through :mod:`dmltrain.tracking`,
+tables through :mod:`dmltrain.text` and plots through :mod:`dmltrain.evaluate.plots`.
 """
 
 from __future__ import annotations
@@ -37,20 +41,40 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.launch import absolutize, default_run_name, init_ray, prepare_data, storage_root, train
+from dmltrain.config import load_config
 from dmltrain.errors import UserError
+from dmltrain.evaluate.plots import Panel, plot_panels
+from dmltrain.fileio import write_text
+from dmltrain.text import csv_text, finite_number, markdown_table, one_line
+from dmltrain.tracking.names import (
+    ACTIVE_CLASSES,
+    ACTIVE_ROWS,
+    CLASSIFIER_MB,
+    IMAGES_PER_S,
+    KIND_TAG,
+    RSS_MB,
+    STEP_MS,
+    STORAGE_DIR_TAG,
+)
+from dmltrain.tracking.queries import history
+from dmltrain.tracking.run import RunHandle
+from shards.manifest import Manifest
+from shards.synthetic import build_synthetic_shards
 
 STAT_KEYS = {  # column -> (MLflow metric, how its history is summarised)
-    "images/s": ("images_per_s", "median"),
-    "step ms": ("time/step_ms", "median"),
-    "classifier MB": ("memory/classifier_mb", "max"),
-    "RSS MB": ("memory/rss_mb", "max"),
-    "active rows": ("classifier/active_rows", "mean"),
-    "active classes": ("classifier/active_classes", "mean"),
+    "images/s": (IMAGES_PER_S, "median"),
+    "step ms": (STEP_MS, "median"),
+    "classifier MB": (CLASSIFIER_MB, "max"),
+    "RSS MB": (RSS_MB, "max"),
+    "active rows": (ACTIVE_ROWS, "mean"),
+    "active classes": (ACTIVE_CLASSES, "mean"),
 }
 
 
@@ -135,9 +159,6 @@ def synthetic_shards_dir(cfg, classes: int) -> Path:
 
 def prepare_shards(cfg, classes: list[int] | None, progress: bool = True) -> dict[int, str]:
     """Class count -> shard directory, building missing synthetic shards once (``--classes``)."""
-    from cluster.launch import prepare_data
-    from shards.manifest import Manifest
-
     s = cfg.data.synthetic
     if not classes or s is None:
         prepare_data(cfg)  # the config's own shards (built when synthetic and missing) and its splits
@@ -150,8 +171,6 @@ def prepare_shards(cfg, classes: list[int] | None, progress: bool = True) -> dic
     for n in classes:
         d = synthetic_shards_dir(cfg, n)
         if not (d / "manifest.json").exists():
-            from shards.synthetic import build_synthetic_shards
-
             print(f"building synthetic shards for {n} classes in {d} ({n} x {s.per_class} images, {s.image_size}px)", file=sys.stderr)
             build_synthetic_shards(d, classes=n, per_class=s.per_class, image_size=s.image_size, seed=s.seed,
                                    shard_size=s.shard_size, overwrite=False, progress=progress)
@@ -200,16 +219,12 @@ def training_stats(uri: str, run_id: str | None) -> dict[str, float]:
     out = {col: float("nan") for col in STAT_KEYS}
     if run_id is None:
         return out
-    try:
-        from mlflow import MlflowClient
 
-        client = MlflowClient(tracking_uri=uri)
-        for col, (key, how) in STAT_KEYS.items():
-            hist = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
-            out[col] = summarise_history([m.value for m in hist], how)
-    except Exception as e:  # noqa: BLE001 — the accuracy columns stand without these
-        print(f"dmltrain: warning: could not read the metrics of MLflow run {run_id} ({type(e).__name__}: {str(e)[:200]})",
-              file=sys.stderr)
+    def read(client) -> dict[str, float]:
+        return {col: summarise_history([v for _, v in history(client, run_id, key)], how) for col, (key, how) in STAT_KEYS.items()}
+
+    # the accuracy columns stand without these
+    out.update(RunHandle(uri, run_id, owner="the study").query(f"read the metrics of MLflow run {run_id}", read, {}))
     return out
 
 
@@ -223,99 +238,52 @@ def table(summary: StudySummary) -> tuple[list[str], list[list[Any]]]:
 
 
 # -- plots ------------------------------------------------------------------------------------------------
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _log_x(ax, values) -> None:
-    """A log x axis ticked at the studied values only, written plainly (0.01, not 10^-2)."""
-    from matplotlib.ticker import FixedLocator, NullLocator
-
-    ticks = sorted({float(v) for v in values})
-    ax.set_xscale("log")
-    ax.xaxis.set_major_locator(FixedLocator(ticks))
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_xticklabels([f"{t:g}" for t in ticks])
-    if len(ticks) == 1:
-        ax.set_xlim(ticks[0] / 2, ticks[0] * 2)
-
-
-def plot_recall_vs_ratio(summary: StudySummary):
+def plot_recall_vs_ratio(summary: StudySummary, path: Path) -> Path | None:
     """Recall@K against the class sampling ratio, one panel per class count (NormSoftmax Fig. 4); None when no point has one."""
-    plt = _pyplot()
-
     counts = sorted({p.classes for p in summary.points})
     done = [p for p in summary.points if p.recalls]
     if not done:
         return None
-    fig, axes = plt.subplots(1, len(counts), figsize=(4.5 * len(counts), 3.6), squeeze=False)
-    for ax, n in zip(axes[0], counts):
+    panels = []
+    for n in counts:
         pts = sorted((p for p in done if p.classes == n), key=lambda p: p.ratio)
-        for k in summary.ks:
-            xs = [p.ratio for p in pts if _finite(p.recalls.get(k))]
-            ys = [100 * p.recalls[k] for p in pts if _finite(p.recalls.get(k))]
-            if xs:
-                ax.plot(xs, ys, marker="o", label=f"R@{k}")
-        _log_x(ax, [p.ratio for p in pts])
-        ax.set_xlabel("class sampling ratio")
-        ax.set_ylabel("Recall@K (%)")
-        ax.set_title(f"{n} classes")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("Recall@K against the share of classes in each softmax")
-    fig.tight_layout()
-    return fig
+        lines = {f"R@{k}": _xy([(p.ratio, 100 * p.recalls[k]) for p in pts if finite_number(p.recalls.get(k))]) for k in summary.ks}
+        panels.append(Panel("Recall@K (%)", lines, [p.ratio for p in pts], title=f"{n} classes"))
+    return plot_panels(panels, path, xlabel="class sampling ratio", title="Recall@K against the share of classes in each softmax",
+                       cols=len(counts), panel_size=(4.5, 3.6))
 
 
 COST_PANELS = (("images/s", "images/s"), ("step ms", "step time (ms)"), ("classifier MB", "classifier memory (MB, rank 0)"),
                ("active rows", "active rows per worker"))
 
 
-def plot_panels(summary: StudySummary, panels, x_of, group_of, xlabel: str, group_label, title: str):
-    """One panel per (column, label) of ``panels`` against ``x_of(point)``, a line per ``group_of(point)``; None when no point finished."""
-    plt = _pyplot()
+def _xy(points: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    return [x for x, _ in points], [y for _, y in points]
 
+
+def _column(p: Point, col: str) -> float:
+    return 100 * p.recalls.get(1, float("nan")) if col == "recall@1" else p.stats.get(col, float("nan"))
+
+
+def plot_columns(summary: StudySummary, columns, path: Path, x_of: Callable[[Point], float], group_of: Callable[[Point], Any],
+                 xlabel: str, group_label: Callable[[Any], str], title: str) -> Path | None:
+    """One panel per (column, label) of ``columns`` against ``x_of(point)``, a line per ``group_of(point)``; None when no point finished."""
     done = [p for p in summary.points if p.status == "finished"]
     if not done:
         return None
-    cols = 2 if len(panels) <= 4 else 3
-    rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.8 * cols, 3.4 * rows), squeeze=False)
     groups = sorted({group_of(p) for p in done}, reverse=True)
-    for ax, (col, ylabel) in zip(axes.flat, panels):
+    panels = []
+    for col, ylabel in columns:
+        lines = {}
         for g in groups:
             pts = sorted((p for p in done if group_of(p) == g), key=x_of)
-            value = (lambda p: 100 * p.recalls.get(1, float("nan"))) if col == "recall@1" else (lambda p: p.stats.get(col, float("nan")))
-            xy = [(x_of(p), value(p)) for p in pts if _finite(value(p))]
-            if xy:
-                ax.plot(*zip(*xy), marker="o", label=group_label(g))
-        _log_x(ax, [x_of(p) for p in done])
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        if ax.has_data():
-            ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.suptitle(title)
-    fig.tight_layout()
-    return fig
+            lines[group_label(g)] = _xy([(x_of(p), _column(p, col)) for p in pts if finite_number(_column(p, col))])
+        panels.append(Panel(ylabel, lines, [x_of(p) for p in done]))
+    return plot_panels(panels, path, xlabel=xlabel, title=title, cols=2 if len(columns) <= 4 else 3, panel_size=(4.8, 3.4))
 
 
 def write_outputs(summary: StudySummary) -> dict[str, Path]:
     """study.md, study.csv and the plots under ``summary.out_dir`` (each written atomically)."""
-    from cluster.tune import csv_text, markdown_table
-    from dmltrain.fileio import atomic_path, write_text
-
     out = summary.out_dir
     out.mkdir(parents=True, exist_ok=True)
     head, rows = table(summary)
@@ -323,38 +291,23 @@ def write_outputs(summary: StudySummary) -> dict[str, Path]:
     write_text(files["study.md"], f"# Class-subsampling study {summary.name}\n\n" + markdown_table(head, rows) + "\n")
     write_text(files["study.csv"], csv_text(head, rows))
     plots = {
-        "recall_vs_ratio.png": lambda: plot_recall_vs_ratio(summary),
-        "cost_vs_ratio.png": lambda: plot_panels(summary, COST_PANELS, lambda q: q.ratio, lambda q: q.classes,
-                                                 "class sampling ratio", lambda g: f"{g} classes",
-                                                 "Cost against the share of classes in each softmax"),
+        "recall_vs_ratio.png": lambda path: plot_recall_vs_ratio(summary, path),
+        "cost_vs_ratio.png": lambda path: plot_columns(summary, COST_PANELS, path, lambda q: q.ratio, lambda q: q.classes,
+                                                       "class sampling ratio", lambda g: f"{g} classes",
+                                                       "Cost against the share of classes in each softmax"),
     }
     if len({p.classes for p in summary.points}) > 1:
-        plots["vs_classes.png"] = lambda: plot_panels(
-            summary, (("recall@1", "Recall@1 (%)"), *COST_PANELS), lambda q: q.classes, lambda q: q.ratio,
+        plots["vs_classes.png"] = lambda path: plot_columns(
+            summary, (("recall@1", "Recall@1 (%)"), *COST_PANELS), path, lambda q: q.classes, lambda q: q.ratio,
             "number of classes", lambda g: f"ratio {g:g}", "Accuracy and cost against the number of classes")
-    plt = _pyplot()
     for fname, draw in plots.items():
-        fig = draw()
-        if fig is None:
-            continue
-        with atomic_path(out / fname) as tmp:
-            fig.savefig(tmp, format="png", dpi=110)
-        plt.close(fig)
-        files[fname] = out / fname
+        if draw(out / fname) is not None:
+            files[fname] = out / fname
     return files
 
 
 # -- the study -----------------------------------------------------------------------------------------------
-def _one_line(error: BaseException | str, limit: int = 300) -> str:
-    """The gist of an error for a table cell and a progress line: its first line, clipped."""
-    text = str(error).strip() if isinstance(error, str) else f"{type(error).__name__}: {str(error).strip()}"
-    first = text.splitlines()[0] if text else ""
-    return first if len(first) <= limit else first[: limit - 1] + "…"
-
-
 def _train_point(cfg, point: Point, runs_root: str, parent_run_id: str | None, progress: bool, index: str) -> Point:
-    from cluster.launch import train
-
     pcfg = point_config(cfg, point, runs_root)
     c = pcfg.loss.classifier
     drawn = int(point.ratio * point.classes + 0.5)  # the draw's count before the batch's classes (class_sampling.target_total)
@@ -367,7 +320,7 @@ def _train_point(cfg, point: Point, runs_root: str, parent_run_id: str | None, p
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 — one failed point does not end the study
-        point.status, point.error = "failed", _one_line(e)
+        point.status, point.error = "failed", one_line(e)
         print(f"{index} {point.label}: FAILED ({point.error})", file=sys.stderr, flush=True)
         return point
     point.mlflow_run_id, point.storage_dir, point.seconds = summary.mlflow_run_id, summary.storage_dir, summary.seconds
@@ -375,12 +328,12 @@ def _train_point(cfg, point: Point, runs_root: str, parent_run_id: str | None, p
     point.recalls = {k: point.final[f"recall@{k}"] for k in cfg.eval.ks if f"recall@{k}" in point.final}
     point.stats = training_stats(summary.tracking_uri, summary.mlflow_run_id)
     point.status = "finished" if summary.ok else "failed"
-    point.error = None if summary.error is None else _one_line(summary.error)
+    point.error = None if summary.error is None else one_line(summary.error)
     if summary.ok:
         shown = ", ".join(f"recall@{k} {v:.4f}" for k, v in list(point.recalls.items())[:2])
         speed = point.stats.get("images/s", float("nan"))
         print(f"{index} {point.label}: finished in {summary.seconds:.0f}s: {shown}"
-              + (f", {speed:.0f} images/s" if _finite(speed) else ""), file=sys.stderr, flush=True)
+              + (f", {speed:.0f} images/s" if finite_number(speed) else ""), file=sys.stderr, flush=True)
     else:
         print(f"{index} {point.label}: FAILED after {summary.seconds:.0f}s ({point.error})", file=sys.stderr, flush=True)
     return point
@@ -398,9 +351,6 @@ def run_study(
     config_name: str | None = None,
 ) -> StudySummary:
     """Train every point (see the module doc), write the table and plots, log them; returns the summary."""
-    from cluster.launch import absolutize, default_run_name, init_ray, storage_root
-    from cluster.tune import ParentRun
-
     started = time.time()
     if cfg.loss.classifier is None:
         raise UserError("loss.classifier: a class-subsampling study needs a classifier loss (it is null in this config)")
@@ -414,9 +364,9 @@ def run_study(
     out_dir = Path(out) if out else (Path(study_dir) if "://" not in study_dir else Path.cwd() / "runs" / name)
     runs_root = f"{study_dir}/runs"
     points = [Point(r, n, d, point_run_name(name, r, n)) for n, d in shards.items() for r in ratios]
-    parent = ParentRun(cfg, name, {**cfg.flat(), "study.kind": "subsampling", "study.ratios": ",".join(f"{r:g}" for r in ratios),
-                                   "study.classes": ",".join(str(n) for n in shards)},
-                       tags={"dmltrain.kind": "study", "dmltrain.storage_dir": study_dir})
+    parent = RunHandle.for_config(cfg, name, {**cfg.flat(), "study.kind": "subsampling", "study.ratios": ",".join(f"{r:g}" for r in ratios),
+                                              "study.classes": ",".join(str(n) for n in shards)},
+                                  tags={KIND_TAG: "study", STORAGE_DIR_TAG: study_dir}, owner="the study")
     print(f"study {name}: {len(points)} point{'s' * (len(points) != 1)} (ratios {', '.join(f'{r:g}' for r in ratios)} x "
           f"{', '.join(str(n) for n in shards)} classes)" + (f"; MLflow parent run {parent.run_id}" if parent.run_id else ""),
           file=sys.stderr, flush=True)
@@ -447,8 +397,6 @@ def run_study(
 
 
 def render(summary: StudySummary) -> str:
-    from cluster.tune import markdown_table
-
     head, rows = table(summary)
     lines = [markdown_table(head, rows), ""]
     for p in summary.points:
@@ -479,8 +427,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dmltrain.config import load_config
-
     ratios = parse_ratios(args.ratios)
     classes = parse_classes(args.classes)
     cfg = load_config(args.config, args.overrides)

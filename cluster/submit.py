@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from dmltrain.config_tree import config_files
 from dmltrain.errors import UserError
+from dmltrain.text import format_duration, safe_name
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # gitignore-style patterns (relative to the working directory) never uploaded with a job:
@@ -74,7 +76,7 @@ class JobSpec:
 
 def submission_id_for(config_path: str | os.PathLike[str]) -> str:
     """``dmltrain-<config stem>-<YYYYmmdd-HHMMSS>-<4 hex>``: readable, sortable, unique per submission."""
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(config_path).stem).strip("-") or "run"
+    stem = safe_name(Path(config_path).stem)
     return f"dmltrain-{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
 
 
@@ -85,24 +87,6 @@ def build_entrypoint(config: str, overrides: list[str]) -> str:
 
 def _override_keys(overrides: list[str]) -> set[str]:
     return {item.partition("=")[0].strip() for item in overrides}
-
-
-def _config_files(path: Path, seen: tuple[Path, ...] = ()) -> list[Path]:
-    """``path`` and every file it ``extends``, recursively (the files the job must find)."""
-    import yaml
-
-    if path.resolve() in seen:
-        return []
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return [path]  # load_config has already reported anything wrong with it
-    parents = tree.get("extends") if isinstance(tree, dict) else None
-    parents = [parents] if isinstance(parents, str) else list(parents or [])
-    files = [path]
-    for parent in parents:
-        files += _config_files(path.parent / parent, seen + (path.resolve(),))
-    return files
 
 
 def _is_excluded(rel: str, patterns: list[str]) -> bool:
@@ -172,7 +156,7 @@ def plan_job(
         raise UserError(f"--working-dir {working_dir}: not a directory")
     cfg = load_config(config, overrides)  # a bad config fails here, not minutes later on the cluster
     patterns = [*DEFAULT_EXCLUDES, *(excludes or [])]
-    for f in _config_files(Path(config)):
+    for f in reversed([path for path, _ in config_files(config)]):  # the config itself first, then what it extends
         try:
             rel_f = f.resolve().relative_to(wd).as_posix()
         except ValueError:
@@ -259,13 +243,6 @@ def _job_call(fn, job_id: str, *args):
         raise
 
 
-def _fmt_duration(ms: float) -> str:
-    s = int(max(0, ms) // 1000)
-    h, rem = divmod(s, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
-
-
 def _fmt_time(ms: int | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ms / 1000)) if ms else "-"
 
@@ -285,7 +262,7 @@ def describe(client, job_id: str, address: str) -> str:
     if info.start_time:
         end = info.end_time or time.time() * 1000
         verb = "ran" if info.end_time else "running for"
-        lines.append(f"  started:    {_fmt_time(info.start_time)}, {verb} {_fmt_duration(end - info.start_time)}")
+        lines.append(f"  started:    {_fmt_time(info.start_time)}, {verb} {format_duration((end - info.start_time) / 1000, exact=True)}")
     meta = info.metadata or {}
     if meta.get("dmltrain.run_name"):
         lines.append(f"  run name:   {meta['dmltrain.run_name']} (MLflow experiment {meta.get('dmltrain.experiment', '?')})")
@@ -380,7 +357,7 @@ def _follow_and_finish(client, job_id: str, address: str) -> int:
               f"(dmltrain submit --stop {job_id} --address {address} stops it)", file=sys.stderr)
         return 130
     info = client.get_job_info(job_id)
-    took = f" in {_fmt_duration(info.end_time - info.start_time)}" if info.start_time and info.end_time else ""
+    took = f" in {format_duration((info.end_time - info.start_time) / 1000, exact=True)}" if info.start_time and info.end_time else ""
     msg = f": {info.message.strip().splitlines()[-1]}" if status != "SUCCEEDED" and info.message else ""
     print(f"job {job_id} {status}{took}{msg}", file=sys.stderr)
     return 0 if status == "SUCCEEDED" else 1

@@ -21,9 +21,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("cluster.launch", "train on Ray: DeepSpeed workers, sharded classifier, MLflow logging"),
     "eval": ("dmltrain.evaluate.cli", "evaluate a checkpoint or saved embeddings: Recall@K, NMI, MAP@R"),
     "submit": ("cluster.submit", "submit a training to a Ray cluster as a Ray Job; follow, query or stop it"),
-    "tune": ("cluster.tune", "search hyperparameters with Ray Tune (ASHA), trials logged as MLflow child runs"),
+    "tune": ("cluster.tune.cli", "search hyperparameters with Ray Tune (ASHA), trials logged as MLflow child runs"),
     "study": ("cluster.study", "run class-subsampling scalability studies (accuracy, speed, memory vs ratio)"),
-    "report": ("dmltrain.report", "compare MLflow runs in a Markdown and HTML report"),
+    "report": ("dmltrain.report.cli", "compare MLflow runs in a Markdown and HTML report"),
     "bench": ("dmltrain.bench", "benchmarks: input pipeline, losses, sharded classifier, evaluation"),
     "config": ("dmltrain.cli", "show the resolved configuration (YAML file + dotted overrides)"),
 }

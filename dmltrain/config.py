@@ -1,4 +1,4 @@
-"""Typed run configuration: pydantic models, YAML loading with ``extends``, dotted overrides.
+"""Typed run configuration: pydantic models, loaded from YAML with ``extends`` and dotted overrides.
 
 A config is one YAML mapping with the sections ``data``, ``model``, ``loss``, ``optim``,
 ``schedule``, ``train``, ``eval``, ``tracking`` and ``cluster``; every key has a default, so
@@ -14,7 +14,6 @@ dotted key and the reason.
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +21,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dmltrain.config_tree import apply_overrides, flatten, read_tree
 from dmltrain.errors import ConfigError
 
 CLASSIFIER_KINDS = ("normsoftmax", "cosface", "arcface", "softmax_ce")
@@ -308,79 +308,6 @@ class Config(Section):
 # loading
 
 
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, key + "."))
-        elif isinstance(v, (list, tuple, dict)):
-            out[key] = str(v)
-        else:
-            out[key] = v
-    return out
-
-
-def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """``top`` over ``base``, recursively for mappings; ``top``'s None replaces a whole section."""
-    out = copy.deepcopy(base)
-    for k, v in top.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
-def read_yaml_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Read one config file and the files it ``extends``; errors name the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
-    if path.resolve() in _seen:
-        raise ConfigError(f"{path}: 'extends' loops back to this file")
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: a config must be a YAML mapping, got {type(tree).__name__}")
-    parents = tree.pop("extends", None) or []
-    if isinstance(parents, str):
-        parents = [parents]
-    merged: dict[str, Any] = {}
-    for parent in parents:
-        merged = deep_merge(merged, read_yaml_file(path.parent / parent, _seen + (path.resolve(),)))
-    return deep_merge(merged, tree)
-
-
-def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a raw config tree."""
-    tree = copy.deepcopy(tree)
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"override '{item}': expected dotted.key=value")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
-        node = tree
-        parts = key.split(".")
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                raise ConfigError(f"override '{item}': {'.'.join(parts[: i + 1])} is a value, not a section")
-            node = child
-        node[parts[-1]] = value
-    return tree
-
-
 def _format_validation_error(err: ValidationError, source: str) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
@@ -406,6 +333,6 @@ def build_config(tree: dict[str, Any], source: str = "config") -> Config:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load ``path`` (or the embedded defaults when None), apply overrides, validate."""
-    tree = read_yaml_file(path) if path is not None else {}
+    tree = read_tree(path) if path is not None else {}
     tree = apply_overrides(tree, list(overrides or []))
     return build_config(tree, source=str(path) if path is not None else "defaults")

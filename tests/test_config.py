@@ -108,6 +108,36 @@ def test_extends_merges_in_order(tmp_path):
     assert (cfg.optim.lr, cfg.optim.momentum, cfg.data.batch_size) == (0.2, 0.7, 32)
 
 
+def test_extends_files_in_merge_order_and_a_diamond(tmp_path):
+    """``config_files`` (what ``submit`` uploads) lists a shared base once per path to it, in merge order;
+    merging in that order gives what reading each parent whole did (the later parent's copy of the base wins)."""
+    from dmltrain.config_tree import config_files, read_tree
+
+    (tmp_path / "base.yaml").write_text("optim: {lr: 0.1, momentum: 0.5}\n")
+    (tmp_path / "a.yaml").write_text("extends: base.yaml\noptim: {momentum: 0.9}\n")
+    (tmp_path / "b.yaml").write_text("extends: base.yaml\ndata: {batch_size: 32}\n")
+    (tmp_path / "c.yaml").write_text("extends: [a.yaml, b.yaml]\n")
+    assert [p.name for p, _ in config_files(tmp_path / "c.yaml")] == ["base.yaml", "a.yaml", "base.yaml", "b.yaml", "c.yaml"]
+    assert read_tree(tmp_path / "c.yaml") == {"optim": {"lr": 0.1, "momentum": 0.5}, "data": {"batch_size": 32}}
+
+
+def test_dotted_setter_replaces_or_merges_and_never_overwrites_a_value():
+    from dmltrain.config_tree import set_dotted
+
+    tree = {"loss": {"classifier": {"params": {"temperature": 0.05, "margin": 0.1}}}, "optim": {"lr": 0.1}, "data": None}
+    set_dotted(tree, "loss.classifier.params", {"temperature": 0.07})  # an override replaces the section
+    assert tree["loss"]["classifier"]["params"] == {"temperature": 0.07}
+    set_dotted(tree, "loss.classifier.params", {"margin": 0.2}, merge=True)  # a Tune choice merges into it
+    assert tree["loss"]["classifier"]["params"] == {"temperature": 0.07, "margin": 0.2}
+    set_dotted(tree, "data.batch_size", 32)  # a null or missing section on the way is created
+    assert tree["data"] == {"batch_size": 32}
+    with pytest.raises(ConfigError, match=r"^optim\.lr is a value, not a section$"):
+        set_dotted(tree, "optim.lr.x", 1)
+    assert tree["optim"] == {"lr": 0.1}
+    with pytest.raises(ConfigError, match=r"override 'optim\.lr\.x=1': optim\.lr is a value, not a section"):
+        apply_overrides(tree, ["optim.lr.x=1"])
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "dmltrain", *args], capture_output=True, text=True, cwd=ROOT)
 

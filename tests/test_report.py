@@ -92,7 +92,7 @@ def md_table(text: str, heading: str) -> tuple[list[str], list[list[str]]]:
 
 @pytest.fixture(scope="module")
 def full_report(store, tmp_path_factory):
-    from dmltrain.report import build_report
+    from dmltrain.report.cli import build_report
 
     out = tmp_path_factory.mktemp("report")
     return build_report("dml-exp", out=out, tracking_uri=store["uri"], ui_url=UI, progress=False), out
@@ -137,7 +137,7 @@ def test_final_metrics_best_values_and_best_step(full_report):
 
 
 def test_overlaid_curves(full_report):
-    from dmltrain.report import curves
+    from dmltrain.report.compare import curves
 
     rep, out = full_report
     loss = curves(rep.records, "loss")
@@ -210,7 +210,7 @@ def test_unknown_input_is_one_line_and_nonzero(store, tmp_path, monkeypatch, cap
 
 
 def test_single_run_report(store, tmp_path):
-    from dmltrain.report import build_report
+    from dmltrain.report.cli import build_report
 
     rep = build_report("dml-exp", ["solo"], tmp_path, store["uri"], UI, progress=False)
     md = rep.markdown.read_text()
@@ -219,6 +219,6 @@ def test_single_run_report(store, tmp_path):
     with pytest.raises(UserError, match="--max-runs"):
         from argparse import Namespace
 
-        from dmltrain.report import run
+        from dmltrain.report.cli import run
 
         run(Namespace(runs=None, max_runs=0))

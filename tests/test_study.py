@@ -179,7 +179,7 @@ def test_two_point_study_writes_its_table_and_plots_under_one_parent_run(study, 
 @pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_report_over_the_study_compares_its_points(study, tmp_path):
-    from dmltrain.report import build_report
+    from dmltrain.report.cli import build_report
 
     rep = build_report("study-test", runs=["sub"], out=tmp_path / "report", tracking_uri=f"sqlite:///{study['root'] / 'mlflow.db'}",
                        progress=False)

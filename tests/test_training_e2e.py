@@ -115,6 +115,22 @@ def test_trains_evaluates_logs_and_checkpoints(env, plain_run):
     for key in ("eval/recall_at_1", "initial/recall_at_1", "eval/map_at_r", "classifier/loss", "instance/loss", "images_per_s", "time/forward_ms", "lr"):
         assert key in run.data.metrics, key
     assert any(k.startswith("classifier/") and "active" in k for k in run.data.metrics)
+    # what tune, study and report read back is what the trainer logs
+    from mlflow.entities import LoggedModelStatus
+
+    from dmltrain.tracking import names
+
+    read_back = {names.LOSS, names.IMAGES_PER_S, names.STEP_MS, names.RSS_MB, names.CLASSIFIER_MB, names.ACTIVE_ROWS,
+                 names.ACTIVE_CLASSES, names.eval_key("recall@1"), names.initial_key("recall@1")}
+    assert read_back <= set(run.data.metrics), read_back - set(run.data.metrics)
+    # MLflow 3 logged models: the final model and each new best, each linked to the metrics of its step
+    models = [m for m in client.search_logged_models([run.info.experiment_id]) if m.source_run_id == run.info.run_id]
+    assert {m.name for m in models} == {"model", "best_model"} and all(m.status == LoggedModelStatus.READY for m in models)
+    (final,) = [m for m in models if m.name == "model"]
+    linked = {x.key: x.value for x in final.metrics if x.step == steps}
+    assert linked["eval/recall_at_1"] == pytest.approx(s.metrics["final"]["recall@1"])
+    outputs = {o.model_id: o.step for o in client.get_run(run.info.run_id).outputs.model_outputs}
+    assert outputs[final.model_id] == steps and set(outputs) == {m.model_id for m in models}
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config", "data", "plots", "model", "best_model"} <= artifacts
     assert any(a.path.endswith(".png") for a in client.list_artifacts(run.info.run_id, "plots"))

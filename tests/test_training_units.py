@@ -1,4 +1,4 @@
-"""Pieces of the training system that need no Ray: DeepSpeed JSON, tracking failure handling, the objective."""
+"""Pieces of the training system that need no Ray: DeepSpeed JSON, the objective."""
 
 from __future__ import annotations
 
@@ -29,36 +29,6 @@ def test_deepspeed_config_generated_and_overridden(tmp_path):
     user.write_text("{not json")
     with pytest.raises(UserError, match=r"ds.json: invalid JSON at line 1"):
         deepspeed_config(load_config(None, [f"train.deepspeed_config={user}"]), world_size=2)
-
-
-def test_unreachable_tracking_server_warns_once_and_training_goes_on(capsys):
-    from dmltrain.training.tracking import RunLogger, create_or_resume_run
-
-    uri = "http://127.0.0.1:9"  # discard port: connection refused at once
-    run_id, resumed = create_or_resume_run(uri, "exp", "run", {"a": 1})
-    assert (run_id, resumed) == (None, False)
-    logger = RunLogger(uri, "0123", system_metrics=False)
-    assert not logger.enabled
-    logger.log_metrics({"loss": 1.0}, step=1)  # no-ops, no exceptions
-    logger.log_artifact(__file__)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and all("unreachable" in line and "training continues" in line for line in err)
-
-
-def test_sqlite_runs_resume_by_name_and_keep_artifacts_beside_the_db(tmp_path):
-    from mlflow import MlflowClient
-
-    from dmltrain.training.tracking import create_or_resume_run, metric_key
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    first, resumed = create_or_resume_run(uri, "exp", "name", {"optim.lr": 0.1, "x": "a"})
-    assert first and not resumed
-    again, resumed = create_or_resume_run(uri, "exp", "name", {"optim.lr": 0.2, "x": "a"})
-    client = MlflowClient(tracking_uri=uri)
-    run = client.get_run(again)
-    assert again == first and resumed and run.data.tags["resumed.optim.lr"] == "0.2" and run.data.params["optim.lr"] == "0.1"
-    assert client.get_experiment_by_name("exp").artifact_location == str(tmp_path / "mlartifacts")
-    assert metric_key("eval/recall@10") == "eval/recall_at_10" and metric_key("eval/map@r") == "eval/map_at_r"
 
 
 def test_objective_single_worker_is_the_plain_weighted_sum():

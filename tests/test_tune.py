@@ -19,10 +19,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import tune as tn
+from cluster.tune.results import TrialRow, reconcile_with_mlflow
+from cluster.tune.space import apply_params, load_space, validate_config
+from cluster.tune.trial import EvaluationsToTune, run_trial, trial_index
 from dmltrain.cli import main
 from dmltrain.config import load_config
 from dmltrain.errors import UserError
+from dmltrain.tracking.run import RunHandle
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs/demo.yaml"
@@ -57,7 +60,7 @@ def _space(tmp_path: Path, doc) -> Path:
 def test_space_mistakes_are_one_line_naming_the_key(tmp_path, space, key, words):
     path = _space(tmp_path, {"metric": "recall@1", "space": space})
     with pytest.raises(UserError) as e:
-        tn.load_space(path, load_config(DEMO).to_dict())
+        load_space(path, load_config(DEMO).to_dict())
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"{path}: {key}:") and words in msg, msg
 
@@ -66,14 +69,14 @@ def test_space_keys_under_a_null_section_and_bad_metric(tmp_path):
     base = load_config(DEMO, ["loss.instance=null"]).to_dict()
     path = _space(tmp_path, {"space": {"loss.instance.params.scale": {"uniform": [16, 64]}}})
     with pytest.raises(UserError, match=r"space\.loss\.instance\.params\.scale: loss\.instance is null"):
-        tn.load_space(path, base)
+        load_space(path, base)
     for doc, words in (({"metric": "recall@3", "space": {"optim.lr": {"choice": [0.1]}}}, "metric: 'recall@3' is not reported"),
                        ({"metric": "recall@1", "mode": "up", "space": {"optim.lr": {"choice": [0.1]}}}, "mode: 'up'"),
                        ({"metric": "recall@1", "spaces": {}}, "spaces: unknown key"),
                        ({"metric": "recall@1", "space": {}}, "space: give a mapping"),
                        ("space: [unclosed", "invalid YAML")):
         with pytest.raises(UserError, match=words.replace("[", r"\[").replace("(", r"\(")):
-            tn.load_space(_space(tmp_path, doc), base)
+            load_space(_space(tmp_path, doc), base)
 
 
 def test_combinations_all_refused_stop_some_refused_warn(tmp_path, capsys):
@@ -82,10 +85,10 @@ def test_combinations_all_refused_stop_some_refused_warn(tmp_path, capsys):
     none = _space(tmp_path, {"space": {"data.batch_size": {"choice": [48]}, "data.samples_per_class": {"choice": [16]}}})
     with pytest.raises(UserError, match=r"space: no combination of the values is a valid config, e\.g\. data\.batch_size=48, "
                                         r"data\.samples_per_class=16: .*cannot be split evenly"):
-        tn.load_space(none, base)
+        load_space(none, base)
     partly = _space(tmp_path, {"space": {"data.batch_size": {"choice": [64, 48]}, "data.samples_per_class": {"choice": [4, 16]},
                                          "optim.lr": {"loguniform": [0.01, 0.1]}}})
-    space = tn.load_space(partly, base)
+    space = load_space(partly, base)
     assert [d.key for d in space.dims] == ["data.batch_size", "data.samples_per_class", "optim.lr"]
     err = capsys.readouterr().err
     assert "1 of 4 value combinations are refused" in err and "data.batch_size=48, data.samples_per_class=16" in err
@@ -93,14 +96,14 @@ def test_combinations_all_refused_stop_some_refused_warn(tmp_path, capsys):
 
 def test_dotted_keys_and_section_choices_merge(tmp_path):
     base = load_config(DEMO).to_dict()
-    tree = tn.apply_params(base, {"optim.lr": 0.3, "data": {"batch_size": 32, "samples_per_class": 2},
+    tree = apply_params(base, {"optim.lr": 0.3, "data": {"batch_size": 32, "samples_per_class": 2},
                                   "loss.classifier.params.temperature": 0.07})
-    cfg = tn.validate_config(tree, "t")
+    cfg = validate_config(tree, "t")
     assert cfg.optim.lr == 0.3 and (cfg.data.batch_size, cfg.data.P) == (32, 16)
     assert cfg.data.shards == base["data"]["shards"]  # merged into the section, not replacing it
     assert cfg.loss.classifier.params == {"temperature": 0.07}
     assert base["optim"]["lr"] == 0.003  # the base tree is untouched
-    assert [tn.trial_index(t) for t in ("a1b2c_00000", "a1b2c_00013", "t007")] == [0, 13, 7]
+    assert [trial_index(t) for t in ("a1b2c_00000", "a1b2c_00013", "t007")] == [0, 13, 7]
 
 
 SHIPPED = {  # space -> the recipe (and overrides) it is written for, as its header says
@@ -119,7 +122,7 @@ def test_shipped_spaces_load_against_their_recipes():
     tuned = set()
     for name, bases in SHIPPED.items():
         for config, overrides in bases:
-            space = tn.load_space(ROOT / "configs/tune" / f"{name}.yaml", load_config(ROOT / "configs" / config, overrides).to_dict())
+            space = load_space(ROOT / "configs/tune" / f"{name}.yaml", load_config(ROOT / "configs" / config, overrides).to_dict())
             assert space.metric == "recall@1" and space.mode == "max"
             tuned |= {d.key.rsplit(".", 1)[-1] for d in space.dims}
     # the issue's list: temperature, s, margins, lr, sample_ratio, P×K
@@ -152,7 +155,7 @@ def test_only_new_evaluations_reach_tune(monkeypatch):
         self._training_actor_item_queue = SimpleNamespace(put=forwarded.append)
 
     monkeypatch.setattr(TuneReportCallback, "__init__", outside_tune)
-    callback = tn._evaluation_callback("eval/recall@1", {"mlflow_run_id": "r1"})
+    callback = EvaluationsToTune("eval/recall@1", {"mlflow_run_id": "r1"})
     for m in reports:
         callback.after_report(None, [m, dict(m)], None)  # every rank reports; rank 0's is forwarded
     assert [(m["step"], m["eval/recall@1"], m["mlflow_run_id"]) for m in forwarded] == [(4, 0.3, "r1"), (8, 0.4, "r1")]
@@ -179,12 +182,12 @@ def test_a_trial_whose_draw_the_config_refuses_fails_as_a_child_run(store, tmp_p
     from types import SimpleNamespace
 
     uri, cfg, client = _store(store, "refused")
-    parent = tn.ParentRun(cfg, "srch", {"optim.lr": 0.05}, tags={"dmltrain.kind": "tune"})
+    parent = RunHandle.for_config(cfg, "srch", {"optim.lr": 0.05}, tags={"dmltrain.kind": "tune"})
     monkeypatch.setattr(ray.tune, "get_context", lambda: SimpleNamespace(get_trial_id=lambda: "abcde_00003"))
     setup = {"base": cfg.to_dict(), "name": "srch", "parent_run_id": parent.run_id, "runs_root": str(tmp_path / "runs"),
              "result_key": "eval/recall@1"}
     with pytest.raises(UserError) as e:
-        tn.run_trial({"data.batch_size": 30}, setup)  # 30 is not P x K with K = 4
+        run_trial({"data.batch_size": 30}, setup)  # 30 is not P x K with K = 4
     assert str(e.value).startswith("trial 3 (data.batch_size=30): data.batch_size: 30 is not divisible into P×K")
     (kid,) = client.search_runs([client.get_run(parent.run_id).info.experiment_id],
                                 filter_string=f"tags.`mlflow.parentRunId` = '{parent.run_id}'")
@@ -193,10 +196,8 @@ def test_a_trial_whose_draw_the_config_refuses_fails_as_a_child_run(store, tmp_p
 
 
 def test_trials_the_scheduler_stopped_end_killed_and_tagged(store):
-    from dmltrain.training.tracking import create_or_resume_run, finish_run
-
     uri, cfg, client = _store(store, "stopped")
-    parent = tn.ParentRun(cfg, "srch", {}, tags={})
+    parent = RunHandle.for_config(cfg, "srch", {}, tags={})
     ends = {  # run: (status the trial left, error tag, how Tune saw the trial) -> expected status, row status
         "srch-t000": ("RUNNING", None, "finished", "KILLED", "stopped early"),  # its process was killed mid-step
         "srch-t001": ("FAILED", "ActorDiedError: placement group removed", "finished", "KILLED", "stopped early"),
@@ -205,11 +206,11 @@ def test_trials_the_scheduler_stopped_end_killed_and_tagged(store):
     }
     rows = []
     for name, (left, err, tune_status, _, _) in ends.items():
-        rid, _ = create_or_resume_run(uri, "stopped", name, {}, tags={"dmltrain.error": err} if err else None, parent_run_id=parent.run_id)
+        rid = RunHandle.open(uri, "stopped", name, {}, tags={"dmltrain.error": err} if err else None, parent_run_id=parent.run_id).run_id
         if left != "RUNNING":
-            finish_run(uri, rid, left)
-        rows.append(tn.TrialRow(tn.trial_index(name), "", name, tune_status, {}, None, None, None, 0, None, None))
-    tn._reconcile_with_mlflow(rows, parent)
+            RunHandle(uri, rid).finish(left)
+        rows.append(TrialRow(trial_index(name), "", name, tune_status, {}, None, None, None, 0, None, None))
+    reconcile_with_mlflow(rows, parent)
     for row, (name, (_, err, _, status, row_status)) in zip(rows, ends.items()):
         run = client.get_run(row.mlflow_run_id)
         assert (run.info.status, row.status) == (status, row_status), name
@@ -315,7 +316,7 @@ def test_search_runs_trials_as_mlflow_children_and_writes_the_best_config(search
 @pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_report_over_the_search_compares_its_trials(search, tmp_path):
-    from dmltrain.report import build_report
+    from dmltrain.report.cli import build_report
 
     rep = build_report("tune-test", runs=["search"], out=tmp_path / "report", tracking_uri=f"sqlite:///{search['root'] / 'mlflow.db'}",
                        progress=False)
@@ -328,21 +329,19 @@ def test_a_stopped_trial_is_scored_by_every_evaluation_its_run_logged(store):
     """ASHA's stop reaches a trial asynchronously: it may evaluate again after its last Tune result."""
     from mlflow.entities import Metric
 
-    from dmltrain.training.tracking import create_or_resume_run
-
     uri, cfg, client = _store(store, "rescored")
-    parent = tn.ParentRun(cfg, "srch", {}, tags={})
-    rid, _ = create_or_resume_run(uri, "rescored", "srch-t000", {}, parent_run_id=parent.run_id)
+    parent = RunHandle.for_config(cfg, "srch", {}, tags={})
+    rid = RunHandle.open(uri, "rescored", "srch-t000", {}, parent_run_id=parent.run_id).run_id
     history = [(0, 0.9, 0.5), (2, 0.30, 0.6), (4, 0.45, 0.7), (6, 0.45, 0.8)]  # step, recall@1, map@r; step 0: untrained
     client.log_batch(rid, metrics=[Metric(k, v, 0, s) for s, r, m in history for k, v in (("eval/recall_at_1", r), ("eval/map_at_r", m))])
-    row = tn.TrialRow(0, "", "srch-t000", "finished", {}, 0.30, 2, 0.30, 1, 2, rid, {"eval/recall@1": 0.30})
-    tn._reconcile_with_mlflow([row], parent, "eval/recall@1", "max")
+    row = TrialRow(0, "", "srch-t000", "finished", {}, 0.30, 2, 0.30, 1, 2, rid, {"eval/recall@1": 0.30})
+    reconcile_with_mlflow([row], parent, "eval/recall@1", "max")
     assert (row.status, row.best, row.best_step, row.last, row.evaluations, row.steps) == ("stopped early", 0.45, 4, 0.45, 3, 6)
     assert row.best_metrics == {"eval/recall@1": 0.45, "eval/map@r": 0.7}
     # mode min picks the lowest, and a row Tune already saw complete is left alone
-    row_min = tn.TrialRow(0, "", "srch-t000", "finished", {}, 0.30, 2, 0.30, 1, 2, rid)
-    tn._reconcile_with_mlflow([row_min], parent, "eval/recall@1", "min")
+    row_min = TrialRow(0, "", "srch-t000", "finished", {}, 0.30, 2, 0.30, 1, 2, rid)
+    reconcile_with_mlflow([row_min], parent, "eval/recall@1", "min")
     assert (row_min.best, row_min.best_step) == (0.30, 2)
-    full = tn.TrialRow(0, "", "srch-t000", "finished", {}, 0.1, 2, 0.2, 3, 6, rid)
-    tn._reconcile_with_mlflow([full], parent, "eval/recall@1", "max")
+    full = TrialRow(0, "", "srch-t000", "finished", {}, 0.1, 2, 0.2, 3, 6, rid)
+    reconcile_with_mlflow([full], parent, "eval/recall@1", "max")
     assert (full.best, full.evaluations) == (0.1, 3)

@@ -1,9 +1,13 @@
-"""Plots for training logs and reports, written as PNG (matplotlib's Agg canvas, no pyplot state).
+"""Every plot dmltrain draws, written as PNG: one matplotlib setup (an Agg canvas per figure, no
+pyplot state, so threads and Ray workers can draw at once), each file written atomically.
 
 * :func:`plot_recall_at_k`: Recall@K against K (log axis), one line per run, and a dashed
-  twin for a run's ``binary/`` values.
+  twin for a run's ``binary/`` values (training, ``dmltrain eval``).
 * :func:`plot_embedding_map`: a 2-D PCA or t-SNE map of a seeded sample of embeddings
-  (a few classes), coloured by class.
+  (a few classes), coloured by class (training, ``dmltrain eval``).
+* :func:`plot_curves`: several runs' curves against the step, overlaid (``dmltrain report``).
+* :func:`plot_panels`: a grid of panels of labelled lines against a log x axis ticked at the
+  measured values (``dmltrain study``).
 """
 
 from __future__ import annotations
@@ -11,27 +15,32 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, MaxNLocator, NullLocator
+from sklearn.manifold import TSNE
+from threadpoolctl import threadpool_limits
 
 from dmltrain.fileio import atomic_path
 
 _RECALL = re.compile(r"^(binary/)?recall@(\d+)$")
+DPI = 110
 
 
-def _figure(width: float, height: float) -> Any:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
+def _figure(width: float, height: float) -> Figure:
+    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
 
 
-def _save(fig: Any, path: str | os.PathLike[str]) -> Path:
+def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
@@ -132,9 +141,6 @@ def plot_embedding_map(
         share = (s[:2] ** 2).sum() / max((s**2).sum(), 1e-30)
         title = f"PCA of {len(idx)} embeddings, {len(np.unique(y))} classes ({100 * share:.0f}% of variance)"
     else:
-        from sklearn.manifold import TSNE
-        from threadpoolctl import threadpool_limits
-
         perplexity = float(min(30.0, (len(idx) - 1) / 3))
         # One thread: scikit-learn's OpenMP loops spin-wait, and on a busy machine (training
         # workers beside it) a 2-thread t-SNE ran 30× slower than a 1-thread one.
@@ -144,8 +150,6 @@ def plot_embedding_map(
     fig = _figure(6.4, 5.6)
     ax = fig.add_subplot()
     classes = np.unique(y)
-    import matplotlib
-
     cmap = matplotlib.colormaps["tab20"]
     for i, c in enumerate(classes):
         m = y == c
@@ -155,4 +159,80 @@ def plot_embedding_map(
     ax.set_title(title, fontsize="medium")
     ax.set_xticks([])
     ax.set_yticks([])
+    return _save(fig, path)
+
+
+def run_colors(names: Sequence[str]) -> dict[str, Any]:
+    """One colour per run name, in order (tab10, or tab20 beyond ten runs), so several plots agree."""
+    cmap = matplotlib.colormaps["tab10" if len(names) <= 10 else "tab20"]
+    return {name: cmap(i % cmap.N) for i, name in enumerate(names)}
+
+
+def plot_curves(data: Mapping[str, tuple[Sequence[int], Sequence[float]]], path: str | os.PathLike[str], ylabel: str, title: str,
+                colors: Mapping[str, Any]) -> Path | None:
+    """Each run's ``(steps, values)`` overlaid against the step in one PNG; None (and no file) when ``data`` is empty.
+
+    Points are marked on curves of at most 30 points; beyond 12 runs the legend moves outside.
+    """
+    if not data:
+        return None
+    fig = _figure(8, 4.5)
+    ax = fig.add_subplot()
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for name, (steps, values) in data.items():
+        ax.plot(steps, values, label=name, color=colors[name], linewidth=1.4, marker="o" if len(steps) <= 30 else None, markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if len(data) <= 12:
+        ax.legend(fontsize=8)
+    else:
+        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return _save(fig, path)
+
+
+@dataclass
+class Panel:
+    """One panel of :func:`plot_panels`: ``lines`` maps a label to its ``(xs, ys)``; the log x axis is
+    ticked at ``ticks`` only, written plainly (0.01, not 10^-2)."""
+
+    ylabel: str
+    lines: dict[str, tuple[Sequence[float], Sequence[float]]]
+    ticks: Sequence[float]
+    title: str | None = None
+
+
+def _log_x(ax: Any, values: Sequence[float]) -> None:
+    ticks = sorted({float(v) for v in values})
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([f"{t:g}" for t in ticks])
+    if len(ticks) == 1:
+        ax.set_xlim(ticks[0] / 2, ticks[0] * 2)
+
+
+def plot_panels(panels: Sequence[Panel], path: str | os.PathLike[str], *, xlabel: str, title: str, cols: int,
+                panel_size: tuple[float, float]) -> Path:
+    """``panels`` in a grid of ``cols`` columns (``panel_size`` inches each), every line marked at its
+    points over a log x axis; lines without points are left out, and so is an empty panel's legend."""
+    rows = math.ceil(len(panels) / cols)
+    fig = _figure(panel_size[0] * cols, panel_size[1] * rows)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        for label, (xs, ys) in panel.lines.items():
+            if len(xs):
+                ax.plot(xs, ys, marker="o", label=label)
+        _log_x(ax, panel.ticks)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(panel.ylabel)
+        if panel.title:
+            ax.set_title(panel.title)
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title)
     return _save(fig, path)

@@ -13,9 +13,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow.fs
 
-from dmltrain.models import save_model
+from dmltrain.models import load_model, save_model
 from dmltrain.training.dp_state import full_module_state_dict
 
 
@@ -52,6 +53,9 @@ class ModelExporter:
             path = Path(tmp) / "model.pt"
             save_model(path, self.engine.module, self.config, extra=extra, state_dict=weights)
             self.logger.log_artifact(path, name)
+            if self.logger.enabled:  # MLflow 3's Models view: the model as pt2, linked to this step's metrics
+                crop = self.config["data"]["eval_crop"]
+                self.logger.log_model(load_model(path)[0], name, step=extra["step"], input_example=np.zeros((2, 3, crop, crop), np.float32))
             publish(path, self.storage_dir, f"{name}/model.pt")
 
 

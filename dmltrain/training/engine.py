@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from dmltrain.config import Config, OptimConfig, deep_merge
+from dmltrain.config import Config, OptimConfig
+from dmltrain.config_tree import deep_merge
 from dmltrain.errors import UserError
 
 # Keys the data pipeline owns; a user DeepSpeed JSON may not change them.

@@ -15,6 +15,8 @@ from typing import Any
 
 import ray
 
+from dmltrain.text import format_duration
+
 
 @ray.remote(num_cpus=0)
 class ProgressBoard:
@@ -49,13 +51,6 @@ def _board(name: str):
     return ray.get_actor(name)
 
 
-def _fmt_time(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
-
-
 def format_line(info: dict[str, Any]) -> str:
     if not info:
         return "starting workers..."
@@ -67,7 +62,7 @@ def format_line(info: dict[str, Any]) -> str:
     if "images_per_s" in info:
         parts.append(f"{info['images_per_s']:.0f} img/s")
     if info.get("eta_s") is not None:
-        parts.append(f"ETA {_fmt_time(info['eta_s'])}")
+        parts.append(f"ETA {format_duration(info['eta_s'])}")
     if "last_eval" in info:
         parts.append(info["last_eval"])
     return " | ".join(parts)

@@ -46,7 +46,7 @@ from dmltrain.training.rng import seed_rngs
 from dmltrain.training.schedule import LRSchedule, ScheduledLR
 from dmltrain.training.state import TrainState, realign_to_plan
 from dmltrain.training.timing import StepTimer
-from dmltrain.training.tracking import RunLogger
+from dmltrain.tracking.run import RunHandle
 from shards.stream import TrainStream
 from shards.transforms import normalize_batch
 
@@ -65,7 +65,7 @@ class Trainer:
         self.device = worker_device(cfg.cluster.use_gpu)
         torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker)) if not cfg.cluster.use_gpu else max(1, torch.get_num_threads()))
         seed_rngs(cfg.train.seed, 0, self.rank)
-        self.logger = RunLogger(run.tracking_uri, run.mlflow_run_id, cfg.tracking.system_metrics) if self.rank == 0 else None
+        self.logger = RunHandle.attach(run.tracking_uri, run.mlflow_run_id, system_metrics=cfg.tracking.system_metrics) if self.rank == 0 else None
 
         d, t = cfg.data, cfg.train
         self.stream = TrainStream(

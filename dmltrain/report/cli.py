@@ -1,0 +1,79 @@
+"""``dmltrain report``: collect the runs, compare them, write every file of the report."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from dmltrain.errors import UserError
+from dmltrain.evaluate.plots import plot_curves, run_colors
+from dmltrain.fileio import write_text
+from dmltrain.report.compare import curves, tables, write_csv
+from dmltrain.report.pages import Links, render_html, render_markdown
+from dmltrain.report.runs import RunRecord, collect, get_experiment, resolve_tracking_uri, select_runs
+from dmltrain.text import markdown_table, safe_name
+
+DEFAULT_UI = "http://127.0.0.1:5000"
+
+
+@dataclass
+class Report:
+    experiment: str
+    experiment_id: str
+    records: list[RunRecord]
+    markdown: Path
+    html: Path
+    figures: dict[str, Path]
+    csv: Path
+
+
+def build_report(experiment: str, runs: list[str] | None = None, out: str | os.PathLike[str] | None = None,
+                 tracking_uri: str | None = None, ui_url: str = DEFAULT_UI, max_runs: int = 100,
+                 progress: bool = True) -> Report:
+    """Collect the runs and write every file of the report; raises :class:`UserError` on unknown input."""
+    uri = resolve_tracking_uri(tracking_uri)
+    client = MlflowClient(tracking_uri=uri)
+    exp = get_experiment(client, experiment, uri)
+    chosen = select_runs(client, exp, runs, max_runs=max_runs)
+    out_dir = Path(out) if out else Path("reports") / safe_name(experiment)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = collect(client, chosen, out_dir, progress=progress)
+    colors = run_colors([r.name for r in records])
+    figures = {}
+    for key, which, ylabel, title in (("loss", "loss", "loss", "Training loss"),
+                                      ("recall_at_1", "recall", "Recall@1", "Recall@1 (step 0: untrained model)")):
+        p = plot_curves(curves(records, which), out_dir / f"{key}.png", ylabel, title, colors)
+        if p is not None:
+            figures[key] = p
+    links = Links(ui_url, exp.experiment_id, records)
+    md, page, table = out_dir / "report.md", out_dir / "report.html", out_dir / "runs.csv"
+    write_text(md, render_markdown(exp.name, records, figures, out_dir, links, uri) + "\n")
+    write_text(page, render_html(exp.name, records, figures, out_dir, links, uri))
+    write_csv(table, records)
+    return Report(exp.name, exp.experiment_id, records, md, page, figures, table)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--experiment", required=True, help="MLflow experiment name (tracking.experiment of the runs)")
+    parser.add_argument("--runs", help="comma-separated run ids or run names (default: every run); a parent run stands for its children")
+    parser.add_argument("--out", help="output directory (default reports/<experiment>)")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///./mlflow.db)")
+    parser.add_argument("--ui-url", default=DEFAULT_UI, help=f"MLflow UI base URL for the links (default {DEFAULT_UI})")
+    parser.add_argument("--max-runs", type=int, default=100, help="compare at most the N most recent runs (default 100)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    tokens = [t.strip() for t in (args.runs or "").split(",") if t.strip()] or None
+    if args.max_runs < 1:
+        raise UserError(f"--max-runs {args.max_runs}: must be at least 1")
+    rep = build_report(args.experiment, tokens, args.out, args.tracking_uri, args.ui_url, args.max_runs, progress=not args.no_progress)
+    _, _, head, rows = tables(rep.records)
+    print(markdown_table(head, rows))
+    print(f"\nreport of {len(rep.records)} run{'s' * (len(rep.records) != 1)} from experiment {rep.experiment}:")
+    print(f"  {rep.markdown}\n  {rep.html}\n  {rep.csv}")
+    return 0

@@ -1,0 +1,97 @@
+"""Text output shared by the commands: file-safe names, durations, table cells, Markdown and CSV tables.
+
+Tables take a header and rows of plain values (numbers, strings, None) and format the cells
+themselves, so ``tune``, ``study`` and ``report`` print and save the same table the same way.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import numbers
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+MISSING = "—"  # a cell with no value
+
+
+def safe_name(text: str | None, default: str = "run") -> str:
+    """``text`` as a name for files, Ray jobs and MLflow runs: runs of characters other than
+    letters, digits, ``_ . -`` become ``-``, no ``-`` at either end; ``default`` when nothing is left."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text or "").strip("-") or default
+
+
+def format_duration(seconds: float | None, *, exact: bool = False) -> str:
+    """``1h02m`` or ``3m04s`` (whole seconds, negatives as 0); ``exact`` keeps the seconds of an
+    hour-long span (``1h02m03s``) and drops an empty minute (``4s``). None is :data:`MISSING`."""
+    if seconds is None:
+        return MISSING
+    s = int(max(0.0, seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    if h:
+        return f"{h}h{m:02d}m{s:02d}s" if exact else f"{h}h{m:02d}m"
+    return f"{s}s" if exact and not m else f"{m}m{s:02d}s"
+
+
+def finite_number(x: Any) -> bool:
+    """A real number (not a bool) that is neither NaN nor infinite."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, the last one an ellipsis when cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def one_line(error: BaseException | str, limit: int = 300) -> str:
+    """The gist of an error for a table cell or a progress line: ``Type: message``'s first line, clipped."""
+    text = str(error).strip() if isinstance(error, str) else f"{type(error).__name__}: {str(error).strip()}"
+    return clip(text.splitlines()[0] if text else "", limit)
+
+
+def cell(value: Any) -> str:
+    """A table cell: :data:`MISSING` for None and non-finite floats, 4 significant digits for floats, else ``str``."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return MISSING
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _md(value: Any) -> str:
+    return cell(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(head: Sequence[str], rows: Sequence[Sequence[Any]], *, bold: Mapping[int, set[int]] | None = None,
+                   links: Sequence[str] | None = None) -> str:
+    """A Markdown table of ``rows`` (cells formatted by :func:`cell`, ``|`` escaped).
+
+    ``bold`` maps a column index to the row indices shown in bold; ``links`` gives each row's first
+    cell a link target.
+    """
+    bold = bold or {}
+    lines = ["| " + " | ".join(_md(h) for h in head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for i, row in enumerate(rows):
+        cells = []
+        for j, value in enumerate(row):
+            text = _md(value)
+            if j == 0 and links:
+                text = f"[{text}]({links[i]})"
+            elif i in bold.get(j, ()):
+                text = f"**{text}**"
+            cells.append(text)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def csv_text(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """``head`` and ``rows`` as CSV: None is an empty cell, floats keep every digit (``repr``)."""
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(head)
+    for r in rows:
+        w.writerow(["" if x is None else (repr(x) if isinstance(x, float) else x) for x in r])
+    return buf.getvalue()

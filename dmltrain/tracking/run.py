@@ -1,0 +1,273 @@
+"""The failure-safe handle on one MLflow run, used by every writer: training, tune, study.
+
+One MLflow run per training: ``dmltrain train`` (the driver) opens it with
+:meth:`RunHandle.open`, tagged with the run name, before any worker starts and hands its id to
+the workers; rank 0 attaches to it (:meth:`RunHandle.attach`) and logs metrics, artifacts and
+models. A worker group restarted after a failure, or the same command run again with the same
+``train.run_name``, logs into the same run. A Tune search or a study opens a parent run the same
+way; its trials or points are child runs.
+
+Tracking never stops the work it records: the first failure to reach MLflow or to write to it is
+reported once on stderr (``dmltrain: warning: ...; training continues without tracking``), and
+the handle is off for the rest of the process. A model that cannot be logged to MLflow's Models
+(:meth:`RunHandle.log_model`) is reported once too, and only model logging stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import numbers
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import mlflow
+import mlflow.pytorch
+import numpy as np
+from mlflow import MlflowClient
+from mlflow.entities import LoggedModelStatus, Metric, Param
+from mlflow.entities.run import Run
+from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+from dmltrain.tracking.names import PARENT_RUN_TAG, RESUMED_PARAM_PREFIX, RUN_NAME_TAG, metric_key
+from dmltrain.tracking.queries import child_runs, run_by_name
+
+PARAM_CHARS = 6000  # MLflow's limit on a param value
+TAG_CHARS = 5000  # ... and on a tag value, with room to spare
+PARAMS_PER_BATCH = 100  # MLflow's log_batch limits
+METRICS_PER_BATCH = 500
+
+T = TypeVar("T")
+
+
+def warn(message: str) -> None:
+    print(f"dmltrain: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _reason(error: BaseException) -> str:
+    """``Type: message`` on one line (some errors, torch.export's, span many), clipped."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+
+
+def artifact_location(uri: str) -> str | None:
+    """Artifacts of a SQLite store live beside the database file.
+
+    MLflow's default is ``./mlruns`` under the current directory, which for a Ray job is a
+    temporary working directory: the plots and models would vanish with it.
+    """
+    if uri.startswith("sqlite:///"):
+        return str(Path(uri[len("sqlite:///"):]).resolve().parent / "mlartifacts")
+    return None
+
+
+class RunHandle:
+    """One MLflow run. Every call is failure-safe (see the module doc) and a no-op once the handle is off.
+
+    ``RunHandle(uri, run_id)`` contacts nothing; ``run_id=None`` is a handle that is off (tracking
+    disabled, or the run could not be opened). ``owner`` names what goes on without tracking in
+    the warning (training, the search, the study).
+    """
+
+    def __init__(self, uri: str, run_id: str | None, *, owner: str = "training", client: MlflowClient | None = None):
+        self.uri, self.run_id, self.owner = uri, run_id, owner
+        self.resumed = False  # set by open(): an existing run of this name was found
+        self._client = None if run_id is None else (client or MlflowClient(tracking_uri=uri))
+        self._monitor: SystemMetricsMonitor | None = None
+        self._models = True  # model logging still on
+
+    # -- opening ---------------------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, uri: str, experiment: str, run_name: str, params: Mapping[str, Any], *, tags: Mapping[str, str] | None = None,
+             parent_run_id: str | None = None, owner: str = "training") -> RunHandle:
+        """The run tagged ``run_name`` in ``experiment`` (created with its artifacts beside a SQLite
+        store), resumed (``resumed`` True, status RUNNING again) or else created with ``params``, ``tags``
+        and ``parent_run_id``. Params are immutable in MLflow, so a resumed run keeps its original
+        params and the values that changed are recorded as ``resumed.<key>`` tags. An unreachable
+        server gives a handle that is off, after one warning."""
+        try:
+            client = MlflowClient(tracking_uri=uri)
+            exp = client.get_experiment_by_name(experiment)
+            exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment, artifact_location=artifact_location(uri))
+            found = run_by_name(client, exp_id, run_name)
+            if found is not None:
+                handle = cls(uri, found.info.run_id, owner=owner, client=client)
+                handle.resumed = True
+                old = found.data.params
+                for k, v in params.items():
+                    if k in old and old[k] != str(v)[:PARAM_CHARS]:
+                        client.set_tag(handle.run_id, RESUMED_PARAM_PREFIX + k, str(v)[:TAG_CHARS])
+                client.update_run(handle.run_id, status="RUNNING")
+                return handle
+            all_tags = {RUN_NAME_TAG: run_name, **(tags or {})}
+            if parent_run_id:
+                all_tags[PARENT_RUN_TAG] = parent_run_id
+            run = client.create_run(exp_id, run_name=run_name, tags=all_tags)
+            handle = cls(uri, run.info.run_id, owner=owner, client=client)
+            _log_params(client, handle.run_id, params)
+            return handle
+        except Exception as e:  # noqa: BLE001 — any failure to reach tracking must not stop the work
+            cls._unreachable(uri, e, owner)
+            return cls(uri, None, owner=owner)
+
+    @classmethod
+    def for_config(cls, cfg: Any, run_name: str, params: Mapping[str, Any], *, tags: Mapping[str, str] | None = None,
+                   parent_run_id: str | None = None, owner: str = "training") -> RunHandle:
+        """:meth:`open` on the config's store and experiment (``tracking.*``); a handle that is off when
+        ``tracking.enabled`` is false."""
+        uri = cfg.tracking.resolved_uri()
+        if not cfg.tracking.enabled:
+            return cls(uri, None, owner=owner)
+        return cls.open(uri, cfg.tracking.experiment, run_name, params, tags=tags, parent_run_id=parent_run_id, owner=owner)
+
+    @classmethod
+    def attach(cls, uri: str, run_id: str | None, *, system_metrics: bool = False, owner: str = "training") -> RunHandle:
+        """The handle of an existing run, checked to be reachable (rank 0 on a worker); with
+        ``system_metrics``, MLflow's CPU/GPU/memory monitor logs into the run until :meth:`close`."""
+        handle = cls(uri, run_id, owner=owner)
+        if run_id is None:
+            return handle
+        try:
+            handle._client.get_run(run_id)
+            if system_metrics:
+                # resume_logging: a restarted worker group continues the system-metric steps
+                handle._monitor = SystemMetricsMonitor(run_id, resume_logging=True, tracking_uri=uri)
+                handle._monitor.start()
+        except Exception as e:  # noqa: BLE001
+            cls._unreachable(uri, e, owner)
+            handle._client = None
+        return handle
+
+    def child(self, run_id: str) -> RunHandle:
+        """A handle on another run of the same store (a child run), sharing this one's client."""
+        return RunHandle(self.uri, run_id, owner=self.owner, client=self._client)
+
+    # -- failure handling --------------------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self._client is not None
+
+    @staticmethod
+    def _unreachable(uri: str, error: BaseException, owner: str) -> None:
+        warn(f"MLflow at {uri} is unreachable ({_reason(error)}); {owner} continues without tracking")
+
+    def query(self, what: str, fn: Callable[[MlflowClient], T], default: T = None) -> T:
+        """``fn(client)``, or ``default`` when the handle is off or the call fails (``what`` names it in
+        the one warning; the handle is off afterwards). Reads and writes alike go through here."""
+        if self._client is None:
+            return default
+        try:
+            return fn(self._client)
+        except Exception as e:  # noqa: BLE001 — tracking never stops the work
+            warn(f"MLflow at {self.uri}: could not {what} ({_reason(e)}); {self.owner} continues without tracking")
+            self._client = None
+            return default
+
+    # -- writing -------------------------------------------------------------------------------------------------
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        self.query("log params", lambda c: _log_params(c, self.run_id, params))
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int = 0) -> None:
+        """Log ``metrics`` at ``step`` under their MLflow keys (:func:`~dmltrain.tracking.names.metric_key`);
+        NaN and values that are not numbers are left out."""
+        ts = int(time.time() * 1000)
+        items = [Metric(metric_key(k), float(v), ts, step) for k, v in metrics.items() if isinstance(v, numbers.Real) and v == v]
+        if not items:
+            return
+
+        def send(c: MlflowClient) -> None:
+            for i in range(0, len(items), METRICS_PER_BATCH):
+                c.log_batch(self.run_id, metrics=items[i:i + METRICS_PER_BATCH])
+
+        self.query("log metrics", send)
+
+    def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+        self.query("log an artifact", lambda c: c.log_artifact(self.run_id, str(path), artifact_path))
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """``text`` as the artifact ``artifact_file`` (e.g. ``tune/space.yaml``)."""
+        self.query("log a text artifact", lambda c: c.log_text(self.run_id, text, artifact_file))
+
+    def set_tag(self, key: str, value: Any) -> None:
+        self.set_tags({key: value})
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        self.query("set tags", lambda c: [c.set_tag(self.run_id, k, str(v)[:TAG_CHARS]) for k, v in tags.items()])
+
+    def delete_tag(self, key: str) -> None:
+        self.query("delete a tag", lambda c: c.delete_tag(self.run_id, key))
+
+    def finish(self, status: str) -> None:
+        """Set the final status: FINISHED, FAILED or KILLED (the driver's or the search's call, not the workers')."""
+        self.query("set the run status", lambda c: c.set_terminated(self.run_id, status=status))
+
+    def children(self) -> list[Run]:
+        """The child runs (a search's trials, a study's points), oldest first; [] when they cannot be read."""
+        return self.query("list the child runs", lambda c: child_runs(c, c.get_run(self.run_id).info.experiment_id, self.run_id), [])
+
+    def log_model(self, model: Any, name: str, *, step: int, input_example: np.ndarray) -> str | None:
+        """Log ``model`` the MLflow 3 way: a LoggedModel named ``name``, output of this run at ``step``.
+
+        MLflow links it to every metric this run logged at ``step`` (log the evaluation first), so it
+        appears in the Models view with them and ``mlflow.search_logged_models`` ranks it by them. The
+        model is saved as ``pt2`` (``torch.export``: loads with torch alone and runs no pickled code),
+        traced on ``input_example`` (a batch of at least 2, so the batch size stays free); it must be
+        an ``nn.Module`` holding its full weights, in eval mode, on the CPU. Returns the model id, or
+        None when tracking is off or the model could not be logged (one warning, then model logging
+        is off; metrics and files go on).
+        """
+        if self._client is None or not self._models:
+            return None
+        client, model_id = self._client, None
+        try:
+            run = client.get_run(self.run_id)
+            logged = client.create_logged_model(run.info.experiment_id, name=name, source_run_id=self.run_id,
+                                                params=dict(run.data.params))
+            model_id = logged.model_id
+            with _fluent_tracking_uri(self.uri):  # log_model reads the process-wide tracking URI
+                mlflow.pytorch.log_model(model, name=name, model_id=model_id, run_id=self.run_id, step=step, input_example=input_example,
+                                         serialization_format="pt2", pip_requirements=[_torch_requirement()])
+            return model_id
+        except Exception as e:  # noqa: BLE001 — the model files are logged apart from this
+            self._models = False
+            warn(f"MLflow at {self.uri}: could not log model {name} to MLflow's Models ({_reason(e)}); "
+                 "its files are still logged as artifacts, later models are not logged there")
+            if model_id is not None:
+                with contextlib.suppress(Exception):
+                    client.finalize_logged_model(model_id, LoggedModelStatus.FAILED)
+            return None
+
+    def close(self) -> None:
+        """Stop the system-metrics monitor; the run's final status is the driver's to set (:meth:`finish`)."""
+        if self._monitor is not None:
+            self._monitor.finish()
+            self._monitor = None
+
+
+def _log_params(client: MlflowClient, run_id: str, params: Mapping[str, Any]) -> None:
+    items = [Param(k, str(v)[:PARAM_CHARS]) for k, v in params.items()]
+    for i in range(0, len(items), PARAMS_PER_BATCH):
+        client.log_batch(run_id, params=items[i:i + PARAMS_PER_BATCH])
+
+
+def _torch_requirement() -> str:
+    """``torch==X.Y.Z`` without the local build label (``+cu128``), which pip cannot resolve."""
+    return f"torch=={importlib.metadata.version('torch').split('+')[0]}"
+
+
+@contextlib.contextmanager
+def _fluent_tracking_uri(uri: str) -> Iterator[None]:
+    """Point MLflow's process-wide tracking URI at ``uri`` for the block, then restore it (and the
+    ``MLFLOW_TRACKING_URI`` variable, which ``set_tracking_uri`` rewrites)."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    before = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(before)
+        if env is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = env

@@ -1,0 +1,141 @@
+"""MLflow tracking (:mod:`dmltrain.tracking`) against a real SQLite-backed MLflow: the failure-safe run
+handle, MLflow 3 logged models, and the queries that read runs back.
+
+The logged model is checked by loading it back with MLflow and comparing its embeddings with the
+original module's, at a batch size other than the one it was traced with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+from mlflow import MlflowClient
+from mlflow.entities import LoggedModelStatus, Metric
+
+from dmltrain.config import load_config
+from dmltrain.models import build_model
+from dmltrain.tracking.names import display_key, eval_key, metric_key
+from dmltrain.tracking.queries import best_point, child_runs, find_run, history
+from dmltrain.tracking.run import RunHandle
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One SQLite store for the module (creating its tables takes seconds); each test its own experiment."""
+    uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+    MlflowClient(tracking_uri=uri).search_experiments()
+    return uri
+
+
+def test_unreachable_tracking_server_warns_once_and_training_goes_on(capsys):
+    uri = "http://127.0.0.1:9"  # discard port: connection refused at once
+    opened = RunHandle.open(uri, "exp", "run", {"a": 1})
+    assert (opened.run_id, opened.resumed) == (None, False)
+    logger = RunHandle.attach(uri, "0123", system_metrics=False)
+    assert not logger.enabled
+    logger.log_metrics({"loss": 1.0}, step=1)  # no-ops, no exceptions
+    logger.log_artifact(__file__)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("unreachable" in line and "training continues" in line for line in err)
+
+
+def test_sqlite_runs_resume_by_name_and_keep_artifacts_beside_the_db(store):
+    uri = store
+    opened = RunHandle.open(uri, "exp", "name", {"optim.lr": 0.1, "x": "a"})
+    first, resumed = opened.run_id, opened.resumed
+    assert first and not resumed
+    reopened = RunHandle.open(uri, "exp", "name", {"optim.lr": 0.2, "x": "a"})
+    again, resumed = reopened.run_id, reopened.resumed
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(again)
+    assert again == first and resumed and run.data.tags["resumed.optim.lr"] == "0.2" and run.data.params["optim.lr"] == "0.1"
+    assert client.get_experiment_by_name("exp").artifact_location == str(Path(store[len("sqlite:///"):]).parent / "mlartifacts")
+    assert metric_key("eval/recall@10") == "eval/recall_at_10" and metric_key("eval/map@r") == "eval/map_at_r"
+
+
+def test_names_map_to_mlflow_keys_and_back():
+    assert eval_key("recall@1") == "eval/recall_at_1" and eval_key("binary/map@r") == "eval/binary/map_at_r"
+    assert metric_key("eval/weird key!") == "eval/weird key_"
+    for name in ("eval/recall@1", "initial/map@r", "loss", "time/step_ms", "eval/binary/recall@1000"):
+        assert display_key(metric_key(name)) == name
+
+
+def _embedding_model():
+    cfg = load_config(None, ["model.backbone=small_cnn", "model.embedding_dim=64"])
+    return build_model(cfg.model, load_pretrained=False).eval()
+
+
+def test_log_model_is_an_mlflow3_logged_model_linked_to_its_evaluation(store, capsys):
+    run = RunHandle.open(store, "models", "trained", {"optim.lr": 0.1})
+    for step, r1 in ((2, 0.4), (4, 0.6)):
+        run.log_metrics({"loss": 1.0 / step, "eval/recall@1": r1}, step=step)
+    model = _embedding_model()
+    uri_was_set = mlflow.is_tracking_uri_set()
+    example = np.zeros((2, 3, 32, 32), np.float32)
+    better = run.log_model(model, "best_model", step=4, input_example=example)
+    worse = run.log_model(model, "best_model", step=2, input_example=example)
+    assert better and worse and mlflow.is_tracking_uri_set() == uri_was_set  # the process-wide URI is left alone
+
+    client = MlflowClient(tracking_uri=store)
+    exp_id = client.get_experiment_by_name("models").experiment_id
+    logged = {m.model_id: m for m in client.search_logged_models([exp_id])}
+    assert set(logged) == {better, worse}
+    m = logged[better]
+    assert (m.name, m.source_run_id, m.status, m.params["optim.lr"]) == ("best_model", run.run_id, LoggedModelStatus.READY, "0.1")
+    assert {(x.key, x.step): x.value for x in m.metrics} == {("eval/recall_at_1", 4): 0.6, ("loss", 4): 0.25}  # its step's only
+    outputs = client.get_run(run.run_id).outputs.model_outputs
+    assert sorted((o.step, o.model_id) for o in outputs) == [(2, worse), (4, better)]
+    assert [s for s, _ in history(client, run.run_id, "eval/recall_at_1")] == [2, 4]  # linking logs no metric twice
+    ranked = client.search_logged_models([exp_id], order_by=[{"field_name": "metrics.eval/recall_at_1", "ascending": False}])
+    assert [r.model_id for r in ranked] == [better, worse]
+
+    # pt2: loads back without the model's code and computes the same embeddings at any batch size
+    loaded = mlflow.pytorch.load_model(m.artifact_location)
+    x = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x))
+    assert "warning" not in capsys.readouterr().err
+
+
+class _DataDependent(torch.nn.Module):
+    """A forward that branches on tensor values: torch.export cannot trace it."""
+
+    def forward(self, x):
+        return x if x.sum() > 0 else -x
+
+
+def test_a_model_that_cannot_be_logged_warns_once_and_tracking_goes_on(store, capsys):
+    run = RunHandle.open(store, "unloggable", "r", {})
+    run.log_metrics({"eval/recall@1": 0.5}, step=1)
+    example = np.ones((2, 3), np.float32)
+    assert run.log_model(_DataDependent(), "model", step=1, input_example=example) is None
+    assert run.log_model(_DataDependent(), "model", step=1, input_example=example) is None  # model logging is off now
+    run.log_metrics({"eval/recall@1": 0.7}, step=2)  # the rest of tracking is not
+    ours = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dmltrain:")]  # not torch.export's own
+    assert len(ours) == 1 and "could not log model model" in ours[0] and "still logged as artifacts" in ours[0]
+    client = MlflowClient(tracking_uri=store)
+    assert [v for _, v in history(client, run.run_id, "eval/recall_at_1")] == [0.5, 0.7]
+    (failed,) = client.search_logged_models([client.get_run(run.run_id).info.experiment_id])
+    assert failed.status == LoggedModelStatus.FAILED
+
+
+def test_queries_find_runs_children_histories_and_the_best_point(store):
+    parent = RunHandle.open(store, "queries", "search", {})
+    kids = [RunHandle.open(store, "queries", f"search-t{i:03d}", {}, parent_run_id=parent.run_id) for i in range(2)]
+    client = MlflowClient(tracking_uri=store)
+    exp_id = client.get_run(parent.run_id).info.experiment_id
+    assert [r.info.run_id for r in child_runs(client, exp_id, parent.run_id)] == [k.run_id for k in kids]
+    assert [r.info.run_id for r in parent.children()] == [k.run_id for k in kids]
+    client.set_tag(kids[1].run_id, "mlflow.runName", "nickname")
+    for token, expected in ((kids[0].run_id, kids[0]), ("search-t000", kids[0]), ("nickname", kids[1])):
+        assert find_run(client, exp_id, token).info.run_id == expected.run_id, token
+    assert find_run(client, exp_id, "nobody") is None
+    # a resumed run logs steps again: the later value comes last
+    client.log_batch(kids[0].run_id, metrics=[Metric("m", v, ts, s) for s, v, ts in ((2, 0.5, 10), (1, 0.1, 5), (2, 0.7, 20), (3, 0.7, 30))])
+    points = history(client, kids[0].run_id, "m")
+    assert points == [(1, 0.1), (2, 0.5), (2, 0.7), (3, 0.7)]
+    assert best_point(points) == (2, 0.7) and best_point(points, "min") == (1, 0.1) and best_point([]) is None
