@@ -24,8 +24,10 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from netcheck import beyond_loopback
 
 from cluster import submit as sub
+from cluster.launch import local_ray_env
 from dmltrain.cli import build_parser, main
 from dmltrain.config import load_config
 from dmltrain.errors import UserError
@@ -352,7 +354,7 @@ def ray_head(tmp_path_factory):
     # process agree whatever that file holds (a loopback-only head).
     saved_mode = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0", **local_ray_env()}
     cmd = [str(bin_dir / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
            f"--dashboard-agent-listen-port={agent}", "--num-cpus=2", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
@@ -363,6 +365,8 @@ def ray_head(tmp_path_factory):
         out, _ = proc.communicate(timeout=180)
         if proc.returncode != 0:
             pytest.fail(f"ray start failed:\n{out[-3000:]}")
+        exposed = beyond_loopback(_session_pids(proc.pid))
+        assert not exposed, f"the local head listens beyond loopback: {exposed}"
         yield SimpleNamespace(gcs=f"127.0.0.1:{gcs}", dashboard=f"http://127.0.0.1:{dash}", temp_dir=temp_dir, tmp=tmp)
     finally:
         if proc.poll() is None:
