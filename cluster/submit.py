@@ -214,7 +214,7 @@ def connect(address: str):
     except (ConnectionError, RuntimeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"--address {address}: cannot reach the Ray Job API ({first}); is the head's dashboard "
-                        "running and reachable (ray start --head --dashboard-host=0.0.0.0, or `ray dashboard CLUSTER.yaml`)?",
+                        "running, and forwarded here (`ray dashboard CLUSTER.yaml`, or `kubectl port-forward svc/<cluster>-head-svc 8265:8265`)?",
                         exit_code=1) from None
 
 
