@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
+from dmltrain.evaluate.clustering import clustering_nmi
 from dmltrain.evaluate.hamming import pad_codes
 from dmltrain.evaluate.inputs import ArrayLike, as_embeddings, as_labels
 from dmltrain.evaluate.knn import (
@@ -134,8 +136,6 @@ def _ranked_metrics(
     (query, relevant item) pair gets its exact rank (:func:`.ranks.pair_ranks`); Recall@K
     reads the best rank of each query, MAP@R and R-precision all of them.
     """
-    from tqdm import tqdm
-
     self_search = queries is None
     tot = _Totals(ks)
     # Similar R together keeps the per-position passes of the fallback engines dense.
@@ -266,8 +266,6 @@ def retrieval_metrics(
     dev = resolve_device(device)
     metrics = path_metrics(q, g, labels, valid, ks, map_at_r, "float", dev, block_bytes, progress)
     if nmi:
-        from dmltrain.evaluate.clustering import clustering_nmi
-
         metrics["nmi"] = clustering_nmi(q, labels.q, seed=seed, niter=nmi_iters)
     if binary:
         metrics.update(path_metrics(q, g, labels, valid, ks, map_at_r, "binary", dev, block_bytes, progress))
