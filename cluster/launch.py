@@ -150,7 +150,41 @@ def absolutize(cfg: Config) -> Config:
     return cfg.model_copy(update={"data": data, "train": train, "model": model, "tracking": tracking})
 
 
+LOOPBACK = "127.0.0.1"
+# Ray binds its servers (GCS, raylet, workers, agents, metrics) to the node's IP, and replaces a
+# loopback node IP by the machine's outbound address while multi-node clusters are enabled, which
+# Ray reads from this variable (Linux default: on). Off for the start of a local instance, the node
+# IP stays 127.0.0.1 and nothing listens beyond loopback; joining other nodes is what it rules out.
+_CLUSTERS_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def local_ray_env() -> dict[str, str]:
+    """Environment for a ``ray start --head --node-ip-address=127.0.0.1`` that must stay on loopback
+    (what :func:`start_local_ray` does in-process)."""
+    return {_CLUSTERS_ENV: "0"}
+
+
+def start_local_ray(**init_kwargs: Any) -> None:
+    """Start a Ray instance on this machine, every server on 127.0.0.1 (dashboard included).
+
+    Every local Ray of dmltrain starts here: ``train``, ``tune`` and ``study`` without
+    ``cluster.address``, and the test fixtures. Ray >= 2.59 runs it with token authentication
+    (``RAY_AUTH_MODE`` unset: a token in ``~/.ray/auth_token``, made if missing); an explicit
+    ``RAY_AUTH_MODE=disabled`` is respected. ``init_kwargs`` go to ``ray.init``.
+    """
+    import ray
+    from ray._private import ray_constants
+
+    enabled = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read by ray.init when it resolves the node IP (see above)
+    try:
+        ray.init(_node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **init_kwargs)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = enabled
+
+
 def init_ray(cfg: Config) -> None:
+    """Join ``cluster.address`` when set, else start a local Ray on loopback (:func:`start_local_ray`)."""
     import ray
 
     if ray.is_initialized():
@@ -161,7 +195,7 @@ def init_ray(cfg: Config) -> None:
         if address:
             ray.init(address=address, log_to_driver=True)
         else:
-            ray.init(log_to_driver=True)
+            start_local_ray(log_to_driver=True)
     except ConnectionError as e:
         raise UserError(f"cluster.address: cannot join the Ray cluster at {address}: {e}") from None
 

@@ -1,8 +1,9 @@
 """``dmltrain submit``: run a training on a Ray cluster as a Ray Job, follow it, query or stop it.
 
 ``dmltrain submit CONFIG [overrides] --address http://HEAD:8265`` checks the config here,
-uploads the working directory (the project, minus virtual environments, data, runs and
-MLflow stores) in the job's runtime environment and starts ``python -m dmltrain train CONFIG
+uploads an allow-list of the working directory (the packages, ``configs/``, the config and the
+files it extends; see :mod:`cluster.upload`, which refuses anything that looks like a credential)
+as the job's working directory and starts ``python -m dmltrain train CONFIG
 overrides cluster.address=auto`` on the cluster under a readable submission id
 (``dmltrain-<config stem>-<date>-<time>-<4 hex>``), which is also the training's run name,
 so the Ray job, the MLflow run and the checkpoint folder share one name. It then follows the
@@ -25,35 +26,19 @@ import os
 import re
 import shlex
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from cluster.upload import Upload, plan_upload
 from dmltrain.config_tree import config_files
 from dmltrain.errors import UserError
 from dmltrain.text import format_duration, safe_name
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
-# gitignore-style patterns (relative to the working directory) never uploaded with a job:
-# environments, caches, data, outputs and local MLflow stores. Ray also honours .gitignore.
-DEFAULT_EXCLUDES = (
-    ".git",
-    ".venv/",
-    "venv/",
-    "__pycache__/",
-    "*.pyc",
-    "*.egg-info/",
-    ".pytest_cache/",
-    "/data/",
-    "/runs/",
-    "/mlruns/",
-    "/mlartifacts/",
-    "mlflow.db",
-    "/bench-out/",
-    "/reports/",
-)
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 ENTRYPOINT_PREFIX = ("python", "-m", "dmltrain", "train")
 
@@ -68,10 +53,12 @@ class JobSpec:
     runtime_env: dict[str, Any]
     metadata: dict[str, str]
     warnings: list[str] = field(default_factory=list)
+    upload: Upload | None = None  # the job's working directory, zipped at submission
 
-    def submit_kwargs(self) -> dict[str, Any]:
-        return {"entrypoint": self.entrypoint, "submission_id": self.submission_id,
-                "runtime_env": self.runtime_env, "metadata": self.metadata}
+    def submit_kwargs(self, working_dir: str | None = None) -> dict[str, Any]:
+        """The Job API's arguments; ``working_dir``: the zip of :attr:`upload` (see :func:`submit`)."""
+        env = dict(self.runtime_env, **({"working_dir": working_dir} if working_dir else {}))
+        return {"entrypoint": self.entrypoint, "submission_id": self.submission_id, "runtime_env": env, "metadata": self.metadata}
 
 
 def submission_id_for(config_path: str | os.PathLike[str]) -> str:
@@ -89,12 +76,6 @@ def _override_keys(overrides: list[str]) -> set[str]:
     return {item.partition("=")[0].strip() for item in overrides}
 
 
-def _is_excluded(rel: str, patterns: list[str]) -> bool:
-    try:
-        from ray._private.thirdparty.pathspec import PathSpec  # the matcher Ray packs working directories with
-    except ImportError:  # moved in another Ray version: skip the check; Ray still applies the patterns
-        return False
-    return PathSpec.from_lines("gitwildmatch", patterns).match_file(rel)
 
 
 def _local_store(uri: str | None) -> bool:
@@ -137,13 +118,15 @@ def plan_job(
     working_dir: str | os.PathLike[str] | None = None,
     requirements: str | os.PathLike[str] | None = None,
     excludes: list[str] | None = None,
+    includes: list[str] | None = None,
     env: dict[str, str] | None = None,
     submission_id: str | None = None,
 ) -> JobSpec:
     """Check the config here and describe the job; raises :class:`UserError` before anything is sent.
 
     The config (and every file it extends) must lie inside ``working_dir`` (default: the
-    current directory), which is uploaded; the entrypoint names it by its relative path.
+    current directory), whose allow-list (:func:`cluster.upload.plan_upload`, with ``includes``
+    added and ``excludes`` left out) is uploaded; the entrypoint names the config by its relative path.
     ``cluster.address=auto`` is added so the driver joins the job's cluster, and
     ``train.run_name`` is set to the submission id unless the config or an override names
     the run (re-submitting with the same run name resumes that run).
@@ -155,15 +138,7 @@ def plan_job(
     if not wd.is_dir():
         raise UserError(f"--working-dir {working_dir}: not a directory")
     cfg = load_config(config, overrides)  # a bad config fails here, not minutes later on the cluster
-    patterns = [*DEFAULT_EXCLUDES, *(excludes or [])]
-    for f in reversed([path for path, _ in config_files(config)]):  # the config itself first, then what it extends
-        try:
-            rel_f = f.resolve().relative_to(wd).as_posix()
-        except ValueError:
-            raise UserError(f"{f}: outside the working directory {wd} that is uploaded with the job; "
-                            "move it there or pass --working-dir") from None
-        if _is_excluded(rel_f, patterns):
-            raise UserError(f"{f}: excluded from the upload by the working directory's exclude patterns; move it or change --exclude")
+    upload = plan_upload(wd, [path for path, _ in config_files(config)], includes or [], excludes or [])
     rel_config = Path(config).resolve().relative_to(wd).as_posix()
 
     sid = submission_id or submission_id_for(config)
@@ -179,11 +154,7 @@ def plan_job(
         extra.append(f"train.run_name={sid}")
     job_overrides = [*overrides, *extra]
 
-    runtime_env: dict[str, Any] = {
-        "working_dir": str(wd),
-        "excludes": patterns,
-        "env_vars": {"PYTHONUNBUFFERED": "1", **(env or {})},
-    }
+    runtime_env: dict[str, Any] = {"env_vars": {"PYTHONUNBUFFERED": "1", **(env or {})}}
     if requirements is not None:
         runtime_env["pip"] = {"packages": read_requirements(requirements), "pip_check": False}
     metadata = {
@@ -192,7 +163,7 @@ def plan_job(
         "dmltrain.run_name": run_name,
         "dmltrain.experiment": cfg.tracking.experiment,
     }
-    return JobSpec(sid, build_entrypoint(rel_config, job_overrides), runtime_env, metadata, placement_warnings(cfg))
+    return JobSpec(sid, build_entrypoint(rel_config, job_overrides), runtime_env, metadata, placement_warnings(cfg), upload)
 
 
 def read_requirements(path: str | os.PathLike[str]) -> list[str]:
@@ -229,7 +200,7 @@ def connect(address: str):
     except (ConnectionError, RuntimeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"--address {address}: cannot reach the Ray Job API ({first}); is the head's dashboard "
-                        "running and reachable (ray start --head --dashboard-host=0.0.0.0, or `ray dashboard CLUSTER.yaml`)?",
+                        "running, and forwarded here (`ray dashboard CLUSTER.yaml`, or `kubectl port-forward svc/<cluster>-head-svc 8265:8265`)?",
                         exit_code=1) from None
 
 
@@ -338,9 +309,14 @@ def list_jobs(client) -> str:
 
 
 def submit(client, spec: JobSpec) -> str:
-    """Send the job; a duplicate id or a refused runtime environment becomes one line."""
+    """Send the job, its :attr:`~JobSpec.upload` zipped in a private temporary folder as the working
+    directory (Ray uploads the zip as it is); a duplicate id or a refused runtime environment becomes one line."""
     try:
-        return client.submit_job(**spec.submit_kwargs())
+        if spec.upload is None:
+            return client.submit_job(**spec.submit_kwargs())
+        with tempfile.TemporaryDirectory(prefix="dmltrain-submit-") as tmp:
+            pkg = spec.upload.write_zip(Path(tmp) / f"{spec.submission_id}.zip")
+            return client.submit_job(**spec.submit_kwargs(str(pkg)))
     except (RuntimeError, ValueError, TypeError, ConnectionError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "already" in first and "exist" in first:
@@ -376,11 +352,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the logs")
     parser.add_argument("--submission-id", help="the job's id (default dmltrain-<config stem>-<date>-<time>-<hex>)")
     parser.add_argument("--working-dir", help="directory uploaded with the job (default: the current directory)")
+    parser.add_argument("--include", action="append", default=[], metavar="PATH",
+                        help="also upload this file or folder of the working directory (repeatable; the packages, configs/ "
+                             "and the config's files always go)")
     parser.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
-                        help="gitignore-style pattern left out of the upload (repeatable; .venv, data/, runs/, mlflow.db ... always are)")
+                        help="gitignore-style pattern left out of the upload (repeatable; environments, data, weights, "
+                             "databases, caches and .gitignore'd files always are)")
     parser.add_argument("--requirements", metavar="FILE", help="pip requirements installed in the job's runtime environment")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment variable for the job (repeatable)")
-    parser.add_argument("--dry-run", action="store_true", help="print the job (entrypoint, runtime environment) without submitting it")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the job (entrypoint, runtime environment, every file uploaded and its size) without submitting it")
 
 
 def _parse_env(items: list[str]) -> dict[str, str]:
@@ -418,16 +399,20 @@ def run(args: argparse.Namespace) -> int:
     if not args.config:
         raise UserError("submit: give a CONFIG to submit (or --status/--logs/--stop ID, --list)")
     spec = plan_job(args.config, args.overrides, working_dir=args.working_dir, requirements=args.requirements,
-                    excludes=args.exclude, env=_parse_env(args.env), submission_id=args.submission_id)
+                    excludes=args.exclude, includes=args.include, env=_parse_env(args.env), submission_id=args.submission_id)
     for w in spec.warnings:
         print(f"dmltrain: warning: {w}", file=sys.stderr)
+    upload = spec.upload.summary() if spec.upload else "nothing"
     if args.dry_run:
         import json
 
-        print(json.dumps(spec.submit_kwargs(), indent=2))
+        job = spec.submit_kwargs("<a zip of the files under 'upload', made at submission>")
+        print(json.dumps({**job, "upload": spec.upload.describe() if spec.upload else None}, indent=2))
+        print(f"would upload {upload} (listed under 'upload')", file=sys.stderr)
         return 0
     address = resolve_address(args.address)
     client = connect(address)
+    print(f"uploading {upload}", file=sys.stderr)
     job_id = submit(client, spec)
     print(f"submitted job {job_id} to {address}", file=sys.stderr)
     print(f"  entrypoint: {spec.entrypoint}", file=sys.stderr)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 import time
 import zlib
@@ -96,17 +97,45 @@ def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
     write_text(path, manifest_json(manifest) + "\n")
 
 
+# what a build writes: <split>-NNNNNN.tar shards, and hidden temporaries while it runs (atomic_path)
+SHARD_NAME = re.compile(r"[A-Za-z0-9_.]+-\d{6}\.tar")
+TEMPORARY_NAME = re.compile(r"\.([A-Za-z0-9_.]+-\d{6}\.tar|manifest\.json)\..+\.tmp")
+
+
 def prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
-    """Refuse a non-empty directory unless ``overwrite``; then remove the previous build's manifest, shards and temporaries."""
+    """Refuse a non-empty directory unless ``overwrite``; then remove the previous build: its manifest, the
+    shards that manifest lists, and a build's leftover temporaries. Nothing else in the folder is touched.
+
+    A file that looks like a shard (``<split>-NNNNNN.tar``) but is not listed by the manifest being
+    replaced (or is left with no manifest at all, by an interrupted build or someone else) could be
+    overwritten by the new build: it is refused, with one line naming it, before anything is removed.
+    """
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir}: exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()):
         if not overwrite:
             raise UserError(f"{out_dir}: directory is not empty (pass --overwrite to replace the shards in it)")
+        listed: set[str] = set()
+        if (out_dir / MANIFEST_NAME).exists():
+            try:
+                old = Manifest.load(out_dir)
+            except UserError as e:
+                raise UserError(f"--overwrite: {e}; cannot tell which files are its shards, so nothing was removed "
+                                "(remove them yourself or choose another --out)") from None
+            listed = {sh.file for name in old.splits for sh in old.split(name).shards}
+        for p in sorted(out_dir.iterdir()):
+            if SHARD_NAME.fullmatch(p.name) and p.name not in listed:
+                why = "not listed by its manifest.json" if listed else "no manifest.json lists it (an interrupted build's shard, or not a shard)"
+                raise UserError(f"{p}: {why}; the new build could overwrite it, so nothing was removed "
+                                "(move or remove it yourself, or choose another --out)")
         # the manifest goes first: from here on the directory reads as an unfinished build
         (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        for name in sorted(listed):
+            path = out_dir / name
+            if path.is_file() or path.is_symlink():
+                path.unlink()
         for p in out_dir.iterdir():
-            if p.is_file() and ((p.suffix == ".tar" and "-" in p.stem) or (p.name.startswith(".") and p.name.endswith(".tmp"))):
+            if TEMPORARY_NAME.fullmatch(p.name) and p.is_file():
                 p.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
 

@@ -91,25 +91,33 @@ class Manifest:
         self.path = root / MANIFEST_NAME
         self.data = data
         self._splits: dict[str, SplitInfo] = {}
+        files: dict[str, str] = {}
         try:
             for name, s in data["splits"].items():
-                shards = [
-                    ShardInfo(
-                        sh["file"], int(sh["samples"]), int(sh["bytes"]), sh["sha256"], [list(map(int, g)) for g in sh["groups"]], root / sh["file"]
-                    )
-                    for sh in s["shards"]
-                ]
+                num_labels = int(s["num_labels"])
+                shards = []
+                for i, sh in enumerate(s["shards"]):
+                    where = f"splits.{name}.shards[{i}]"
+                    file = _shard_file(sh["file"], where)
+                    if file in files:
+                        raise ValueError(f"{where}.file: {file!r} is also listed at {files[file]}")
+                    files[file] = where
+                    info_sh = ShardInfo(file, int(sh["samples"]), int(sh["bytes"]), str(sh["sha256"]),
+                                        [list(map(int, g)) for g in sh["groups"]], root / file)
+                    _check_shard(info_sh, num_labels, where)
+                    shards.append(info_sh)
                 info = SplitInfo(
                     name=name,
                     num_images=int(s["num_images"]),
                     num_classes=int(s["num_classes"]),
-                    num_labels=int(s["num_labels"]),
+                    num_labels=num_labels,
                     classes={str(k): int(v) for k, v in s["classes"].items()},
                     class_counts=[int(c) for c in s["class_counts"]],
                     shards=shards,
                     label_space=list(s.get("label_space", [name])),
                     skipped=list(s.get("skipped", [])),
                 )
+                _check_labels(info)
                 if sum(sh.samples for sh in shards) != info.num_images or sum(g[1] for sh in shards for g in sh.groups) != info.num_images:
                     raise ValueError(f"splits.{name}: shard sample counts do not add up to num_images {info.num_images}")
                 self._splits[name] = info
@@ -202,3 +210,56 @@ class Manifest:
         if bar is not None:
             bar.close()
         return problems
+
+
+def _shard_file(name: Any, where: str) -> str:
+    """A shard's file name, confined to the shard folder: relative, no ``..``, no empty or odd parts."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}.file: expected a file name, got {name!r}")
+    parts = name.split("/")
+    if name.startswith("/") or "\\" in name or "\0" in name or ":" in parts[0] or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"{where}.file: {name!r} is not a plain file name inside the shard folder")
+    return name
+
+
+def _check_shard(sh: ShardInfo, num_labels: int, where: str) -> None:
+    """Sizes non-negative, a SHA-256, and every group ``[label, count, offset, length]`` inside the file, in order."""
+    if sh.samples < 0 or sh.bytes < 0:
+        raise ValueError(f"{where}: negative samples or bytes ({sh.samples}, {sh.bytes})")
+    if len(sh.sha256) != 64 or any(c not in "0123456789abcdef" for c in sh.sha256):
+        raise ValueError(f"{where}.sha256: expected 64 lowercase hex digits, got {sh.sha256[:80]!r}")
+    if any(len(g) != 4 for g in sh.groups):
+        bad = next(j for j, g in enumerate(sh.groups) if len(g) != 4)
+        raise ValueError(f"{where}.groups[{bad}]: expected [label, count, offset, length], got {sh.groups[bad]}")
+    if not sh.groups:
+        if sh.samples:
+            raise ValueError(f"{where}.groups: empty, but the shard holds {sh.samples} samples")
+        return
+    g = np.asarray(sh.groups, dtype=np.int64)
+    label, count, offset, length = g.T
+    end = offset + length
+    checks = (
+        ((label < 0) | (label >= num_labels), f"label outside [0, {num_labels})"),
+        (count < 1, "count below 1"),
+        ((offset < 0) | (length < 0), "negative offset or length"),
+        (end > sh.bytes, f"byte range beyond the shard's {sh.bytes} bytes"),
+    )
+    for bad, what in checks:
+        if bad.any():
+            j = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"{where}.groups[{j}]: {what} in {sh.groups[j]}")
+    overlap = np.flatnonzero(offset[1:] < end[:-1])
+    if len(overlap):
+        j = int(overlap[0]) + 1
+        raise ValueError(f"{where}.groups[{j}]: byte range {sh.groups[j][2:]} overlaps or precedes the group before it")
+    if int(count.sum()) != sh.samples:
+        raise ValueError(f"{where}: group counts add up to {int(count.sum())}, not the shard's {sh.samples} samples")
+
+
+def _check_labels(info: SplitInfo) -> None:
+    where = f"splits.{info.name}"
+    if info.num_labels < 0 or len(info.class_counts) != info.num_labels:
+        raise ValueError(f"{where}.class_counts: {len(info.class_counts)} entries for num_labels {info.num_labels}")
+    labels = list(info.classes.values())
+    if any(not 0 <= v < info.num_labels for v in labels) or len(set(labels)) != len(labels):
+        raise ValueError(f"{where}.classes: labels must be distinct and in [0, {info.num_labels})")

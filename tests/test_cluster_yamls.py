@@ -73,14 +73,37 @@ def test_launcher_yaml_passes_rays_schema(launcher):
 
 def test_launcher_starts_the_job_api_mlflow_and_shared_storage(launcher):
     head_cmds = " ; ".join(launcher["head_start_ray_commands"])
-    assert re.search(r"ray start --head\b.*--dashboard-host=0\.0\.0\.0", head_cmds)  # the Job API, reachable
-    assert "mlflow server" in head_cmds and f"{SHARED}/mlflow" in head_cmds
+    assert re.search(r"ray start --head\b", head_cmds) and "mlflow server" in head_cmds and f"{SHARED}/mlflow" in head_cmds
     assert any("ray start --address=$RAY_HEAD_IP:" in c for c in launcher["worker_start_ray_commands"])
-    assert launcher["file_mounts"] == {"/home/ray/dmltrain": "."}
-    assert any("pip install" in c and "-e /home/ray/dmltrain" in c for c in launcher["setup_commands"])
+    assert launcher["file_mounts"]["/home/ray/dmltrain"] == "."
+    assert any("pip install" in c and "-e '/home/ray/dmltrain[cluster]'" in c for c in launcher["setup_commands"])
     opts = " ".join(launcher["docker"]["run_options"])
     assert f"-v {SHARED}:{SHARED}" in opts and "--shm-size" in opts
     assert any(f" {SHARED})" in c for c in launcher["initialization_commands"])  # mounted on every host
+
+
+def _ray_starts(commands):
+    return [c for c in commands if "ray start" in c]
+
+
+def test_launcher_is_closed_to_strangers(launcher):
+    """Token auth on every node, the dashboard/Job API on the head's loopback (reached by `ray dashboard`'s
+    SSH tunnel), and the MLflow server, which every node must reach, behind a password."""
+    for c in _ray_starts(launcher["head_start_ray_commands"]) + _ray_starts(launcher["worker_start_ray_commands"]):
+        assert re.search(r"(export )?RAY_AUTH_MODE=token;? .*ray start", c), c
+        assert "--dashboard-host" not in c, "the dashboard stays on loopback (Ray's default)"
+    assert launcher["file_mounts"]["/home/ray/.ray/auth_token"] == "~/.ray/auth_token"  # one token on every node
+    (mlflow,) = [c for c in launcher["head_start_ray_commands"] if "mlflow server --" in c]
+    if "0.0.0.0" in mlflow or "--host" not in mlflow:
+        assert "--app-name basic-auth" in mlflow and "MLFLOW_AUTH_ADMIN_PASSWORD=" in mlflow and "MLFLOW_FLASK_SERVER_SECRET_KEY=" in mlflow
+    setup = " ; ".join(launcher["setup_commands"])
+    assert "umask 077" in setup and "~/.mlflow/credentials" in setup  # what MLflow clients on every node read
+    assert "mlflow_tracking_password" in setup and f"{SHARED}/mlflow/basic_auth.ini" in setup
+
+
+def test_no_hint_to_open_the_dashboard_to_all_hosts():
+    for path in (REPO / "README.md", CLUSTER / "submit.py", CLUSTER / "ray-cluster.yaml"):
+        assert not re.search(r"dashboard[-_]host[= ]+['\"]?0\.0\.0\.0", path.read_text()), path
 
 
 # -- KubeRay ------------------------------------------------------------------------------------------------
@@ -93,7 +116,9 @@ def test_rayjob_has_what_kuberay_needs(rayjob, shared):
     assert isinstance(env, dict) and env["working_dir"].startswith("/")
     rc = spec["rayClusterSpec"]
     head = rc["headGroupSpec"]
-    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0" and head["rayStartParams"].get("num-gpus") == "0"
+    assert head["rayStartParams"].get("num-gpus") == "0"
+    # the dashboard faces the pod network (KubeRay's submitter), so the cluster must require its token
+    assert rc["authOptions"] == {"mode": "token"}
     assert head["template"]["spec"]["containers"][0]["image"]
     groups = rc["workerGroupSpecs"]
     assert groups and all(g["groupName"] and g["replicas"] >= 1 and g["template"]["spec"]["containers"][0]["image"] for g in groups)
@@ -117,6 +142,21 @@ def test_shared_k8s_resources(shared):
     args = " ".join(dep["template"]["spec"]["containers"][0]["args"])
     assert f"--port {svc['ports'][0]['targetPort']}" in args and f"sqlite:///{SHARED}/mlflow" in args
     assert "mlflow:*" in args  # MLflow 3 refuses Host headers it does not know
+    # on the pod's interfaces, so behind MLflow's basic-auth app, its secrets from a Secret
+    assert "--app-name basic-auth" in args
+    env = {e["name"]: e for e in dep["template"]["spec"]["containers"][0]["env"]}
+    for name in ("MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY"):
+        assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "dmltrain-mlflow-auth"
+
+
+def test_rayjob_pods_log_to_mlflow_with_the_secrets_credentials(rayjob, shared):
+    rc = rayjob["spec"]["rayClusterSpec"]
+    pods = [rc["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in rc["workerGroupSpecs"])]
+    secret = shared["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"][1]["valueFrom"]["secretKeyRef"]["name"]
+    for pod in pods:
+        env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in pod["containers"][0]["env"]}
+        assert env["MLFLOW_TRACKING_USERNAME"] == {"name": secret, "key": "username"}
+        assert env["MLFLOW_TRACKING_PASSWORD"] == {"name": secret, "key": "password"}
 
 
 # -- the entry point ----------------------------------------------------------------------------------------

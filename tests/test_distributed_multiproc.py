@@ -127,17 +127,27 @@ def _few_classes_case(rank, W):
     return {"err": {"loss": rel_err(float(loss.detach()), float(ref.detach())), "weight grad": rel_err(w_grad, wr.grad), "embedding grad": rel_err(x_grad, xr.grad)}}
 
 
+def _singleton_batch(seed: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """16 embeddings as data.sampler=random draws them: 3 single-image classes, the rest 2-3 images."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.tensor([0, 1, 2, 3, 3, 4, 4, 5, 5, 5, 6, 6, 6, 7, 7, 7])[torch.randperm(16, generator=g)]
+    return torch.randn(16, D, generator=g), labels
+
+
 def _instance_checks(rank, W):
     from dmltrain.distributed import GatheredInstanceLoss
     from dmltrain.distributed.collectives import all_gather_uneven
     from dmltrain.losses import build_loss, loss_names
 
-    x_full, y_full = _global_batch(seed=3)
+    # every loss on P×K-like pairs; the normalised ones also on single-image classes, in both normalisations
+    cases = [(name, {}, _global_batch(seed=3)) for name in INSTANCE_LOSSES]
+    cases += [(name, {"normalize": n}, _singleton_batch()) for name in ("ice", "ranked_list", "multi_similarity") for n in ("batch", "valid_anchors")]
     report = {}
-    for name in INSTANCE_LOSSES:
+    for name, params, (x_full, y_full) in cases:
         assert name in loss_names(), f"{name} is not registered: its distributed check would be lost"
-        loss = build_loss(name)
+        loss = build_loss(name, **params)
         modes = ["local_anchors", "full"] if loss.decomposes else ["full"]
+        tag = name + (f"[{params['normalize']}, single-image classes]" if params else "")
         for mode in modes:
             wrapper = GatheredInstanceLoss(loss, mode=mode)
             x = _local(x_full, rank, W).requires_grad_(True)
@@ -146,15 +156,15 @@ def _instance_checks(rank, W):
             x_grad = all_gather_uneven(x.grad)[0]
             stats = dict(wrapper.stats)
             if rank != 0:
-                report[f"{name}/{mode}"] = {"loss": float(value.detach())}
+                report[f"{tag}/{mode}"] = {"loss": float(value.detach())}
                 continue
             xr = x_full.clone().requires_grad_(True)
-            ref = build_loss(name)(xr, y_full)
+            ref = build_loss(name, **params)(xr, y_full)
             ref.backward()
-            ref_stats = build_loss(name)
+            ref_stats = build_loss(name, **params)
             ref_stats(x_full, y_full)
             stat_err = max((rel_err(stats[k], v) for k, v in ref_stats.stats.items()), default=0.0)
-            report[f"{name}/{mode}"] = {
+            report[f"{tag}/{mode}"] = {
                 "loss": float(value.detach()),
                 "err": {"loss": rel_err(float(value.detach()), float(ref.detach())), "embedding grad": rel_err(x_grad, xr.grad), "stats": stat_err},
                 "missing_stats": sorted(set(ref_stats.stats) - set(stats)),

@@ -423,3 +423,21 @@ def test_accepts_tensors_and_low_precision():
     got = retrieval_metrics(torch.from_numpy(x).double(), torch.from_numpy(y), ks=[5, 1, 1], nmi=False)
     assert got == want
     assert set(want) == {"recall@1", "recall@5", "map@r", "r_precision", "num_queries", "excluded_queries", "gallery_size"}
+
+
+def test_knn_and_retrieval_import_at_module_top_without_a_circle():
+    """knn.py must not reach back into retrieval.py (what it needs lives in inputs.py), and neither file
+    hides an import inside a function (where a circle would only show at run time)."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "dmltrain" / "evaluate"
+    imported = {}
+    for name in ("knn", "retrieval", "inputs"):
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        top = {id(n) for n in tree.body}
+        nested = [n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in top]
+        assert not nested, f"{name}.py imports inside functions at lines {nested}"
+        imported[name] = {n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
+    assert "dmltrain.evaluate.retrieval" not in imported["knn"] | imported["inputs"]
+    assert "dmltrain.evaluate.knn" in imported["retrieval"]

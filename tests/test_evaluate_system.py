@@ -181,6 +181,54 @@ def test_cli_end_to_end_with_checkpoint(setup, tmp_path, capsys):
     assert "no split 'query'" in capsys.readouterr().err
 
 
+def _shards_with(tmp_path, damage):
+    """The fixture's images in shards of 8 (three test shards), then ``damage(folder, test shard entries)``."""
+    from shards.synthetic import build_synthetic_shards
+
+    out = tmp_path / "shards"
+    build_synthetic_shards(out, classes=6, per_class=4, image_size=32, seed=0, shard_size=8, workers=0, progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    damage(out, manifest["splits"]["test"]["shards"])
+    return out
+
+
+def test_cli_refuses_missing_shards_unless_allowed(setup, tmp_path, capsys):
+    _, model_path, _, _ = setup
+    shards = _shards_with(tmp_path, lambda out, sh: (out / sh[0]["file"]).unlink())
+    argv = ["eval", str(model_path), "--shards", str(shards), "--device", "cpu", "--no-nmi", "--out", str(tmp_path / "m.json")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "shard missing" in err and "--allow-missing" in err, err
+    assert not (tmp_path / "m.json").exists(), "refused before anything is evaluated"
+
+    assert main([*argv, "--allow-missing"]) == 0
+    record = json.loads((tmp_path / "m.json").read_text())
+    assert record["eval/unreadable_samples"] > 0 and record["unreadable_by_split"] == {"test": record["eval/unreadable_samples"]}
+    assert record["metrics"]["num_queries"] + record["metrics"]["excluded_queries"] + record["eval/unreadable_samples"] == 24
+    assert "warning" in capsys.readouterr().err
+
+
+def test_cli_exits_nonzero_on_unreadable_samples(setup, tmp_path, capsys):
+    _, model_path, _, _ = setup
+
+    def truncate(out, shards):  # the shard is there, but its last class group is cut off
+        path = out / shards[-1]["file"]
+        path.write_bytes(path.read_bytes()[: shards[-1]["groups"][-1][2] + 100])
+
+    shards = _shards_with(tmp_path, truncate)
+    argv = ["eval", str(model_path), "--shards", str(shards), "--device", "cpu", "--no-nmi", "--out", str(tmp_path / "m.json")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"dmltrain: error: {shards}: ") and "could not be read" in err[-1] and "--allow-missing" in err[-1]
+    record = json.loads((tmp_path / "m.json").read_text())  # written, with the count, before the failure
+    assert record["eval/unreadable_samples"] > 0
+    assert main([*argv, "--allow-missing"]) == 0
+
+    # complete shards: the count is there, and zero
+    assert main(["eval", str(model_path), "--device", "cpu", "--no-nmi", "--out", str(tmp_path / "ok.json")]) == 0
+    assert json.loads((tmp_path / "ok.json").read_text())["eval/unreadable_samples"] == 0
+
+
 # -- plots ------------------------------------------------------------------------------------
 def _png_size(path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

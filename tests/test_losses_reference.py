@@ -105,13 +105,13 @@ def ref_center(x, y, W):
 
 
 # -- instance losses ------------------------------------------------------------------------------
-def ref_ice(x, y, scale):
+def ref_ice(x, y, scale, normalize="batch"):
+    """ICE eqs. 3 and 13-15: every instance is an anchor; ``N`` (eqs. 13-14) counts them all."""
     f = [unit(v) for v in x]
-    total, n = 0.0, 0
-    for a in valid_anchors(y):
-        n += 1
+    total = 0.0
+    for a in range(len(y)):
         negs = negatives(y, a)
-        if not negs:
+        if not positives(y, a) or not negs:
             continue
         nll, miss = 0.0, 0.0
         for i in positives(y, a):
@@ -119,14 +119,16 @@ def ref_ice(x, y, scale):
             nll = nll - torch.log(p)
             miss = miss + (1 - p)
         total = total + nll / (2 * scale * miss.detach())
-    return total / n
+    return total / (len(y) if normalize == "batch" else len(valid_anchors(y)))
 
 
-def ref_ranked_list(x, y, alpha, margin, temperature, balance):
+def ref_ranked_list(x, y, alpha, margin, temperature, balance, normalize="batch"):
+    """RLL eqs. 11-14: every image is a query (eq. 14 divides by the batch size); a query without a
+    positive still has its negative term (eq. 12). ``valid_anchors``: only queries with a positive."""
     f = [unit(v) for v in x]
-    total, n = 0.0, 0
-    for a in valid_anchors(y):
-        n += 1
+    queries = list(range(len(y))) if normalize == "batch" else valid_anchors(y)
+    total = 0.0
+    for a in queries:
         # the gallery of anchor a's list is constant
         d = {j: dist(f[a], f[j].detach()) for j in range(len(y)) if j != a}
         hard_pos = [i for i in positives(y, a) if d[i] > alpha - margin]
@@ -135,7 +137,7 @@ def ref_ranked_list(x, y, alpha, margin, temperature, balance):
         w = {j: math.exp(temperature * (alpha - float(d[j].detach()))) for j in hard_neg}
         loss_n = sum(w[j] / sum(w.values()) * (alpha - d[j]) for j in hard_neg) if hard_neg else 0.0
         total = total + loss_p + balance * loss_n
-    return total / n
+    return total / len(queries)
 
 
 def ref_contrastive(x, y, pos_margin, neg_margin):
@@ -172,14 +174,14 @@ def ref_triplet(x, y, margin, squared):
     return total / max(pairs, 1)
 
 
-def ref_multi_similarity(x, y, alpha, beta, base, epsilon):
+def ref_multi_similarity(x, y, alpha, beta, base, epsilon, normalize="batch"):
+    """MS loss with MS mining, ``1/m Σ_i`` over the batch (``m`` its size); ``valid_anchors``: over anchors with a positive."""
     f = [unit(v) for v in x]
-    total, n = 0.0, 0
-    for a in valid_anchors(y):
-        n += 1
+    total = 0.0
+    for a in range(len(y)):
         pos = {i: f[a] @ f[i] for i in positives(y, a)}
         neg = {j: f[a] @ f[j] for j in negatives(y, a)}
-        if not neg:
+        if not pos or not neg:
             continue
         min_pos, max_neg = min(float(s.detach()) for s in pos.values()), max(float(s.detach()) for s in neg.values())
         mined_neg = [s for s in neg.values() if s + epsilon > min_pos]
@@ -188,7 +190,7 @@ def ref_multi_similarity(x, y, alpha, beta, base, epsilon):
             continue
         total = total + 1 / alpha * torch.log(1 + sum(torch.exp(-alpha * (s - base)) for s in mined_pos))
         total = total + 1 / beta * torch.log(1 + sum(torch.exp(beta * (s - base)) for s in mined_neg))
-    return total / n
+    return total / (len(y) if normalize == "batch" else len(valid_anchors(y)))
 
 
 def ref_snca(x, y, temperature):
@@ -257,11 +259,14 @@ PROXY_CASES = {
 }
 
 INSTANCE_CASES = {
-    "ice": ({"scale": 4.0}, lambda x, y, h: ref_ice(x, y, h["scale"])),
-    "ranked_list": ({"alpha": 1.2, "margin": 0.4, "temperature": 10.0}, lambda x, y, h: ref_ranked_list(x, y, 1.2, 0.4, 10.0, 1.0)),
+    "ice": ({"scale": 4.0}, lambda x, y, h: ref_ice(x, y, h["scale"], h.get("normalize", "batch"))),
+    "ranked_list": (
+        {"alpha": 1.2, "margin": 0.4, "temperature": 10.0},
+        lambda x, y, h: ref_ranked_list(x, y, 1.2, 0.4, 10.0, 1.0, h.get("normalize", "batch")),
+    ),
     "contrastive": ({"pos_margin": 0.2, "neg_margin": 1.3}, lambda x, y, h: ref_contrastive(x, y, 0.2, 1.3)),
     "triplet": ({"margin": 0.2}, lambda x, y, h: ref_triplet(x, y, 0.2, True)),
-    "multi_similarity": ({}, lambda x, y, h: ref_multi_similarity(x, y, 2.0, 50.0, 0.5, 0.1)),
+    "multi_similarity": ({}, lambda x, y, h: ref_multi_similarity(x, y, 2.0, 50.0, 0.5, 0.1, h.get("normalize", "batch"))),
     "snca": ({"temperature": 0.5}, lambda x, y, h: ref_snca(x, y, 0.5)),
     "lifted_structure": ({"margin": 1.0}, lambda x, y, h: ref_lifted_structure(x, y, 1.0)),
     "npair": ({"l2_reg": 0.002}, lambda x, y, h: ref_npair(x, y, 0.002)),
@@ -318,7 +323,53 @@ def test_instance_loss_matches_reference(name, seed):
     expected.backward()
     torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-9, atol=1e-12)
-    assert loss.stats["skipped_anchors"] == 1.0
+    # the single-image class's anchor adds no term, except in RLL, where it keeps its negatives (eq. 12)
+    assert loss.stats["skipped_anchors"] == (0.0 if name == "ranked_list" else 1.0)
+
+
+# -- normalisation: the papers' N (every anchor) or the anchors with a positive -------------------------
+NORMALIZED = ["ice", "ranked_list", "multi_similarity"]
+# a batch as data.sampler=random draws it: classes 0, 2, 4 and 5 have a single image
+SINGLETONS = [0, 1, 1, 2, 3, 3, 3, 4, 5, 6, 6, 1]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("normalize", ["batch", "valid_anchors"])
+@pytest.mark.parametrize("name", NORMALIZED)
+def test_normalization_with_single_image_classes_matches_reference(name, normalize, seed):
+    hyper, ref = INSTANCE_CASES[name]
+    hyper = {**hyper, "normalize": normalize}
+    loss = build_loss(name, **hyper)
+    x, y = random_batch(seed, labels=SINGLETONS, spread=0.8)
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    value = loss(x1, y)
+    value.backward()
+    expected = ref(x2, SINGLETONS, hyper)
+    expected.backward()
+    assert float(expected.detach()) > 0
+    torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-9, atol=1e-12)
+    singles = [a for a in range(len(SINGLETONS)) if SINGLETONS.count(SINGLETONS[a]) == 1]
+    reaches_singles = bool(x1.grad[singles].abs().sum() > 0)
+    # a single-image anchor still pulls on its own embedding only in RLL's batch mode (its negative term);
+    # elsewhere its row gets gradient only as somebody else's negative
+    if name == "ranked_list":
+        assert reaches_singles == (normalize == "batch")
+
+
+@pytest.mark.parametrize("name", ["ice", "multi_similarity"])
+def test_batch_normalization_is_n_over_valid_anchors_times_the_other(name):
+    x, y = random_batch(2, labels=SINGLETONS, spread=0.8)
+    hyper = INSTANCE_CASES[name][0]
+    batch = build_loss(name, **hyper)(x, y)
+    valid = build_loss(name, **hyper, normalize="valid_anchors")(x, y)
+    n, n_valid = len(SINGLETONS), len(valid_anchors(SINGLETONS))
+    torch.testing.assert_close(batch * n, valid * n_valid, rtol=1e-12, atol=0)
+
+
+def test_unknown_normalization_is_one_line():
+    with pytest.raises(ValueError, match="ranked_list: normalize must be one of batch, valid_anchors, got 'mean'"):
+        build_loss("ranked_list", normalize="mean")
 
 
 def test_spce_matches_paper_formula():

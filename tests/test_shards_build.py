@@ -266,6 +266,36 @@ def test_existing_output_refused_unless_overwrite(built, tmp_path, capsys):
     assert first == {sh.file: sh.sha256 for s in Manifest.load(out).splits for sh in Manifest.load(out).split(s).shards}
 
 
+def test_overwrite_removes_only_what_the_old_manifest_lists(built, tmp_path, capsys):
+    """A user's own ``*-*.tar`` (and anything else) in --out survives --overwrite; a shard-like file no
+    manifest lists, or a manifest that cannot be read, stops the build before anything is removed."""
+    fx, _ = built["cub"]
+    out = tmp_path / "out"
+    build = ("build", "--layout", "cub", "--root", str(fx.root), "--out", str(out), "--quiet", "--shard-size", "100")
+    assert cli(*build) == 0
+    mine = {"my-photos.tar": b"holiday", "backup-2024-01.tar": b"backup", "notes-v2.txt": b"notes", "archive/old-000001.tar": b"old"}
+    for name, data in mine.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data)
+    (out / ".train-000000.tar.k2j4.tmp").write_bytes(b"left by a killed build")
+    assert cli(*build, "--overwrite") == 0
+    assert {name: (out / name).read_bytes() for name in mine} == mine
+    assert not (out / ".train-000000.tar.k2j4.tmp").exists()
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+    (out / "train-000007.tar").write_bytes(b"not from this build")  # would be clobbered by a larger build
+    assert cli(*build, "--overwrite") == 2
+    line = _error_line(capsys)
+    assert "train-000007.tar: not listed by its manifest.json" in line and "nothing was removed" in line
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train-000007.tar"} == before
+    (out / "train-000007.tar").unlink()
+
+    (out / "manifest.json").write_text('{"format": "dmltrain-shards", "splits": {"test": {"shards": [{"file": "../x.tar"}]}}}')
+    assert cli(*build, "--overwrite") == 2
+    assert "cannot tell which files are its shards" in _error_line(capsys)
+    assert {p.name for p in out.iterdir()} >= {"train-000000.tar", "test-000000.tar", "my-photos.tar"}
+
+
 def test_interrupted_build_leaves_no_half_shard(built, tmp_path, monkeypatch):
     import shards.writer
 

@@ -104,6 +104,7 @@ def test_outputs_from_points(tmp_path):
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     import ray
+    from cluster.launch import start_local_ray
     from mlflow import MlflowClient
 
     root = tmp_path_factory.mktemp("study")
@@ -115,7 +116,7 @@ def study(tmp_path_factory):
         "eval.nmi": False, "tracking.uri": f"sqlite:///{root / 'mlflow.db'}", "tracking.experiment": "study-test",
         "tracking.system_metrics": False, "cluster.num_workers": 1, "cluster.cpus_per_worker": 0.5,
     }
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):

@@ -9,6 +9,7 @@ session id, never with ``ray stop`` (which would end every Ray on the machine).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -18,14 +19,15 @@ import socket
 import subprocess
 import sys
 import time
-import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
+from netcheck import beyond_loopback
 
 from cluster import submit as sub
+from cluster.launch import local_ray_env
 from dmltrain.cli import build_parser, main
 from dmltrain.config import load_config
 from dmltrain.errors import UserError
@@ -57,8 +59,11 @@ def test_plan_job_entrypoint_is_a_valid_train_command(in_repo):
     assert cfg.train.run_name == spec.submission_id and cfg.cluster.address == "auto"
     assert cfg.optim.lr == 0.02 and cfg.eval.ks == [1, 2]
     env = spec.runtime_env
-    assert env["working_dir"] == str(REPO) and env["env_vars"]["PYTHONUNBUFFERED"] == "1"
-    assert set(sub.DEFAULT_EXCLUDES) <= set(env["excludes"]) and "pip" not in env
+    assert "working_dir" not in env and env["env_vars"]["PYTHONUNBUFFERED"] == "1" and "pip" not in env
+    files = dict(spec.upload.files)
+    assert spec.upload.root == REPO and {DEMO, "dmltrain/cli.py", "cluster/submit.py", "pyproject.toml"} <= set(files)
+    assert not any(f.startswith(("tests/", ".git/", ".venv/")) or "__pycache__" in f for f in files)
+    assert spec.submit_kwargs("/tmp/x.zip")["runtime_env"]["working_dir"] == "/tmp/x.zip"
     assert spec.metadata["dmltrain.run_name"] == spec.submission_id and spec.metadata["dmltrain.config"] == DEMO
     assert spec.submission_id != sub.plan_job(DEMO).submission_id
 
@@ -72,7 +77,7 @@ def test_plan_job_respects_explicit_run_name_address_and_options(in_repo, tmp_pa
     assert args.overrides == ["train.run_name=resume-me", "cluster.address=ray://h:10001"]
     assert spec.submission_id == "my-job.1" and spec.metadata["dmltrain.run_name"] == "resume-me"
     assert spec.runtime_env["pip"] == {"packages": ["faiss-gpu-cu12>=1.8", "some-pkg==1.0"], "pip_check": False}
-    assert spec.runtime_env["excludes"][-1] == "notebooks/" and spec.runtime_env["env_vars"]["NCCL_DEBUG"] == "INFO"
+    assert spec.runtime_env["env_vars"]["NCCL_DEBUG"] == "INFO"
 
 
 def test_plan_job_refuses_what_the_job_could_not_run(in_repo, tmp_path):
@@ -105,22 +110,95 @@ def test_placement_warnings_name_the_paths_a_cluster_would_lose(in_repo):
     assert sub.plan_job(DEMO, shared).warnings == []
 
 
-def test_upload_leaves_out_environments_data_outputs_and_stores(tmp_path):
-    """Pack a project the way Ray packs a job's working directory, with our excludes."""
-    from ray._private.runtime_env.packaging import create_package
+def _project(root, files):
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
 
-    wd = tmp_path / "proj"
-    files = ["configs/demo.yaml", "dmltrain/cli.py", "cluster/submit.py", "README.md", "docs/data/notes.md",
-             ".venv/lib/site.py", "venv/bin/python", "data/synthetic/a.tar", "runs/r1/model.pt", "mlruns/0/meta.yaml",
-             "mlflow.db", "dmltrain/__pycache__/cli.cpython-311.pyc", ".git/HEAD", "dmltrain.egg-info/PKG-INFO",
-             "reports/exp/report.html", "notebooks/x.ipynb"]
-    for f in files:
-        (wd / f).parent.mkdir(parents=True, exist_ok=True)
-        (wd / f).write_text("x")
-    zpath = tmp_path / "pkg.zip"
-    create_package(str(wd), zpath, include_gitignore=True, excludes=[*sub.DEFAULT_EXCLUDES, "notebooks/"])
-    names = {n for n in zipfile.ZipFile(zpath).namelist() if not n.endswith("/")}
-    assert names == {"configs/demo.yaml", "dmltrain/cli.py", "cluster/submit.py", "README.md", "docs/data/notes.md"}
+
+def _minimal_project(root):
+    return _project(root, {"configs/demo.yaml": (REPO / DEMO).read_text(), "configs/base.yaml": "train: {epochs: 2}\n",
+                           "configs/child.yaml": "extends: base.yaml\n", "dmltrain/cli.py": "x = 1\n",
+                           "cluster/submit.py": "x = 2\n", "pyproject.toml": "[project]\n", "README.md": "hi\n"})
+
+
+# what a home folder or a busy project folder holds beside the code: none of it may travel with a job
+PLANTED = {
+    ".env": "MLFLOW_TRACKING_PASSWORD=hunter2\n", ".aws/credentials": "[default]\n", ".ssh/id_rsa": "key\n",
+    ".netrc": "machine x\n", ".ray/auth_token": "tok\n", "credentials.json": "{}\n", "secrets.yaml": "a: b\n",
+    "server.pem": "pem\n", "mlflow.db": "", "mlflow.db-wal": "", "mlflow.db-journal": "", "runs.sqlite": "",
+    "env/pyvenv.cfg": "home = /usr\n", "env/lib/site.py": "", ".venv/bin/python": "", "data/sop/train-000000.tar": "",
+    "shards-out/manifest.json": "{}\n", "shards-out/train-000000.tar": "", "runs/r1/model.pt": "", "notebooks/x.ipynb": "{}",
+    ".git/HEAD": "ref\n",
+}
+
+
+def test_dry_run_uploads_the_allow_list_only(tmp_path, monkeypatch, capsys):
+    """A folder planted with credentials, stores, environments and shards: the dry run lists the code and
+    configs only, with their sizes, and does not contact a cluster."""
+    wd = _project(_minimal_project(tmp_path / "home"), PLANTED)
+    monkeypatch.chdir(wd)
+    monkeypatch.setattr(sub, "connect", lambda address: pytest.fail("a dry run must not contact the cluster"))
+    assert main(["submit", "configs/child.yaml", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    printed = json.loads(out)
+    listed = printed["upload"]["list"]
+    assert set(listed) == {"configs/demo.yaml", "configs/base.yaml", "configs/child.yaml", "dmltrain/cli.py", "cluster/submit.py", "pyproject.toml"}
+    assert listed["dmltrain/cli.py"] == 6 and printed["upload"]["bytes"] == sum(listed.values())
+    assert printed["upload"]["files"] == 6 and printed["upload"]["from"] == str(wd)
+    assert "would upload 6 files" in err and "working_dir" in printed["runtime_env"]
+
+
+@pytest.mark.parametrize("planted, why", [
+    ("configs/.env", "name is that of a credential"), ("configs/secrets.yaml", "name is that of a credential"),
+    ("cluster/deploy.pem", "name is that of a credential"), ("configs/.ssh/id_ed25519", "name is that of a credential"),
+    ("dmltrain/.ray/auth_token", "name is that of a credential"), ("configs/notes.txt", "looks like a secret"),
+    ("configs/aws.yaml", "looks like a secret"),
+])  # fmt: skip
+def test_a_credential_that_would_go_is_refused_with_one_line(tmp_path, monkeypatch, capsys, planted, why):
+    wd = _minimal_project(tmp_path / "proj")
+    secret = {"configs/notes.txt": "-----BEGIN OPENSSH " + "PRIVATE KEY-----\nb3Blbn\n", "configs/aws.yaml": "key: AKIA" + "ABCDEFGHIJKLMNOP\n"}
+    _project(wd, {planted: secret.get(planted, "x\n")})
+    monkeypatch.chdir(wd)
+    monkeypatch.setattr(sub, "connect", lambda address: pytest.fail("refused before contacting the cluster"))
+    assert main(["submit", DEMO, "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"dmltrain: error: {wd / planted}: would be uploaded") and why in err, err
+    # leaving it out is the user's explicit choice
+    assert main(["submit", DEMO, "--dry-run", "--exclude", planted]) == 0
+    assert planted not in json.loads(capsys.readouterr().out)["upload"]["list"]
+
+
+def test_upload_honours_ignore_files_includes_and_links(tmp_path):
+    wd = _minimal_project(tmp_path / "proj")
+    _project(wd, {".gitignore": "*.log\nconfigs/scratch/\n", "configs/.rayignore": "draft.yaml\n", "configs/run.log": "",
+                  "configs/scratch/a.yaml": "", "configs/draft.yaml": "", "tools/plot.py": "", "tools/cache.db": ""})
+    files = dict(sub.plan_job(wd / "configs/child.yaml", working_dir=wd).upload.files)
+    assert not {"configs/run.log", "configs/scratch/a.yaml", "configs/draft.yaml", "README.md"} & set(files)
+    files = dict(sub.plan_job(wd / "configs/child.yaml", working_dir=wd, includes=["tools", "README.md"]).upload.files)
+    assert {"tools/plot.py", "README.md"} <= set(files) and "tools/cache.db" not in files
+    with pytest.raises(UserError, match="--include ../x: outside the working directory"):
+        sub.plan_job(wd / "configs/child.yaml", working_dir=wd, includes=["../x"])
+    outside = tmp_path / "elsewhere.yaml"
+    outside.write_text("a: 1\n")
+    (wd / "configs" / "linked.yaml").symlink_to(outside)
+    with pytest.raises(UserError, match=r"linked\.yaml: a link to .*outside the working directory"):
+        sub.plan_job(wd / "configs/child.yaml", working_dir=wd)
+
+
+def test_the_zip_sent_is_the_list_shown(tmp_path):
+    """What Ray unpacks as the job's working directory is exactly the planned files, byte for byte, and the
+    same files give the same package (Ray reuses an upload it already holds)."""
+    from ray._private.runtime_env.packaging import get_uri_for_package, unzip_package
+
+    wd = _project(_minimal_project(tmp_path / "proj"), PLANTED)
+    upload = sub.plan_job(wd / "configs/child.yaml", working_dir=wd).upload
+    z1, z2 = upload.write_zip(tmp_path / "a.zip"), upload.write_zip(tmp_path / "b.zip")
+    assert get_uri_for_package(z1) == get_uri_for_package(z2)
+    unzip_package(str(z1), str(tmp_path / "unpacked"), remove_top_level_directory=False, unlink_zip=False)
+    got = {p.relative_to(tmp_path / "unpacked").as_posix(): p.read_bytes() for p in (tmp_path / "unpacked").rglob("*") if p.is_file()}
+    assert got == {rel: (wd / rel).read_bytes() for rel, _ in upload.files}
 
 
 # -- the command, against a scripted Job API ------------------------------------------------------------
@@ -276,7 +354,7 @@ def ray_head(tmp_path_factory):
     # process agree whatever that file holds (a loopback-only head).
     saved_mode = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0", **local_ray_env()}
     cmd = [str(bin_dir / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
            f"--dashboard-agent-listen-port={agent}", "--num-cpus=2", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
@@ -287,6 +365,8 @@ def ray_head(tmp_path_factory):
         out, _ = proc.communicate(timeout=180)
         if proc.returncode != 0:
             pytest.fail(f"ray start failed:\n{out[-3000:]}")
+        exposed = beyond_loopback(_session_pids(proc.pid))
+        assert not exposed, f"the local head listens beyond loopback: {exposed}"
         yield SimpleNamespace(gcs=f"127.0.0.1:{gcs}", dashboard=f"http://127.0.0.1:{dash}", temp_dir=temp_dir, tmp=tmp)
     finally:
         if proc.poll() is None:

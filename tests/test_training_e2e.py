@@ -27,13 +27,14 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     import ray
+    from cluster.launch import start_local_ray
 
     from shards.synthetic import build_synthetic_shards
 
     root = tmp_path_factory.mktemp("train")
     shards = root / "shards"
     build_synthetic_shards(shards, classes=16, per_class=6, image_size=32, seed=0, shard_size=40, progress=False)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield root, shards
     ray.shutdown()
 

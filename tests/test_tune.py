@@ -223,6 +223,7 @@ def test_trials_the_scheduler_stopped_end_killed_and_tagged(store):
 @pytest.fixture(scope="module")
 def search(tmp_path_factory):
     import ray
+    from cluster.launch import start_local_ray
     from mlflow import MlflowClient
 
     from shards.synthetic import build_synthetic_shards
@@ -240,7 +241,7 @@ def search(tmp_path_factory):
         "tracking.uri": f"sqlite:///{root / 'mlflow.db'}", "tracking.experiment": "tune-test", "tracking.system_metrics": False,
         "cluster.num_workers": 1, "cluster.cpus_per_worker": 0.5,
     }
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         argv = ["tune", str(DEMO), *(f"{k}={v}" for k, v in overrides.items()), "--space", str(space), "--trials", "1",
                 "--scheduler", "asha", "--name", "search", "--max-concurrent", "2", "--no-progress"]

@@ -6,10 +6,11 @@
 Modules: :mod:`.retrieval` (the metrics and their definitions), :mod:`.knn` (blocked score
 blocks, duplicate folding, the tie rule, neighbour lists), :mod:`.ranks` (exact ranks of
 relevant items, the primitive behind every metric), :mod:`.hamming` (binary score blocks),
-:mod:`.native` (the C kernels behind both, built on first use), :mod:`.clustering` (k-means
-NMI), :mod:`.embedding` (embedding a model's batches, gathering to rank 0, evaluating a model
-on shards), :mod:`.store` (saved embeddings), :mod:`.plots` (Recall@K curves, 2-D maps),
-:mod:`.cli` (``dmltrain eval``), :mod:`.bench` (``dmltrain bench eval``).
+:mod:`.native` (the C kernels behind both, built on first use), :mod:`.inputs` (checks of
+embeddings and labels), :mod:`.clustering` (k-means NMI), :mod:`.embedding` (embedding a
+model's batches, gathering to rank 0, evaluating a model on shards), :mod:`.store` (saved
+embeddings), :mod:`.plots` (Recall@K curves, 2-D maps), :mod:`.cli` (``dmltrain eval``),
+:mod:`.bench` (``dmltrain bench eval``).
 
 Names are imported on first use, so ``dmltrain eval --help`` stays fast.
 """

@@ -7,6 +7,11 @@
 Prints a table (values in %) and writes the metrics JSON atomically (fractions in [0, 1]).
 Defaults for ``--ks``, ``--split``, ``--shards``, ``--batch-size`` come from the checkpoint's
 run config when it has them.
+
+Partial data is an error, not a footnote: a shard file missing from the split stops the command
+before anything is embedded (exit 2), and samples that cannot be read are left out of the
+metrics, counted in the JSON as ``eval/unreadable_samples`` and make the command exit 1 after
+writing it. ``--allow-missing`` accepts both (the count is still reported).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, metavar="N", help="images per forward pass (default: the config's data.eval_batch_size, else 128)")
     parser.add_argument("--loader-workers", type=int, metavar="N", help="decoding processes (default: the config's data.loader_workers, else 2)")
     parser.add_argument("--seed", type=int, default=0, help="k-means seed for NMI")
+    parser.add_argument("--allow-missing", action="store_true",
+                        help="evaluate even when shard files are missing or samples unreadable (left out and counted; exit 0)")
 
 
 def _parse_ks(text: str) -> list[int]:
@@ -85,7 +92,26 @@ def _device(text: str) -> str:
     return str(dev)
 
 
-def _embed_splits(args: argparse.Namespace, splits: list[str], model: Any, config: Any, device: str) -> dict[str, tuple[Any, Any]]:
+def _check_shard_files(shards: str, splits: list[str], allow_missing: bool) -> None:
+    """Refuse (or, with ``--allow-missing``, warn about) shard files of ``splits`` that are not there."""
+    from shards.manifest import Manifest
+
+    manifest = Manifest.load(shards)
+    for split in splits:
+        info = manifest.split(split)
+        missing = [sh for sh in info.shards if not sh.path.is_file()]
+        if not missing:
+            continue
+        lost = sum(sh.samples for sh in missing)
+        what = f"{missing[0].path}: shard missing" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        what += f"; {lost} of the {info.num_images} samples of split '{split}' cannot be read"
+        if not allow_missing:
+            raise UserError(f"{what} (pass --allow-missing to evaluate without them)")
+        print(f"dmltrain: warning: {what}; evaluating without them (--allow-missing)", file=sys.stderr)
+
+
+def _embed_splits(args: argparse.Namespace, splits: list[str], model: Any, config: Any, device: str) -> tuple[dict[str, tuple[Any, Any]], dict[str, int]]:
+    """Each split's gathered ``(embeddings, labels)`` and its count of unreadable samples (left out)."""
     from dmltrain.evaluate.embedding import embed_batches, gather_to_rank0
     from shards.stream import eval_batches
 
@@ -99,7 +125,8 @@ def _embed_splits(args: argparse.Namespace, splits: list[str], model: Any, confi
     if batch_size < 1:
         raise UserError(f"--batch-size: must be >= 1, got {batch_size}")
     workers = args.loader_workers if args.loader_workers is not None else int(data.get("loader_workers", 2))
-    out = {}
+    _check_shard_files(shards, splits, args.allow_missing)
+    out, unreadable = {}, {}
     for split in splits:
         print(f"embedding split '{split}' of {shards} on {device}", file=sys.stderr)
         batches = eval_batches(
@@ -108,10 +135,11 @@ def _embed_splits(args: argparse.Namespace, splits: list[str], model: Any, confi
         )
         emb, labels, index = embed_batches(model, batches, device=device, precision=args.precision, progress=True)
         if len(emb) == 0:
-            raise UserError(f"{shards}: split '{split}' has no images")
+            raise UserError(f"{shards}: split '{split}' has no readable images")
         out[split] = gather_to_rank0(emb, labels, index)
+        unreadable[split] = batches.num_samples - len(out[split][1])
     args.shards = shards
-    return out
+    return out, unreadable
 
 
 def format_table(metrics: dict[str, Any]) -> str:
@@ -157,8 +185,10 @@ def run(args: argparse.Namespace) -> int:
         from dmltrain.evaluate.store import load_embeddings
 
         gathered = {s: load_embeddings(args.embeddings, s) for s in splits}
+        unreadable: dict[str, int] | None = None
     else:
-        gathered = _embed_splits(args, splits, model, config, device)
+        gathered, unreadable = _embed_splits(args, splits, model, config, device)
+    lost = sum(unreadable.values()) if unreadable else 0
     if args.save_embeddings:
         from dmltrain.evaluate.store import save_embeddings
 
@@ -177,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UserError(f"{args.embeddings or ckpt_path}: {e}") from None
     print(format_table(metrics))
+    if lost:
+        print(f"{lost} unreadable samples left out of these metrics ({', '.join(f'{k}: {v}' for k, v in unreadable.items())})")
 
     out = Path(args.out) if args.out else (Path(args.embeddings) if args.embeddings else ckpt_path.parent) / "eval_metrics.json"  # type: ignore[union-attr]
     record = {
@@ -186,6 +218,9 @@ def run(args: argparse.Namespace) -> int:
         "checkpoint": str(ckpt_path) if ckpt_path else None,
         "shards": None if args.embeddings else str(args.shards),
         "embeddings": args.embeddings,
+        # samples of the shards left out because they could not be read (null for saved embeddings)
+        "eval/unreadable_samples": None if unreadable is None else lost,
+        "unreadable_by_split": unreadable,
     }
     write_json(out, record)
     print(f"wrote {out}", file=sys.stderr)
@@ -195,4 +230,8 @@ def run(args: argparse.Namespace) -> int:
         name = ckpt_path.stem if ckpt_path else Path(args.embeddings).name
         print(f"wrote {plot_recall_at_k({name: metrics}, Path(args.plots) / 'recall_at_k.png')}", file=sys.stderr)
         print(f"wrote {plot_embedding_map(q, ql, Path(args.plots) / 'embedding_map.png', seed=args.seed)}", file=sys.stderr)
+    if lost and not args.allow_missing:
+        total = sum(len(labels) for _, labels in gathered.values()) + lost
+        raise UserError(f"{args.shards}: {lost} of {total} samples could not be read and are left out of the metrics in {out} "
+                        "(pass --allow-missing to accept partial data)", exit_code=1)
     return 0

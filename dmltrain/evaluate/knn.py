@@ -26,7 +26,9 @@ import torch
 from torch import Tensor
 
 from dmltrain.evaluate.hamming import hamming_block, pad_codes
+from dmltrain.evaluate.inputs import as_embeddings
 from dmltrain.evaluate.ranks import order_keys
+from dmltrain.models.binary import pack_sign_bits
 
 # Bytes of one dense score block (float32 or int32). Temporaries of the passes add ~2× this.
 DEFAULT_BLOCK_BYTES = 256 << 20
@@ -205,9 +207,6 @@ def knn(
     Order: score, then lower gallery index (see the module doc). ``k`` larger than the
     number of candidates is a ``ValueError``.
     """
-    from dmltrain.evaluate.retrieval import as_embeddings
-    from dmltrain.models.binary import pack_sign_bits
-
     q = as_embeddings(query, "query")
     g = q if gallery is None else as_embeddings(gallery, "gallery")
     if g.shape[1] != q.shape[1]:

@@ -8,11 +8,16 @@
 * ``dml_pair_ranks_{f32,i16,i32}``: the rank of (query, item) pairs in their score rows
   (see :mod:`.ranks`), auto-vectorized, AVX2 clone chosen at load time by GCC.
 
-The library is built with the system C compiler (``$CC``, else ``cc``) into
-``$XDG_CACHE_HOME/dmltrain/native`` (else a temp folder), named by a hash of the source, and
-renamed into place atomically so concurrent workers never load a half-written file. No
-compiler, or ``DMLTRAIN_NATIVE=0``: :func:`library` returns None and callers use their
-NumPy/faiss paths, which give identical results (slower).
+The library is built with the system C compiler (``$CC``, else ``cc``) into a private cache,
+``$XDG_CACHE_HOME/dmltrain/native`` (else ``~/.cache/dmltrain/native``), created 0700, named
+by a hash of the source, the compiler and the platform, and renamed into place atomically so
+concurrent workers never load a half-written file. A shared object is loaded from the cache
+only when the folders above it and the file itself belong to this user (or root, for the
+base) and nobody else can write them; otherwise, or when the cache cannot be created, the
+kernels are built in a fresh private temporary folder (``mkdtemp``, 0700) that is removed
+once they are loaded. Nothing is ever loaded from a predictable shared place such as
+``/tmp``. No compiler, or ``DMLTRAIN_NATIVE=0``: :func:`library` returns None and callers use
+their NumPy/faiss paths, which give identical results (slower).
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ import ctypes
 import hashlib
 import os
 import platform
+import shutil
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 _SOURCE = r"""
@@ -186,13 +194,56 @@ _SIGNATURES = {
 }
 
 
-def _cache_dirs() -> list[Path]:
+def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return [Path(base) / "dmltrain" / "native", Path(tempfile.gettempdir()) / f"dmltrain-native-{os.getuid()}"]
+    return Path(base) / "dmltrain" / "native"
+
+
+def _library_name() -> str:
+    cc = os.environ.get("CC", "cc")
+    tag = hashlib.sha256("\0".join((_SOURCE, cc, platform.machine(), sys.platform)).encode()).hexdigest()[:16]
+    return f"dmltrain-native-{tag}.so"
+
+
+def _not_private(path: Path, *, kind: str, owners: tuple[int, ...]) -> str | None:
+    """Why ``path`` (not followed if a link) cannot be trusted: another owner, writable by others, wrong kind."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    is_kind = stat.S_ISDIR(st.st_mode) if kind == "dir" else stat.S_ISREG(st.st_mode)
+    if not is_kind:
+        return f"{path}: not a {'folder' if kind == 'dir' else 'regular file'} (a link or something else)"
+    if st.st_uid not in owners:
+        return f"{path}: owned by uid {st.st_uid}, not by this user ({os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path}: writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _private_cache() -> tuple[Path | None, str | None]:
+    """The cache folder, created 0700 and checked; ``(None, reason)`` when it is not this user's alone."""
+    folder = _cache_dir()
+    try:
+        folder.parent.parent.mkdir(parents=True, exist_ok=True)
+        for d in (folder.parent, folder):
+            try:
+                d.mkdir(mode=0o700)
+            except FileExistsError:
+                pass
+    except OSError as e:
+        return None, f"{folder}: cannot create it ({e.strerror or e})"
+    uid = os.getuid()
+    # the base (~/.cache) may be root's; the two folders below it must be ours
+    for path, owners in ((folder.parent.parent, (uid, 0)), (folder.parent, (uid,)), (folder, (uid,))):
+        problem = _not_private(path, kind="dir", owners=owners)
+        if problem:
+            return None, problem
+    return folder, None
 
 
 def _compile(lib_path: Path) -> None:
-    lib_path.parent.mkdir(parents=True, exist_ok=True)
+    """Build the kernels into ``lib_path`` (a private folder) under a temporary name, then rename."""
     fd, tmp = tempfile.mkstemp(prefix=".native-", suffix=".so", dir=lib_path.parent)
     os.close(fd)
     src = Path(tmp).with_suffix(".c")
@@ -206,25 +257,38 @@ def _compile(lib_path: Path) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
+def _load(lib_path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(lib_path))
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = None
+    return lib
+
+
 def _build() -> ctypes.CDLL:
-    tag = hashlib.sha256((_SOURCE + platform.machine() + sys.platform).encode()).hexdigest()[:16]
-    problems = []
-    for folder in _cache_dirs():
-        lib_path = folder / f"dmltrain-native-{tag}.so"
-        try:
+    name = _library_name()
+    folder, why = _private_cache()
+    try:
+        if folder is not None:
+            lib_path = folder / name
             if not lib_path.exists():
                 _compile(lib_path)
-            lib = ctypes.CDLL(str(lib_path))
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", None) or str(e)
-            problems.append(f"{folder}: {' '.join(str(detail).split())[:160]}")
-            continue
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes = argtypes
-            fn.restype = None
-        return lib
-    raise OSError("could not build the native kernels (" + "; ".join(problems) + ")")
+            why = _not_private(lib_path, kind="file", owners=(os.getuid(),))
+            if why is None:
+                return _load(lib_path)
+        # no trustworthy cache: a fresh private folder, removed once the library is mapped
+        warnings.warn(f"dmltrain native kernels: not using the cache ({why}); building them in a private temporary folder",
+                      RuntimeWarning, stacklevel=3)
+        scratch = Path(tempfile.mkdtemp(prefix="dmltrain-native-"))
+        try:
+            _compile(scratch / name)
+            return _load(scratch / name)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        raise OSError(f"could not build the native kernels ({' '.join(str(detail).split())[:200]})") from None
 
 
 def library() -> ctypes.CDLL | None:

@@ -29,13 +29,15 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
+from dmltrain.evaluate.clustering import clustering_nmi
 from dmltrain.evaluate.hamming import pad_codes
+from dmltrain.evaluate.inputs import ArrayLike, as_embeddings, as_labels
 from dmltrain.evaluate.knn import (
     DEFAULT_BLOCK_BYTES,
     Gallery,
@@ -46,47 +48,13 @@ from dmltrain.evaluate.knn import (
     resolve_device,
 )
 from dmltrain.evaluate.ranks import pair_ranks, row_starts
+from dmltrain.models.binary import pack_sign_bits
 
-ArrayLike = np.ndarray | Tensor | Sequence[Any]
 # Per-block budget of (query, relevant item) pairs, ranked together.
 _MAX_PAIRS = 4 << 20
 
 
 # -- input checks ----------------------------------------------------------------------------
-def as_embeddings(x: ArrayLike, name: str) -> np.ndarray:
-    """A C-contiguous float32 ``N × D`` array; one-line ``ValueError`` for anything else."""
-    if isinstance(x, Tensor):
-        x = x.detach().to("cpu", torch.float32).numpy()
-    try:
-        arr = np.asarray(x, dtype=np.float32)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: embeddings must be numeric, got {type(x).__name__}") from None
-    if arr.ndim != 2:
-        raise ValueError(f"{name}: embeddings must be a 2-D N × D array, got shape {tuple(arr.shape)}")
-    if arr.shape[0] == 0 or arr.shape[1] == 0:
-        raise ValueError(f"{name}: embeddings are empty (shape {tuple(arr.shape)})")
-    finite = np.isfinite(arr).all(axis=1)
-    if not finite.all():
-        bad = np.flatnonzero(~finite)
-        raise ValueError(f"{name}: {len(bad)} embedding rows contain NaN or inf (first at row {bad[0]})")
-    return np.ascontiguousarray(arr)
-
-
-def as_labels(y: ArrayLike, n: int, name: str) -> np.ndarray:
-    if isinstance(y, Tensor):
-        y = y.detach().cpu().numpy()
-    arr = np.asarray(y)
-    if arr.ndim == 2 and arr.shape[1] == 1:
-        arr = arr[:, 0]
-    if arr.ndim != 1:
-        raise ValueError(f"{name}: labels must be 1-D, got shape {tuple(arr.shape)}")
-    if len(arr) != n:
-        raise ValueError(f"{name}: {len(arr)} labels for {n} embeddings")
-    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-        raise ValueError(f"{name}: labels contain NaN or inf")
-    return arr
-
-
 def check_ks(ks: Sequence[int]) -> list[int]:
     try:
         out = sorted({int(k) for k in ks})
@@ -168,8 +136,6 @@ def _ranked_metrics(
     (query, relevant item) pair gets its exact rank (:func:`.ranks.pair_ranks`); Recall@K
     reads the best rank of each query, MAP@R and R-precision all of them.
     """
-    from tqdm import tqdm
-
     self_search = queries is None
     tot = _Totals(ks)
     # Similar R together keeps the per-position passes of the fallback engines dense.
@@ -236,8 +202,6 @@ def path_metrics(
         gal = float_gallery(q if g is None else g, device)
         queries: Tensor | np.ndarray | None = None if g is None else float_queries(q, device)
     elif kind == "binary":
-        from dmltrain.models.binary import pack_sign_bits
-
         gal = binary_gallery(pack_sign_bits(q if g is None else g))
         queries = None if g is None else pad_codes(pack_sign_bits(q))
     else:
@@ -302,8 +266,6 @@ def retrieval_metrics(
     dev = resolve_device(device)
     metrics = path_metrics(q, g, labels, valid, ks, map_at_r, "float", dev, block_bytes, progress)
     if nmi:
-        from dmltrain.evaluate.clustering import clustering_nmi
-
         metrics["nmi"] = clustering_nmi(q, labels.q, seed=seed, niter=nmi_iters)
     if binary:
         metrics.update(path_metrics(q, g, labels, valid, ks, map_at_r, "binary", dev, block_bytes, progress))

@@ -96,8 +96,9 @@ class InstanceLoss(BaseLoss):
     ``refs``; gradients may flow to refs (they are routed to their owners by the
     distributed gather) unless the loss's definition treats them as constants.
 
-    Anchors without a positive contribute nothing and are counted in
-    ``totals['skipped_anchors']``.
+    Anchors whose terms a loss leaves out (as a rule those without a positive) are counted in
+    ``totals['skipped_anchors']``; whether they still count in ``count`` is the loss's to say
+    (ICE, RLL, MS: their ``normalize`` option).
     """
 
     #: False when the loss cannot be written as a sum over anchors; the distributed

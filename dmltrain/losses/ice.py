@@ -5,9 +5,15 @@ For anchor ``a`` and each positive ``i`` (``f`` L2-normalised, scale ``s``)::
     p̂(i|a) = exp(s fₐᵀfᵢ) / (exp(s fₐᵀfᵢ) + Σ_{j∈neg(a)} exp(s fₐᵀfⱼ))
 
 and the anchor's term is ``Σᵢ -log p̂(i|a) / (2 s Σᵢ (1 - p̂(i|a)))`` with the denominator a
-constant. Averaged over anchors (``1/N``) this gives exactly the paper's eq. 15 gradients:
-``∂L/∂fᵢ = -fₐ w̄(i;a)`` and ``∂L/∂fⱼ = fₐ w̄(j;a)`` with the weights of eqs. 13-14 (the
-positive and the negative sets each carry ``1/(2N)``).
+constant. Summed over anchors and divided by ``N`` this gives exactly the paper's eq. 15
+gradients: ``∂L/∂fᵢ = -fₐ w̄(i;a)`` and ``∂L/∂fⱼ = fₐ w̄(j;a)`` with the weights of eqs. 13-14
+(the positive and the negative sets each carry ``1/(2N)``).
+
+``N`` is the number of instances in the batch (eqs. 13-14: ``N = Σ_c N_c``, every instance
+serves as the anchor). An instance whose class has no other image has no positive, so no
+term, but it still counts in ``N``: that is ``normalize="batch"``, the default.
+``normalize="valid_anchors"`` divides by the anchors that have a positive instead; the two
+agree on P×K batches and differ once a batch holds single-image classes (``data.sampler: random``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from torch import Tensor
 from dmltrain.losses.base import AnchorTerms, InstanceLoss
 from dmltrain.losses.pairs import (
     NONTRIVIAL_NLL,
+    anchor_rows,
+    check_normalize,
     label_masks,
     masked_logsumexp,
     masked_mean_stat,
@@ -44,19 +52,21 @@ def log_softplus(z: Tensor) -> Tensor:
 class ICELoss(InstanceLoss):
     """ICE with scale ``s`` (default 64, the paper's best on SOP, its Table 2).
 
-    Edge cases: anchors without a positive are skipped; an anchor without negatives has
-    ``p̂ = 1`` for every positive and contributes zero (it still counts in ``1/N``).
+    Edge cases: anchors without a positive add no term (``skipped_anchors``) but count in ``N``
+    unless ``normalize="valid_anchors"``; an anchor without negatives has ``p̂ = 1`` for every
+    positive and contributes zero (it counts in ``N`` in both modes).
     The weighting is computed in log space, so it stays finite when every ``1 - p̂``
     underflows (s = 64 and well-separated classes). ``stats['nll']`` is the plain mean of
     ``-log p̂(i|a)`` over (anchor, positive) pairs, the number to watch in logs (the
     weighted loss value itself is scaled by ``1/(2s)``).
     """
 
-    def __init__(self, scale: float = 64.0) -> None:
+    def __init__(self, scale: float = 64.0, normalize: str = "batch") -> None:
         super().__init__()
         if scale <= 0:
             raise ValueError(f"ice: scale must be positive, got {scale}")
         self.scale = float(scale)
+        self.normalize = check_normalize("ice", normalize)
 
     def log_weight_norm(self, z: Tensor, active: Tensor) -> Tensor:
         """``log Σᵢ (1 - p̂(i|a))`` per anchor (eqs. 13-14's denominator), a constant of the loss.
@@ -84,4 +94,4 @@ class ICELoss(InstanceLoss):
         nontrivial = ((nll > NONTRIVIAL_NLL) & active).sum()
         means["nontrivial_fraction"] = nontrivial, active.sum()
         totals = {"active_pairs": nontrivial, "skipped_anchors": m.skipped}
-        return AnchorTerms(total=total, count=m.valid.sum(), means=means, totals=totals)
+        return AnchorTerms(total=total, count=anchor_rows(m, self.normalize).sum(), means=means, totals=totals)

@@ -7,7 +7,10 @@ negatives with ``S_an + ε > min_pos S_ap`` and positives with ``S_ap - ε < max
     L_a = 1/α log(1 + Σ_{P*} exp(-α (S_ap - λ))) + 1/β log(1 + Σ_{N*} exp(β (S_an - λ)))
 
 As in the authors' code, an anchor whose mined positives or mined negatives are empty
-contributes zero; the loss is the mean over anchors that have a positive. Defaults
+contributes zero. The sum over anchors is divided by the batch size ``m`` (the paper's
+``L = 1/m Σᵢ L_i``; ``normalize="batch"``, the default), so an anchor without a positive (a
+single-image class) adds nothing but still counts. ``normalize="valid_anchors"`` divides by
+the anchors that have a positive instead; the two agree on P×K batches. Defaults
 ``α = 2, β = 50, λ = 0.5, ε = 0.1`` are the paper's. ``stats`` splits the two parts into
 ``tightness`` and ``contrastive`` (CE paper, Table 2).
 """
@@ -20,6 +23,8 @@ from torch import Tensor
 
 from dmltrain.losses.base import AnchorTerms, InstanceLoss
 from dmltrain.losses.pairs import (
+    anchor_rows,
+    check_normalize,
     label_masks,
     masked_logsumexp,
     masked_mean_stat,
@@ -35,11 +40,14 @@ from dmltrain.losses.registry import register
 class MultiSimilarityLoss(InstanceLoss):
     """MS loss with MS mining; ``active_pairs`` counts the mined pairs of contributing anchors."""
 
-    def __init__(self, alpha: float = 2.0, beta: float = 50.0, base: float = 0.5, epsilon: float = 0.1) -> None:
+    def __init__(
+        self, alpha: float = 2.0, beta: float = 50.0, base: float = 0.5, epsilon: float = 0.1, normalize: str = "batch"
+    ) -> None:
         super().__init__()
         if alpha <= 0 or beta <= 0:
             raise ValueError(f"multi_similarity: alpha and beta must be positive, got {alpha}, {beta}")
         self.alpha, self.beta, self.base, self.epsilon = float(alpha), float(beta), float(base), float(epsilon)
+        self.normalize = check_normalize("multi_similarity", normalize)
 
     def anchor_terms(self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor) -> AnchorTerms:
         m = label_masks(anchor_labels, ref_labels, anchor_index)
@@ -67,4 +75,4 @@ class MultiSimilarityLoss(InstanceLoss):
         means["contrastive"] = masked_mean_stat(neg_part, m.valid)
         means["nontrivial_fraction"] = n_mined, m.pos.sum() + m.neg.sum()
         totals = {"active_pairs": n_mined, "skipped_anchors": m.skipped}
-        return AnchorTerms(total=total, count=m.valid.sum(), means=means, totals=totals)
+        return AnchorTerms(total=total, count=anchor_rows(m, self.normalize).sum(), means=means, totals=totals)

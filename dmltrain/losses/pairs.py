@@ -20,6 +20,11 @@ NONTRIVIAL_NLL = 1e-3
 #: Floor of squared distances before ``sqrt``: keeps gradients finite for identical embeddings.
 SQ_DIST_FLOOR = 1e-12
 
+#: What the anchor-wise losses (ICE, RLL, MS) divide their summed anchor terms by: every anchor of
+#: the batch (``batch``, their papers' N) or only the anchors that have a positive (``valid_anchors``).
+#: The two agree on P×K batches; they differ when a batch holds classes with a single image.
+NORMALIZATIONS = ("batch", "valid_anchors")
+
 
 def upcast(x: Tensor) -> Tensor:
     """float16/bfloat16 to float32; float32 and float64 unchanged (float64 for gradcheck)."""
@@ -83,6 +88,18 @@ def label_masks(anchor_labels: Tensor, ref_labels: Tensor, anchor_index: Tensor)
     pos = same & other
     valid = pos.any(dim=1)
     return LabelMasks(pos=pos, neg=~same & valid[:, None], other=other & valid[:, None], valid=valid)
+
+
+def check_normalize(loss: str, normalize: str) -> str:
+    """``normalize`` if it is one of :data:`NORMALIZATIONS`; else a one-line ``ValueError`` naming the loss."""
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"{loss}: normalize must be one of {', '.join(NORMALIZATIONS)}, got {normalize!r}")
+    return normalize
+
+
+def anchor_rows(masks: LabelMasks, normalize: str) -> Tensor:
+    """The anchors counted in the normaliser: all of them (``batch``) or those with a positive (``valid_anchors``)."""
+    return masks.valid if normalize == "valid_anchors" else torch.ones_like(masks.valid)
 
 
 def masked_logsumexp(x: Tensor, mask: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
