@@ -1,7 +1,8 @@
 """The loss registry: one name per loss, built from keyword hyperparameters.
 
 ``build_loss("ice", scale=64)``. Names are registered by the ``@register`` decorator on each
-loss class; importing :mod:`dmltrain.losses` registers them all.
+loss class; importing any module of :mod:`dmltrain.losses` (this one included) first runs the
+package's ``__init__``, which imports, and so registers, every loss.
 """
 
 from __future__ import annotations
@@ -28,17 +29,11 @@ def register(name: str):
     return deco
 
 
-def _ensure_loaded() -> None:
-    import dmltrain.losses  # noqa: F401  (registers every loss)
-
-
 def loss_names() -> list[str]:
-    _ensure_loaded()
     return sorted(_REGISTRY)
 
 
 def loss_class(name: str) -> type:
-    _ensure_loaded()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -46,14 +41,21 @@ def loss_class(name: str) -> type:
 
 
 def accepted_params(name: str) -> list[str]:
-    """The hyperparameter keywords of a loss (its constructor's, minus num_classes/dim)."""
-    sig = inspect.signature(loss_class(name).__init__)
+    """The hyperparameter keywords of a loss: its ``hyperparameters`` (the classifier kinds,
+    :mod:`~dmltrain.losses.kinds`), else its constructor's minus num_classes/dim."""
+    cls = loss_class(name)
+    declared = getattr(cls, "hyperparameters", None)
+    if declared:
+        return list(declared)
+    sig = inspect.signature(cls.__init__)
     return [p for p in sig.parameters if p not in ("self", *STRUCTURAL_ARGS) and sig.parameters[p].kind is not inspect.Parameter.VAR_KEYWORD]
 
 
 def check_params(name: str, params: dict[str, Any], allowed: tuple[str, ...] | None = None) -> str | None:
-    """None when ``name`` with ``params`` can be built; else a short reason starting with the key at fault."""
-    _ensure_loaded()
+    """None when ``name`` takes keywords ``params``; else a short reason starting with the key at fault.
+
+    Names only: values are checked by the constructors, and for the classifier kinds by
+    :func:`~dmltrain.losses.kinds.check_classifier`."""
     if allowed is not None and name not in allowed:
         return f"kind: {name!r} is not one of {', '.join(allowed)}"
     if name not in _REGISTRY:
