@@ -13,6 +13,8 @@ from distributed_reference import dense_classifier_loss, rel_err
 from dmltrain.distributed import (
     ClassPartition,
     GatheredInstanceLoss,
+    gather_state,
+    load_state,
     RowSparseAdamW,
     RowSparseSGD,
     ShardedClassifier,
@@ -367,7 +369,7 @@ def test_checkpoint_round_trip_and_gaps():
     x, y = _batch(C, D)
     clf(x, y, step=0).backward()
     opt.step()
-    state = clf.state_dict_by_class(opt)
+    state = gather_state(clf, opt)
     other = ShardedClassifier(C, D, "softmax_ce")
     other_opt = make_classifier_optimizer(other, "adamw", lr=0.5)
     # two pieces that together cover every class
@@ -376,18 +378,18 @@ def test_checkpoint_round_trip_and_gaps():
         piece = dict(state, class_start=s, class_end=e, weight=state["weight"][s:e], bias=state["bias"][s:e])
         piece["optimizer"] = dict(state["optimizer"], rows={n: {k: v[s:e] for k, v in r.items()} for n, r in state["optimizer"]["rows"].items()})
         halves.append(piece)
-    other.load_state_dict_by_class(halves, other_opt)
+    load_state(other, halves, other_opt)
     assert torch.equal(other.full_weight(), clf.full_weight()) and torch.equal(other.full_bias(), clf.full_bias())
     for p, q in [(clf.weight, other.weight), (clf.bias, other.bias)]:
         for k, v in opt.state[p].items():
             assert torch.equal(v, other_opt.state[q][k])
     assert other_opt.param_groups[0]["lr"] == 0.01
     with pytest.raises(ValueError, match="missing"):
-        other.load_state_dict_by_class(halves[:1], other_opt)
+        load_state(other, halves[:1], other_opt)
     with pytest.raises(ValueError, match="dim"):
-        ShardedClassifier(C, D + 1, "softmax_ce").load_state_dict_by_class(state)
+        load_state(ShardedClassifier(C, D + 1, "softmax_ce"), state)
     with pytest.raises(ValueError, match="RowSparseAdamW"):
-        other.load_state_dict_by_class(state, make_classifier_optimizer(other, "sgd"))
+        load_state(other, state, make_classifier_optimizer(other, "sgd"))
 
 
 def test_load_full_weight_checks_shape():
