@@ -20,15 +20,10 @@ logit blocks, gathered rows and gradient blocks live in the classifier's reusabl
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
-from dmltrain.distributed.shard_call import NORM_EPS, ShardCall
-
-if TYPE_CHECKING:
-    from dmltrain.distributed.sharded_softmax import ShardedClassifier
+from dmltrain.distributed.shard_call import NORM_EPS, ShardCall, ShardOwner
 
 #: elements of one block of logits (global batch × classes): 16 Mi floats = 64 MiB. Few large
 #: element-wise passes beat many small ones (each is a parallel region).
@@ -39,7 +34,7 @@ class BlockSoftmax(ShardCall):
     """One call in block GEMMs. Kept for backward when they fit the budget: the logits and,
     when subsampling, the gathered active weight rows (so backward does not gather them again)."""
 
-    def __init__(self, clf: ShardedClassifier, x: Tensor, labels: Tensor, rows: Tensor | None, need_grad: bool) -> None:
+    def __init__(self, clf: ShardOwner, x: Tensor, labels: Tensor, rows: Tensor | None, need_grad: bool) -> None:
         super().__init__(clf, x, labels, rows)
         N, D = x.shape
         sparse = rows is not None

@@ -21,22 +21,17 @@ normalisation, log-sum-exp, margins and combine in fp32. The weight may be store
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
 from dmltrain.distributed.block_softmax import BLOCK_ELEMENTS
 from dmltrain.distributed.grad_rows import GradWriter
-from dmltrain.distributed.shard_call import NORM_EPS, ShardCall
+from dmltrain.distributed.shard_call import NORM_EPS, ShardCall, ShardOwner
 
 try:
     from dmltrain.distributed import softmax_kernels
 except ImportError:  # a torch build without Triton (the CPU wheels): the torch path only
     softmax_kernels = None
-
-if TYPE_CHECKING:
-    from dmltrain.distributed.sharded_softmax import ShardedClassifier
 
 
 def fused_unavailable(device: torch.device) -> str | None:
@@ -51,7 +46,7 @@ def fused_unavailable(device: torch.device) -> str | None:
 class FusedSoftmax(ShardCall):
     """One call in the fused kernels; ``precision`` is ``fp32``, ``tf32`` or ``bf16``."""
 
-    def __init__(self, clf: ShardedClassifier, x: Tensor, labels: Tensor, rows: Tensor | None, precision: str) -> None:
+    def __init__(self, clf: ShardOwner, x: Tensor, labels: Tensor, rows: Tensor | None, precision: str) -> None:
         super().__init__(clf, x, labels, rows)
         N = x.shape[0]
         self.prec = softmax_kernels.kernel_precision(precision)

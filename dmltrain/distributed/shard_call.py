@@ -20,7 +20,7 @@ the CPU path) and :class:`~dmltrain.distributed.fused_softmax.FusedSoftmax` (Tri
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,12 +28,30 @@ from torch import Tensor
 
 from dmltrain.distributed.collectives import all_gather_stack
 from dmltrain.distributed.grad_rows import GradWriter, add_rows
+from dmltrain.distributed.workspace import Workspace
+from dmltrain.losses.kinds import ClassifierKind
 from dmltrain.losses.margins import pair_cos, smoothed_nll, smoothing_weights
 
-if TYPE_CHECKING:
-    from dmltrain.distributed.sharded_softmax import ShardedClassifier
-
 NORM_EPS = 1e-12
+
+
+class ShardOwner(Protocol):
+    """What a call reads from its classifier (:class:`~dmltrain.distributed.sharded_softmax.ShardedClassifier`)."""
+
+    weight: Tensor
+    bias: Tensor | None
+    spec: ClassifierKind
+    params: dict[str, float]
+    class_start: int
+    group: Any
+    logits_budget_mb: float
+    workspace: Workspace
+
+    def grad_writer(self, rows: Tensor | None) -> GradWriter: ...
+
+    def kept_workspace(self, call: ShardCall) -> Workspace: ...
+
+    def release_kept(self, call: ShardCall) -> None: ...
 
 
 class ShardCall:
@@ -43,7 +61,7 @@ class ShardCall:
     (float32, or float64 for a classifier moved to float64).
     """
 
-    def __init__(self, clf: ShardedClassifier, x: Tensor, labels: Tensor, rows: Tensor | None) -> None:
+    def __init__(self, clf: ShardOwner, x: Tensor, labels: Tensor, rows: Tensor | None) -> None:
         self.clf, self.x, self.labels, self.rows = clf, x, labels, rows
         self.dtype = x.dtype
         self.weight = clf.weight.detach()
