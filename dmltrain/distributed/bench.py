@@ -28,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from dmltrain.errors import UserError
@@ -113,24 +114,9 @@ def run(args: argparse.Namespace) -> int:
     return _run_cuda(args) if args.device == "cuda" else _run_cpu(args)
 
 
-def _ratio_lines(done: dict[float, dict[str, Any]]) -> None:
-    if 1.0 not in done:
-        return
-    for R, r in done.items():
-        if R < 1.0:
-            print(
-                f"R={R:g}: step {done[1.0]['step'] / r['step']:.1f}x faster than R=1 (CPU time {done[1.0]['step_cpu'] / r['step_cpu']:.1f}x)",
-                flush=True,
-            )
-
-
-def _run_cpu(args: argparse.Namespace) -> int:
-    N, D, B, W = args.classes, args.dim, args.batch, args.workers
-    print(
-        f"bench classifier: {args.kind}, N={N:,} classes, D={D}, global batch B={B}, W={W} worker(s), {args.optimizer}, "
-        f"logits budget {args.logits_budget_mb:g} MB, {args.steps} timed steps (median) on {os.cpu_count()} CPU cores",
-        flush=True,
-    )
+def _measure(args: argparse.Namespace, header: str, report: Callable[[float, dict[str, Any]], None]) -> dict[float, dict[str, Any]]:
+    """Run every sample ratio in its own process; ``report`` prints each one's lines."""
+    print(header, flush=True)
     done: dict[float, dict[str, Any]] = {}
     for R in args.sample_ratio:
         res = _child(_job(args, R))
@@ -138,6 +124,21 @@ def _run_cpu(args: argparse.Namespace) -> int:
             print(f"R={R:g}: failed, {res['error']}", flush=True)
             continue
         done[R] = res
+        report(R, res)
+    if 1.0 in done:
+        for R, r in done.items():
+            if R < 1.0:
+                print(
+                    f"R={R:g}: step {done[1.0]['step'] / r['step']:.1f}x faster than R=1 (CPU time {done[1.0]['step_cpu'] / r['step_cpu']:.1f}x)",
+                    flush=True,
+                )
+    return done
+
+
+def _run_cpu(args: argparse.Namespace) -> int:
+    N, D, B, W = args.classes, args.dim, args.batch, args.workers
+
+    def report(R: float, res: dict[str, Any]) -> None:
         K = res["gemm_classes"]
         state = res["param_bytes"] + res["opt_bytes"]
         print(f"R={R:g}: step {_fmt_step(res)}; logits {'kept' if res['kept'] else 'recomputed in class blocks'}", flush=True)
@@ -147,7 +148,12 @@ def _run_cpu(args: argparse.Namespace) -> int:
             f"(in process CPU time: {res['step_cpu']:.3f} / {res['gemm_cpu']:.3f} s = {res['step_cpu'] / res['gemm_cpu']:.2f})",
             flush=True,
         )
-    _ratio_lines(done)
+
+    header = (
+        f"bench classifier: {args.kind}, N={N:,} classes, D={D}, global batch B={B}, W={W} worker(s), {args.optimizer}, "
+        f"logits budget {args.logits_budget_mb:g} MB, {args.steps} timed steps (median) on {os.cpu_count()} CPU cores"
+    )
+    done = _measure(args, header, report)
     if not args.no_peer:
         peer = _cpu_peer(N, D, B, args.steps)
         if "error" in peer:
@@ -185,18 +191,8 @@ def _installed(module: str) -> bool:
 def _run_cuda(args: argparse.Namespace) -> int:
     N, D, B, W = args.classes, args.dim, args.batch, args.workers
     precision = "bf16" if args.precision == "auto" else args.precision
-    print(
-        f"bench classifier (cuda, fused kernels): {args.kind}, N={N:,} classes, D={D}, global batch B={B}, W={W} GPU(s), "
-        f"{precision} products, {args.weight_storage} weight, {args.optimizer}, {args.steps} timed steps (median)",
-        flush=True,
-    )
-    done: dict[float, dict[str, Any]] = {}
-    for R in args.sample_ratio:
-        res = _child(_job(args, R))
-        if "error" in res:
-            print(f"R={R:g}: failed, {res['error']}", flush=True)
-            continue
-        done[R] = res
+
+    def report(R: float, res: dict[str, Any]) -> None:
         K = res["gemm_classes"]
         state = 2 * res["param_bytes"] + res["opt_bytes"]  # weight, its gradient, optimizer state
         print(f"R={R:g}: step {_fmt_step(res, 'ms')}", flush=True)
@@ -207,11 +203,15 @@ def _run_cuda(args: argparse.Namespace) -> int:
         )
         print(f"R={R:g}: bf16 3-GEMM bound (3 × {B}×{D} by {D}×{K:,}) {res['gemm'] * 1e3:.3f} ms; step / bound = {res['step'] / res['gemm']:.2f}",
               flush=True)  # fmt: skip
-    _ratio_lines(done)
+
+    header = (
+        f"bench classifier (cuda, fused kernels): {args.kind}, N={N:,} classes, D={D}, global batch B={B}, W={W} GPU(s), "
+        f"{precision} products, {args.weight_storage} weight, {args.optimizer}, {args.steps} timed steps (median)"
+    )
+    done = _measure(args, header, report)
     if not args.no_peer and done:
-        ours = done.get(1.0)
         for name in CUDA_PEERS:
-            _print_cuda_peer(name, args, ours)
+            _print_cuda_peer(name, args, done.get(1.0))
     return 0 if done else 1
 
 
