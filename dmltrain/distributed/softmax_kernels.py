@@ -43,15 +43,12 @@ the precision and the kind); fixed 16-wide tiles under the interpreter.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-#: kernels compiled for the CPU interpreter (decided when this module is imported, as Triton does)
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 PRECISIONS = {"fp32": 0, "tf32": 1, "bf16": 2}
 _BF16_EMULATED = 3
 #: widest register tile of a gradient row (D beyond it is split over programs, each recomputing the logits)
@@ -241,6 +238,10 @@ def _grad_w_kernel(x_ptr, w_ptr, rows_ptr, inv_ptr, b_ptr, tcol_ptr, lse_ptr, gw
     tl.store(gw_ptr + dst[:, None] * D + offs_d[None, :], acc.to(gw_ptr.dtype.element_ty), mask=mask)
 
 
+#: the kernels run under the CPU interpreter (Triton decided so when they were defined, from TRITON_INTERPRET)
+INTERPRET = not isinstance(_lse_kernel, triton.runtime.JITFunction)
+
+
 # -- tile choice ------------------------------------------------------------------------------------
 def _config(bb: int, bc: int, bk: int, warps: int, stages: int) -> triton.Config:
     return triton.Config({"BLOCK_B": bb, "BLOCK_C": bc, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
@@ -251,7 +252,7 @@ _LSE_CONFIGS = [_config(128, 128, 64, 8, 3), _config(128, 64, 64, 4, 4), _config
 _GRAD_CONFIGS = {
     128: [_config(128, 128, 64, 8, 3), _config(64, 128, 64, 4, 3), _config(128, 64, 64, 4, 3), _config(64, 64, 64, 4, 4)],
     256: [_config(128, 64, 64, 8, 3), _config(64, 128, 64, 8, 3), _config(64, 64, 64, 4, 3)],
-    512: [_config(64, 64, 64, 8, 2), _config(64, 32, 64, 4, 2), _config(32, 64, 64, 4, 2)],
+    512: [_config(64, 32, 64, 8, 2), _config(32, 64, 64, 8, 2), _config(32, 32, 64, 4, 2)],
 }
 _TUNERS: dict[tuple[str, int], object] = {}
 _KEY = ["D", "N_KEY", "PREC", "NORMALIZED"]
