@@ -21,6 +21,8 @@ normalisation, log-sum-exp, margins and combine in fp32. The weight may be store
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -28,16 +30,23 @@ from dmltrain.distributed.block_softmax import BLOCK_ELEMENTS
 from dmltrain.distributed.grad_rows import GradWriter
 from dmltrain.distributed.shard_call import NORM_EPS, ShardCall, ShardOwner
 
-try:
-    from dmltrain.distributed import softmax_kernels
-except ImportError:  # a torch build without Triton (the CPU wheels): the torch path only
+# The kernels (and Triton, ~75 MiB of resident memory) are loaded only where they can run: with
+# a CUDA device, or under Triton's CPU interpreter. A CPU-only process keeps the torch path alone.
+_UNLOADED = None
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    try:
+        from dmltrain.distributed import softmax_kernels
+    except ImportError:  # a torch build without Triton
+        softmax_kernels, _UNLOADED = None, "Triton is not installed"
+else:
     softmax_kernels = None
+    _UNLOADED = "no CUDA device and no TRITON_INTERPRET=1 when dmltrain.distributed.fused_softmax was imported"
 
 
 def fused_unavailable(device: torch.device) -> str | None:
     """Why the fused kernels cannot run on ``device`` (None when they can)."""
     if softmax_kernels is None:
-        return "Triton is not installed"
+        return f"the kernels are not loaded ({_UNLOADED})"
     if device.type != "cuda" and not softmax_kernels.INTERPRET:
         return f"the weight is on {device.type}: the kernels need CUDA, or TRITON_INTERPRET=1 set before triton is imported"
     return None
