@@ -108,11 +108,12 @@ def _classifier_case(rank, W, device, kind, params, precision, ratio, weight_sto
         losses.append(float(loss.detach()))
         xs.append(all_gather_uneven(x.grad)[0].cpu())
         actives.append(None if ratio >= 1 else torch.sort(all_gather_uneven(clf.active_class_ids)[0].cpu()).values)
-    w_grad = clf.gather_rows_all(clf.weight.grad).cpu()
-    b_grad = None if b_full is None else clf.gather_rows_all(clf.bias.grad).cpu()
+    w_grad = clf.gather_rows_all(clf.weight.grad).float().cpu()
+    b_grad = None if b_full is None else clf.gather_rows_all(clf.bias.grad).float().cpu()
     if rank != 0:
         return None
-    wr = w_full.double().requires_grad_(True)
+    w_stored = w_full.bfloat16() if weight_storage == "bf16" else w_full  # the reference sees the stored weight
+    wr = w_stored.double().requires_grad_(True)
     br = None if b_full is None else b_full.double().requires_grad_(True)
     err = {}
     for step in range(steps):
@@ -236,6 +237,9 @@ def _fused_world(rank, W, device):
         )
         report["classifier"]["softmax_ce fp32, accumulated over 2 calls"] = _classifier_case(
             rank, W, device, "softmax_ce", {"smoothing": 0.1}, "fp32", 1.0, steps=2
+        )
+        report["classifier"]["cosface bf16, bf16 weight storage"] = _classifier_case(
+            rank, W, device, "cosface", {"scale": 16.0, "margin": 0.35}, "bf16", 0.5, weight_storage="bf16"
         )
     for name, kind, params, precision, ratio in CASES[W]:
         report["classifier"][name] = _classifier_case(rank, W, device, kind, params, precision, ratio)
