@@ -69,7 +69,7 @@ from dmltrain.distributed.fused_softmax import FusedSoftmax, fused_unavailable
 from dmltrain.distributed.grad_rows import GradWriter, RowGrads
 from dmltrain.distributed.shard_call import ShardCall
 from dmltrain.distributed.workspace import Workspace
-from dmltrain.losses.kinds import KINDS, classifier_kind
+from dmltrain.losses.kinds import KINDS
 
 PRECISIONS = ("auto", "fp32", "tf32", "bf16")
 WEIGHT_STORAGES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -143,7 +143,7 @@ class ShardedClassifier(nn.Module):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"ShardedClassifier: unknown kind {kind!r} (choose from {', '.join(KINDS)})")
-        self.spec = classifier_kind(kind)
+        self.spec = KINDS[kind]
         self.params = self.spec.resolve(params)
         if not 0.0 < sample_ratio <= 1.0:
             raise ValueError(f"ShardedClassifier: sample_ratio must be in (0, 1], got {sample_ratio}")
