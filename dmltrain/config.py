@@ -24,9 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from dmltrain.config_tree import apply_overrides, flatten, read_tree
 from dmltrain.errors import ConfigError
 
-CLASSIFIER_KINDS = ("normsoftmax", "cosface", "arcface", "softmax_ce")
-
-
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, assignments are re-validated."""
 
@@ -93,11 +90,17 @@ class ModelConfig(Section):
 class ClassifierLoss(Section):
     """The class-sharded proxy classifier (model-parallel over workers)."""
 
-    kind: Literal["normsoftmax", "cosface", "arcface", "softmax_ce"] = "normsoftmax"
+    kind: str = Field("normsoftmax", description="normsoftmax, cosface, arcface or softmax_ce (dmltrain.losses.kinds)")
     weight: float = Field(1.0, ge=0.0)
     sample_ratio: float = Field(1.0, description="share of classes in each step's softmax, in (0, 1]")
     params: dict[str, float] = Field(default_factory=dict, description="temperature, scale, margin, smoothing")
-    logits_budget_mb: float = Field(256.0, gt=0, description="beyond this the classifier works in class chunks")
+    logits_budget_mb: float = Field(256.0, gt=0, description="CPU path: beyond this the classifier works in class chunks")
+    precision: Literal["auto", "fp32", "tf32", "bf16"] = Field(
+        "auto", description="products of the fused CUDA kernels (fp32 accumulation); auto: bf16 on CUDA, fp32 on the CPU"
+    )
+    weight_storage: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16 halves the weight and its gradient (CUDA; fp32 optimizer state, stochastic rounding)"
+    )
 
     @field_validator("sample_ratio")
     @classmethod
@@ -131,14 +134,17 @@ class LossConfig(Section):
     def _check(self) -> LossConfig:
         if self.classifier is None and self.instance is None:
             raise ValueError("loss: needs a classifier part, an instance part, or both")
-        from dmltrain.losses.registry import check_params  # imports torch: only when a config is checked
+        # imports torch: only when a config is checked
+        from dmltrain.losses.kinds import check_classifier
+        from dmltrain.losses.registry import check_values
 
-        for part, names in (("classifier", CLASSIFIER_KINDS), ("instance", None)):
-            cfg = getattr(self, part)
-            if cfg is not None:
-                problem = check_params(cfg.kind, cfg.params, allowed=names)
-                if problem:
-                    raise ValueError(f"loss.{part}.{problem}")
+        problems = {
+            "classifier": None if self.classifier is None else check_classifier(self.classifier.kind, self.classifier.params),
+            "instance": None if self.instance is None else check_values(self.instance.kind, self.instance.params),
+        }
+        for part, problem in problems.items():
+            if problem:
+                raise ValueError(f"loss.{part}.{problem}")
         return self
 
 
@@ -287,6 +293,12 @@ class Config(Section):
                 raise ValueError("data.sampler: instance losses need positives in every batch; use data.sampler=pk")
         if self.train.precision == "fp16" and not self.cluster.use_gpu:
             raise ValueError("train.precision: fp16 needs GPUs (DeepSpeed's CPU backend has no fp16); use bf16 or fp32")
+        c = self.loss.classifier
+        if c is not None and not self.cluster.use_gpu:  # the fused kernels run on CUDA only; refuse here, not at step 1
+            if c.precision in ("tf32", "bf16"):
+                raise ValueError(f"loss.classifier.precision: {c.precision} needs GPUs (cluster.use_gpu); CPU workers compute in fp32")
+            if c.weight_storage == "bf16":
+                raise ValueError("loss.classifier.weight_storage: bf16 needs GPUs (cluster.use_gpu); CPU workers keep an fp32 weight")
         if self.schedule.unit == "step" and self.train.max_steps is None and self.schedule.kind == "cosine":
             raise ValueError("schedule.unit: a cosine schedule in steps needs train.max_steps")
         return self

@@ -74,6 +74,9 @@ def test_overrides_apply_with_yaml_values():
         (["data.sampler=random"], "data.sampler"),  # instance loss without positives
         (["optim.lr.x=1"], "optim.lr"),
         (["train.precision=fp16"], "train.precision"),  # CPU workers
+        (["loss.classifier.precision=bf16"], "loss.classifier.precision"),  # fused kernels: CUDA only
+        (["loss.classifier.weight_storage=bf16"], "loss.classifier.weight_storage"),
+        (["loss.instance.kind=ranked_list", "loss.instance.params.normalize=anchors"], "loss.instance.params"),  # a bad value
         (["eval.metric=recall@3"], "eval.metric"),
         (["train.run_name=it's"], "train.run_name"),
     ],

@@ -13,6 +13,8 @@ from distributed_reference import dense_classifier_loss, rel_err
 from dmltrain.distributed import (
     ClassPartition,
     GatheredInstanceLoss,
+    gather_state,
+    load_state,
     RowSparseAdamW,
     RowSparseSGD,
     ShardedClassifier,
@@ -357,6 +359,71 @@ def test_argument_errors_name_the_culprit():
         make_classifier_optimizer(clf, "sgdw")
 
 
+@pytest.mark.parametrize("kind,ratio", [("arcface", 1.0), ("softmax_ce", 0.5)])
+def test_float64_classifier_computes_in_float64(kind, ratio):
+    """``.double()`` is honoured: loss, embeddings' and rows' gradients in float64, to float64 accuracy."""
+    C, D = 40, 8
+    clf = ShardedClassifier(C, D, kind, sample_ratio=ratio, scale=16.0, margin=0.5) if kind == "arcface" else ShardedClassifier(C, D, kind, sample_ratio=ratio)
+    clf = clf.double()
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        clf.weight.copy_(torch.randn(C, D, generator=g, dtype=torch.float64))
+        if clf.bias is not None:
+            clf.bias.copy_(0.1 * torch.randn(C, generator=g, dtype=torch.float64))
+    x, y = _batch(C, D, seed=8)
+    x = x.double().requires_grad_(True)
+    loss = clf(x, y, step=0)
+    loss.backward()
+    assert loss.dtype == clf.weight.grad.dtype == x.grad.dtype == torch.float64
+    xr, wr = x.detach().clone().requires_grad_(True), clf.weight.detach().clone().requires_grad_(True)
+    br = None if clf.bias is None else clf.bias.detach().clone().requires_grad_(True)
+    ref = dense_classifier_loss(xr, y, wr, br, kind, clf.params, None if ratio == 1 else clf.active_rows)
+    ref.backward()
+    assert rel_err(loss.detach(), ref.detach()) < 1e-12
+    assert rel_err(x.grad, xr.grad) < 1e-12 and rel_err(clf.weight.grad, wr.grad) < 1e-12
+
+
+def test_precision_and_storage_errors_are_one_line():
+    x, y = torch.randn(3, 4), torch.tensor([0, 1, 2])
+    for kwargs, words in [
+        ({"precision": "bf16"}, "precision 'bf16' needs the fused CUDA kernels"),
+        ({"precision": "tf32"}, "precision 'tf32' needs the fused CUDA kernels"),
+        ({"weight_storage": "bf16"}, "bf16 weight"),
+        ({"backend": "triton"}, "TRITON_INTERPRET=1"),  # this process compiled the kernels for a GPU
+    ]:
+        with pytest.raises(ValueError, match=words) as err:
+            ShardedClassifier(10, 4, **kwargs)(x, y)
+        assert "\n" not in str(err.value)
+    for kwargs, words in [({"precision": "fp16"}, "precision must be one of"), ({"weight_storage": "fp8"}, "weight_storage"),
+                          ({"backend": "cuda"}, "backend must be one of")]:  # fmt: skip
+        with pytest.raises(ValueError, match=words):
+            ShardedClassifier(10, 4, **kwargs)
+    with pytest.raises(ValueError, match="margin must be in \\[0, pi\\), got 4"):
+        ShardedClassifier(10, 4, "arcface", margin=4.0)
+    with pytest.raises(ValueError, match="float16 weight"):
+        ShardedClassifier(10, 4).half()(x, y)
+
+
+def test_stochastic_rounding_is_unbiased_and_bf16_rows_learn_below_resolution():
+    from dmltrain.distributed.sparse_optim import round_stochastic
+
+    vals = torch.tensor([1.0 + 2**-10, -1.0 - 3 * 2**-10, 3.3e-5, -7.77])
+    x = vals.repeat(40_000, 1)
+    r = round_stochastic(x, torch.Generator().manual_seed(0)).float()
+    # every result is within one bf16 step of its value, and their mean is the value
+    ulp = torch.tensor([2**-7, 2**-7, 2.0**-22, 2**-5])
+    assert ((r - x).abs() < ulp).all()
+    assert ((r.mean(0) - vals).abs() < 0.02 * ulp).all(), (r.mean(0) - vals, ulp)
+    # an SGD step 1e-4 (below bf16's resolution 2^-8 at 1.0) still moves a bf16 row on average
+    p = torch.nn.Parameter(torch.ones(500, 4, dtype=torch.bfloat16))
+    opt = RowSparseSGD([p], lr=1e-4)
+    assert opt.state[p]["momentum_buffer"].dtype == torch.float32
+    for _ in range(50):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    assert abs(float(p.detach().float().mean()) - (1 - 50 * 1e-4)) < 2e-4
+
+
 # -- checkpoints by class id (one process; the W=3 → W=2/1 round trip is multi-process) -----------------
 def test_checkpoint_round_trip_and_gaps():
     C, D = 40, 5
@@ -367,7 +434,7 @@ def test_checkpoint_round_trip_and_gaps():
     x, y = _batch(C, D)
     clf(x, y, step=0).backward()
     opt.step()
-    state = clf.state_dict_by_class(opt)
+    state = gather_state(clf, opt)
     other = ShardedClassifier(C, D, "softmax_ce")
     other_opt = make_classifier_optimizer(other, "adamw", lr=0.5)
     # two pieces that together cover every class
@@ -376,18 +443,18 @@ def test_checkpoint_round_trip_and_gaps():
         piece = dict(state, class_start=s, class_end=e, weight=state["weight"][s:e], bias=state["bias"][s:e])
         piece["optimizer"] = dict(state["optimizer"], rows={n: {k: v[s:e] for k, v in r.items()} for n, r in state["optimizer"]["rows"].items()})
         halves.append(piece)
-    other.load_state_dict_by_class(halves, other_opt)
+    load_state(other, halves, other_opt)
     assert torch.equal(other.full_weight(), clf.full_weight()) and torch.equal(other.full_bias(), clf.full_bias())
     for p, q in [(clf.weight, other.weight), (clf.bias, other.bias)]:
         for k, v in opt.state[p].items():
             assert torch.equal(v, other_opt.state[q][k])
     assert other_opt.param_groups[0]["lr"] == 0.01
     with pytest.raises(ValueError, match="missing"):
-        other.load_state_dict_by_class(halves[:1], other_opt)
+        load_state(other, halves[:1], other_opt)
     with pytest.raises(ValueError, match="dim"):
-        ShardedClassifier(C, D + 1, "softmax_ce").load_state_dict_by_class(state)
+        load_state(ShardedClassifier(C, D + 1, "softmax_ce"), state)
     with pytest.raises(ValueError, match="RowSparseAdamW"):
-        other.load_state_dict_by_class(state, make_classifier_optimizer(other, "sgd"))
+        load_state(other, state, make_classifier_optimizer(other, "sgd"))
 
 
 def test_load_full_weight_checks_shape():
@@ -405,15 +472,19 @@ def test_bench_classifier_smoke(capsys, monkeypatch):
     import argparse
     import json
 
-    from dmltrain.distributed import bench
+    from dmltrain.distributed import bench, bench_runs
 
-    monkeypatch.setattr(bench, "_child", lambda job: json.loads(json.dumps(bench._ours(job) if job["role"] == "ours" else bench._peer_run(job))))
+    monkeypatch.setattr(bench, "_child", lambda job: json.loads(json.dumps(bench_runs.run_job(job))))
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args("--classes 3000 --dim 16 --batch 32 --sample-ratio 1 0.1 --steps 1 --no-peer".split())
     assert bench.run(args) == 0
     out = capsys.readouterr().out
     assert "step / GEMMs" in out and "R=0.1: step" in out and "faster than R=1" in out
+    if not torch.cuda.is_available():  # --device cuda says so in one line
+        args = parser.parse_args("--classes 3000 --dim 16 --batch 32 --steps 1 --device cuda".split())
+        assert bench.run(args) == 1
+        assert "R=1: failed, no CUDA GPU" in capsys.readouterr().out
 
 
 # -- collectives and the instance-loss wrapper alone -------------------------------------------------------

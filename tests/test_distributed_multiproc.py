@@ -76,7 +76,7 @@ def _classifier_case(rank, W, kind, params, budget, ratio=1.0, step=0):
         "loss": float(loss.detach()),
         "kept": clf.stats["logits_kept"],
         "active_classes": clf.stats["active_classes"],
-        "w_grad": clf._gather_rows_all(clf.weight.grad),
+        "w_grad": clf.gather_rows_all(clf.weight.grad),
         "x_grad": all_gather_uneven(x.grad)[0],
         "active": active,
         "local_active": clf.active_rows.clone(),
@@ -84,7 +84,7 @@ def _classifier_case(rank, W, kind, params, budget, ratio=1.0, step=0):
         "num_local": clf.num_local,
     }
     if kind == "softmax_ce":
-        out["b_grad"] = clf._gather_rows_all(clf.bias.grad)
+        out["b_grad"] = clf.gather_rows_all(clf.bias.grad)
     if rank != 0:
         return out, clf
     xr = x_full.double().requires_grad_(True)
@@ -118,7 +118,7 @@ def _few_classes_case(rank, W):
     loss = clf(x, _local(y_full, rank, W))
     loss.backward()
     opt.step()  # must cope with an empty shard
-    w_grad, x_grad = clf._gather_rows_all(clf.weight.grad), all_gather_uneven(x.grad)[0]
+    w_grad, x_grad = clf.gather_rows_all(clf.weight.grad), all_gather_uneven(x.grad)[0]
     if rank != 0:
         return {}
     xr, wr = x_full.double().requires_grad_(True), w_full.double().requires_grad_(True)
@@ -250,14 +250,14 @@ def _flatten_state(state):
 
 
 def _checkpoint_checks(rank, W, tmpdir):
-    from dmltrain.distributed import load_by_class, save_by_class
+    from dmltrain.distributed import gather_state, load_by_class, load_state, save_by_class
 
     tmp = Path(tmpdir)
     report = {}
     for opt_name in ("sgd", "adamw"):
         if W == 3:
             clf, opt = _train_for_checkpoint(rank, W, opt_name)
-            state = clf.state_dict_by_class(opt)  # whole state on rank 0
+            state = gather_state(clf, opt)  # whole state on rank 0
             if rank == 0:
                 torch.save(state, tmp / f"{opt_name}.pt")
             save_by_class(clf, tmp / f"{opt_name}-pieces", opt)
@@ -265,10 +265,10 @@ def _checkpoint_checks(rank, W, tmpdir):
         for source in ("gathered", "pieces"):
             clf, opt = _fresh(W, opt_name)
             if source == "gathered":
-                clf.load_state_dict_by_class(torch.load(tmp / f"{opt_name}.pt", weights_only=True), opt)
+                load_state(clf, torch.load(tmp / f"{opt_name}.pt", weights_only=True), opt)
             else:
                 load_by_class(clf, tmp / f"{opt_name}-pieces", opt)
-            again = clf.state_dict_by_class(opt, dst=None)
+            again = gather_state(clf, opt, dst=None)
             if rank == 0:
                 saved = _flatten_state(torch.load(tmp / f"{opt_name}.pt", weights_only=True))
                 mine = _flatten_state(again)

@@ -388,14 +388,14 @@ def test_stats_pos_neg_similarity_values():
 
 # -- the margin and smoothing maths shared with the sharded classifier --------------------------------
 def test_margin_targets_against_scalar_formulas():
-    """``margins.TARGET_LOGIT`` (which the registry losses and the sharded classifier both call)
+    """The kinds' ``target_logit`` (which the registry losses and the sharded classifier both call)
     against float64 scalar formulas through ``acos``, away from θ = 0 where acos is exact enough."""
-    from dmltrain.losses.margins import TARGET_LOGIT
+    from dmltrain.losses.kinds import KINDS
 
     g = torch.Generator().manual_seed(21)
     x, w = unit_rows(torch.randn(64, 5, generator=g, dtype=F64)), unit_rows(torch.randn(64, 5, generator=g, dtype=F64))
     for kind, params in [("normsoftmax", {"temperature": 0.05}), ("cosface", {"scale": 30.0, "margin": 0.35}), ("arcface", {"scale": 30.0, "margin": 0.5}), ("arcface", {"scale": 30.0, "margin": 1.2})]:  # fmt: skip
-        got = TARGET_LOGIT[kind](x, w, **params)
+        got = KINDS[kind].target_logit(x, w, **params)
         for i in range(x.shape[0]):
             cos = float(x[i] @ w[i])
             if kind == "normsoftmax":
@@ -489,7 +489,8 @@ def test_defaults_follow_the_spec():
 
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_every_name_builds_from_a_config(name):
-    from dmltrain.config import CLASSIFIER_KINDS, load_config
+    from dmltrain.config import load_config
+    from dmltrain.losses.kinds import CLASSIFIER_KINDS
 
     part = "classifier" if name in CLASSIFIER_KINDS else "instance"
     cfg = load_config(None, [f"loss.{part}.kind={name}"])

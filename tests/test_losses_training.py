@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmltrain.config import CLASSIFIER_KINDS, load_config
+from dmltrain.config import load_config
 from dmltrain.losses import loss_names, make_loss
+from dmltrain.losses.kinds import CLASSIFIER_KINDS
 
 # losses defined on raw embeddings train the BatchNorm (CE paper) head; the others the NormSoftmax head
 RAW_EMBEDDING_LOSSES = {"softmax_ce", "npair", "spce", "center"}

@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from cluster.tune.results import TrialRow, reconcile_with_mlflow
-from cluster.tune.space import apply_params, load_space, validate_config
+from cluster.tune.space import apply_params, load_space
+from dmltrain.config import build_config
 from cluster.tune.trial import EvaluationsToTune, run_trial, trial_index
 from dmltrain.cli import main
 from dmltrain.config import load_config
@@ -98,7 +99,7 @@ def test_dotted_keys_and_section_choices_merge(tmp_path):
     base = load_config(DEMO).to_dict()
     tree = apply_params(base, {"optim.lr": 0.3, "data": {"batch_size": 32, "samples_per_class": 2},
                                   "loss.classifier.params.temperature": 0.07})
-    cfg = validate_config(tree, "t")
+    cfg = build_config(tree, "t")
     assert cfg.optim.lr == 0.3 and (cfg.data.batch_size, cfg.data.P) == (32, 16)
     assert cfg.data.shards == base["data"]["shards"]  # merged into the section, not replacing it
     assert cfg.loss.classifier.params == {"temperature": 0.07}

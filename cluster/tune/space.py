@@ -2,8 +2,8 @@
 
 A space maps dotted config keys to distributions (see :mod:`cluster.tune`). :func:`load_space`
 checks it against the resolved config before anything starts; :func:`apply_params` turns a
-sample into the config tree a trial trains, and :func:`validate_config` checks that tree as the
-trial will.
+sample into the config tree a trial trains, and :func:`~dmltrain.config.build_config` checks that tree as the
+trial will (the losses' values included).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from ray import tune
 from dmltrain.config import Config, build_config
 from dmltrain.config_tree import parse_yaml, set_dotted
 from dmltrain.errors import ConfigError, UserError
-from dmltrain.losses.registry import build_loss
 from dmltrain.text import finite_number
 from dmltrain.tracking.names import report_key
 
@@ -153,32 +152,10 @@ def apply_params(tree: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]
     return tree
 
 
-def check_losses(cfg) -> None:
-    """Build the config's losses once at toy size: their constructors check values (T > 0, m <= alpha)."""
-    for part in ("classifier", "instance"):
-        c = getattr(cfg.loss, part)
-        if c is None:
-            continue
-        try:
-            if part == "classifier":
-                build_loss(c.kind, num_classes=4, dim=8, **c.params)
-            else:
-                build_loss(c.kind, **c.params)
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"loss.{part}.params: {str(e).splitlines()[0]}") from None
-
-
-def validate_config(tree: dict[str, Any], source: str):
-    """``build_config`` plus the loss-value checks: the config a trial would train, or a ConfigError."""
-    cfg = build_config(tree, source=source)
-    check_losses(cfg)
-    return cfg
-
-
 def refusal(tree: dict[str, Any]) -> str | None:
     """Why the config refuses ``tree`` (one line naming the key), or None when it is a valid run config."""
     try:
-        validate_config(tree, source="config")
+        build_config(tree, source="config")
     except UserError as e:
         msg = str(e)
         return msg[len("config: "):] if msg.startswith("config: ") else msg

@@ -14,7 +14,8 @@ from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from cluster.launch import build_trainer
-from cluster.tune.space import apply_params, validate_config
+from cluster.tune.space import apply_params
+from dmltrain.config import build_config
 from dmltrain.errors import UserError
 from dmltrain.tracking.names import ERROR_TAG, KIND_TAG, REPORT_EVALUATION, REPORT_STEP, STORAGE_DIR_TAG, TUNE_TRIAL_TAG
 from dmltrain.tracking.run import TAG_CHARS, RunHandle
@@ -74,7 +75,7 @@ def run_trial(params: dict[str, Any], setup: dict[str, Any]) -> None:
     tags = {KIND_TAG: "tune-trial", TUNE_TRIAL_TAG: trial_id, STORAGE_DIR_TAG: storage_dir}
     shown = ", ".join(f"{k}={v!r}" for k, v in params.items())
     try:
-        cfg = validate_config(tree, source=f"trial {index} ({shown})")
+        cfg = build_config(tree, source=f"trial {index} ({shown})")
     except UserError as e:
         if tracking.get("enabled", True):
             failed = RunHandle.open(tracking.get("uri"), tracking.get("experiment", "dmltrain"), run_name, params,

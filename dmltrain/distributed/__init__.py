@@ -1,6 +1,6 @@
-"""The distributed core: a class-sharded softmax classifier with class subsampling, its
-row-sparse optimizers, W-independent checkpoints by class id, and instance losses over the
-all-gathered global batch.
+"""The distributed core: a class-sharded softmax classifier with class subsampling (torch
+block GEMMs on the CPU, fused Triton kernels on CUDA), its row-sparse optimizers,
+W-independent checkpoints by class id, and instance losses over the all-gathered global batch.
 
 Names are imported lazily so that ``dmltrain bench --help`` does not load torch.
 """
@@ -11,7 +11,6 @@ from dmltrain.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "ShardedClassifier": "sharded_softmax",
-    "KIND_PARAMS": "sharded_softmax",
     "GatheredInstanceLoss": "gathered_loss",
     "gather_with_grad": "collectives",
     "all_gather_uneven": "collectives",
@@ -25,6 +24,9 @@ _EXPORTS = {
     "make_classifier_optimizer": "sparse_optim",
     "save_by_class": "class_checkpoint",
     "load_by_class": "class_checkpoint",
+    "gather_state": "class_checkpoint",
+    "local_state": "class_checkpoint",
+    "load_state": "class_checkpoint",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -22,17 +22,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from dmltrain.distributed.collectives import _gather_rows, group_rank_size
+from dmltrain.distributed.sharded_softmax import ShardedClassifier
 from dmltrain.fileio import atomic_path, write_json
-
-if TYPE_CHECKING:
-    from dmltrain.distributed.sharded_softmax import ShardedClassifier
 
 FORMAT = "dmltrain.sharded_classifier/1"
 INDEX_NAME = "classifier-index.json"

@@ -17,6 +17,11 @@ temporary memory stays bounded whatever the shard size.
 
 With no row source (``rows=None``) they behave as dense optimizers. Optimizer state is
 created eagerly (zeros) so that it can be saved by class id before the first step.
+
+A bf16 parameter (the classifier's ``weight_storage="bf16"``) keeps fp32 optimizer state; its
+rows are updated in fp32 and written back with stochastic rounding (:func:`round_stochastic`:
+unbiased, so updates far below bf16's resolution still move the weight on average, without an
+fp32 master copy). The rounding draws from the optimizer's own generator (``seed``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,26 @@ from dmltrain.distributed.workspace import Workspace
 BLOCK_ELEMENTS = 1 << 24
 
 _FUSED_SGD = getattr(torch, "_fused_sgd_", None)
+#: parameter dtypes stored in low precision: fp32 state, fp32 update, stochastic rounding back
+LOW_PRECISION = (torch.bfloat16,)
+
+
+def state_like(p: Tensor) -> Tensor:
+    """Zero optimizer state for ``p``: fp32 for a low-precision parameter, else ``p``'s dtype."""
+    dtype = torch.float32 if p.dtype in LOW_PRECISION else p.dtype
+    return torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+
+
+def round_stochastic(src: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """bf16 of fp32 ``src``, rounded away from zero with probability equal to the discarded
+    fraction of the magnitude (so ``E[result] = src``).
+
+    On the bit patterns: adding uniform noise below the 16 kept bits and truncating rounds the
+    magnitude up exactly when the noise carries over; the sign bit is untouched.
+    """
+    bits = src.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, device=src.device, generator=generator)
+    return torch.bitwise_right_shift(bits + noise, 16).to(torch.int16).view(torch.bfloat16)
 
 
 def _base(name: str) -> Callable[..., Any]:
@@ -65,9 +90,11 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     #: names of the per-row state tensors (same leading dim as the parameter)
     row_state: tuple[str, ...] = ()
 
-    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], rows: RowSource | None = None) -> None:
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], rows: RowSource | None = None, seed: int = 0) -> None:
         super().__init__(params, defaults)
         self.row_source = rows
+        self.seed = int(seed)
+        self._generators: dict[torch.device, torch.Generator] = {}
         self._workspace = Workspace()  # gathered rows of a block (reused: no page faults per step)
         n_rows = {p.shape[0] for g in self.param_groups for p in g["params"]}
         if len(n_rows) > 1:
@@ -99,6 +126,13 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     def _rows(self) -> Tensor | None:
         return None if self.row_source is None else self.row_source.grad_rows()
 
+    def _store(self, p: Tensor, rounded_from: Tensor) -> Tensor:
+        """fp32 rows updated for a low-precision parameter, rounded stochastically to its dtype."""
+        gen = self._generators.get(p.device)
+        if gen is None:
+            gen = self._generators[p.device] = torch.Generator(device=p.device).manual_seed(self.seed)
+        return round_stochastic(rounded_from, gen)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
@@ -122,6 +156,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if n == 0:  # a shard that owns no class
             return
         cols = p[0].numel()
+        low = p.dtype in LOW_PRECISION
         pv, gv = p.view(n, cols), p.grad.view(n, cols)
         state = self.state[p]
         sv = {k: state[k].view(n, -1) for k in self.row_state}
@@ -129,7 +164,13 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if rows is None:
             for s in range(0, n, block):
                 sl = slice(s, min(n, s + block))
-                self._update(group, pv[sl], gv[sl], {k: v[sl] for k, v in sv.items()})
+                sb = {k: v[sl] for k, v in sv.items()}
+                if low:
+                    pb = pv[sl].float()
+                    self._update(group, pb, gv[sl].float(), sb)
+                    pv[sl] = self._store(p, pb)
+                else:
+                    self._update(group, pv[sl], gv[sl], sb)
             return
         rows = rows.to(p.device)
         ws = self._workspace
@@ -141,9 +182,12 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 return torch.index_select(src, 0, idx, out=ws.get(name, (n_b, src.shape[1]), src.device, src.dtype))
 
             pb = gather("param", pv)
+            gb = gather("grad", gv)
+            if low:
+                pb, gb = pb.float(), gb.float()
             sb = {k: gather(f"state.{k}", v) for k, v in sv.items()}
-            self._update(group, pb, gather("grad", gv), sb)
-            pv.index_copy_(0, idx, pb)
+            self._update(group, pb, gb, sb)
+            pv.index_copy_(0, idx, self._store(p, pb) if low else pb)
             for k, v in sv.items():
                 v.index_copy_(0, idx, sb[k])
 
@@ -168,18 +212,19 @@ class RowSparseSGD(RowSparseOptimizer):
         nesterov: bool = False,
         weight_decay: float = 0.0,
         rows: RowSource | None = None,
+        seed: int = 0,
     ) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"RowSparseSGD: lr, momentum and weight_decay must be >= 0, got {lr}, {momentum}, {weight_decay}")
         if nesterov and momentum <= 0:
             raise ValueError("RowSparseSGD: nesterov needs momentum > 0")
-        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay), rows)
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay), rows, seed)
 
     row_state = ("momentum_buffer",)
 
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
         # Created even when momentum is 0 so that the state layout does not depend on a hyperparameter.
-        self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        self.state[p]["momentum_buffer"] = state_like(p)
 
     def _update(self, group: dict[str, Any], p: Tensor, g: Tensor, state: dict[str, Tensor]) -> None:
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
@@ -225,15 +270,16 @@ class RowSparseAdamW(RowSparseOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.01,
         rows: RowSource | None = None,
+        seed: int = 0,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"RowSparseAdamW: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), rows)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), rows, seed)
 
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
         st = self.state[p]
-        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        st["exp_avg"] = state_like(p)
+        st["exp_avg_sq"] = state_like(p)
         st["step"] = torch.zeros(p.shape[0], dtype=torch.int64, device=p.device)
 
     def _step_param(self, group: dict[str, Any], p: Tensor, rows: Tensor | None) -> None:
@@ -271,19 +317,21 @@ def make_classifier_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     bias_weight_decay: float | None = None,
+    seed: int = 0,
 ) -> RowSparseOptimizer:
     """The classifier's own optimizer (it stays out of DeepSpeed's data-parallel reduction).
 
     One param group for ``clf.weight`` and, for ``softmax_ce``, one for ``clf.bias`` (its weight
     decay is ``bias_weight_decay``, default ``weight_decay``); each group carries a ``name``.
     Set ``param_groups[i]["lr"]`` from the schedule; call ``step()`` after ``engine.step()``.
+    ``seed`` seeds the stochastic rounding of a bf16 weight (give each worker its own).
     """
     groups: list[dict[str, Any]] = [{"params": [clf.weight], "weight_decay": weight_decay, "name": "classifier.weight"}]
     if getattr(clf, "bias", None) is not None:
         bwd = weight_decay if bias_weight_decay is None else bias_weight_decay
         groups.append({"params": [clf.bias], "weight_decay": bwd, "name": "classifier.bias"})
     if name == "sgd":
-        return RowSparseSGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, rows=clf)
+        return RowSparseSGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, rows=clf, seed=seed)
     if name == "adamw":
-        return RowSparseAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rows=clf)
+        return RowSparseAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rows=clf, seed=seed)
     raise ValueError(f"classifier optimizer: unknown name {name!r} (choose sgd or adamw)")

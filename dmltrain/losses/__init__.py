@@ -3,9 +3,10 @@
 ``build_loss(name, **params)`` (or :func:`make_loss` from a config part); the names:
 
 * proxy losses (own ``weight``: ``num_classes × dim``): ``normsoftmax``, ``cosface``,
-  ``arcface``, ``softmax_ce`` (the four classifier kinds, :class:`ClassifierLoss`; their
-  margin and label-smoothing maths, :mod:`~dmltrain.losses.margins`, is shared with the
-  class-sharded classifier), ``proxy_nca``, ``center``;
+  ``arcface``, ``softmax_ce`` (the four classifier kinds, :class:`ClassifierLoss`; each
+  described once in :data:`KINDS`, :mod:`~dmltrain.losses.kinds`, with its margin and
+  label-smoothing maths in :mod:`~dmltrain.losses.margins`, shared with the class-sharded
+  classifier), ``proxy_nca``, ``center``;
 * instance losses (:class:`InstanceLoss`, decomposed over anchors for the distributed
   layer): ``ice``, ``ranked_list``, ``spce``, ``contrastive``, ``triplet``,
   ``multi_similarity``, ``snca``, ``lifted_structure``, ``npair``.
@@ -42,12 +43,16 @@ from dmltrain.losses import (  # noqa: F401  (each import registers its loss)
 from dmltrain.losses.base import AnchorTerms, BaseLoss, InstanceLoss, ProxyLoss
 from dmltrain.losses.classifier import ClassifierLoss
 from dmltrain.losses.factory import is_proxy_loss, make_loss
+from dmltrain.losses.kinds import CLASSIFIER_KINDS, KINDS, ClassifierKind
 from dmltrain.losses.margins import smoothed_nll
 from dmltrain.losses.registry import build_loss, check_params, loss_names, register
 
 __all__ = [
+    "CLASSIFIER_KINDS",
+    "KINDS",
     "AnchorTerms",
     "BaseLoss",
+    "ClassifierKind",
     "ClassifierLoss",
     "InstanceLoss",
     "ProxyLoss",

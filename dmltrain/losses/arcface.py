@@ -4,23 +4,18 @@ Logits ``s·cos θ_j`` for the other classes and ``s·cos(θ_y + m)`` for the ta
 true gradient of the margin (:func:`~dmltrain.losses.margins.arcface_target`: the angle from
 ``atan2`` of the unit vectors, accurate at every angle, and InsightFace's continuation
 ``cos θ - m·sin m`` beyond ``θ + m > π``; see :mod:`~dmltrain.losses.margins`). Defaults
-``s = 64, m = 0.5`` are the ArcFace paper's.
+``s = 64, m = 0.5`` are the ArcFace paper's; ``0 <= margin < π`` (:data:`~dmltrain.losses.kinds.KINDS`).
 """
 
 from __future__ import annotations
 
-import math
-
 from dmltrain.losses.classifier import MarginClassifierLoss
+from dmltrain.losses.kinds import KINDS
 from dmltrain.losses.registry import register
 
 
 @register("arcface")
 class ArcFaceLoss(MarginClassifierLoss):
-    """Additive angular margin on the target logit only; ``0 <= margin < π``."""
+    """Additive angular margin on the target logit only."""
 
-    kind = "arcface"
-    max_margin = math.pi
-
-    def __init__(self, num_classes: int, dim: int, scale: float = 64.0, margin: float = 0.5) -> None:
-        super().__init__(num_classes, dim, scale, margin)
+    spec = KINDS["arcface"]

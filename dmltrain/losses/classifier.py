@@ -2,6 +2,8 @@
 
 A :class:`ClassifierLoss` turns embeddings into logits against its class weights
 (:meth:`ClassifierLoss.scores`) and takes a (label-smoothed) cross-entropy of them;
+:class:`KindClassifierLoss` is one of the four classifier kinds, its hyperparameters,
+defaults and bounds read from the kind's record (:mod:`~dmltrain.losses.kinds`);
 :class:`MarginClassifierLoss` is the cosine classifier whose target logit carries a margin
 (CosFace, ArcFace). The margin and smoothing maths live in :mod:`~dmltrain.losses.margins`,
 shared with the class-sharded classifier.
@@ -9,14 +11,14 @@ shared with the class-sharded classifier.
 
 from __future__ import annotations
 
-import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from dmltrain.losses.base import ProxyLoss
-from dmltrain.losses.margins import TARGET_LOGIT, smoothed_nll
+from dmltrain.losses.kinds import ClassifierKind
+from dmltrain.losses.margins import smoothed_nll
 from dmltrain.losses.pairs import NONTRIVIAL_NLL, normalize, similarity
 
 #: A non-target class with softmax probability above this still pushes the embedding.
@@ -59,26 +61,37 @@ class ClassifierLoss(ProxyLoss):
         return loss.mean() if loss.numel() else logits.sum() * 0.0
 
 
-class MarginClassifierLoss(ClassifierLoss):
-    """Cosine classifier ``s·cos θ_j`` with the target logit from :data:`~dmltrain.losses.margins.TARGET_LOGIT`
-    (``kind``), computed on each (embedding, own class weight) pair."""
+class KindClassifierLoss(ClassifierLoss):
+    """A classifier kind's loss: ``spec`` (its :class:`~dmltrain.losses.kinds.ClassifierKind`)
+    gives the keyword hyperparameters, their defaults and bounds; each becomes an attribute
+    (``loss.temperature``) and ``params`` holds them all."""
 
-    kind: ClassVar[str] = ""
-    max_margin: ClassVar[float] = math.inf
+    spec: ClassVar[ClassifierKind]
+    #: the constructor's keyword hyperparameters, for the registry
+    hyperparameters: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, num_classes: int, dim: int, scale: float, margin: float) -> None:
-        if scale <= 0 or not 0 <= margin < self.max_margin:
-            bound = "" if self.max_margin == math.inf else " < pi"
-            raise ValueError(f"{self.kind}: need scale > 0 and 0 <= margin{bound}, got {scale}, {margin}")
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "spec" in cls.__dict__:
+            cls.hyperparameters = cls.spec.param_names
+
+    def __init__(self, num_classes: int, dim: int, **params: float) -> None:
+        self.params = self.spec.resolve(params)
+        for name, value in self.params.items():
+            setattr(self, name, value)
         super().__init__(num_classes, dim)
-        self.scale, self.margin = float(scale), float(margin)
+
+
+class MarginClassifierLoss(KindClassifierLoss):
+    """Cosine classifier ``s·cos θ_j`` with the target logit from the kind's ``target_logit``,
+    computed on each (embedding, own class weight) pair."""
 
     def scores(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         x_hat, w_hat = normalize(embeddings), normalize(self.weight)
         cos = similarity(x_hat, w_hat, allow_autocast=True)
-        target = TARGET_LOGIT[self.kind](x_hat, w_hat[labels], scale=self.scale, margin=self.margin)
+        target = self.spec.target_logit(x_hat, w_hat[labels], **self.params)
         rows = torch.arange(labels.shape[0], device=labels.device)
-        return (self.scale * cos).index_put((rows, labels), target), cos
+        return (self.spec.logit_scale(self.params) * cos).index_put((rows, labels), target), cos
 
 
 def classifier_stats(logits: Tensor, cos: Tensor, labels: Tensor) -> dict[str, float]:

@@ -1,8 +1,9 @@
 """The target-logit margins and the label smoothing of the softmax classifiers, in one place.
 
-Both the registry losses (:mod:`~dmltrain.losses.normsoftmax`, :mod:`~dmltrain.losses.cosface`,
+Each kind's record in :mod:`~dmltrain.losses.kinds` names its target-logit function here;
+both the registry losses (:mod:`~dmltrain.losses.normsoftmax`, :mod:`~dmltrain.losses.cosface`,
 :mod:`~dmltrain.losses.arcface`, :mod:`~dmltrain.losses.softmax_ce`) and the class-sharded
-classifier (:mod:`dmltrain.distributed.sharded_softmax`) call these functions, so the two
+classifier (:mod:`dmltrain.distributed.sharded_softmax`) call them through it, so the two
 cannot drift apart.
 
 Target logits are computed on *paired* rows (each example's unit embedding with its own
@@ -22,8 +23,6 @@ larger angle would *raise* the target logit); there we use, as InsightFace does,
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
@@ -57,14 +56,6 @@ def cosface_target(x_hat: Tensor, w_hat: Tensor, scale: float, margin: float) ->
 def arcface_target(x_hat: Tensor, w_hat: Tensor, scale: float, margin: float) -> Tensor:
     """ArcFace: ``s·cos(θ + m)`` with θ from :func:`unit_angle`, continued beyond ``θ + m > π``."""
     return scale * arc_margin(unit_angle(x_hat, w_hat), margin)
-
-
-#: kind -> target logit of paired unit rows, called with the kind's hyperparameters as keywords
-TARGET_LOGIT: dict[str, Callable[..., Tensor]] = {
-    "normsoftmax": normsoftmax_target,
-    "cosface": cosface_target,
-    "arcface": arcface_target,
-}
 
 
 def smoothing_weights(num_classes: int, smoothing: float) -> tuple[float, float]:

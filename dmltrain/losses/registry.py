@@ -1,7 +1,8 @@
 """The loss registry: one name per loss, built from keyword hyperparameters.
 
 ``build_loss("ice", scale=64)``. Names are registered by the ``@register`` decorator on each
-loss class; importing :mod:`dmltrain.losses` registers them all.
+loss class; importing any module of :mod:`dmltrain.losses` (this one included) first runs the
+package's ``__init__``, which imports, and so registers, every loss.
 """
 
 from __future__ import annotations
@@ -28,17 +29,11 @@ def register(name: str):
     return deco
 
 
-def _ensure_loaded() -> None:
-    import dmltrain.losses  # noqa: F401  (registers every loss)
-
-
 def loss_names() -> list[str]:
-    _ensure_loaded()
     return sorted(_REGISTRY)
 
 
 def loss_class(name: str) -> type:
-    _ensure_loaded()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -46,14 +41,21 @@ def loss_class(name: str) -> type:
 
 
 def accepted_params(name: str) -> list[str]:
-    """The hyperparameter keywords of a loss (its constructor's, minus num_classes/dim)."""
-    sig = inspect.signature(loss_class(name).__init__)
+    """The hyperparameter keywords of a loss: its ``hyperparameters`` (the classifier kinds,
+    :mod:`~dmltrain.losses.kinds`), else its constructor's minus num_classes/dim."""
+    cls = loss_class(name)
+    declared = getattr(cls, "hyperparameters", None)
+    if declared:
+        return list(declared)
+    sig = inspect.signature(cls.__init__)
     return [p for p in sig.parameters if p not in ("self", *STRUCTURAL_ARGS) and sig.parameters[p].kind is not inspect.Parameter.VAR_KEYWORD]
 
 
 def check_params(name: str, params: dict[str, Any], allowed: tuple[str, ...] | None = None) -> str | None:
-    """None when ``name`` with ``params`` can be built; else a short reason starting with the key at fault."""
-    _ensure_loaded()
+    """None when ``name`` takes keywords ``params``; else a short reason starting with the key at fault.
+
+    Names only: :func:`check_values` also runs the constructor's value checks, and the
+    classifier kinds are checked by :func:`~dmltrain.losses.kinds.check_classifier`."""
     if allowed is not None and name not in allowed:
         return f"kind: {name!r} is not one of {', '.join(allowed)}"
     if name not in _REGISTRY:
@@ -62,6 +64,24 @@ def check_params(name: str, params: dict[str, Any], allowed: tuple[str, ...] | N
     for key in params:
         if key not in accepted:
             return f"params.{key}: not a parameter of {name} (it takes: {', '.join(accepted) or 'none'})"
+    return None
+
+
+def check_values(name: str, params: dict[str, Any]) -> str | None:
+    """None when the instance loss ``name`` accepts ``params``'s values; else a short reason.
+
+    Builds the loss once at toy size (a proxy loss with 2 classes of dimension 2), so its
+    constructor's checks (``m <= alpha``, ``normalize``) run before a run starts rather than
+    on the workers."""
+    problem = check_params(name, params)
+    if problem:
+        return problem
+    sig = inspect.signature(loss_class(name).__init__).parameters
+    toy = {k: 2 for k in STRUCTURAL_ARGS if k in sig}
+    try:
+        build_loss(name, **toy, **params)
+    except (ValueError, TypeError) as e:
+        return f"params: {str(e).splitlines()[0]}"
     return None
 
 

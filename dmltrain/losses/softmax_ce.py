@@ -4,7 +4,7 @@ A linear classifier **with** bias on the raw embeddings, weight and bias initial
 zero; targets ``1 - ε`` on the true class and ``ε/(K-1)`` on each other class
 (:func:`~dmltrain.losses.margins.smoothed_nll`; note:
 ``torch.nn.CrossEntropyLoss(label_smoothing=ε)`` spreads ``ε/K`` over all classes instead).
-Default ``ε = 0.1`` is the paper's. The paper's dropout 0.5 before the classifier belongs
+Default ``ε = 0.1`` is the paper's, ``0 <= ε < 1`` (:data:`~dmltrain.losses.kinds.KINDS`). The paper's dropout 0.5 before the classifier belongs
 to the model's classifier branch, not to this loss.
 """
 
@@ -13,20 +13,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dmltrain.losses.classifier import ClassifierLoss
+from dmltrain.losses.classifier import KindClassifierLoss
+from dmltrain.losses.kinds import KINDS
 from dmltrain.losses.pairs import upcast
 from dmltrain.losses.registry import register
 
 
 @register("softmax_ce")
-class SoftmaxCELoss(ClassifierLoss):
+class SoftmaxCELoss(KindClassifierLoss):
     """Linear (``weight``, ``bias``) + label-smoothed cross-entropy; inputs are not normalised."""
 
-    def __init__(self, num_classes: int, dim: int, smoothing: float = 0.1) -> None:
-        if not 0.0 <= smoothing < 1.0:
-            raise ValueError(f"softmax_ce: smoothing must be in [0, 1), got {smoothing}")
-        self.smoothing = float(smoothing)
-        super().__init__(num_classes, dim)
+    spec = KINDS["softmax_ce"]
+
+    def __init__(self, num_classes: int, dim: int, **params: float) -> None:
+        super().__init__(num_classes, dim, **params)
         self.bias = nn.Parameter(torch.zeros(num_classes))
 
     def reset_parameters(self) -> None:

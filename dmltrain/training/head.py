@@ -22,6 +22,7 @@ import torch
 
 from dmltrain.config import OptimConfig
 from dmltrain.distributed import make_classifier_optimizer
+from dmltrain.distributed.class_sampling import draw_seed
 from dmltrain.training.engine import build_optimizer
 from dmltrain.training.objective import Objective
 
@@ -45,6 +46,8 @@ class LossHead:
                 self.classifier, name=optim.name, lr=self.base_lr, momentum=optim.momentum, nesterov=optim.nesterov,
                 weight_decay=optim.weight_decay, betas=optim.betas,
                 bias_weight_decay=None if optim.decay_norm_and_bias else 0.0,  # softmax_ce's bias: the CE recipe decays weights only
+                # a bf16 weight's stochastic rounding: one stream per shard, apart from the class draws' (step >= 0)
+                seed=draw_seed(self.classifier.seed, -1, self.classifier.rank),
             )
         self.proxy_optimizer = None
         if self.proxies is not None:

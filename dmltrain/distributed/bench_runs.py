@@ -1,0 +1,281 @@
+"""The measured runs of ``dmltrain bench classifier``, each in a fresh process.
+
+``python -m dmltrain.distributed.bench_runs JOB_JSON`` runs one job and prints its result as
+one JSON line. Jobs (``role``):
+
+* ``ours``: the sharded classifier's steps (forward, backward, row-sparse optimizer) on
+  random unit-norm-free embeddings and uniform labels, ``W`` processes joined by gloo (CPU)
+  or NCCL (one GPU each); then, in the same process, the step's three bare GEMMs (fp32 on
+  the CPU, bf16 on CUDA: the tensor-core bound).
+* ``peer``: a peer's forward and backward at the same N, D, B in one process: on the CPU
+  pytorch-metric-learning's ``NormalizedSoftmaxLoss`` with ``torch.optim.SGD`` (its step is
+  included, as ours); on CUDA (forward + backward only) Cut Cross-Entropy, Liger's fused
+  linear cross-entropy, naive torch bf16 (the ``B × N`` logits held) and
+  pytorch-metric-learning, each on NormSoftmax's normalised logits at T = 0.05.
+
+Times are medians over the timed steps after one warm-up step; on CUDA every phase ends with
+a device synchronisation. Memory: peak RSS on the CPU, ``torch.cuda.max_memory_allocated``
+on CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from dmltrain.distributed.sharded_softmax import ShardedClassifier
+from dmltrain.distributed.sparse_optim import make_classifier_optimizer
+
+GIB = 2**30
+TEMPERATURE = 0.05
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_phases(forward: Callable[[], torch.Tensor], opt: Any, device: torch.device) -> dict[str, float]:
+    """Seconds of one step's forward (``forward()`` returns the loss), backward and optimizer step."""
+    _sync(device)
+    t0 = time.perf_counter()
+    loss = forward()
+    _sync(device)
+    t1 = time.perf_counter()
+    loss.backward()
+    _sync(device)
+    t2 = time.perf_counter()
+    if opt is not None:
+        opt.step()
+        opt.zero_grad()
+        _sync(device)
+    t3 = time.perf_counter()
+    return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}
+
+
+def _time_steps(step_fn: Callable[[int], dict[str, float]], steps: int, desc: str) -> dict[str, float]:
+    parts: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+    cpu: list[float] = []
+    for i in tqdm(range(steps + 1), desc=desc, file=sys.stderr, leave=False):
+        c0 = time.process_time()
+        t = step_fn(i)
+        if i:  # the first step warms up (and autotunes the kernels)
+            cpu.append(time.process_time() - c0)
+            for k in parts:
+                parts[k].append(t[k])
+    out = {k: _median(v) for k, v in parts.items()}
+    totals = [sum(parts[k][i] for k in parts) for i in range(steps)]
+    out["step"] = _median(totals)
+    out["step_cpu"] = _median(cpu)
+    return out
+
+
+def _gemm_bound(x: torch.Tensor, w: torch.Tensor, steps: int) -> tuple[float, float]:
+    """Median (wall, CPU) seconds of the step's three bare GEMMs, ``x`` (``B×D``) against the
+    ``K×D`` rows ``w`` in the same dtype: the logits, then the two backward products."""
+    B, K = x.shape[0], w.shape[0]
+    # Whole products while the B×K logits stay under 1 GiB, else column blocks of 256 MiB
+    # (N = 1e7 would need 10 GiB of logits and 5 GiB of weight gradient on top of the run).
+    size = x.element_size()
+    cols = K if B * K * size <= GIB else max(1, (GIB // size) // (4 * B))
+    times, cpu = [], []
+    for _ in range(steps):
+        _sync(x.device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for s in range(0, K, cols):
+            wb = w[s : s + cols]
+            z = torch.mm(x, wb.t())
+            torch.mm(z, wb)
+            torch.mm(z.t(), x)
+            del z
+        _sync(x.device)
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return _median(times), _median(cpu)
+
+
+# -- ours -----------------------------------------------------------------------------------------------
+def _ours_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
+    N, D, B, W, R = job["N"], job["D"], job["B"], job["W"], job["R"]
+    device = torch.device("cuda", rank) if job["device"] == "cuda" else torch.device("cpu")
+    b = B // W
+    kwargs = {"precision": job["precision"], "weight_storage": job["storage"]} if device.type == "cuda" else {}
+    clf = ShardedClassifier(N, D, job["kind"], sample_ratio=R, seed=0, logits_budget_mb=job["budget"], **kwargs).to(device)
+    opt = make_classifier_optimizer(clf, job["optimizer"], lr=0.01, momentum=0.9, weight_decay=1e-4, seed=rank)
+    gen = torch.Generator().manual_seed(rank)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def step(i: int) -> dict[str, float]:
+        x = torch.randn(b, D, generator=gen).to(device).requires_grad_(True)
+        y = torch.randint(0, N, (b,), generator=gen).to(device)
+        return _timed_phases(lambda: clf(x, y, step=i), opt, device)
+
+    res: dict[str, Any] = _time_steps(step, job["steps"], f"R={R:g} rank {rank}")
+    res["rss"] = _peak_rss()
+    res["opt_bytes"] = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    res["param_bytes"] = sum(p.numel() * p.element_size() for p in clf.parameters())
+    res["kept"] = bool(clf.stats.get("logits_kept", 0))
+    K = max(1, min(clf.num_local, int(round(R * N / W))))
+    res["gemm_classes"] = K
+    w = clf.weight.detach()[:K]
+    if device.type == "cuda":  # the tensor-core bound: bf16 operands (a copy made before the clock starts)
+        res["peak_gpu"] = torch.cuda.max_memory_allocated(device)
+        x, w = torch.randn(B, D, device=device, dtype=torch.bfloat16), w.to(torch.bfloat16)
+    else:
+        x = torch.randn(B, D)
+    res["gemm"], res["gemm_cpu"] = _gemm_bound(x, w, job["steps"])
+    return res
+
+
+def _dist_entry(rank: int, job: dict[str, Any], port: int, queue) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // job["W"]))
+    backend = "nccl" if job["device"] == "cuda" else "gloo"
+    if job["device"] == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=job["W"])
+    try:
+        queue.put((rank, _ours_rank(rank, job)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _ours(job: dict[str, Any]) -> dict[str, Any]:
+    if job["device"] == "cuda" and torch.cuda.device_count() < job["W"]:
+        return {"error": f"--device cuda with --workers {job['W']} needs {job['W']} GPUs, found {torch.cuda.device_count()}"}
+    if job["W"] == 1:
+        return _ours_rank(0, job)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_dist_entry, args=(r, job, port, queue)) for r in range(job["W"])]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, res = queue.get()
+        results[rank] = res
+    for p in procs:
+        p.join()
+    # the slowest worker sets the pace; memory is per worker
+    out = dict(max(results.values(), key=lambda r: r["step"]))
+    for key in ("rss", "opt_bytes", "param_bytes", "peak_gpu"):
+        if key in out:
+            out[key] = max(r[key] for r in results.values())
+    return out
+
+
+# -- peers ----------------------------------------------------------------------------------------------
+# The peers' packages are optional: each is imported only by the job that measures it.
+def _peer_cpu(job: dict[str, Any]) -> dict[str, Any]:
+    from pytorch_metric_learning.losses import NormalizedSoftmaxLoss
+
+    N, D, B = job["N"], job["D"], job["B"]
+    loss_fn = NormalizedSoftmaxLoss(N, D, temperature=TEMPERATURE)
+    opt = torch.optim.SGD(loss_fn.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    cpu = torch.device("cpu")
+
+    def step(i: int) -> dict[str, float]:
+        x = torch.randn(B, D, generator=gen).requires_grad_(True)
+        y = torch.randint(0, N, (B,), generator=gen)
+        return _timed_phases(lambda: loss_fn(x, y), opt, cpu)
+
+    res: dict[str, Any] = _time_steps(step, job["steps"], "peer")
+    res["rss"] = _peak_rss()
+    return res
+
+
+def _cuda_peer_loss(name: str, N: int, D: int, device: torch.device) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], list]:
+    """The peer's loss of (embeddings, labels) with NormSoftmax's logits ``x̂·ŵ / T``, and its parameters."""
+    if name == "pml":
+        from pytorch_metric_learning.losses import NormalizedSoftmaxLoss
+
+        module = NormalizedSoftmaxLoss(N, D, temperature=TEMPERATURE).to(device)
+        return module, list(module.parameters())
+    weight = torch.nn.Parameter(torch.randn(N, D, device=device) * D**-0.5)
+    if name == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+
+        def cce(x, y):
+            e = (F.normalize(x, dim=1) / TEMPERATURE).bfloat16()
+            return linear_cross_entropy(e, F.normalize(weight, dim=1).bfloat16(), y)
+
+        return cce, [weight]
+    if name == "liger":
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+
+        def fused(x, y):
+            e = (F.normalize(x, dim=1) / TEMPERATURE).bfloat16()
+            return liger(F.normalize(weight, dim=1).bfloat16(), e, y)
+
+        return fused, [weight]
+
+    def naive(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = F.normalize(x, dim=1) @ F.normalize(weight, dim=1).t() / TEMPERATURE
+            return F.cross_entropy(logits, y)
+
+    return naive, [weight]
+
+
+def _peer_cuda(job: dict[str, Any]) -> dict[str, Any]:
+    N, D, B = job["N"], job["D"], job["B"]
+    device = torch.device("cuda", 0)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        loss_fn, params = _cuda_peer_loss(job["peer"], N, D, device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+        def step(i: int) -> dict[str, float]:
+            for p in params:
+                p.grad = None
+            x = torch.randn(B, D, generator=gen).to(device).requires_grad_(True)
+            y = torch.randint(0, N, (B,), generator=gen).to(device)
+            return _timed_phases(lambda: loss_fn(x, y), None, device)
+
+        res: dict[str, Any] = _time_steps(step, job["steps"], job["peer"])
+    except torch.cuda.OutOfMemoryError:
+        return {"error": "out of memory"}
+    res["peak_gpu"] = torch.cuda.max_memory_allocated(device)
+    return res
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    if job["device"] == "cuda" and not torch.cuda.is_available():
+        return {"error": "no CUDA GPU (torch.cuda.is_available() is False)"}
+    if job["role"] == "ours":
+        try:
+            return _ours(job)
+        except torch.cuda.OutOfMemoryError:
+            return {"error": "out of memory"}
+    return _peer_cuda(job) if job["device"] == "cuda" else _peer_cpu(job)
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_job(json.loads(sys.argv[1]))), flush=True)

@@ -1,0 +1,301 @@
+"""The fused Triton path of the sharded classifier against independent torch references.
+
+On the CPU the kernels run under Triton's interpreter. ``TRITON_INTERPRET=1`` only takes effect
+for kernels defined after it is set, and this pytest process has already imported them
+compiled for a GPU, so every check runs in spawned processes (tests/multiproc.py, gloo on
+loopback) that inherit the variable: W = 1 (kernel-level checks and the classifier), W = 2
+and W = 3 (the classifier, uneven local batches, one worker without samples). With a GPU the
+same checks run on it, compiled.
+
+References: kernel-level checks against a float64 torch transcription of the kernels'
+formulas; classifier checks against one process holding the whole weight in float64
+(tests/distributed_reference.py). Error = max |ours − ref| / max |ref|. Tolerances:
+
+* fp32 (IEEE products), and tf32 under the interpreter (which multiplies in fp32): 1e-5;
+* tf32 on a GPU (10-bit mantissas): 5e-3;
+* bf16 (8-bit mantissas, fp32 accumulation): loss 2e-3, gradients 3e-2 at scales up to 16
+  (a unit-vector cosine off by 2⁻⁹ moves a logit by 0.03). Kernel-level bf16 checks compare
+  with operands rounded to bf16 in the reference, leaving only the rounding of the
+  probabilities for the gradient products: 1e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed_reference import dense_classifier_loss, rel_err
+from multiproc import run_workers
+
+pytestmark = pytest.mark.multiprocess
+
+C, D = 45, 24
+BATCH = 21
+SPLITS = {1: [21], 2: [12, 9], 3: [8, 0, 13]}
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+#: (name, kind, params, precision, sample_ratio) per world size: every kind at every W, dense and subsampled
+CASES = {
+    1: [
+        ("normsoftmax fp32", "normsoftmax", {"temperature": 0.1}, "fp32", 1.0),
+        ("cosface fp32 sub", "cosface", {"scale": 16.0, "margin": 0.35}, "fp32", 0.5),
+        ("arcface fp32", "arcface", {"scale": 16.0, "margin": 0.5}, "fp32", 1.0),
+        ("softmax_ce fp32 sub", "softmax_ce", {"smoothing": 0.1}, "fp32", 0.5),
+        ("arcface bf16", "arcface", {"scale": 16.0, "margin": 0.5}, "bf16", 1.0),
+        ("softmax_ce bf16", "softmax_ce", {"smoothing": 0.1}, "bf16", 1.0),
+        ("normsoftmax tf32 sub", "normsoftmax", {"temperature": 0.1}, "tf32", 0.5),
+    ],
+    2: [
+        ("normsoftmax fp32 sub", "normsoftmax", {"temperature": 0.1}, "fp32", 0.5),
+        ("cosface fp32", "cosface", {"scale": 16.0, "margin": 0.35}, "fp32", 1.0),
+        ("arcface fp32 sub", "arcface", {"scale": 16.0, "margin": 0.5}, "fp32", 0.5),
+        ("softmax_ce fp32", "softmax_ce", {"smoothing": 0.1}, "fp32", 1.0),
+        ("cosface bf16 sub", "cosface", {"scale": 16.0, "margin": 0.35}, "bf16", 0.5),
+    ],
+    3: [
+        ("normsoftmax fp32", "normsoftmax", {"temperature": 0.1}, "fp32", 1.0),
+        ("cosface fp32 sub", "cosface", {"scale": 16.0, "margin": 0.35}, "fp32", 0.5),
+        ("arcface fp32", "arcface", {"scale": 16.0, "margin": 0.5}, "fp32", 1.0),
+        ("softmax_ce fp32 sub", "softmax_ce", {"smoothing": 0.1}, "fp32", 0.5),
+        ("normsoftmax bf16", "normsoftmax", {"temperature": 0.1}, "bf16", 1.0),
+    ],
+}
+
+
+def tolerance(precision: str, device: str, what: str) -> float:
+    if precision == "bf16":
+        return 2e-3 if what == "loss" else 3e-2
+    if precision == "tf32" and device == "cuda":
+        return 5e-3
+    return 1e-5
+
+
+# -- workers (run in spawned processes) -----------------------------------------------------------------
+def _global_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, D, generator=g), torch.randint(0, C, (BATCH,), generator=g)
+
+
+def _full_params(kind: str, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(C, D, generator=g) * (0.3 if kind == "softmax_ce" else 1.0)
+    return w, (torch.randn(C, generator=g) * 0.1 if kind == "softmax_ce" else None)
+
+
+def _local(t: torch.Tensor, rank: int, W: int) -> torch.Tensor:
+    s = sum(SPLITS[W][:rank])
+    return t[s : s + SPLITS[W][rank]].clone()
+
+
+def _classifier_case(rank, W, device, kind, params, precision, ratio, weight_storage="fp32", steps=1):
+    """Loss and gradients of ``steps`` calls (gradients accumulated) against one float64 process."""
+    from dmltrain.distributed import ShardedClassifier
+    from dmltrain.distributed.collectives import all_gather_uneven
+
+    w_full, b_full = _full_params(kind)
+    backend = "auto" if device == "cuda" else "triton"
+    clf = ShardedClassifier(C, D, kind, sample_ratio=ratio, seed=3, precision=precision, weight_storage=weight_storage,
+                            backend=backend, **params).to(device)  # fmt: skip
+    clf.load_full_weight(w_full.to(device), None if b_full is None else b_full.to(device))
+    losses, xs, actives = [], [], []
+    for step in range(steps):
+        x_full, y_full = _global_batch(seed=step)
+        x = _local(x_full, rank, W).to(device).requires_grad_(True)
+        loss = clf(x, _local(y_full, rank, W).to(device), step=step)
+        loss.backward()
+        assert clf.stats["logits_kept"] == 0.0  # the fused path keeps nothing
+        losses.append(float(loss.detach()))
+        xs.append(all_gather_uneven(x.grad)[0].cpu())
+        actives.append(None if ratio >= 1 else torch.sort(all_gather_uneven(clf.active_class_ids)[0].cpu()).values)
+    w_grad = clf.gather_rows_all(clf.weight.grad).float().cpu()
+    b_grad = None if b_full is None else clf.gather_rows_all(clf.bias.grad).float().cpu()
+    if rank != 0:
+        return None
+    w_stored = w_full.bfloat16() if weight_storage == "bf16" else w_full  # the reference sees the stored weight
+    wr = w_stored.double().requires_grad_(True)
+    br = None if b_full is None else b_full.double().requires_grad_(True)
+    err = {}
+    for step in range(steps):
+        x_full, y_full = _global_batch(seed=step)
+        xr = x_full.double().requires_grad_(True)
+        ref = dense_classifier_loss(xr, y_full, wr, br, kind, clf.params, actives[step])
+        ref.backward()
+        err[f"loss {step}"] = ("loss", rel_err(losses[step], float(ref.detach())))
+        err[f"embedding grad {step}"] = ("grad", rel_err(xs[step], xr.grad))
+    err["weight grad"] = ("grad", rel_err(w_grad, wr.grad))
+    if br is not None:
+        err["bias grad"] = ("grad", rel_err(b_grad, br.grad))
+    return err
+
+
+def _kernel_reference(x, w, rows, bias, tcol, scale, lse, off, alpha, precision):
+    """float64 transcription of the kernels' formulas: non-target logits, their statistics and gradients."""
+    wa = (w if rows is None else w[rows]).double()
+    rnd = (lambda t: t.bfloat16().double()) if precision == "bf16" else (lambda t: t.double())
+    if bias is None:
+        inv = 1 / wa.norm(dim=1)
+        col = inv * scale
+        z = (rnd(x) @ rnd(wa).t()) * col
+    else:
+        col = torch.ones(wa.shape[0], dtype=torch.float64)
+        z = rnd(x) @ rnd(wa).t() + (bias if rows is None else bias[rows]).double()
+    keep = torch.ones_like(z, dtype=torch.bool)
+    owned = (tcol >= 0).nonzero().squeeze(1)
+    keep[owned, tcol[owned].long()] = False
+    zk = z.masked_fill(~keep, float("-inf"))
+    G = torch.where(keep, (torch.exp(z - lse.double()[:, None]) - off) * alpha, torch.zeros_like(z))
+    gx = (G * col) @ wa
+    gw = (G * col).t() @ x.double()
+    if bias is None:
+        gw = gw - (inv * inv * (G * z).sum(0))[:, None] * wa
+    return {"lse": torch.logsumexp(zk, 1), "max": zk.amax(1), "sum": torch.where(keep, z, 0).sum(1),
+            "grad x": gx, "grad w": gw, "grad b": None if bias is None else G.sum(0)}  # fmt: skip
+
+
+def _kernel_checks(device):
+    """Every kernel alone on shapes that cut tiles unevenly (16-wide tiles under the interpreter)."""
+    from dmltrain.distributed import softmax_kernels as sk
+
+    cases = [  # N, D, local rows, subsampled, normalised, precision, widest gradient tile
+        (16, 16, 16, False, True, "fp32", 512),
+        (17, 40, 33, False, True, "fp32", 16),  # three D chunks, the last one partial
+        (31, 24, 50, True, False, "fp32", 512),
+        (20, 24, 40, True, True, "bf16", 512),
+        (9, 24, 21, False, False, "tf32", 16),
+    ]
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for i, (N, Dk, n_local, sub, normalized, precision, width) in enumerate(cases):
+        x = torch.randn(N, Dk, generator=g)
+        if normalized:
+            x = torch.nn.functional.normalize(x, dim=1)
+        w = torch.randn(n_local, Dk, generator=g)
+        bias = None if normalized else 0.1 * torch.randn(n_local, generator=g)
+        rows = torch.sort(torch.randperm(n_local, generator=g)[: n_local // 2]).values if sub else None
+        K = n_local if rows is None else rows.numel()
+        tcol = torch.randint(-1, K, (N,), generator=g, dtype=torch.int32)
+        scale = 8.0 if normalized else 1.0
+        lse = torch.randn(N, generator=g) + 3.0  # any per-sample normaliser exercises the gradient formulas
+        off, alpha = 0.01, 0.5
+        ref = _kernel_reference(x, w, rows, bias, tcol, scale, lse, off, alpha, precision)
+        dev = lambda t: None if t is None else t.to(device)  # noqa: E731
+        xd, wd, rd, bd, td = dev(x), dev(w), dev(rows), dev(bias), dev(tcol)
+        xo = xd.bfloat16() if precision == "bf16" else xd
+        prec = sk.kernel_precision(precision)
+        inv = sk.row_inv_norms(wd, rd, 1e-12) if normalized else None
+        if normalized:
+            out[f"case {i} inverse norms"] = ("exact", rel_err(inv.cpu(), 1 / (w if rows is None else w[rows]).double().norm(dim=1)))
+        lse_p, max_p, sum_p = sk.lse_partials(xo, wd, rd, inv, bd, td, scale, prec, True, 3)
+        out[f"case {i} lse"] = (precision, rel_err(torch.logsumexp(lse_p, 0).cpu(), ref["lse"]))
+        out[f"case {i} max"] = (precision, rel_err(max_p.amax(0).cpu(), ref["max"]))
+        out[f"case {i} sum"] = (precision, rel_err(sum_p.sum(0).cpu(), ref["sum"]))
+        gx = sk.grad_embeddings(xo, wd, rd, inv, bd, td, lse.to(device), scale, off, alpha, prec, 3, max_width=width)
+        out[f"case {i} grad x"] = (precision, rel_err(gx.cpu(), ref["grad x"]))
+        gw = torch.full_like(wd, float("nan"))
+        gb = None if bias is None else torch.full_like(bd, float("nan"))
+        sk.grad_rows(xo, wd, rd, inv, bd, td, lse.to(device), scale, off, alpha, prec, gw, gb, rd, max_width=width)
+        gw, active = gw.cpu(), (slice(None) if rows is None else rows)
+        out[f"case {i} grad w"] = (precision, rel_err(gw[active], ref["grad w"]))
+        if rows is not None:  # rows not active are never written
+            untouched = torch.ones(n_local, dtype=torch.bool)
+            untouched[rows] = False
+            out[f"case {i} inactive rows untouched"] = ("exact", float(not bool(gw[untouched].isnan().all())))
+        if bias is not None:
+            out[f"case {i} grad b"] = (precision, rel_err(gb.cpu()[active], ref["grad b"]))
+    return out
+
+
+def _bf16_storage_case(rank, W, device):
+    """A bf16 weight: gradient in bf16, the optimizer's fp32 state and stochastic rounding."""
+    from dmltrain.distributed import ShardedClassifier, make_classifier_optimizer
+
+    backend = "auto" if device == "cuda" else "triton"
+    clf = ShardedClassifier(C, D, "cosface", sample_ratio=0.5, weight_storage="bf16", precision="bf16", backend=backend).to(device)
+    opt = make_classifier_optimizer(clf, "sgd", lr=0.5, momentum=0.9)
+    before = clf.weight.detach().clone()
+    x, y = _global_batch()
+    clf(_local(x, rank, W).to(device), _local(y, rank, W).to(device), step=0).backward()
+    rows = clf.grad_rows()
+    ok = clf.weight.grad.dtype == torch.bfloat16 and opt.state[clf.weight]["momentum_buffer"].dtype == torch.float32
+    opt.step()
+    moved = (clf.weight.detach() != before).any(1)
+    inactive = torch.ones(clf.num_local, dtype=torch.bool, device=device)
+    inactive[rows] = False
+    return {"dtypes": ok, "active rows moved": bool(moved[rows].any()), "inactive rows kept": not bool(moved[inactive].any())}
+
+
+def _fused_world(rank, W, device):
+    from dmltrain.distributed import softmax_kernels
+
+    assert softmax_kernels.INTERPRET == (device == "cpu"), "the kernels must run under the interpreter on the CPU"
+    report = {"classifier": {}}
+    if W == 1:
+        report["kernels"] = _kernel_checks(device)
+        report["classifier"]["normsoftmax fp32 sub, accumulated over 2 calls"] = _classifier_case(
+            rank, W, device, "normsoftmax", {"temperature": 0.1}, "fp32", 0.5, steps=2
+        )
+        report["classifier"]["softmax_ce fp32, accumulated over 2 calls"] = _classifier_case(
+            rank, W, device, "softmax_ce", {"smoothing": 0.1}, "fp32", 1.0, steps=2
+        )
+        report["classifier"]["cosface bf16, bf16 weight storage"] = _classifier_case(
+            rank, W, device, "cosface", {"scale": 16.0, "margin": 0.35}, "bf16", 0.5, weight_storage="bf16"
+        )
+    for name, kind, params, precision, ratio in CASES[W]:
+        report["classifier"][name] = _classifier_case(rank, W, device, kind, params, precision, ratio)
+    report["bf16 storage"] = _bf16_storage_case(rank, W, device)
+    return report
+
+
+# -- tests ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=DEVICES)
+def fused_reports(request, monkeypatch_module):
+    device = request.param
+    if device == "cpu":
+        monkeypatch_module.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch_module.delenv("TRITON_INTERPRET", raising=False)
+    out = {W: run_workers(_fused_world, W, device, timeout=600) for W in (1, 2, 3)}
+    monkeypatch_module.undo()
+    return device, out
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def _precision_of(name: str) -> str:
+    return next(p for p in ("fp32", "tf32", "bf16") if p in name)
+
+
+def test_kernels_match_their_float64_formulas(fused_reports):
+    device, reports = fused_reports
+    for key, (precision, err) in reports[1][0]["kernels"].items():
+        tol = 0.0 if precision == "exact" else (1e-2 if precision == "bf16" else tolerance(precision, device, "grad"))
+        if precision == "exact" and "norms" in key:
+            tol = 1e-6
+        assert err <= tol, f"{device} {key}: {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_fused_classifier_equals_one_process(fused_reports, W):
+    device, reports = fused_reports
+    rep = reports[W][0]["classifier"]
+    assert len(rep) >= 5
+    for name, errors in rep.items():
+        precision = _precision_of(name)
+        for what, (kind, err) in errors.items():
+            tol = tolerance(precision, device, kind)
+            assert err <= tol, f"{device} W={W} {name}: {what} differs from one process by {err:.2e} (> {tol:.0e})"
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_bf16_weight_storage_steps_only_active_rows(fused_reports, W):
+    device, reports = fused_reports
+    for rank, rep in enumerate(reports[W]):
+        assert rep["bf16 storage"]["dtypes"], f"{device} W={W} rank {rank}: bf16 gradient, fp32 optimizer state"
+        assert rep["bf16 storage"]["inactive rows kept"], f"{device} W={W} rank {rank}"
+    assert any(rep["bf16 storage"]["active rows moved"] for rep in reports[W])
