@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dmltrain.config import Config
+from dmltrain.models.sync_bn import convert_sync_batchnorm
 from dmltrain.training.checkpoint import TrainState, load_training_state, realign_to_plan, save_training_state, seed_rngs
 from dmltrain.training.objective import Objective
 from dmltrain.training.progress import post
@@ -120,11 +121,9 @@ class Trainer:
         from dmltrain.training.engine import build_engine
         from shards.stream import TrainStream
 
-        cfg, d = self.cfg, self.cfg.data
-        self.stream = TrainStream(
-            d.shards, split=d.train_split, rank=self.rank, world_size=self.world, sampler=d.sampler,
-            batch_size=d.batch_size, samples_per_class=d.samples_per_class, seed=cfg.train.seed,
-            image_size=d.image_size, crop_scale=tuple(d.crop_scale), color_jitter=d.color_jitter, loader_workers=d.loader_workers,
+        cfg = self.cfg
+        self.stream = TrainStream.from_config(
+            cfg, self.rank, self.world,
             normalize=False,  # uint8 crosses to the device (a quarter of the bytes); _train_step normalizes there
             pin_memory=self.device.type == "cuda",
         )
@@ -132,6 +131,8 @@ class Trainer:
         # the label space, not the classes with images: a class whose images were all skipped keeps its id
         self.num_classes = self.stream.num_classes
         model = build_model(cfg.model).to(self.device)
+        if cfg.model.sync_bn:
+            model = convert_sync_batchnorm(model)
         if cfg.model.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.engine, self.ds_config = build_engine(model, param_groups(model, cfg.optim), cfg, self.world)
