@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from dmltrain.config import AugmentConfig
@@ -46,17 +47,21 @@ class AugmentParams:
     noise_seed: int | None = None
 
 
-def random_resized_crop_params(
-    width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float], rng: random.Random
-) -> tuple[int, int, int, int]:
-    """(top, left, h, w) exactly as torchvision's ``RandomResizedCrop.get_params``, drawn from ``rng``."""
-    area = width * height
+def _sides(area: float, scale: tuple[float, float], ratio: tuple[float, float], rng: random.Random) -> Iterator[tuple[int, int]]:
+    """torchvision's 10 tries of a rectangle: area share uniform in ``scale``, log aspect uniform in ``log(ratio)``;
+    yields (round(sqrt(a·r)), round(sqrt(a/r))), which RandomResizedCrop reads as (w, h) and RandomErasing as (h, w)."""
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):
         target_area = area * rng.uniform(scale[0], scale[1])
         aspect = math.exp(rng.uniform(log_ratio[0], log_ratio[1]))
-        w = int(round(math.sqrt(target_area * aspect)))
-        h = int(round(math.sqrt(target_area / aspect)))
+        yield int(round(math.sqrt(target_area * aspect))), int(round(math.sqrt(target_area / aspect)))
+
+
+def random_resized_crop_params(
+    width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float], rng: random.Random
+) -> tuple[int, int, int, int]:
+    """(top, left, h, w) exactly as torchvision's ``RandomResizedCrop.get_params``, drawn from ``rng``."""
+    for w, h in _sides(width * height, scale, ratio, rng):
         if 0 < w <= width and 0 < h <= height:
             top = rng.randint(0, height - h)
             left = rng.randint(0, width - w)
@@ -84,13 +89,7 @@ def resized_frame(resize: int | tuple[int, int] | None, width: int, height: int)
 
 def erase_params(size: int, scale: tuple[float, float], ratio: tuple[float, float], rng: random.Random) -> tuple[int, int, int, int] | None:
     """(top, left, h, w) of torchvision's ``RandomErasing.get_params`` on a ``size``² image; None when 10 tries fail."""
-    area = size * size
-    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
-    for _ in range(10):
-        erase_area = area * rng.uniform(scale[0], scale[1])
-        aspect = math.exp(rng.uniform(log_ratio[0], log_ratio[1]))
-        h = int(round(math.sqrt(erase_area * aspect)))
-        w = int(round(math.sqrt(erase_area / aspect)))
+    for h, w in _sides(size * size, scale, ratio, rng):
         if h < size and w < size:
             return rng.randint(0, size - h), rng.randint(0, size - w), h, w
     return None
