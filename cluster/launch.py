@@ -115,11 +115,10 @@ def check_run(cfg: Config) -> None:
     from dmltrain.training.engine import deepspeed_config
     from shards.stream import TrainStream
 
-    c, d = cfg.cluster, cfg.data
+    c = cfg.cluster
     deepspeed_config(cfg, c.num_workers)  # reads and checks a user DeepSpeed JSON
     # refuses (UserError) a global batch the split cannot fill once per epoch at this worker count
-    TrainStream(d.shards, split=d.train_split, rank=0, world_size=c.num_workers, sampler=d.sampler,
-                batch_size=d.batch_size, samples_per_class=d.samples_per_class, seed=cfg.train.seed, loader_workers=0)
+    TrainStream.from_config(cfg, 0, c.num_workers, loader_workers=0)
 
 
 def user_error_in(error: BaseException | None) -> UserError | None:

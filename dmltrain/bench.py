@@ -15,6 +15,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "losses": ("dmltrain.losses.bench", "forward+backward time of every instance loss vs the similarity GEMM and pytorch-metric-learning"),
     "classifier": ("dmltrain.distributed.bench", "sharded classifier step time and peak memory vs its GEMM bound"),
     "eval": ("dmltrain.evaluate.bench", "retrieval metrics time vs the bare similarity GEMM"),
+    "quality": ("dmltrain.quality_bench", "Recall@1 and wall time of dmltrain train vs a plain PyTorch loop at equal steps"),
 }
 
 

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dmltrain.config_tree import apply_overrides, flatten, read_tree
 from dmltrain.errors import ConfigError
+from shards.sampler import batch_shape
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, assignments are re-validated."""
@@ -40,6 +41,97 @@ class SyntheticData(Section):
     shard_size: int = Field(2000, ge=1, description="samples per shard")
 
 
+class ColorJitter(Section):
+    """torchvision's ``ColorJitter``: brightness, contrast and saturation factors uniform in
+    [max(0, 1 - x), 1 + x], a hue shift uniform in [-hue, hue], applied in a random order.
+
+    A number ``j`` stands for brightness = contrast = saturation = ``j``; a list for
+    ``[brightness, contrast, saturation(, hue)]``.
+    """
+
+    brightness: float = Field(0.0, ge=0.0)
+    contrast: float = Field(0.0, ge=0.0)
+    saturation: float = Field(0.0, ge=0.0)
+    hue: float = Field(0.0, ge=0.0, le=0.5)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return {"brightness": v, "contrast": v, "saturation": v}
+        if isinstance(v, (list, tuple)) and len(v) in (3, 4):
+            return dict(zip(("brightness", "contrast", "saturation", "hue"), v))
+        return v
+
+
+class RandomErasing(Section):
+    """torchvision's ``RandomErasing`` (value 0: the mean colour after normalization); a number stands for ``p``."""
+
+    p: float = Field(0.0, ge=0.0, le=1.0, description="probability of erasing a rectangle; 0 disables")
+    scale: tuple[float, float] = Field((0.02, 0.33), description="area range of the rectangle, as a share of the image")
+    ratio: tuple[float, float] = Field((0.3, 3.3), description="aspect ratio range of the rectangle")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        return {"p": v} if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def _check(self) -> RandomErasing:
+        _check_range("data.augment.erase.scale", self.scale, upper=1.0)
+        _check_range("data.augment.erase.ratio", self.ratio)
+        return self
+
+
+def _check_range(key: str, pair: tuple[float, float], upper: float | None = None) -> None:
+    lo, hi = pair
+    if not (0 < lo <= hi and (upper is None or hi <= upper)):
+        bound = f" <= {upper:g}" if upper is not None else ""
+        raise ValueError(f"{key}: need 0 < low <= high{bound}, got {list(pair)}")
+
+
+class AugmentConfig(Section):
+    """Training augmentation, with torchvision's names and semantics; evaluation only resizes and centre-crops
+    (``data.eval_resize``, ``data.eval_crop``), converted to grayscale when ``grayscale`` is set.
+
+    Order: ``resize`` (the frame the crop is drawn in) -> ``rotation`` -> RandomResizedCrop (``scale``,
+    ``ratio``) to ``data.image_size`` -> ``flip`` -> ``color_jitter`` -> ``grayscale`` -> normalization ->
+    ``erase`` -> ``noise``. Every random choice is drawn from (train.seed, epoch, rank, batch, slot).
+    """
+
+    resize: int | tuple[int, int] | None = Field(
+        None, description="Resize before the crop: a number sets the shorter side, [h, w] the size (e.g. [256, 256])"
+    )
+    scale: tuple[float, float] = Field((0.08, 1.0), description="RandomResizedCrop area range")
+    ratio: tuple[float, float] = Field((3 / 4, 4 / 3), description="RandomResizedCrop aspect ratio range")
+    flip: float = Field(0.5, ge=0.0, le=1.0, description="horizontal flip probability")
+    rotation: float | tuple[float, float] = Field(
+        0.0, description="RandomRotation degrees: a number d for [-d, d], or [min, max]; 0 disables"
+    )
+    color_jitter: ColorJitter = Field(default_factory=ColorJitter)
+    grayscale: Literal[0, 1, 3] = Field(0, description="0: colour; 1 or 3: luminance as 1 or 3 channels, in training and evaluation")
+    noise: float = Field(0.0, ge=0.0, description="std of Gaussian noise added to the normalized pixels; 0 disables")
+    erase: RandomErasing = Field(default_factory=RandomErasing)
+
+    @model_validator(mode="after")
+    def _check(self) -> AugmentConfig:
+        _check_range("data.augment.scale", self.scale, upper=1.0)
+        _check_range("data.augment.ratio", self.ratio)
+        sizes = (self.resize,) if isinstance(self.resize, int) else self.resize or ()
+        if any(s < 8 for s in sizes):
+            raise ValueError(f"data.augment.resize: sizes must be >= 8, got {self.resize}")
+        lo, hi = self.rotation_range
+        if not -180 <= lo <= hi <= 180:
+            raise ValueError(f"data.augment.rotation: need -180 <= min <= max <= 180 degrees, got {self.rotation}")
+        return self
+
+    @property
+    def rotation_range(self) -> tuple[float, float]:
+        """(min, max) rotation in degrees, counter-clockwise."""
+        r = self.rotation
+        return (-abs(r), abs(r)) if isinstance(r, (int, float)) else (float(r[0]), float(r[1]))
+
+
 class DataConfig(Section):
     shards: str = Field("data/synthetic-200", description="directory holding manifest.json and the tar shards")
     train_split: str = "train"
@@ -49,27 +141,35 @@ class DataConfig(Section):
     classes_per_batch: int | None = Field(None, ge=1, description="P; derived as batch_size // samples_per_class when unset")
     samples_per_class: int = Field(4, ge=1, description="K images of each class in a P×K batch")
     image_size: int = Field(224, ge=8, description="train crop (RandomResizedCrop)")
-    crop_scale: tuple[float, float] = Field((0.08, 1.0), description="RandomResizedCrop area range")
-    color_jitter: float = Field(0.0, ge=0.0, description="brightness/contrast/saturation jitter strength; 0 disables")
+    augment: AugmentConfig = Field(default_factory=AugmentConfig)
     eval_resize: int = Field(256, ge=8)
     eval_crop: int = Field(224, ge=8)
     loader_workers: int = Field(2, ge=0, description="decoding processes per training worker")
     eval_batch_size: int = Field(128, ge=1)
     synthetic: SyntheticData | None = Field(None, description="build synthetic shards at data.shards if missing")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, v: Any) -> Any:
+        # keys of earlier versions: refused with their new home rather than kept as a second spelling
+        for old, new in MOVED_DATA_KEYS.items():
+            if isinstance(v, dict) and old in v:
+                raise ValueError(f"data.{old}: moved to data.{new} (same meaning)")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
         if self.eval_crop > self.eval_resize:
             raise ValueError(f"data.eval_crop: {self.eval_crop} is larger than data.eval_resize {self.eval_resize}")
-        lo, hi = self.crop_scale
-        if not 0 < lo <= hi <= 1:
-            raise ValueError(f"data.crop_scale: need 0 < low <= high <= 1, got {list(self.crop_scale)}")
         return self
 
     @property
     def P(self) -> int:
         """Classes per global batch (P of P×K)."""
         return self.classes_per_batch or self.batch_size // self.samples_per_class
+
+
+MOVED_DATA_KEYS = {"crop_scale": "augment.scale", "color_jitter": "augment.color_jitter"}
 
 
 class ModelConfig(Section):
@@ -84,6 +184,7 @@ class ModelConfig(Section):
     multilevel: list[str] | None = Field(None, description="backbone stages pooled, projected and concatenated")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the classifier branch only")
     freeze_bn: bool = Field(False, description="keep BatchNorm running statistics fixed")
+    sync_bn: bool = Field(False, description="BatchNorm statistics over the global batch (all workers), not each worker's part")
     channels_last: bool = False
 
 
@@ -269,28 +370,15 @@ class Config(Section):
     @model_validator(mode="after")
     def _check(self) -> Config:
         d, w = self.data, self.cluster.num_workers
-        if d.sampler == "pk":
-            K = d.samples_per_class
-            if d.batch_size % K:
-                raise ValueError(f"data.batch_size: {d.batch_size} is not divisible into P×K with K = data.samples_per_class = {K}")
-            if d.classes_per_batch is not None and d.classes_per_batch * K != d.batch_size:
-                raise ValueError(
-                    f"data.classes_per_batch: {d.classes_per_batch} × samples_per_class {K} != data.batch_size {d.batch_size}"
-                )
-            if d.P % w:
-                raise ValueError(
-                    f"data.classes_per_batch: P = {d.P} classes cannot be split evenly over cluster.num_workers = {w} "
-                    "(each class's K images stay on one worker)"
-                )
-            if self.loss.instance is not None and K < 2:
-                raise ValueError(
-                    f"data.samples_per_class: instance loss '{self.loss.instance.kind}' needs K >= 2 positives per class, got {K}"
-                )
-        else:
-            if d.batch_size % w:
-                raise ValueError(f"data.batch_size: {d.batch_size} is not divisible by cluster.num_workers = {w}")
-            if self.loss.instance is not None:
+        batch_shape(d.sampler, d.batch_size, d.samples_per_class, w, d.classes_per_batch)  # ValueError: the one-line message
+        if self.loss.instance is not None:
+            if d.sampler != "pk":
                 raise ValueError("data.sampler: instance losses need positives in every batch; use data.sampler=pk")
+            if d.samples_per_class < 2:
+                raise ValueError(
+                    f"data.samples_per_class: instance loss '{self.loss.instance.kind}' needs K >= 2 positives per class, "
+                    f"got {d.samples_per_class}"
+                )
         if self.train.precision == "fp16" and not self.cluster.use_gpu:
             raise ValueError("train.precision: fp16 needs GPUs (DeepSpeed's CPU backend has no fp16); use bf16 or fp32")
         c = self.loss.classifier

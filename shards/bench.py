@@ -19,7 +19,19 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+from PIL import Image
+from torchvision import datasets, transforms
+
+from dmltrain.config import ClusterConfig, Config, DataConfig
 from dmltrain.errors import UserError
+from shards.build import build_shards
+from shards.ingest import ingest_file
+from shards.layouts import Entry, Layout
+from shards.manifest import Manifest
+from shards.stream import TrainStream
+from shards.tar_index import GroupReader
+from shards.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize_batch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,12 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _extract(shard_dir: str, split: str, n: int, tmp: Path) -> tuple[Path, Path, int, str]:
     """Write the first ``n`` images of ``split`` as an ImageFolder tree and as shards; return (tree, shards, count, formats)."""
-    from shards.build import build_shards
-    from shards.ingest import ingest_file
-    from shards.layouts import Entry, Layout
-    from shards.manifest import Manifest
-    from shards.stream import GroupReader
-
     info = Manifest.load(shard_dir).split(split)
     table = info.group_table()
     reader = GroupReader(info, table)
@@ -68,11 +74,6 @@ def _extract(shard_dir: str, split: str, n: int, tmp: Path) -> tuple[Path, Path,
 
 
 def _time_imagefolder(tree: Path, batch: int, size: int, workers: int) -> tuple[int, float]:
-    import torch
-    from torchvision import datasets, transforms
-
-    from shards.transforms import IMAGENET_MEAN, IMAGENET_STD
-
     tf = transforms.Compose(
         [
             transforms.RandomResizedCrop(size),
@@ -89,12 +90,8 @@ def _time_imagefolder(tree: Path, batch: int, size: int, workers: int) -> tuple[
 
 
 def _time_shards(shards: Path, batch: int, size: int, workers: int, draft: bool) -> tuple[int, float]:
-    from shards.stream import TrainStream
-    from shards.transforms import normalize_batch
-
-    ts = TrainStream(
-        shards, rank=0, world_size=1, sampler="random", batch_size=batch, image_size=size, loader_workers=workers, draft=draft, normalize=False
-    )
+    data = DataConfig(shards=str(shards), sampler="random", batch_size=batch, image_size=size, loader_workers=workers)
+    ts = TrainStream.from_config(Config(data=data, cluster=ClusterConfig(num_workers=1)), 0, 1, draft=draft, normalize=False)
     t0 = time.perf_counter()
     n = 0
     for images, labels in ts.epoch(0):
@@ -106,16 +103,12 @@ def _time_shards(shards: Path, batch: int, size: int, workers: int, draft: bool)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     if args.images < args.batch:
         raise UserError(f"--images: {args.images} is fewer than one batch (--batch {args.batch})")
     torch.set_num_threads(1)
     procs = max(1, args.loader_workers)
     with tempfile.TemporaryDirectory(prefix="dmltrain-bench-input-") as tmp:
         tree, shard_dir, n, exts = _extract(args.shards, args.split, args.images, Path(tmp))
-        from PIL import Image
-
         sample = next(p for p in tree.rglob("*") if p.is_file())
         with Image.open(sample) as im:
             w, h = im.size

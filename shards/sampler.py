@@ -29,14 +29,76 @@ Everything is a pure function of (seed, epoch, rank, batch): killing a run and r
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from shards.manifest import GroupTable
+from shards.manifest import GroupTable, SplitInfo
 
 _ORDER, _PIECES, _WINDOW = 0x0D3E, 0x91EC, 0x317D
+PLAN_VERSION = 1  # bump when this module changes which samples a (seed, epoch, rank, batch) plan names
+SAMPLERS = ("pk", "random")
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """How one global batch splits over ranks: each rank takes ``pieces_per_rank`` pieces of ``k`` images.
+
+    P×K (``sampler="pk"``): P = batch_size / K classes, P / W whole classes per rank.
+    Random: ``k`` = 1 and batch_size / W single images per rank. Build it with :func:`batch_shape`.
+    """
+
+    sampler: str
+    batch_size: int
+    k: int
+    world_size: int
+
+    @property
+    def pieces_per_rank(self) -> int:
+        return self.batch_size // (self.k * self.world_size)
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.pieces_per_rank * self.k
+
+    @property
+    def class_balanced(self) -> bool:
+        return self.sampler == "pk"
+
+
+def batch_shape(sampler: str, batch_size: int, samples_per_class: int, world_size: int, classes_per_batch: int | None = None) -> BatchShape:
+    """The :class:`BatchShape` of a global batch over ``world_size`` workers, or :class:`ValueError` with the
+    one-line message that names the ``data.*`` key at fault (the config check and the stream share it).
+
+    ``classes_per_batch`` (P), when given, must agree with ``batch_size`` = P × K.
+    """
+    w = world_size
+    if w < 1:
+        raise ValueError(f"cluster.num_workers: must be >= 1, got {w}")
+    if batch_size < 1:
+        raise ValueError(f"data.batch_size: must be >= 1, got {batch_size}")
+    if sampler == "random":
+        if batch_size % w:
+            raise ValueError(f"data.batch_size: {batch_size} is not divisible by cluster.num_workers = {w}")
+        return BatchShape(sampler, batch_size, 1, w)
+    if sampler != "pk":
+        raise ValueError(f"data.sampler: {sampler!r} is not 'pk' or 'random'")
+    k = samples_per_class
+    if k < 1:
+        raise ValueError(f"data.samples_per_class: must be >= 1, got {k}")
+    if batch_size % k:
+        raise ValueError(f"data.batch_size: {batch_size} is not divisible into P×K with K = data.samples_per_class = {k}")
+    if classes_per_batch is not None and classes_per_batch * k != batch_size:
+        raise ValueError(f"data.classes_per_batch: {classes_per_batch} × samples_per_class {k} != data.batch_size {batch_size}")
+    p = batch_size // k
+    if p % w:
+        raise ValueError(
+            f"data.classes_per_batch: P = {p} classes cannot be split evenly over cluster.num_workers = {w} "
+            "(each class's K images stay on one worker)"
+        )
+    return BatchShape(sampler, batch_size, k, w)
 
 
 @dataclass(frozen=True)
@@ -165,3 +227,14 @@ def eval_batch_ranges(num_samples: int, world_size: int, rank: int, batch_size: 
         out.append((pos, pos + size))
         pos += size
     return out
+
+
+def plan_digest(split: SplitInfo, table: GroupTable | None = None) -> str:
+    """SHA-256 (first 16 hex digits) of what a split contributes to a batch plan: its name, label-space size
+    and class-group table (shard, label, count per group). Re-encoding the same images keeps it; a
+    rebuild with another class order, seed or shard size, or other images per class, changes it."""
+    t = table if table is not None else split.group_table()
+    h = hashlib.sha256(f"{split.name}\0{split.num_labels}\0{len(t)}\0".encode())
+    for arr in (t.shard, t.label, t.count):
+        h.update(np.ascontiguousarray(arr, dtype="<i8").tobytes())
+    return h.hexdigest()[:16]

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dmltrain.config import AugmentConfig
 from shards.manifest import Manifest
 from shards.stream import TrainStream, eval_batches
 from shards.synthetic import build_synthetic_shards, class_parts, render
@@ -71,7 +72,7 @@ def test_synthetic_is_learnable(tmp_path):
     classifier = nn.Linear(64, CLASSES)
     opt = torch.optim.Adam([*model.parameters(), *classifier.parameters()], lr=3e-3)
     ts = TrainStream(
-        out, rank=0, world_size=1, sampler="pk", batch_size=64, samples_per_class=4, seed=0, image_size=SIZE, crop_scale=(0.5, 1.0), loader_workers=1
+        out, rank=0, world_size=1, sampler="pk", batch_size=64, samples_per_class=4, seed=0, image_size=SIZE, augment=AugmentConfig(scale=(0.5, 1.0)), loader_workers=1
     )
     steps, t0, epoch = 0, time.perf_counter(), 0
     while steps < 80:

@@ -131,7 +131,8 @@ def _embed_splits(args: argparse.Namespace, splits: list[str], model: Any, confi
         print(f"embedding split '{split}' of {shards} on {device}", file=sys.stderr)
         batches = eval_batches(
             shards, split, rank=0, world_size=1, batch_size=batch_size,
-            resize=int(data.get("eval_resize", 256)), crop=int(data.get("eval_crop", 224)), loader_workers=workers,
+            resize=int(data.get("eval_resize", 256)), crop=int(data.get("eval_crop", 224)),
+            grayscale=int((data.get("augment") or {}).get("grayscale", 0)), loader_workers=workers,
         )
         emb, labels, index = embed_batches(model, batches, device=device, precision=args.precision, progress=True)
         if len(emb) == 0:

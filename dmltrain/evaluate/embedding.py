@@ -160,7 +160,7 @@ def evaluate_model(
 
     ``splits``: ``['test']`` (self-retrieval) or ``['query', 'gallery']`` (query→gallery).
     Uses ``eval_cfg.ks``, ``nmi``, ``map_at_r``, ``binary`` and ``data_cfg.eval_batch_size``
-    (per worker), ``eval_resize``, ``eval_crop``, ``loader_workers``. Every rank must call it.
+    (per worker), ``eval_resize``, ``eval_crop``, ``augment.grayscale``, ``loader_workers``. Every rank must call it.
     ``progress``: rank 0 draws bars (off inside training, where the driver shows progress).
     Rank 0 returns ``(metrics, {split: (embeddings, labels)})``; the other ranks ``(None, None)``.
     Samples whose shard member cannot be read are left out of the metrics (not replaced); when
@@ -181,7 +181,8 @@ def evaluate_model(
     for split in splits:
         batches = eval_batches(
             shard_dir, split, rank=rank, world_size=world_size, batch_size=data_cfg.eval_batch_size,
-            resize=data_cfg.eval_resize, crop=data_cfg.eval_crop, loader_workers=data_cfg.loader_workers,
+            resize=data_cfg.eval_resize, crop=data_cfg.eval_crop, grayscale=data_cfg.augment.grayscale,
+            loader_workers=data_cfg.loader_workers,
         )
         emb, labels, index = embed_batches(model, batches, device=device, precision=precision, progress=progress and rank == 0)
         out = gather_to_rank0(emb, labels, index)

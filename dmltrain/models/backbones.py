@@ -137,23 +137,28 @@ def _googlenet(name: str, *, transform_input: bool) -> Backbone:
 
 
 # -- small CNN ---------------------------------------------------------------------------------------
-def _conv_bn_relu(cin: int, cout: int, stride: int) -> list[nn.Module]:
-    return [nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
+def _conv_bn_relu(cin: int, cout: int) -> list[nn.Module]:
+    return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
 
 
 SMALL_CNN_CHANNELS = (32, 64, 128, 192)
 
 
 def small_cnn(name: str = "small_cnn") -> Backbone:
-    """Four stages of two 3×3 conv-BN-ReLU blocks, the first of each with stride 2.
+    """Four stages of two 3×3 conv-BN-ReLU blocks (stride 1), each stage halving the resolution by 2×2 max-pooling.
 
-    About 0.84M parameters and 12M multiply-adds at 32×32 (each stage halves the resolution,
-    so 32×32 inputs end at 2×2 and 224×224 at 14×14). Kaiming-normal init as torchvision's ResNets.
+    Max-pooling, not strided convolutions, as the Conv-4 networks of the few-shot and metric-learning
+    literature: a stride-2 convolution fits the training classes as well but transfers worse to
+    unseen ones (thin structures alias away). Stages 2-4 pool *before* their convolutions, so
+    those run at the reduced size and the network costs what a strided one does; stage 1 pools
+    after its first convolution, so raw pixels are never max-pooled (a 2×2 max over a thin dark
+    stroke on a light ground would erase it). 32×32 inputs end at 2×2, 224×224 at 14×14; about
+    0.84M parameters and 13M multiply-adds at 32×32. Kaiming-normal init as torchvision's ResNets.
     """
-    layers, cin = [], 3
-    for i, cout in enumerate(SMALL_CNN_CHANNELS, 1):
-        layers.append((f"stage{i}", nn.Sequential(*_conv_bn_relu(cin, cout, 2), *_conv_bn_relu(cout, cout, 1))))
-        cin = cout
+    c1 = SMALL_CNN_CHANNELS[0]
+    layers = [("stage1", nn.Sequential(*_conv_bn_relu(3, c1), nn.MaxPool2d(2), *_conv_bn_relu(c1, c1)))]
+    for i, (cin, cout) in enumerate(zip(SMALL_CNN_CHANNELS, SMALL_CNN_CHANNELS[1:]), 2):
+        layers.append((f"stage{i}", nn.Sequential(nn.MaxPool2d(2), *_conv_bn_relu(cin, cout), *_conv_bn_relu(cout, cout))))
     backbone = Backbone(name, layers, {f"stage{i}": c for i, c in enumerate(SMALL_CNN_CHANNELS, 1)})
     for m in backbone.modules():
         if isinstance(m, nn.Conv2d):

@@ -33,6 +33,7 @@ from dmltrain.config import Config
 from dmltrain.distributed.process_group import ensure_process_group
 from dmltrain.models import build_model, param_groups
 from dmltrain.models.precision import autocast_dtype
+from dmltrain.models.sync_bn import convert_sync_batchnorm
 from dmltrain.training.artifacts import ModelExporter, log_run_files
 from dmltrain.training.cadence import Cadence, Due
 from dmltrain.training.checkpoint import Checkpointer
@@ -67,11 +68,9 @@ class Trainer:
         seed_rngs(cfg.train.seed, 0, self.rank)
         self.logger = RunHandle.attach(run.tracking_uri, run.mlflow_run_id, system_metrics=cfg.tracking.system_metrics) if self.rank == 0 else None
 
-        d, t = cfg.data, cfg.train
-        self.stream = TrainStream(
-            d.shards, split=d.train_split, rank=self.rank, world_size=self.world, sampler=d.sampler,
-            batch_size=d.batch_size, samples_per_class=d.samples_per_class, seed=t.seed,
-            image_size=d.image_size, crop_scale=tuple(d.crop_scale), color_jitter=d.color_jitter, loader_workers=d.loader_workers,
+        t = cfg.train
+        self.stream = TrainStream.from_config(
+            cfg, self.rank, self.world,
             normalize=False,  # uint8 crosses to the device (a quarter of the bytes); _train_step normalizes there
             pin_memory=self.device.type == "cuda",
         )
@@ -80,6 +79,8 @@ class Trainer:
         self.num_epochs = math.ceil(self.total_steps / self.steps_per_epoch)
 
         model = build_model(cfg.model).to(self.device)
+        if cfg.model.sync_bn:
+            model = convert_sync_batchnorm(model)
         if cfg.model.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.engine, self.ds_config = build_engine(model, param_groups(model, cfg.optim), cfg, self.world)

@@ -1,0 +1,50 @@
+"""``dmltrain bench quality`` end to end on tiny synthetic data: a plain loop and a real ``dmltrain train``
+(Ray, DeepSpeed over gloo, 2 workers, sync BN), both evaluated; figures are printed, never asserted."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+import torch
+
+from dmltrain import quality_bench
+from dmltrain.errors import UserError
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    quality_bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.ray
+def test_quality_bench_runs_both_trainings(tmp_path, capsys):
+    threads = torch.get_num_threads()
+    try:
+        args = _args("--synthetic", "8,6,16", "--steps", "3", "--batch", "8", "--k", "2", "--dim", "64", "--loader-workers", "0",
+                     "--keep", str(tmp_path / "work"))
+        assert quality_bench.run(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("quality bench: synthetic 8 classes x 6 images, 16px") and "3 steps" in lines[0]
+    number = r"Recall@1 (\d\.\d{4}) +wall +\d+\.\d s"
+    assert lines[1].startswith("plain PyTorch loop") and re.search(number, lines[1])
+    assert lines[2].startswith("dmltrain train (Ray + DeepSpeed + shards, 2 workers, sync BN)") and re.search(number, lines[2])
+    assert re.fullmatch(r"dmltrain - plain: [+-]\d+\.\d\d points Recall@1 at 3 steps; wall time dmltrain / plain: \d+\.\d\dx", lines[3])
+    written = (tmp_path / "work" / "dmltrain.yaml").read_text()
+    assert "sync_bn: true" in written and "max_steps: 3" in written  # what the command ran
+
+
+def test_quality_bench_bad_input_is_one_line(tmp_path):
+    for argv, text in (
+        (["--shards", str(tmp_path), "--steps", "2"], "holds no manifest.json"),
+        (["--synthetic", "8,6", "--steps", "2"], "--synthetic: expected 'classes,per_class,size'"),
+        (["--scale", "0.5", "--steps", "2"], "--scale: expected two numbers"),
+        (["--steps", "0"], "--steps: must be >= 1"),
+    ):
+        with pytest.raises(UserError, match=re.escape(text)) as e:
+            quality_bench.run(_args(*argv))
+        assert "\n" not in str(e.value)
