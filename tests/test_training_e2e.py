@@ -153,22 +153,35 @@ def _registered_checkpoints(run_dir: Path) -> list[str]:
     return [r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results", [])]
 
 
-def _train_worker_pids() -> set[int]:
+def _own_train_workers() -> list:
+    """RayTrainWorker processes of this test's local Ray: the raylet it started is their parent,
+    so this process is among their ancestors (other Ray sessions on the machine are left alone)."""
     import psutil
 
-    return {p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])}
+    me = os.getpid()
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if "RayTrainWorker" not in " ".join(p.info["cmdline"] or []):
+            continue
+        try:
+            if any(a.pid == me for a in p.parents()):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _train_worker_pids() -> set[int]:
+    return {p.info["pid"] for p in _own_train_workers()}
 
 
 def _kill_a_worker_after_first_checkpoint(run_dir: Path, killed: list[int], earlier: set[int]) -> None:
     """SIGKILL a training worker of this run (not a lingering one of an earlier run: ``earlier``)."""
-    import psutil
-
     deadline = time.time() + 600
     while time.time() < deadline and not _registered_checkpoints(run_dir):
         time.sleep(0.05)
     for _ in range(100):
-        workers = [p for p in psutil.process_iter(["pid", "cmdline"])
-                   if "RayTrainWorker" in " ".join(p.info["cmdline"] or []) and p.info["pid"] not in earlier]
+        workers = [p for p in _own_train_workers() if p.info["pid"] not in earlier]
         if workers:
             victim = max(workers, key=lambda p: p.info["pid"])
             os.kill(victim.info["pid"], signal.SIGKILL)
