@@ -204,6 +204,10 @@ class RunHandle:
         """Set the final status: FINISHED, FAILED or KILLED (the driver's or the search's call, not the workers')."""
         self.query("set the run status", lambda c: c.set_terminated(self.run_id, status=status))
 
+    def status(self) -> str | None:
+        """The run's MLflow status (RUNNING, FINISHED, FAILED, KILLED); None when the handle is off or it cannot be read."""
+        return self.query("read the run status", lambda c: c.get_run(self.run_id).info.status)
+
     def children(self) -> list[Run]:
         """The child runs (a search's trials, a study's points), oldest first; [] when they cannot be read."""
         return self.query("list the child runs", lambda c: child_runs(c, c.get_run(self.run_id).info.experiment_id, self.run_id), [])
