@@ -1,8 +1,8 @@
 """Which run a ``dmltrain train`` continues, and what must hold before it may.
 
 * :func:`resolve_run_name`: ``--resume [RUN]`` to a run name (the latest run of the config by default);
-* :func:`claim_run`: no live driver trains the run already, and its checkpoints hold only data
-  (:func:`~dmltrain.training.safe_load.scan_checkpoint`, before any worker loads them);
+* :func:`claim_run`: no live driver trains the run already, and the checkpoint it resumes from
+  holds only data (:func:`~dmltrain.training.safe_load.scan_checkpoint`, before any worker loads it);
 * :func:`close_crashed_runs`: runs left RUNNING by a dead driver are marked FAILED, with the
   command that resumes them;
 * :func:`announce`: the run's name and MLflow run id, printed before anything else happens.
@@ -19,10 +19,10 @@ from cluster.run_records import RUNNING, RunRecord, crashed_runs, latest_run
 from dmltrain.config import RUN_NAME_PATTERN, Config
 from dmltrain.errors import UserError
 from dmltrain.training.safe_load import scan_checkpoint
-from dmltrain.tracking.names import ERROR_TAG
+from dmltrain.tracking.names import ERROR_TAG, REPORT_STEP
 from dmltrain.tracking.run import RunHandle
 
-CHECKPOINT_GLOB = "checkpoint-step*"  # Ray Train's checkpoint folders, named by the workers' reports
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's list of the checkpoints it committed
 
 
 def resolve_run_name(cfg: Config, root: str, config_file: str | None, resume: str | None) -> str | None:
@@ -51,23 +51,33 @@ def resolve_run_name(cfg: Config, root: str, config_file: str | None, resume: st
     return name
 
 
+def resume_checkpoint(run_dir: Path) -> tuple[Path, int] | None:
+    """The checkpoint Ray Train will resume the run from (its latest committed one) and its step; None when there is none.
+
+    Ray lists what it committed in the run folder's snapshot; a checkpoint folder not listed there
+    (a driver killed while it was being written) is never loaded.
+    """
+    try:
+        latest = json.loads((run_dir / RAY_SNAPSHOT).read_text())["latest_checkpoint_result"]
+        return run_dir / latest["checkpoint_dir_name"], int(latest["metrics"][REPORT_STEP])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def latest_checkpoint_step(run_dir: Path) -> int | None:
-    """The step of the newest checkpoint in a local run folder (its ``train_state.json``); None when there is none."""
-    for ckpt in sorted(run_dir.glob(CHECKPOINT_GLOB), reverse=True):
-        try:
-            return int(json.loads((ckpt / "train_state.json").read_text())["step"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return None
+    """The step a resumed run continues from; None when it has no checkpoint."""
+    found = resume_checkpoint(run_dir)
+    return None if found is None else found[1]
 
 
 def claim_run(run_dir: Path, run_name: str) -> None:
-    """Refuse a run whose recorded driver is still running; scan the checkpoints it would resume from."""
+    """Refuse a run whose recorded driver is still running, or whose checkpoint to resume from holds more than data."""
     record = RunRecord.read(run_dir)
     if record is not None and record.status == RUNNING and record.driver_alive(run_dir):
         raise UserError(f"run {run_name} is being trained by another driver ({record.describe()}); stop it first, or wait")
-    for ckpt in sorted(run_dir.glob(CHECKPOINT_GLOB)):
-        scan_checkpoint(ckpt)
+    found = resume_checkpoint(run_dir)
+    if found is not None:
+        scan_checkpoint(found[0])
 
 
 def close_crashed_runs(root: Path, keep: str) -> None:
