@@ -22,6 +22,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -55,11 +56,14 @@ def run(args: argparse.Namespace) -> int:
     if resume and "=" in resume:  # `--resume optim.lr=0.1`: an override after a bare --resume
         overrides, resume = [*overrides, resume], ""
     cfg = load_config(args.config, overrides)
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # a stopped job ends its MLflow run as KILLED, not RUNNING
+    main_thread = threading.current_thread() is threading.main_thread()
+    # a stopped job (SIGTERM: `ray job stop`, a scheduler) ends its MLflow run as KILLED, not RUNNING
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
         summary = train(cfg, progress=not args.no_progress, config_name=Path(args.config).stem, config_path=args.config, resume=resume)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     print(summary.render())
     return 0 if summary.ok else 1
 
