@@ -166,25 +166,30 @@ def _registered_checkpoints(run_dir: Path) -> list[str]:
 
 
 def _train_worker_pids() -> set[int]:
+    """Ray Train workers of this test's Ray (descendants of this process: other Rays on the machine are not ours)."""
     import psutil
 
-    return {p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])}
+    workers = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "RayTrainWorker" in " ".join(p.cmdline()):
+                workers.add(p.pid)
+        except psutil.Error:
+            continue
+    return workers
 
 
 def _kill_a_worker_after_first_checkpoint(run_dir: Path, killed: list[int], earlier: set[int]) -> None:
     """SIGKILL a training worker of this run (not a lingering one of an earlier run: ``earlier``)."""
-    import psutil
-
     deadline = time.time() + 600
     while time.time() < deadline and not _registered_checkpoints(run_dir):
         time.sleep(0.05)
     for _ in range(100):
-        workers = [p for p in psutil.process_iter(["pid", "cmdline"])
-                   if "RayTrainWorker" in " ".join(p.info["cmdline"] or []) and p.info["pid"] not in earlier]
+        workers = _train_worker_pids() - earlier
         if workers:
-            victim = max(workers, key=lambda p: p.info["pid"])
-            os.kill(victim.info["pid"], signal.SIGKILL)
-            killed.append(victim.info["pid"])
+            victim = max(workers)
+            os.kill(victim, signal.SIGKILL)
+            killed.append(victim)
             return
         time.sleep(0.1)
 
@@ -307,12 +312,13 @@ def test_a_killed_driver_is_resumed_by_config_in_the_same_mlflow_run(env, tmp_pa
         driver = subprocess.Popen([sys.executable, "-m", "dmltrain", *args], stdout=out, stderr=subprocess.STDOUT,
                                   env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     try:
-        def its_run_dir():
-            assert driver.poll() is None, log.read_text()[-3000:]
-            return next((p.parent for p in (root / "runs").glob("*/driver.json") if RunRecord.read(p.parent).pid == driver.pid), None)
+        def running(found):
+            assert driver.poll() is None, "the driver ended before it was killed:\n" + log.read_text()[-3000:]
+            return found
 
-        run_dir = _wait_for(its_run_dir, "the driver's run record")
-        _wait_for(lambda: driver.poll() is None and _registered_checkpoints(run_dir), "the first checkpoint")
+        run_dir = _wait_for(lambda: running(next((p.parent for p in (root / "runs").glob("*/driver.json")
+                                                   if RunRecord.read(p.parent).pid == driver.pid), None)), "the driver's run record")
+        _wait_for(lambda: running(_registered_checkpoints(run_dir)), "the first checkpoint")
     finally:
         driver.kill()
         driver.wait()
