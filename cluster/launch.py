@@ -39,7 +39,6 @@ from dmltrain.tracking.names import ERROR_TAG, STORAGE_DIR_TAG
 from dmltrain.tracking.run import RunHandle
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config (see configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=0.01 cluster.num_workers=4")
@@ -112,7 +111,6 @@ class TrainSummary:
         else:
             lines.append(f"  open MLflow: {self.tracking_uri}")
         return "\n".join(lines)
-
 
     def written_models(self) -> list[str]:
         """The exported model files that exist (on remote storage: those a finished run writes)."""
@@ -283,7 +281,7 @@ def train(cfg: Config, *, progress: bool = True, config_name: str | None = None,
     tracked = RunHandle.for_config(cfg, run_name, cfg.flat(), tags={STORAGE_DIR_TAG: storage_dir}, parent_run_id=parent_run_id)
     uri, run_id = tracked.uri, tracked.run_id
     if tracked.resumed:  # a resumed run's earlier failure no longer describes it
-        tracked.query("clear the earlier error", lambda c: c.delete_tag(run_id, ERROR_TAG) if ERROR_TAG in c.get_run(run_id).data.tags else None)
+        tracked.delete_tag(ERROR_TAG)
     record = heartbeat = None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
