@@ -406,3 +406,18 @@ def test_divergence_guard_on_one_process():
     guard.observe(3, {"instance": torch.tensor(float("nan"))})
     with pytest.raises(Diverged, match=r"^loss diverged: the instance loss is -inf at step 2$"):
         guard.check()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_divergence_guard_observes_without_synchronising_the_device():
+    from dmltrain.training.divergence import DivergenceGuard
+
+    guard = DivergenceGuard(["classifier", "instance"], torch.device("cuda"))
+    losses = {"classifier": torch.tensor(1.0, device="cuda"), "instance": torch.tensor(float("nan"), device="cuda")}
+    torch.cuda.set_sync_debug_mode("error")  # any call that waits for the device raises
+    try:
+        for step in range(1, 4):
+            guard.observe(step, losses)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert guard.first_bad.tolist() == [2**62, 1]
