@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,19 @@ def local_ray_env() -> dict[str, str]:
     return {_CLUSTERS_ENV: "0"}
 
 
+@contextmanager
+def _loopback_stays_loopback():
+    """Within: Ray keeps a 127.0.0.1 node IP or bootstrap address as it is (see ``_CLUSTERS_ENV``)."""
+    from ray._private import ray_constants
+
+    enabled = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read by ray.init when it resolves the node IP and the address
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = enabled
+
+
 def start_local_ray(**init_kwargs: Any) -> None:
     """Start a Ray instance on this machine, every server on 127.0.0.1 (dashboard included).
 
@@ -222,18 +236,17 @@ def start_local_ray(**init_kwargs: Any) -> None:
     ``RAY_AUTH_MODE=disabled`` is respected. ``init_kwargs`` go to ``ray.init``.
     """
     import ray
-    from ray._private import ray_constants
 
-    enabled = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False  # read by ray.init when it resolves the node IP (see above)
-    try:
+    with _loopback_stays_loopback():
         ray.init(_node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **init_kwargs)
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = enabled
 
 
 def init_ray(cfg: Config) -> None:
-    """Join ``cluster.address`` when set, else start a local Ray on loopback (:func:`start_local_ray`)."""
+    """Join ``cluster.address`` when set, else start a local Ray on loopback (:func:`start_local_ray`).
+
+    A loopback address (``127.0.0.1:port``, ``localhost:port``) joins that local instance as
+    given; Ray would otherwise rewrite it to the machine's outward address, where a local
+    instance started by :func:`start_local_ray` does not listen."""
     import ray
 
     if ray.is_initialized():
@@ -241,10 +254,13 @@ def init_ray(cfg: Config) -> None:
     address = cfg.cluster.address
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     try:
-        if address:
-            ray.init(address=address, log_to_driver=True)
-        else:
+        if not address:
             start_local_ray(log_to_driver=True)
+        elif address.rsplit(":", 1)[0] in (LOOPBACK, "localhost"):
+            with _loopback_stays_loopback():
+                ray.init(address=address, log_to_driver=True)
+        else:
+            ray.init(address=address, log_to_driver=True)
     except ConnectionError as e:
         raise UserError(f"cluster.address: cannot join the Ray cluster at {address}: {e}") from None
 
