@@ -30,7 +30,8 @@ def _is_channels_last(t: torch.Tensor) -> bool:
 
 @pytest.fixture(scope="module")
 def process_group():
-    """One gloo group of one for the module (DeepSpeed keeps its groups across engines)."""
+    """One gloo group of one for the module, ended through DeepSpeed so that it forgets the groups it cloned
+    from it (a later test's new group would otherwise meet them)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DS_ACCELERATOR", "cpu")
         mp.setenv("LOCAL_RANK", "0")
@@ -40,7 +41,9 @@ def process_group():
         try:
             yield
         finally:
-            torch.distributed.destroy_process_group()
+            from dmltrain.training.engine import import_deepspeed
+
+            import_deepspeed().comm.destroy_process_group()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
