@@ -17,9 +17,9 @@ jitter, grayscale, erasing, normalization, then Gaussian noise from a generator 
 record's noise seed (the same distribution as the CPU path's numpy field, not the same numbers).
 
 Pixels: the device path always decodes at full resolution (no JPEG draft scaling), so it compares
-with ``TrainTransform(draft=False)``: on the CPU (libjpeg-turbo, as PIL) equal but for rare ±1
-roundings of float32 sums; on CUDA nvJPEG's inverse DCT and chroma upsampling differ from
-libjpeg's by a few levels. Rotation is not applied on the device (configs refuse
+with ``TrainTransform(draft=False)``: on the CPU (libjpeg-turbo, as PIL; float64 resampling) equal
+but for rare float32 roundings of the colour-jitter blends; on CUDA (float32 resampling: rare ±1)
+nvJPEG's inverse DCT and chroma upsampling differ from libjpeg's by a few levels. Rotation is not applied on the device (configs refuse
 ``data.decode=device`` with ``data.augment.rotation``; a record with an angle is decoded on the CPU).
 
 An encoded image the device cannot decode (a corrupt entropy stream: headers are checked in the
@@ -144,11 +144,17 @@ class DeviceDecoder:
     erase colour are read from it).
     """
 
-    def __init__(self, augment: AugmentConfig, device: torch.device | str, dtype: torch.dtype = torch.float32, channels_last: bool = False):
+    def __init__(
+        self, augment: AugmentConfig, device: torch.device | str, dtype: torch.dtype = torch.float32, channels_last: bool = False,
+        resample_dtype: torch.dtype | None = None,
+    ):
         self.augment, self.device, self.dtype = augment, torch.device(device), dtype
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        # float64 resampling is PIL's exactly; GPUs default to float32 (rare ±1, see shards.pixel_ops)
+        self.resample_dtype = resample_dtype or (torch.float32 if self.device.type == "cuda" else torch.float64)
         self.skipped = 0
         self._noted = 0
+        self._decode_stream: torch.cuda.Stream | None = None
 
     def __call__(self, batch: EncodedImages, labels: Tensor) -> tuple[Tensor, Tensor]:
         dev, S, n = self.device, batch.size, batch.batch_size
@@ -178,6 +184,23 @@ class DeviceDecoder:
         chunks = [batch.data[o[j] : o[j + 1]] for j in range(len(o) - 1)]
         if not chunks:
             return []
+        if self.device.type != "cuda":
+            return self._decode_all(chunks)
+        # nvJPEG writes from a stream of its own into tensors allocated on the current stream. Allocated on
+        # the current (prefetch) stream they could reuse memory whose last reads there are still queued, so
+        # they come from a stream that runs nothing, and are marked as used by the current one.
+        current = torch.cuda.current_stream(self.device)
+        if self._decode_stream is None:
+            self._decode_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._decode_stream):
+            images = self._decode_all(chunks)
+        current.wait_stream(self._decode_stream)
+        for im in images:
+            if im is not None:
+                im.record_stream(current)
+        return images
+
+    def _decode_all(self, chunks: list[Tensor]) -> list[Tensor | None]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torchvision's notice that its decoders move to TorchCodec
             try:
@@ -219,17 +242,18 @@ class DeviceDecoder:
         x0, x1 = _crop_bounds(fx, tx, widths)
         y0, y1 = _crop_bounds(fy, ty, heights)
         wc, hc = int((x1 - x0).max()), int((y1 - y0).max())
-        crops = torch.zeros((len(images), 3, hc, wc), dtype=torch.float32, device=dev)
+        dt = self.resample_dtype
+        crops = torch.zeros((len(images), 3, hc, wc), dtype=dt, device=dev)
         for i, im in enumerate(images):  # only the pixels the taps read, at the top-left of the padded buffer
             crops[i, :, : y1[i] - y0[i], : x1[i] - x0[i]] = im[:, y0[i] : y1[i], x0[i] : x1[i]]
-        wx = dense_weights(fx, tx, x0, wc, dev)
+        wx = dense_weights(fx, tx, x0, wc, dev, dt)
         flips = [i for i, p in enumerate(params) if p.flip]
         if flips:  # a left-right mirror of the output is a reversal of the horizontal weights' rows
             idx = torch.tensor(flips, device=dev)
             wx[idx] = wx[idx].flip(1)
-        wy = dense_weights(fy, ty, y0, hc, dev)
+        wy = dense_weights(fy, ty, y0, hc, dev, dt)
         x = round8(torch.matmul(crops, wx.transpose(1, 2).unsqueeze(1)))  # horizontal pass: b × 3 × hc × S
-        x = round8(torch.matmul(wy.unsqueeze(1), x))  # vertical pass: b × 3 × S × S
+        x = round8(torch.matmul(wy.unsqueeze(1), x)).float()  # vertical pass: b × 3 × S × S, 8-bit values
         x = self._jitter(x, params)
         if a.grayscale:
             x = luma(x)
@@ -260,3 +284,30 @@ class DeviceDecoder:
                 f = torch.tensor([v for _, v in items], dtype=torch.float64, device=x.device)
                 x[idx] = shift_hue(x[idx], f) if name == "hue" else adjust(x[idx], name, f)
         return x
+
+
+class DeviceInput:
+    """A training stream's batch -> ``(images, labels)`` on ``device``, ready for the model: normalized
+    ``b × 3 × S × S`` in ``dtype``, channels_last if asked.
+
+    A CPU-decoded batch (uint8, pinned by the stream on CUDA) is copied without blocking and normalized
+    on the device (a quarter of the bytes cross the bus); an :class:`EncodedImages` batch goes through
+    a :class:`DeviceDecoder`. Nothing here waits for the device.
+    """
+
+    def __init__(self, augment: AugmentConfig, device: torch.device | str, dtype: torch.dtype = torch.float32, channels_last: bool = False):
+        self.device, self.dtype, self.channels_last = torch.device(device), dtype, channels_last
+        self.decoder = DeviceDecoder(augment, self.device, dtype, channels_last)
+
+    @property
+    def skipped(self) -> int:
+        """Images that did not decode on the device (each replaced by another image of its batch)."""
+        return self.decoder.skipped
+
+    def __call__(self, images: Tensor | EncodedImages, labels: Tensor) -> tuple[Tensor, Tensor]:
+        if isinstance(images, EncodedImages):
+            return self.decoder(images, labels)
+        x = images.to(self.device, non_blocking=True)
+        if self.channels_last:  # on the uint8 batch: a quarter of the bytes; normalize_batch keeps the format
+            x = x.contiguous(memory_format=torch.channels_last)
+        return normalize_batch(x, self.dtype), labels.to(self.device, non_blocking=True)
