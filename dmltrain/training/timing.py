@@ -1,4 +1,4 @@
-"""Where a training step's time goes: data / forward / backward / step, and the throughput between log points.
+"""Where a training step's time goes: data / forward / backward / optimizer, and the throughput between log points.
 
 The one place that times steps. On the CPU each part is wall-clock time between :meth:`StepTimer.lap`
 calls. On a CUDA device a lap records an event on the current stream instead of waiting for the
@@ -7,7 +7,8 @@ stream) overlap compute; :meth:`StepTimer.summary` waits for the last event once
 sums the intervals between events. The parts are then device time: ``data`` runs from the end of
 the previous step to the moment the device could start this one (a device waiting for its batch,
 or for a host that is late to queue it, counts here), ``forward``, ``backward`` and ``step`` each
-the device time of their own kernels. Work outside training steps (evaluation, checkpoints) runs
+the device time of their own kernels (``optimizer``: the engine's and the classifier's steps;
+``time/step_ms`` is the wall time per step). Work outside training steps (evaluation, checkpoints) runs
 inside :meth:`StepTimer.aside` and is left out of ``time/step_ms`` and ``images_per_s``.
 """
 
@@ -23,7 +24,7 @@ import torch
 class StepTimer:
     """``start()`` before fetching a batch, ``lap(part)`` after each part of the step, in ``PARTS`` order."""
 
-    PARTS = ("data", "forward", "backward", "step")
+    PARTS = ("data", "forward", "backward", "optimizer")
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -51,7 +52,7 @@ class StepTimer:
             self._current = [self._boundary if self._boundary is not None else self._record()]
 
     def lap(self, part: str) -> None:
-        """``part`` of the current step has finished; the last part (``step``) completes the step."""
+        """``part`` of the current step has finished; the last part (``optimizer``) completes the step."""
         done = part == self.PARTS[-1]
         if self.cuda:
             self._current.append(self._record())

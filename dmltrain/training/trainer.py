@@ -155,7 +155,7 @@ class Trainer:
         scale = loss_scale(engine)  # read before engine.step(), which may change it
         engine.step()
         self.head.step(scale, applied=not engine.fp16_enabled() or engine.was_step_applied())
-        timer.lap("step")
+        timer.lap("optimizer")
         self.metrics.add({**self.objective.device_stats, "lr": lr})  # summed on the device, read at log points
         st.step += 1
         st.batch += 1
