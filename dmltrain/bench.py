@@ -16,6 +16,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "classifier": ("dmltrain.distributed.bench", "sharded classifier step time and peak memory vs its GEMM bound"),
     "eval": ("dmltrain.evaluate.bench", "retrieval metrics time vs the bare similarity GEMM"),
     "quality": ("dmltrain.quality_bench", "Recall@1 and wall time of dmltrain train vs a plain PyTorch loop at equal steps"),
+    "train": ("dmltrain.training.bench", "the full training step from shards vs the bare backbone on random tensors: images/s, data wait"),
 }
 
 

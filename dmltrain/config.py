@@ -148,6 +148,11 @@ class DataConfig(Section):
     eval_resize: int = Field(256, ge=8)
     eval_crop: int = Field(224, ge=8)
     loader_workers: int = Field(2, ge=0, description="decoding processes per training worker")
+    decode: Literal["auto", "cpu", "device"] = Field(
+        "auto",
+        description="train images: decoded and augmented in the loader processes (cpu), or handed over encoded and "
+        "decoded on the worker's device (device: nvJPEG on GPUs); auto: device on GPU workers unless data.augment.rotation",
+    )
     eval_batch_size: int = Field(128, ge=1)
     synthetic: SyntheticData | None = Field(None, description="build synthetic shards at data.shards if missing")
 
@@ -164,6 +169,8 @@ class DataConfig(Section):
     def _check(self) -> DataConfig:
         if self.eval_crop > self.eval_resize:
             raise ValueError(f"data.eval_crop: {self.eval_crop} is larger than data.eval_resize {self.eval_resize}")
+        if self.decode == "device" and self.augment.rotation_range != (0.0, 0.0):
+            raise ValueError("data.decode: device decoding does not rotate (data.augment.rotation); use data.decode=cpu or auto")
         return self
 
     @property

@@ -4,7 +4,10 @@
 images (uint8, or float32 pixel values when the transform adds noise) with their labels
 and indices in the split, applying the substitution policy for unreadable samples (below).
 Each image slot has its own ``random.Random`` derived from (seed, epoch, rank, batch)
-(:func:`slot_rngs`), so a batch comes out the same in whichever process builds it.
+(:func:`slot_rngs`), so a batch comes out the same in whichever process builds it. With an
+:class:`~shards.device_decoding.EncodedTransform` a training batch comes out as
+:class:`~shards.device_decoding.EncodedImages` (bytes and augmentation records, decoded on the
+device) drawn from the same generators, under the same substitution policy.
 :class:`TrainBatchDataset` and :class:`EvalBatchDataset` are what DataLoader processes run.
 """
 
@@ -18,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from shards.device_decoding import EncodedTransform
 from shards.manifest import GroupTable, SplitInfo
 from shards.sampler import EpochPlanner, Piece
 from shards.tar_index import GroupReader
@@ -25,7 +29,8 @@ from shards.transforms import EvalTransform, TrainTransform
 
 _AUG = 0xA06
 
-Transform = Callable[[bytes, random.Random], np.ndarray]  # image bytes, slot rng -> S × S × C array
+# image bytes, slot rng -> S × S × C array (or, for an EncodedTransform, the bytes with their record)
+Transform = Callable[[bytes, random.Random], Any]
 
 
 def slot_rngs(seed: int, epoch: int, rank: int, batch: int, slots: int) -> list[random.Random]:
@@ -34,7 +39,7 @@ def slot_rngs(seed: int, epoch: int, rank: int, batch: int, slots: int) -> list[
     return [random.Random(int(x)) for x in seeds]
 
 
-def _decode(reader: GroupReader, g: int, pos: int, transform: Transform, rng: random.Random, notes: list[str], seen: set) -> np.ndarray | None:
+def _decode(reader: GroupReader, g: int, pos: int, transform: Transform, rng: random.Random, notes: list[str], seen: set) -> Any:
     """Decode sample ``pos`` of group ``g``; None (noted once) when it is missing or does not decode."""
     s = reader.sample(g, pos)
     if s is not None:
@@ -64,8 +69,9 @@ def build_batch(
     dtype: Any = np.uint8,
     substitute: bool = True,
 ) -> dict[str, Any]:
-    """Decode and augment one batch: ``images`` ``b×channels×S×S`` of ``dtype`` (contiguous), ``labels``,
-    ``index``, ``skipped``, ``notes``.
+    """Decode and augment one batch: ``images`` ``b×channels×S×S`` of ``dtype`` (contiguous; an
+    :class:`~shards.device_decoding.EncodedImages` with an ``EncodedTransform``), ``labels``, ``index``,
+    ``skipped``, ``notes``.
 
     ``substitute=True`` (training): every slot is filled so the batch keeps its planned shape. An
     unreadable image is replaced by another image of its class group (seeded order); when the whole
@@ -76,7 +82,7 @@ def build_batch(
     Either way ``skipped`` counts the unreadable planned samples.
     """
     slots = [(p.group, p.label, pos) for p in pieces for pos in p.positions]
-    images: list[np.ndarray | None] = [None] * len(slots)
+    images: list[Any] = [None] * len(slots)
     labels = np.array([lab for _, lab, _ in slots], dtype=np.int64)
     index = np.array([int(reader.table.start[g]) + pos for g, _, pos in slots], dtype=np.int64)
     notes: list[str] = []
@@ -102,15 +108,19 @@ def build_batch(
                 images[i], labels[i] = images[j], labels[j]
     else:
         images, labels, index = [images[i] for i in good], labels[good], index[good]
-    out = np.zeros((len(images), channels, image_size, image_size), dtype)  # a slot left None stays black
-    for i, im in enumerate(images):
-        if im is not None:
-            out[i] = im.transpose(2, 0, 1)  # HWC -> CHW here, in the loader process
+    if isinstance(transform, EncodedTransform):  # bytes and records for the device (a slot left None: black)
+        collated: Any = transform.collate(images)
+    else:
+        out = np.zeros((len(images), channels, image_size, image_size), dtype)  # a slot left None stays black
+        for i, im in enumerate(images):
+            if im is not None:
+                out[i] = im.transpose(2, 0, 1)  # HWC -> CHW here, in the loader process
+        collated = torch.from_numpy(out)
     notes.extend(reader.notes)
     reader.notes.clear()
     return {
         "batch": batch,
-        "images": torch.from_numpy(out),
+        "images": collated,
         "labels": torch.from_numpy(labels),
         "index": torch.from_numpy(index),
         "skipped": skipped,
@@ -128,7 +138,8 @@ class TrainBatchDataset(IterableDataset):
     """Batches ``start ..`` of (epoch, rank) from the plan; a DataLoader worker ``i`` of ``n`` builds every n-th."""
 
     def __init__(
-        self, split: SplitInfo, table: GroupTable, planner: EpochPlanner, transform: TrainTransform, *, epoch: int, start: int, rank: int, seed: int
+        self, split: SplitInfo, table: GroupTable, planner: EpochPlanner, transform: TrainTransform | EncodedTransform, *,
+        epoch: int, start: int, rank: int, seed: int,
     ):
         self.split, self.table, self.planner, self.transform = split, table, planner, transform
         self.epoch, self.start, self.rank, self.seed = epoch, start, rank, seed

@@ -18,7 +18,10 @@ DataLoader runs ``n`` processes; process ``i`` builds batches ``start + i, start
 and the main process puts them back in order, so the output does not depend on ``n``. Loader
 processes hand over uint8 ``b×C×S×S`` batches; normalization to float32 happens in the
 consumer's process (``normalize=True``) or on its device (``normalize=False`` +
-:func:`shards.transforms.normalize_batch`).
+:func:`shards.transforms.normalize_batch`). With ``decode="device"`` they hand over encoded JPEG
+bytes with each image's augmentation record instead (:mod:`shards.device_decoding`), drawn from the
+same generators, and a :class:`~shards.device_decoding.DeviceDecoder` decodes and augments the batch
+on the consumer's device.
 
 Unreadable members (missing, truncated, not decodable) are logged (the first few) and counted;
 they never stop a run. In *training* batch shapes stay fixed: another image of the same group
@@ -47,6 +50,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from dmltrain.config import AugmentConfig, Config
 from dmltrain.errors import UserError
 from shards.batch_decoding import EvalBatchDataset, TrainBatchDataset
+from shards.device_decoding import EncodedImages, EncodedTransform
 from shards.manifest import Manifest, SplitInfo
 from shards.sampler import PLAN_VERSION, EpochPlanner, Piece, batch_shape, eval_batch_ranges, plan_digest
 from shards.transforms import EvalTransform, TrainTransform, normalize_batch
@@ -103,9 +107,12 @@ def _pin_available(pin_memory: bool) -> bool:
     return bool(pin_memory) and torch.cuda.is_available()
 
 
-def _deliver(images: torch.Tensor, normalize: bool, pin: bool) -> torch.Tensor:
+def _deliver(images: torch.Tensor | EncodedImages, normalize: bool, pin: bool) -> torch.Tensor | EncodedImages:
     """The tensor handed to the caller: normalized float32 (written straight into pinned memory when ``pin``)
-    or the uint8 batch itself (pinned when ``pin``; the DataLoader's pin thread already did it when it ran)."""
+    or the uint8 batch itself (pinned when ``pin``; the DataLoader's pin thread already did it when it ran);
+    encoded batches as they are (the device decoder reads the bytes on the host)."""
+    if isinstance(images, EncodedImages):
+        return images
     if normalize:
         b, _, h, w = images.shape  # a grayscale channel is broadcast to 3
         return normalize_batch(images, out=torch.empty((b, 3, h, w), dtype=torch.float32, pin_memory=pin))
@@ -133,6 +140,9 @@ class TrainStream:
     normalizes where it wants, usually after the copy to the accelerator:
     ``shards.transforms.normalize_batch(images.to(device))``.
     ``pin_memory`` (only with CUDA) pins what is yielded: the decoded batch, or the float32 one.
+    ``decode="device"``: the images of a batch come as :class:`~shards.device_decoding.EncodedImages`
+    (JPEG bytes and augmentation records, the same records the CPU path would apply), for a
+    :class:`~shards.device_decoding.DeviceDecoder`; ``normalize`` must then be False.
 
     ``shuffle_images`` bounds the shuffle window (in images); larger mixes classes more widely.
     A resumed run sees the same batches when :meth:`plan_signature` is unchanged (shards, seed,
@@ -158,9 +168,13 @@ class TrainStream:
         pin_memory: bool = False,
         draft: bool = True,
         normalize: bool = True,
+        decode: str = "cpu",
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
+        if decode not in ("cpu", "device") or (decode == "device" and normalize):
+            raise ValueError(f"decode={decode!r}: choose 'cpu', or 'device' with normalize=False (the device decoder normalizes)")
+        self.decode = decode
         self.manifest = Manifest.load(shard_dir)
         self.split = self.manifest.split(split)
         try:
@@ -199,19 +213,21 @@ class TrainStream:
         normalize: bool = True,
         pin_memory: bool = False,
         draft: bool = True,
+        decode: str = "cpu",
     ) -> TrainStream:
         """The training stream a run config describes (``cfg.data``: shards, train split, sampler, P×K,
         image size, augmentation, loader processes; ``cfg.train.seed``) for ``rank`` of ``world_size``.
 
         The keywords are how this process consumes it: ``loader_workers`` (default
-        ``cfg.data.loader_workers``), ``normalize``, ``pin_memory`` and ``draft`` as in the constructor.
+        ``cfg.data.loader_workers``), ``normalize``, ``pin_memory``, ``draft`` and ``decode`` (resolved:
+        ``cpu`` or ``device``; see :func:`resolve_decode` for ``data.decode``) as in the constructor.
         """
         d = cfg.data
         return cls(
             d.shards, d.train_split, rank=rank, world_size=world_size, sampler=d.sampler, batch_size=d.batch_size,
             samples_per_class=d.samples_per_class, seed=cfg.train.seed, image_size=d.image_size, augment=d.augment,
             loader_workers=d.loader_workers if loader_workers is None else loader_workers,
-            pin_memory=pin_memory, draft=draft, normalize=normalize,
+            pin_memory=pin_memory, draft=draft, normalize=normalize, decode=decode,
         )
 
     @property
@@ -263,10 +279,9 @@ class TrainStream:
     def _epoch(self, epoch: int, start_batch: int, with_index: bool) -> Iterator[tuple[torch.Tensor, ...]]:
         if start_batch == self.batches_per_epoch:
             return
-        ds = TrainBatchDataset(
-            self.split, self.table, self.planner, self.transform, epoch=epoch, start=start_batch, rank=self.rank, seed=self.seed
-        )
-        pin = _pin_available(self.pin_memory)
+        transform = EncodedTransform(self.transform) if self.decode == "device" else self.transform
+        ds = TrainBatchDataset(self.split, self.table, self.planner, transform, epoch=epoch, start=start_batch, rank=self.rank, seed=self.seed)
+        pin = _pin_available(self.pin_memory) and self.decode == "cpu"
         n, skipped_before = 0, self.skipped
         # the loader pins uint8 batches itself; normalized ones are written straight into pinned memory here
         for item in _in_order(ds, self.loader_workers, start_batch, pin and not self.normalize):

@@ -85,3 +85,16 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
         codes = {r: procs[r].exitcode for r in missing}
         raise RuntimeError(f"workers {missing} returned nothing within {timeout:.0f}s (exit codes {codes})")
     return [results[r] for r in range(world_size)]
+
+
+def end_process_group() -> None:
+    """End this process's group through DeepSpeed when it has used it, so DeepSpeed forgets the groups it
+    cloned from it (a later test's engine would otherwise broadcast over a group that no longer exists)."""
+    import sys
+
+    import torch.distributed as dist
+
+    if "deepspeed.comm" in sys.modules:
+        sys.modules["deepspeed.comm"].destroy_process_group()
+    elif dist.is_initialized():
+        dist.destroy_process_group()

@@ -9,6 +9,7 @@ import torch
 
 from dmltrain.config import load_config
 from dmltrain.errors import UserError
+from multiproc import end_process_group
 
 
 def test_deepspeed_config_generated_and_overridden(tmp_path):
@@ -270,7 +271,7 @@ def one_process_group(monkeypatch):
 
     ensure_process_group()
     yield
-    torch.distributed.destroy_process_group()
+    end_process_group()
 
 
 def test_checkpointer_restores_engine_head_rngs_and_position(tmp_path, one_process_group):

@@ -20,6 +20,7 @@ the CPU path) and :class:`~dmltrain.distributed.fused_softmax.FusedSoftmax` (Tri
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -52,6 +53,39 @@ class ShardOwner(Protocol):
     def kept_workspace(self, call: ShardCall) -> Workspace: ...
 
     def release_kept(self, call: ShardCall) -> None: ...
+
+
+class CallStats(Mapping[str, float]):
+    """A call's statistics, kept where they were computed.
+
+    Read as a mapping (``stats["loss"]``) they are host floats, all brought over at the first read (one
+    device sync); :meth:`on_device` gives them without any sync (0-d tensors for the device values,
+    floats for those known on the host), for a reader that sums them on the device and reads the
+    sums back at log time.
+    """
+
+    def __init__(self, device: Mapping[str, Tensor], host: Mapping[str, float]) -> None:
+        self._device, self._host = dict(device), dict(host)
+        self._read: dict[str, float] | None = None
+
+    def on_device(self) -> dict[str, Tensor | float]:
+        return {**self._device, **self._host}
+
+    def _values(self) -> dict[str, float]:
+        if self._read is None:
+            keys = list(self._device)
+            vals = torch.stack([self._device[k].detach().double() for k in keys]).tolist() if keys else []
+            self._read = {**dict(zip(keys, vals)), **self._host}
+        return self._read
+
+    def __getitem__(self, key: str) -> float:
+        return self._values()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({**self._device, **self._host})
+
+    def __len__(self) -> int:
+        return len(self._device) + len(self._host)
 
 
 class ShardCall:
@@ -125,8 +159,9 @@ class ShardCall:
 
         ``lse_local``, ``m``, ``sz``: log-sum-exp, max and sum of this shard's logits per sample,
         targets included; ``z_t``, ``cos_t``: target logits and cosines of the owned samples.
-        Sets ``lse`` (global, per sample), ``K`` (active classes over all shards), the smoothed
-        target weights ``on``/``off`` and ``stats_tensor``.
+        Sets ``lse`` (global, per sample), ``K`` (active classes over all shards: an int with label
+        smoothing, else a device scalar), the smoothed target weights ``on``/``off`` and ``stats_tensor``
+        (loss, accuracy, mean target logit, mean target cosine, K; on the device).
         """
         N, dev = self.x.shape[0], self.x.device
 
@@ -146,12 +181,14 @@ class ShardCall:
         lse = torch.logsumexp(parts[:, 0], 0)
         zmax = parts[:, 1].amax(0)
         sum_z, tgt, cos_tgt = parts[:, 2].sum(0), parts[:, 3].sum(0), parts[:, 4].sum(0)
-        self.K = int(allp[:, -1].sum())
-        self.on, self.off = smoothing_weights(self.K, self.eps)  # the smoothed target distribution
+        k_total = allp[:, -1].sum()
+        # the active classes of all shards: read to the host only when label smoothing needs the number
+        self.K = int(k_total) if self.eps else k_total
+        self.on, self.off = smoothing_weights(self.K, self.eps) if self.eps else (1.0, 0.0)  # the smoothed target distribution
         per = smoothed_nll(lse, tgt, sum_z, self.K, self.eps)
         self.lse = lse.to(self.dtype)
         loss = per.mean().to(self.dtype)
-        self.stats_tensor = torch.stack([loss.double(), (tgt >= zmax).double().mean(), tgt.mean(), cos_tgt.mean()])
+        self.stats_tensor = torch.stack([loss.double(), (tgt >= zmax).double().mean(), tgt.mean(), cos_tgt.mean(), k_total])
         return loss
 
     def grad_scale(self, grad_out: Tensor) -> Tensor:

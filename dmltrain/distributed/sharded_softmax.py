@@ -55,6 +55,7 @@ call, because the CPU allocator caches nothing; ``release_buffers()`` frees them
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -67,7 +68,7 @@ from dmltrain.distributed.class_sampling import draw_active_rows, draw_seed
 from dmltrain.distributed.collectives import _gather_rows, all_gather_sizes, gather_with_grad, group_rank_size
 from dmltrain.distributed.fused_softmax import FusedSoftmax, fused_unavailable
 from dmltrain.distributed.grad_rows import GradWriter, RowGrads
-from dmltrain.distributed.shard_call import ShardCall
+from dmltrain.distributed.shard_call import CallStats, ShardCall
 from dmltrain.distributed.workspace import Workspace
 from dmltrain.losses.kinds import KINDS
 
@@ -118,7 +119,8 @@ class ShardedClassifier(nn.Module):
     (global ids of the local rows), ``active_rows`` and ``stats`` of the last call: ``loss``,
     ``accuracy`` (target logit is the largest), ``target_logit`` and ``target_cos`` (means
     over the global batch), ``active_rows`` (this shard), ``active_classes`` and
-    ``active_share`` (all shards), ``logits_kept`` (1 when backward reuses the logits).
+    ``active_share`` (all shards), ``logits_kept`` (1 when backward reuses the logits): a
+    :class:`~dmltrain.distributed.shard_call.CallStats`, on the device until read.
 
     The parameters are model-parallel: keep them out of DeepSpeed's data-parallel engine and
     step them with :func:`~dmltrain.distributed.sparse_optim.make_classifier_optimizer`.
@@ -170,7 +172,7 @@ class ShardedClassifier(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
-        self.stats: dict[str, float] = {}
+        self.stats: Mapping[str, float] = {}
         self._active: Tensor | None = None
         self._grads = RowGrads()
         self._calls = 0
@@ -249,18 +251,11 @@ class ShardedClassifier(nn.Module):
         else:
             call = BlockSoftmax(self, x_g.detach(), labels_g, rows, need_grad)
         loss = _ShardedSoftmaxFn.apply(x_g, self.weight, self.bias, call)
-        vals = call.stats_tensor.tolist()
-        self.stats = {
-            "loss": vals[0],
-            "accuracy": vals[1],
-            "target_logit": vals[2],
-            "active_rows": float(call.k_local),
-            "active_classes": float(call.K),
-            "active_share": call.K / self.num_classes,
-            "logits_kept": float(getattr(call, "keep", False)),
-        }
+        st = call.stats_tensor  # stays on the device until someone reads self.stats
+        on_device = {"loss": st[0], "accuracy": st[1], "target_logit": st[2], "active_classes": st[4], "active_share": st[4] / self.num_classes}
         if self.spec.normalized:
-            self.stats["target_cos"] = vals[3]
+            on_device["target_cos"] = st[3]
+        self.stats = CallStats(on_device, {"active_rows": float(call.k_local), "logits_kept": float(getattr(call, "keep", False))})
         return loss
 
     def _path(self) -> tuple[bool, str]:

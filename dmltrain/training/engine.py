@@ -2,6 +2,16 @@
 
 The class-sharded classifier is deliberately NOT part of the engine: its rows are
 model-parallel, so DeepSpeed's data-parallel gradient averaging must never touch them.
+
+channels_last models: DeepSpeed (0.19) needs parameters in the default layout while it
+starts (its broadcast views each parameter as bytes, ``p.data.view(torch.uint8)``, which a
+channels_last convolution weight refuses) and for every parameter it keeps as a view of a
+flat buffer (ZeRO 1-2: gradients are copied in with ``grad.view(-1)``, updates land in the
+buffer). :func:`build_engine` therefore starts the engine on the default layout and
+afterwards turns channels_last only the convolution weights that own their storage (ZeRO 0,
+any precision). The others keep the default layout and still run channels_last kernels:
+the input batch is channels_last, and cuDNN (like the CPU convolutions) then picks the
+channels_last algorithm, transposing the weight (small next to the activations) per call.
 """
 
 from __future__ import annotations
@@ -92,12 +102,45 @@ def build_optimizer(param_groups: list[dict[str, Any]], o: OptimConfig) -> torch
 
 
 def build_engine(model: torch.nn.Module, param_groups: list[dict[str, Any]], cfg: Config, world_size: int):
-    """``deepspeed.initialize`` over an already-initialised process group (Ray's, or a test's)."""
+    """``deepspeed.initialize`` over an already-initialised process group (Ray's, or a test's).
+
+    A model whose convolution weights are channels_last is started in the default layout and
+    given channels_last back where DeepSpeed allows it (see the module docstring).
+    """
     deepspeed = import_deepspeed()
+    channels_last = any(_is_channels_last(p) for p in model.parameters())
+    if channels_last:
+        model.to(memory_format=torch.contiguous_format)  # in place: the parameter objects stay those of param_groups
     optimizer = build_optimizer(param_groups, cfg.optim)
     ds_config = deepspeed_config(cfg, world_size)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, dist_init_required=False)
+    if channels_last:
+        restore_channels_last(engine.module)
     return engine, ds_config
+
+
+def _is_channels_last(t: torch.Tensor) -> bool:
+    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the whole of its storage (not a view of a flat buffer an optimizer updates)."""
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def restore_channels_last(module: torch.nn.Module) -> int:
+    """Turn channels_last each 4-D parameter of ``module`` that owns its storage; the number turned.
+
+    Replacing ``p.data`` keeps the parameter object (the optimizer's) but gives it new storage, so
+    parameters that are views of an engine's flat buffer are left alone: they would stop receiving
+    the engine's updates (and DeepSpeed copies their gradients with ``view(-1)``).
+    """
+    turned = 0
+    for p in module.parameters():
+        if p.dim() == 4 and p.numel() and _owns_storage(p.data) and not _is_channels_last(p):
+            p.data = p.data.contiguous(memory_format=torch.channels_last)
+            turned += 1
+    return turned
 
 
 def loss_scale(engine) -> float:

@@ -1,8 +1,9 @@
 """Training metrics between log points: step statistics averaged, named for MLflow, plus memory probes.
 
-:meth:`TrainMetrics.add` is where the trainer reads a step's statistics (the objective's
-loss parts, the learning rate) to the host; :meth:`TrainMetrics.summary` averages them
-over the steps since the last log point.
+:meth:`TrainMetrics.add` takes a step's statistics (the objective's loss parts, the learning
+rate) as they are: device scalars are summed on the device, without waiting for them, and
+:meth:`TrainMetrics.summary` reads the sums back once per log point (one sync) and averages
+them over the steps since the last one.
 """
 
 from __future__ import annotations
@@ -28,19 +29,28 @@ class TrainMetrics:
         self.reset()
 
     def reset(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, float | torch.Tensor] = {}
         self.steps = 0
 
     def add(self, stats: Mapping[str, float | torch.Tensor]) -> None:
-        """One step's statistics (host floats, or 0-d tensors read back here)."""
+        """One step's statistics: host floats, or 0-d tensors kept where they are (no sync)."""
         for k, v in stats.items():
-            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+            if isinstance(v, torch.Tensor):
+                v = v.detach().double()
+            self.sums[k] = self.sums.get(k, 0.0) + v
         self.steps += 1
 
     def summary(self) -> dict[str, float]:
-        """The mean of each statistic since the last summary; starts a new window."""
+        """The mean of each statistic since the last summary (device sums read back here); starts a new window."""
         n = max(1, self.steps)
-        out = {k: v / n for k, v in self.sums.items()}
+        host = {k: float(v) for k, v in self.sums.items() if not isinstance(v, torch.Tensor)}
+        on_device = [k for k, v in self.sums.items() if isinstance(v, torch.Tensor)]
+        by_device: dict[torch.device, list[str]] = {}
+        for k in on_device:
+            by_device.setdefault(self.sums[k].device, []).append(k)
+        for keys in by_device.values():  # one read per device
+            host.update(zip(keys, torch.stack([self.sums[k] for k in keys]).tolist()))
+        out = {k: host[k] / n for k in self.sums}
         self.reset()
         return out
 

@@ -27,7 +27,8 @@ class Objective(nn.Module):
     ``forward(embeddings, labels, step) -> loss``: local embeddings and global class ids in,
     the global objective out (the same value on every worker). ``stats`` holds the parts and
     their statistics of the last call, prefixed ``classifier/`` and ``instance/``, as host
-    floats; they are read from the device when ``stats`` is read, not during ``forward``.
+    floats; they are read from the device when ``stats`` is read, not during ``forward``
+    (``device_stats``: the same without reading them).
     """
 
     def __init__(self, cfg: Config, num_classes: int, dim: int, world_size: int, classifier_dropout: float = 0.0, group=None):
@@ -91,15 +92,22 @@ class Objective(nn.Module):
     def stats(self) -> dict[str, float]:
         """``loss`` (the weighted total) and each part's statistics as ``name/...`` of the last ``forward``.
 
-        The sharded and gathered losses already report their ``loss`` on the host; a part that
-        does not is read from the device here, so reading ``stats`` is the objective's only sync.
+        Reading ``stats`` brings the device values over (the objective's only sync).
         """
-        stats: dict[str, float] = {"loss": 0.0}
+        return {k: float(v) for k, v in self.device_stats.items()}
+
+    @property
+    def device_stats(self) -> dict[str, Tensor | float]:
+        """``stats`` without a device sync: 0-d tensors where a part keeps its statistics on the device
+        (the sharded classifier; a part's loss it does not report), floats where they are on the host;
+        for a reader that sums them on the device and reads the sums at log time (``TrainMetrics``)."""
+        stats: dict[str, Tensor | float] = {"loss": 0.0}
         for name, part, loss, weight in self._parts:
-            value = float(part["loss"]) if "loss" in part else float(loss)
-            stats.update({f"{name}/{k}": float(v) for k, v in part.items()})
+            values = part.on_device() if hasattr(part, "on_device") else dict(part)
+            value = values.get("loss", loss)
+            stats.update({f"{name}/{k}": v for k, v in values.items()})
             stats[f"{name}/loss"] = value
-            stats["loss"] += weight * value
+            stats["loss"] = stats["loss"] + weight * value
         return stats
 
     def classifier_parameters(self) -> list[torch.nn.Parameter]:

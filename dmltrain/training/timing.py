@@ -1,10 +1,15 @@
-"""Where a training step's time goes: data / forward / backward / step, and the throughput between log points.
+"""Where a training step's time goes: data / forward / backward / optimizer, and the throughput between log points.
 
-The one place that times steps (and so the one place that waits for the device to do so):
-:meth:`StepTimer.lap` synchronises a CUDA device before reading the clock at the end of
-``forward``, ``backward`` and ``step``, so each holds its own kernels; ``data`` ends on the
-host (the batch's copies to the device are queued, not waited for). Work outside training steps (evaluation, checkpoints) runs inside
-:meth:`StepTimer.aside` and is left out of ``time/step_ms`` and ``images_per_s``.
+The one place that times steps. On the CPU each part is wall-clock time between :meth:`StepTimer.lap`
+calls. On a CUDA device a lap records an event on the current stream instead of waiting for the
+device, so the host keeps queueing work ahead and the next batch's copy and decoding (a side
+stream) overlap compute; :meth:`StepTimer.summary` waits for the last event once per log point and
+sums the intervals between events. The parts are then device time: ``data`` runs from the end of
+the previous step to the moment the device could start this one (a device waiting for its batch,
+or for a host that is late to queue it, counts here), ``forward``, ``backward`` and ``optimizer`` each
+the device time of their own kernels (``optimizer``: the engine's and the classifier's steps;
+``time/step_ms`` is the wall time per step). Work outside training steps (evaluation, checkpoints) runs
+inside :meth:`StepTimer.aside` and is left out of ``time/step_ms`` and ``images_per_s``.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from dmltrain.tracking.names import IMAGES_PER_S, STEP_MS
 class StepTimer:
     """``start()`` before fetching a batch, ``lap(part)`` after each part of the step, in ``PARTS`` order."""
 
-    PARTS = ("data", "forward", "backward", "step")
+    PARTS = ("data", "forward", "backward", "optimizer")
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.cuda = device.type == "cuda"
         self.reset()
 
     def reset(self) -> None:
@@ -32,19 +38,35 @@ class StepTimer:
         self.steps = 0
         self.window_start = time.perf_counter()
         self._last = self.window_start
+        self._events: list[list[torch.cuda.Event]] = []  # per step: its start, then one per part
+        self._current: list[torch.cuda.Event] = []
+        self._boundary: torch.cuda.Event | None = None  # the end of the previous step, where the next one starts
+
+    def _record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def start(self) -> None:
-        """A step begins (its ``data`` part counts from here)."""
+        """A step begins (its ``data`` part counts from here: on CUDA, from the previous step's end)."""
         self._last = time.perf_counter()
+        if self.cuda:
+            self._current = [self._boundary if self._boundary is not None else self._record()]
 
     def lap(self, part: str) -> None:
-        """``part`` of the current step has finished; the last part (``step``) completes the step."""
-        if self.device.type == "cuda" and part != "data":
-            torch.cuda.synchronize(self.device)
+        """``part`` of the current step has finished; the last part (``optimizer``) completes the step."""
+        done = part == self.PARTS[-1]
+        if self.cuda:
+            self._current.append(self._record())
+            if done:
+                self._events.append(self._current)
+                self._boundary = self._current[-1]
+                self.steps += 1
+            return
         now = time.perf_counter()
         self.total[part] += now - self._last
         self._last = now
-        if part == self.PARTS[-1]:
+        if done:
             self.steps += 1
 
     @contextlib.contextmanager
@@ -55,9 +77,20 @@ class StepTimer:
             yield
         finally:
             self.window_start += time.perf_counter() - t0
+            self._boundary = None  # the next step's data part starts after the block, not before it
+
+    def _device_totals(self) -> None:
+        if not self._events:
+            return
+        self._events[-1][-1].synchronize()  # the one wait, once per log point
+        for events in self._events:
+            for i, part in enumerate(self.PARTS):
+                self.total[part] += events[i].elapsed_time(events[i + 1]) / 1000
 
     def summary(self, global_batch: int) -> dict[str, float]:
         """Mean ms per part, wall ms per step and images/s since the last summary; starts a new window."""
+        if self.cuda:
+            self._device_totals()
         n = max(1, self.steps)
         wall = max(1e-9, time.perf_counter() - self.window_start)
         out = {f"time/{k}_ms": 1000 * v / n for k, v in self.total.items()}

@@ -3,7 +3,9 @@
 One :class:`Trainer` per worker process. It builds its parts, each in its own module, and
 :meth:`Trainer.fit` runs the algorithm over them:
 
-* the shard stream (``shards.stream.TrainStream``): this rank's share of each global batch;
+* the shard stream (``shards.stream.TrainStream``): this rank's share of each global batch,
+  and its way onto the device (``shards.device_decoding.DeviceInput``: a copy, or JPEG decoding
+  and augmentation on the device), one batch ahead (:class:`~.prefetch.Prefetcher`);
 * the DeepSpeed engine (:mod:`.engine`): backbone + embedding head, data-parallel;
 * the :class:`~.objective.Objective` (sharded classifier + gathered instance loss) and the
   :class:`~.head.LossHead` that owns and steps their optimizers outside the engine;
@@ -45,6 +47,7 @@ from dmltrain.training.evaluator import Evaluator
 from dmltrain.training.head import LossHead
 from dmltrain.training.metrics import TrainMetrics, memory_metrics, mlflow_names
 from dmltrain.training.objective import Objective
+from dmltrain.training.prefetch import Prefetcher
 from dmltrain.training.reporting import Reporter, RunContext, position_metrics
 from dmltrain.training.rng import seed_rngs
 from dmltrain.training.schedule import LRSchedule, ScheduledLR
@@ -61,8 +64,8 @@ from dmltrain.tracking.names import (
     STEP_MS,
 )
 from dmltrain.tracking.run import RunHandle
+from shards.device_decoding import DeviceInput, resolve_decode
 from shards.stream import TrainStream
-from shards.transforms import normalize_batch
 
 try:  # Ray Train logs every report at INFO through a logger named by file path, outside LoggingConfig's reach
     from ray.train.v2._internal.execution import context as _ray_train_context
@@ -84,8 +87,8 @@ class Trainer:
         t = cfg.train
         self.stream = TrainStream.from_config(
             cfg, self.rank, self.world,
-            normalize=False,  # uint8 crosses to the device (a quarter of the bytes); _train_step normalizes there
-            pin_memory=self.device.type == "cuda",
+            normalize=False,  # uint8 (or encoded JPEGs) cross to the device; self.input normalizes there
+            pin_memory=self.device.type == "cuda", decode=resolve_decode(cfg.data.decode, self.device, cfg.data.augment),
         )
         self.steps_per_epoch = self.stream.batches_per_epoch  # >= 1: TrainStream refuses a batch no epoch can fill
         self.total_steps = t.max_steps if t.max_steps is not None else t.epochs * self.steps_per_epoch
@@ -99,6 +102,9 @@ class Trainer:
         self.engine, self.ds_config = build_engine(model, param_groups(model, cfg.optim), cfg, self.world)
         self.model = self.engine.module
         self.input_dtype = autocast_dtype(t.precision) or torch.float32
+        # the next batch is copied (or decoded and augmented) on a side stream while this one trains
+        self.input = DeviceInput(cfg.data.augment, self.device, self.input_dtype, channels_last=cfg.model.channels_last)
+        self.prefetch = Prefetcher(self.input, self.device)
         # the label space, not the classes with images: a class whose images were all skipped keeps its id
         self.objective = Objective(
             cfg, self.stream.num_classes, model.embedding_dim, self.world, classifier_dropout=model.classifier_dropout
@@ -154,7 +160,8 @@ class Trainer:
         while st.step < self.total_steps:
             epoch = st.epoch
             self.timer.start()
-            for images, labels in islice(self.stream.epoch(epoch, start_batch=st.batch), self.total_steps - st.step):
+            batches = islice(self.stream.epoch(epoch, start_batch=st.batch), self.total_steps - st.step)
+            for images, labels in self.prefetch(batches):
                 self._train_step(images, labels)
                 self._act(self.cadence.due(st.step))
                 self.timer.start()
@@ -170,12 +177,7 @@ class Trainer:
         return st.summary(self.cfg.eval.metric)
 
     def _train_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        st, engine, timer = self.state, self.engine, self.timer
-        images = images.to(self.device, non_blocking=True)
-        if self.cfg.model.channels_last:  # on the uint8 batch: a quarter of the bytes; normalize_batch keeps the format
-            images = images.contiguous(memory_format=torch.channels_last)
-        images = normalize_batch(images, self.input_dtype)
-        labels = labels.to(self.device, non_blocking=True)
+        st, engine, timer = self.state, self.engine, self.timer  # images, labels: on the device (self.input)
         lr = self.lr.apply(st.step)
         timer.lap("data")
         embeddings = engine(images)
@@ -188,8 +190,8 @@ class Trainer:
         scale = loss_scale(engine)  # read before engine.step(), which may change it
         engine.step()
         self.head.step(scale, applied=not engine.fp16_enabled() or engine.was_step_applied())
-        timer.lap("step")
-        self.metrics.add({**self.objective.stats, LR: lr})
+        timer.lap("optimizer")
+        self.metrics.add({**self.objective.device_stats, LR: lr})  # summed on the device, read at log points
         st.step += 1
         st.batch += 1
         self.guard.observe(st.step, self.objective.losses)
@@ -230,8 +232,8 @@ class Trainer:
         st = self.state
         summary[EPOCH] = st.epoch + st.batch / self.steps_per_epoch
         summary.update(memory_metrics(self.device, self.head.classifier_memory_mb()))
-        if self.stream.skipped:
-            summary[SKIPPED_SAMPLES] = float(self.stream.skipped)
+        if self.stream.skipped + self.input.skipped:
+            summary[SKIPPED_SAMPLES] = float(self.stream.skipped + self.input.skipped)
         self.logger.log_metrics(mlflow_names(summary), step=st.step)
         eta = (self.total_steps - st.step) * summary[STEP_MS] / 1000
         self.reporter.progress(st, loss=summary.get(LOSS, float("nan")), images_per_s=summary[IMAGES_PER_S], eta_s=eta, phase="train")

@@ -1,0 +1,181 @@
+"""``dmltrain bench train``: the whole training step against the bare backbone, in one run.
+
+Two loops on the same device, model, batch and precision:
+
+* **bare backbone**: the embedding model (backbone + head) in the run's precision and memory
+  format, forward + backward + a plain ``torch.optim.SGD`` step on one random batch that lives
+  on the device: what the device can do with no input and no loss to speak of;
+* **full pipeline**: what a training worker does (``dmltrain.training.trainer``): shards read
+  by the loader processes, JPEGs decoded and augmented (on the device with ``--decode
+  device``, the default on CUDA; in the loader processes with ``cpu``), the next batch
+  prepared on a side stream while the step runs, then the DeepSpeed engine, the class-sharded
+  NormSoftmax classifier and ICE over the (here one-worker) gathered batch, and the row-sparse
+  classifier step.
+
+Each loop is timed over ``--steps`` steps after ``--warmup``; the device is synchronized
+only at the ends of the timed window (and, in the pipeline, by the step timer once, at its
+end). Printed: images/s of each, their ratio, and the pipeline's share of step time spent
+waiting for data (``StepTimer``'s ``data`` part: on CUDA the device time between the end of
+one step and the start of the next one's kernels). Without ``--shards`` it builds synthetic
+JPEG shards in a temporary directory first. Nothing is asserted: it reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from itertools import count, islice
+from pathlib import Path
+
+import torch
+
+from dmltrain.config import Config, load_config
+from dmltrain.errors import UserError
+from dmltrain.models import build_model, param_groups
+from dmltrain.models.precision import autocast_dtype
+from dmltrain.training.engine import build_engine, loss_scale
+from dmltrain.training.head import LossHead
+from dmltrain.training.objective import Objective
+from dmltrain.training.prefetch import Prefetcher
+from dmltrain.training.timing import StepTimer
+from shards.device_decoding import DeviceInput, resolve_decode
+from shards.manifest import Manifest
+from shards.stream import TrainStream
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--backbone", default="resnet50", help="model.backbone (default resnet50; small_cnn for a quick CPU run)")
+    parser.add_argument("--batch", type=int, default=128, help="batch size (default 128 = 32 classes x 4)")
+    parser.add_argument("--image-size", type=int, default=224, help="training crop (default 224)")
+    parser.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"], help="train.precision (default bf16)")
+    parser.add_argument("--channels-last", action="store_true", help="model.channels_last")
+    parser.add_argument("--decode", default="auto", choices=["auto", "cpu", "device"], help="data.decode (default auto)")
+    parser.add_argument("--loader-workers", type=int, default=None, help="loader processes (default: CPU cores - 1, at most 8)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps of each loop (default 30)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    parser.add_argument("--shards", default=None, help="shard directory to train from (default: synthetic shards, built here)")
+    parser.add_argument("--synthetic", default="500,12,256", help="without --shards: classes,images per class,pixels (default 500,12,256)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="any other config override for both loops, e.g. --set loss.classifier.sample_ratio=0.1")
+
+
+def _config(args: argparse.Namespace, shards: str) -> Config:
+    workers = args.loader_workers if args.loader_workers is not None else max(1, min(8, (os.cpu_count() or 2) - 1))
+    cuda = args.device == "cuda"
+    return load_config(None, [
+        f"data.shards={shards}", f"data.batch_size={args.batch}", "data.samples_per_class=4", f"data.image_size={args.image_size}",
+        f"data.loader_workers={workers}", f"data.decode={args.decode}", f"model.backbone={args.backbone}",
+        f"model.channels_last={str(args.channels_last).lower()}", f"train.precision={args.precision}",
+        "loss.instance.kind=ice", "cluster.num_workers=1", f"cluster.use_gpu={str(cuda).lower()}", *args.overrides,
+    ])
+
+
+def _synthetic(spec: str, out: Path) -> str:
+    from shards.synthetic import build_synthetic_shards
+
+    try:
+        classes, per_class, size = (int(v) for v in spec.split(","))
+    except ValueError:
+        raise UserError(f"--synthetic: expected classes,images per class,pixels (e.g. 500,12,256), got {spec!r}") from None
+    print(f"building synthetic shards: {classes} classes x {per_class} images of {size} px (train and test) ...", flush=True)
+    build_synthetic_shards(out, classes, per_class, size, seed=0, workers=min(8, os.cpu_count() or 1), progress=False)
+    return str(out)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bare_backbone(cfg: Config, device: torch.device, steps: int, warmup: int) -> float:
+    """Images/s of forward + backward + SGD of the embedding model on one random on-device batch."""
+    dtype = autocast_dtype(cfg.train.precision) or torch.float32
+    model = build_model(cfg.model).to(device=device, dtype=dtype).train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    S, b = cfg.data.image_size, cfg.data.batch_size
+    fmt = torch.channels_last if cfg.model.channels_last else torch.contiguous_format
+    x = torch.randn(b, 3, S, S, device=device, dtype=dtype).contiguous(memory_format=fmt)
+    t0 = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            _sync(device)
+            t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        model(x).float().pow(2).sum().backward()
+        opt.step()
+    _sync(device)
+    return b * steps / (time.perf_counter() - t0)
+
+
+def full_pipeline(cfg: Config, device: torch.device, steps: int, warmup: int) -> tuple[float, dict[str, float], str]:
+    """Images/s of the training step from shards, the step timer's split of the timed steps, and the decoding used."""
+    from dmltrain.distributed.process_group import ensure_process_group
+
+    ensure_process_group()
+    decode = resolve_decode(cfg.data.decode, device, cfg.data.augment)
+    stream = TrainStream.from_config(cfg, 0, 1, normalize=False, pin_memory=device.type == "cuda", decode=decode)
+    model = build_model(cfg.model).to(device)
+    engine, _ = build_engine(model, param_groups(model, cfg.optim), cfg, 1)
+    dtype = autocast_dtype(cfg.train.precision) or torch.float32
+    objective = Objective(cfg, stream.num_classes, model.embedding_dim, 1, classifier_dropout=model.classifier_dropout).to(device)
+    head = LossHead(objective, cfg.optim)
+    prefetch = Prefetcher(DeviceInput(cfg.data.augment, device, dtype, channels_last=cfg.model.channels_last), device)
+    batches = (batch for epoch in count() for batch in stream.epoch(epoch))
+    timer = StepTimer(device)
+    engine.train()
+    t0 = 0.0
+    timer.start()
+    for step, (images, labels) in enumerate(prefetch(islice(batches, warmup + steps))):
+        if step == warmup:  # the timed window starts with this batch's wait
+            _sync(device)
+            timer.reset()
+            t0 = time.perf_counter()
+            timer.start()
+        timer.lap("data")
+        loss = objective(engine(images), labels, step=step)
+        timer.lap("forward")
+        engine.backward(loss)
+        timer.lap("backward")
+        scale = loss_scale(engine)
+        engine.step()
+        head.step(scale, applied=not engine.fp16_enabled() or engine.was_step_applied())
+        timer.lap("optimizer")
+        timer.start()
+    _sync(device)
+    wall = time.perf_counter() - t0
+    return cfg.data.batch_size * steps / wall, timer.summary(cfg.data.batch_size), decode
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.steps < 1 or args.warmup < 0:
+        raise UserError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    if args.batch < 4 or args.batch % 4:
+        raise UserError(f"--batch: {args.batch} is not a positive multiple of 4 (P x K batches with K = 4)")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device here")
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    with tempfile.TemporaryDirectory(prefix="dmltrain-bench-train-") as tmp:
+        shards = args.shards or _synthetic(args.synthetic, Path(tmp) / "shards")
+        cfg = _config(args, shards)
+        info = Manifest.load(shards).split(cfg.data.train_split)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        print(
+            f"train bench: {cfg.model.backbone}, batch {cfg.data.batch_size} ({cfg.data.P}x4), {cfg.data.image_size} px, {cfg.train.precision}, "
+            f"{'channels_last' if cfg.model.channels_last else 'contiguous'}, {device.type} ({name}); {info.num_images} train images in "
+            f"{shards}, {cfg.data.loader_workers} loader processes; {args.steps} steps after {args.warmup} warm-up"
+        )
+        bare = bare_backbone(cfg, device, args.steps, args.warmup)
+        print(f"bare backbone (random batch on the device, SGD)     {bare:9.1f} images/s  {1000 * cfg.data.batch_size / bare:8.1f} ms/step", flush=True)
+        full, split, decode = full_pipeline(cfg, device, args.steps, args.warmup)
+        parts = {k: split[f"time/{k}_ms"] for k in StepTimer.PARTS}
+        wait = parts["data"] / max(1e-9, sum(parts.values()))
+        print(f"full pipeline (shards, decode={decode}, DeepSpeed, sharded NormSoftmax + ICE) {full:9.1f} images/s  "
+              f"{1000 * cfg.data.batch_size / full:8.1f} ms/step")
+        print("  step split: " + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()) + f"; waiting for data {100 * wait:.1f}% of step time")
+        print(f"ratio full pipeline / bare backbone: {full / bare:.2f}x ({full:.1f} vs {bare:.1f} images/s), data wait {100 * wait:.1f}%")
+    return 0

@@ -1,0 +1,101 @@
+"""The trainer's input side on the CPU: one-batch lookahead in stream order, the same batches with or without it
+(both decodings), step timing without device waits, statistics kept on the device until a log point."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmltrain.config import AugmentConfig, load_config
+from dmltrain.training.metrics import TrainMetrics
+from dmltrain.training.prefetch import Prefetcher
+from dmltrain.training.timing import StepTimer
+from shard_fixtures import make_shards, stream
+from shards.device_decoding import DeviceInput
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_prefetcher_prepares_one_ahead_in_order():
+    calls: list[int] = []
+
+    def prepare(x, y):
+        calls.append(int(x))
+        return torch.tensor([x * 10]), torch.tensor([y])
+
+    fetch = Prefetcher(prepare, torch.device("cpu"))
+    seen = []
+    for i, (a, b) in enumerate(fetch((k, -k) for k in range(5))):
+        seen.append((int(a), int(b)))
+        assert calls == list(range(min(i + 2, 5)))  # batch i+1 was prepared before batch i came out
+    assert seen == [(10 * k, -k) for k in range(5)] and calls == list(range(5))  # each prepared once, in order
+    assert list(fetch(iter([]))) == []
+    assert [int(a) for a, _ in fetch([(7, 0)])] == [70]
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory):
+    return make_shards(tmp_path_factory.mktemp("prefetch") / "shards")
+
+
+@pytest.mark.parametrize("decode", ["cpu", "device"])
+def test_prefetched_batches_are_the_streams(shard_dir, decode):
+    """Through the prefetcher the trainer sees exactly the batches the stream gives, prepared directly: with 0 or 2
+    loader processes, and from a resumed position."""
+    aug = AugmentConfig(scale=(0.3, 1.0), color_jitter=[0.2, 0.2, 0.2, 0.05])
+    prep = DeviceInput(aug, "cpu", torch.bfloat16, channels_last=True)
+    direct = [prep(*b) for b in stream(shard_dir, augment=aug, decode=decode, normalize=False).epoch(0)]
+    fetch = Prefetcher(prep, torch.device("cpu"))
+    for workers, start in ((0, 0), (2, 0), (2, 3)):
+        got = list(fetch(stream(shard_dir, augment=aug, decode=decode, normalize=False, loader_workers=workers).epoch(0, start_batch=start)))
+        assert len(got) == len(direct) - start
+        for (x, y), (wx, wy) in zip(got, direct[start:]):
+            assert torch.equal(y, wy) and torch.equal(x, wx) and x.dtype == torch.bfloat16
+            assert x.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_step_timer_parts_and_aside():
+    timer = StepTimer(torch.device("cpu"))
+    for _ in range(3):
+        timer.start()
+        for part in StepTimer.PARTS:
+            timer.lap(part)
+    with timer.aside():
+        sum(range(10000))
+    out = timer.summary(global_batch=8)
+    assert set(out) == {"time/data_ms", "time/forward_ms", "time/backward_ms", "time/optimizer_ms", "time/step_ms", "images_per_s"}
+    assert all(v >= 0 for v in out.values()) and timer.steps == 0
+
+
+def test_statistics_stay_on_the_device_until_the_summary():
+    """The sharded classifier's statistics are device scalars until read; the objective hands them over as such,
+    TrainMetrics sums them as tensors, and the summary equals the host floats read step by step."""
+    from dmltrain.distributed.process_group import ensure_process_group
+    from dmltrain.training.objective import Objective
+
+    cfg = load_config(None, ["cluster.num_workers=1", "loss.instance.kind=ice", "loss.classifier.sample_ratio=0.5"])
+    ensure_process_group()
+    try:
+        obj = Objective(cfg, num_classes=20, dim=16, world_size=1)
+        metrics, host = TrainMetrics(), []
+        g = torch.Generator().manual_seed(0)
+        for step in range(3):
+            obj(torch.randn(8, 16, generator=g, requires_grad=True), torch.arange(8) // 2, step=step)
+            dev = obj.device_stats
+            assert isinstance(dev["classifier/loss"], torch.Tensor) and isinstance(dev["classifier/active_rows"], float)
+            assert isinstance(dev["loss"], torch.Tensor)
+            metrics.add(dev)
+            assert isinstance(metrics.sums["classifier/accuracy"], torch.Tensor)  # summed where it lives
+            host.append(obj.stats)
+        summary = metrics.summary()
+        for k in host[0]:
+            assert summary[k] == pytest.approx(sum(h[k] for h in host) / 3, rel=1e-6), k
+        assert set(obj.classifier.stats) >= {"loss", "accuracy", "active_rows", "active_classes", "active_share", "target_cos"}
+    finally:
+        torch.distributed.destroy_process_group()
