@@ -226,3 +226,30 @@ def test_embedding_in_channels_last():
     cl, labels2, index2 = embed_batches(model.to(memory_format=torch.channels_last), batches, channels_last=True, progress=False)
     assert model.seen_channels_last == [True] * 3
     assert np.allclose(plain, cl, atol=1e-6) and np.array_equal(labels, labels2) and np.array_equal(index, index2)
+
+
+def test_kernels_compile_for_an_h100(tmp_path, monkeypatch):
+    """No GPU here: Triton compiles the kernels ahead of time for sm_90 (ptxas ships with Triton),
+    which the interpreter never does; the Hamming kernel's count is the hardware popc."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dmltrain.evaluate import gpu_kernels
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    target = GPUTarget("cuda", 90, 32)
+    ranks_sig = {"S": "*fp32", "stride_row": "i32", "n_cols": "i32", "group_rows": "*i32", "group_starts": "*i32",
+                 "cols": "*i32", "out": "*i64", "LARGER": "constexpr", "RB": "constexpr", "BN": "constexpr"}
+    try:
+        for dtype, larger, rb in (("fp32", True, 2), ("i32", True, 32), ("i16", False, 16)):
+            src = ASTSource(gpu_kernels._pair_ranks_kernel, {**ranks_sig, "S": f"*{dtype}"},
+                            constexprs={"LARGER": larger, "RB": rb, "BN": gpu_kernels._RANK_TILE // rb})
+            assert "ld.global" in triton.compile(src, target=target).asm["ptx"]
+        hamming_sig = {"Q": "*i32", "G": "*i32", "out": "*i32", "nq": "i32", "ng": "i32", "n_words": "i32", "stride_qw": "i32",
+                       "stride_gw": "i32", "stride_o": "i32", "BM": "constexpr", "BN": "constexpr", "HW": "constexpr"}
+        src = ASTSource(gpu_kernels._hamming_kernel, hamming_sig, constexprs={"BM": 64, "BN": 64, "HW": True})
+        ptx = triton.compile(src, target=target).asm["ptx"]
+    except RuntimeError as e:  # a Triton without the NVIDIA backend's tools
+        pytest.skip(f"Triton cannot compile for CUDA here: {e}")
+    assert "popc.b32" in ptx

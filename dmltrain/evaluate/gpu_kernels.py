@@ -28,8 +28,8 @@ from triton.language.extra import libdevice
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _MAX_RB = 32  # pairs held in registers per pass over a row
+_RANK_TILE = 4096  # RB × BN compared per step: 32 per thread at 4 warps, whatever RB is
 # the interpreter pays per program and per loop step, not per element: wide tiles there
-_BN_RANKS = 128 if INTERPRET else 512
 _BM, _BN = (32, 32) if INTERPRET else (64, 64)
 
 
@@ -62,7 +62,8 @@ def _pair_ranks_kernel(S, stride_row, n_cols, group_rows, group_starts, cols, ou
 
 def pair_ranks(block: Tensor, group_rows: Tensor, group_starts: Tensor, cols: Tensor, larger_is_better: bool) -> Tensor:
     """1-based ranks (int64, on the block's device) of the pairs ``cols[group_starts[i]:group_starts[i+1]]``
-    in row ``group_rows[i]`` of ``block`` (float32, int32 or int16, unit column stride)."""
+    in row ``group_rows[i]`` of ``block`` (float32, int32 or int16, unit column stride); the
+    index tensors are int32, on the block's device."""
     if block.stride(1) != 1:
         raise ValueError("pair_ranks: the block needs unit column stride")
     n_pairs = len(cols)
@@ -70,23 +71,26 @@ def pair_ranks(block: Tensor, group_rows: Tensor, group_starts: Tensor, cols: Te
     if n_pairs == 0:
         return out
     most = int((group_starts[1:] - group_starts[:-1]).max())
-    rb = min(_MAX_RB, triton.next_power_of_2(max(most, 1)))
+    rb = min(_MAX_RB, triton.next_power_of_2(max(most, 2)))
     _pair_ranks_kernel[(len(group_rows),)](
         block, block.stride(0), block.shape[1], group_rows, group_starts, cols, out,
-        LARGER=bool(larger_is_better), RB=rb, BN=_BN_RANKS,
+        LARGER=bool(larger_is_better), RB=rb, BN=_RANK_TILE // rb,
     )
     return out
 
 
 @triton.jit
 def _popcount(x, HW: tl.constexpr):
+    """Set bits of each int32: the hardware ``popc``, or the same count by SWAR (logical shifts on uint32)."""
     if HW:
-        return libdevice.popc(x)
-    u = x.to(tl.uint32, bitcast=True)
-    u = u - ((u >> 1) & 0x55555555)
-    u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
-    u = (u + (u >> 4)) & 0x0F0F0F0F
-    return ((u * 0x01010101) >> 24).to(tl.int32)
+        count = libdevice.popc(x)
+    else:
+        u = x.to(tl.uint32, bitcast=True)
+        u = u - ((u >> 1) & 0x55555555)
+        u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+        u = (u + (u >> 4)) & 0x0F0F0F0F
+        count = ((u * 0x01010101) >> 24).to(tl.int32)
+    return count
 
 
 @triton.jit

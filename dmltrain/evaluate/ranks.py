@@ -131,8 +131,8 @@ def _ranks_triton(block: Tensor, rows: np.ndarray, cols: np.ndarray, larger: boo
     starts = row_starts(rows)
     dev = block.device
 
-    def put(a: np.ndarray) -> Tensor:
-        return torch.from_numpy(a).to(dev, non_blocking=True)
+    def put(a: np.ndarray) -> Tensor:  # int32: pair and column counts of a block stay far below 2**31
+        return torch.from_numpy(a.astype(np.int32)).to(dev)
 
     ranks = gpu_kernels.pair_ranks(block, put(rows[starts]), put(np.r_[starts, len(rows)]), put(cols), larger)
     return ranks.cpu().numpy()

@@ -200,13 +200,15 @@ def path_metrics(
     device: torch.device,
     block_bytes: int | None = None,
     progress: bool = False,
+    binary_engine: str | None = None,
 ) -> dict[str, float]:
     """Recall@K (and MAP@R, R-precision) of one path, ``float`` (cosine) or ``binary`` (Hamming
-    of the sign bits, keys prefixed ``binary/``), from checked inputs (see :func:`retrieval_metrics`)."""
+    of the sign bits, keys prefixed ``binary/``; ``binary_engine`` as in
+    :func:`~.gallery.binary_gallery`), from checked inputs (see :func:`retrieval_metrics`)."""
     if kind == "float":
         gal = float_gallery(q if g is None else g, device)
     elif kind == "binary":
-        gal = binary_gallery(q if g is None else g, device)
+        gal = binary_gallery(q if g is None else g, device, binary_engine)
     else:
         raise ValueError(f"path_metrics: kind must be 'float' or 'binary', got '{kind}'")
     queries = None if g is None else gal.queries(q)
