@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from ray.train.v2.api.validation_config import ValidationTaskConfig
 
 from dmltrain.distributed import load_by_class, save_by_class
 from dmltrain.errors import UserError
@@ -75,13 +76,14 @@ class Checkpointer:
             self.states["instance_loss"] = head
 
     # -- through Ray Train --------------------------------------------------------------------------
-    def save(self, state: TrainState) -> None:
-        """A checkpoint of ``state`` through Ray Train: every rank writes its files, Ray merges and uploads them."""
+    def save(self, state: TrainState, validation: ValidationTaskConfig | None = None) -> None:
+        """A checkpoint of ``state`` through Ray Train: every rank writes its files, Ray merges and uploads them
+        (and, with ``validation``, evaluates the checkpoint asynchronously: :mod:`.async_eval`)."""
         self.reporter.progress(state, phase="checkpointing")
         tmp = Path(tempfile.mkdtemp(prefix=f"dmltrain-ckpt-rank{self.rank}-"))
         try:
             self.save_to(tmp, state)
-            self.reporter.report(position_metrics(state), step=state.step, checkpoint_dir=tmp)
+            self.reporter.report(position_metrics(state), step=state.step, checkpoint_dir=tmp, validation=validation)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
