@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from dmltrain.errors import UserError
+from dmltrain.fileio import check_output_dir
 from shards.layouts import LAYOUTS
 
 
@@ -47,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
+    check_output_dir(args.out, "--out")
     if args.layout == "synthetic":
         if args.root:
             raise UserError("--root: not used with --layout synthetic (the images are generated)")

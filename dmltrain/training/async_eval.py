@@ -37,12 +37,13 @@ from ray.train.v2.api.validation_config import ValidationConfig, ValidationTaskC
 
 from dmltrain.config import Config
 from dmltrain.evaluate import evaluate_model
-from dmltrain.models import load_model
 from dmltrain.training.artifacts import publish, publish_model, read_storage_text
+from dmltrain.training.checkpoint import load_checkpoint_model
 from dmltrain.training.evaluator import log_evaluation
 from dmltrain.training.progress import post
 from dmltrain.training.reporting import RunContext
 from dmltrain.training.state import TrainState
+from dmltrain.tracking.names import report_key
 from dmltrain.tracking.run import RunHandle
 
 RECORD_FILE = "eval_record.json"
@@ -96,9 +97,9 @@ def evaluate_checkpoint(checkpoint: Checkpoint, *, config: dict[str, Any], run: 
     use_gpu = cfg.eval.async_gpus > 0 and torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
     torch.set_num_threads(max(1, int(cfg.eval.async_cpus)))
-    with checkpoint.as_directory() as directory:
-        model_file = Path(directory) / "model.pt"
-        model = load_model(model_file, map_location=device)[0]
+    with checkpoint.as_directory() as local:
+        directory = Path(local)
+        model = load_checkpoint_model(directory, map_location=device)
         if cfg.model.channels_last and use_gpu:
             model = model.to(memory_format=torch.channels_last)
         metrics, embeddings = evaluate_model(
@@ -116,11 +117,11 @@ def evaluate_checkpoint(checkpoint: Checkpoint, *, config: dict[str, Any], run: 
         try:
             log_evaluation(logger, cfg, metrics, embeddings, step, phase)  # before the model: a logged model links to them
             if improved:  # the checkpoint's fp32 weights, on the CPU, as the trainer exports them
-                publish_model(logger, load_model(model_file)[0], "best_model", extra={"step": step, "metrics": metrics},
+                publish_model(logger, load_checkpoint_model(directory), "best_model", extra={"step": step, "metrics": metrics},
                               storage_dir=ctx.storage_dir, config=cfg.to_dict())
         finally:
             logger.close()
     _save_record(ctx.storage_dir, record)
     post(ctx.board_name, {"last_eval": f"{key} {metrics.get(key, float('nan')):.4f} (step {step})"})
     post(ctx.board_name, record_summary(record, key), summary=True)
-    return {f"eval/{k}": v for k, v in metrics.items()}
+    return {report_key(k): v for k, v in metrics.items()}

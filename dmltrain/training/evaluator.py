@@ -26,7 +26,7 @@ from dmltrain.evaluate import evaluate_model, plot_embedding_map, plot_recall_at
 from dmltrain.training.artifacts import ModelExporter
 from dmltrain.training.reporting import Reporter
 from dmltrain.training.state import TrainState
-from dmltrain.tracking.names import EVAL_PREFIX, INITIAL_PREFIX
+from dmltrain.tracking.names import EVAL_PREFIX, INITIAL_PREFIX, REPORT_EPOCH, REPORT_EVALUATION, REPORT_STEP, report_key
 
 
 class Evaluator:
@@ -48,7 +48,8 @@ class Evaluator:
         if improved:
             self.exporter.export("best_model", extra={"step": step, "metrics": metrics})
         # `evaluation: 1` tells evaluation reports from checkpoint reports, which repeat the latest metrics
-        self.reporter.report({f"eval/{k}": v for k, v in metrics.items()} | {"step": step, "epoch": state.epoch, "evaluation": 1}, step=step)
+        self.reporter.report({report_key(k): v for k, v in metrics.items()} | {REPORT_STEP: step, REPORT_EPOCH: state.epoch, REPORT_EVALUATION: 1},
+                             step=step)
         return metrics
 
     def export_final(self, state: TrainState) -> None:
