@@ -270,6 +270,7 @@ def build_trainer(cfg: Config, run_name: str, run_context: dict[str, Any], callb
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from dmltrain.training.async_eval import validation_config
     from dmltrain.training.divergence import FAULT_ENV
     from dmltrain.training.trainer import train_loop_per_worker
 
@@ -287,6 +288,7 @@ def build_trainer(cfg: Config, run_name: str, run_context: dict[str, Any], callb
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "run": run_context},
         torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
+        validation_config=validation_config(cfg, run_context),  # eval.mode async: Ray evaluates checkpoints
         scaling_config=ScalingConfig(num_workers=c.num_workers, use_gpu=c.use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
             name=run_name,

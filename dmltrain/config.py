@@ -318,6 +318,11 @@ class EvalConfig(Section):
     binary: bool = False
     before_training: bool = Field(True, description="also evaluate the untrained model")
     plots: bool = True
+    mode: Literal["inline", "async"] = Field(
+        "inline", description="inline: the workers evaluate and training waits; async: each evaluation point saves a "
+        "checkpoint that a Ray task evaluates while training goes on (Ray Train's checkpoint validation)")
+    async_cpus: float = Field(1.0, gt=0, description="CPUs of an asynchronous evaluation task")
+    async_gpus: float = Field(0.0, ge=0, description="GPUs of an asynchronous evaluation task (0: it evaluates on the CPU)")
 
     @field_validator("ks")
     @classmethod

@@ -204,6 +204,8 @@ def load_space(path: str | Path, base_tree: dict[str, Any]) -> SearchSpace:
     metrics = base.eval.metric_names()
     if metric not in metrics:
         raise UserError(f"{path}: metric: '{metric}' is not reported by the evaluation of this config (it reports: {', '.join(metrics)})")
+    if base.eval.mode == "async":  # asynchronous evaluations arrive after the scheduler has to decide on them
+        raise UserError(f"{path}: eval.mode: async evaluations do not reach Tune's scheduler; tune with eval.mode=inline")
     mode = str(doc.get("mode", "max"))
     if mode not in ("max", "min"):
         raise UserError(f"{path}: mode: '{mode}' must be max or min")

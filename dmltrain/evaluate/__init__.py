@@ -3,14 +3,16 @@
     from dmltrain.evaluate import retrieval_metrics, embed_batches, gather_to_rank0, evaluate_model
     metrics = retrieval_metrics(emb, labels, ks=(1, 2, 4, 8), binary=True)
 
-Modules: :mod:`.retrieval` (the metrics and their definitions), :mod:`.knn` (blocked score
-blocks, duplicate folding, the tie rule, neighbour lists), :mod:`.ranks` (exact ranks of
-relevant items, the primitive behind every metric), :mod:`.hamming` (binary score blocks),
-:mod:`.native` (the C kernels behind both, built on first use), :mod:`.inputs` (checks of
-embeddings and labels), :mod:`.clustering` (k-means NMI), :mod:`.embedding` (embedding a
-model's batches, gathering to rank 0, evaluating a model on shards), :mod:`.store` (saved
-embeddings), :mod:`.plots` (Recall@K curves, 2-D maps), :mod:`.cli` (``dmltrain eval``),
-:mod:`.bench` (``dmltrain bench eval``).
+Modules: :mod:`.retrieval` (the metrics and their definitions), :mod:`.gallery` (float and
+binary galleries on a device: duplicate folding, score blocks, the binary engines),
+:mod:`.knn` (the tie rule, neighbour lists), :mod:`.ranks` (exact ranks of relevant items,
+the primitive behind every metric), :mod:`.hamming` (binary score blocks on the CPU),
+:mod:`.native` (the C kernels of the CPU, built on first use), :mod:`.gpu_kernels` (the
+Triton kernels of the GPU: rank counting, popcount), :mod:`.inputs` (checks of embeddings
+and labels), :mod:`.clustering` (k-means NMI) and :mod:`.kmeans` (k-means in torch),
+:mod:`.embedding` (embedding a model's batches, gathering to rank 0, evaluating a model on
+shards), :mod:`.store` (saved embeddings), :mod:`.plots` (Recall@K curves, 2-D maps),
+:mod:`.cli` (``dmltrain eval``), :mod:`.bench` (``dmltrain bench eval``).
 
 Names are imported on first use, so ``dmltrain eval --help`` stays fast.
 """

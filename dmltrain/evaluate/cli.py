@@ -113,6 +113,8 @@ def _check_shard_files(shards: str, splits: list[str], allow_missing: bool) -> N
 
 def _embed_splits(args: argparse.Namespace, splits: list[str], model: Any, config: Any, device: str) -> tuple[dict[str, tuple[Any, Any]], dict[str, int]]:
     """Each split's gathered ``(embeddings, labels)`` and its count of unreadable samples (left out)."""
+    import torch
+
     from dmltrain.evaluate.embedding import embed_batches, gather_to_rank0
     from shards.stream import eval_batches
 
@@ -135,7 +137,9 @@ def _embed_splits(args: argparse.Namespace, splits: list[str], model: Any, confi
             resize=int(data.get("eval_resize", 256)), crop=int(data.get("eval_crop", 224)),
             grayscale=int((data.get("augment") or {}).get("grayscale", 0)), loader_workers=workers,
         )
-        emb, labels, index = embed_batches(model, batches, device=device, precision=args.precision, progress=True)
+        layout = bool(_section(config, "model").get("channels_last")) and device.startswith("cuda")  # the run's layout, on a GPU
+        emb, labels, index = embed_batches(model.to(memory_format=torch.channels_last) if layout else model, batches, device=device,
+                                           precision=args.precision, progress=True, channels_last=layout)
         if len(emb) == 0:
             raise UserError(f"{shards}: split '{split}' has no readable images")
         out[split] = gather_to_rank0(emb, labels, index)

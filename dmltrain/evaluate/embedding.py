@@ -41,22 +41,26 @@ def embed_batches(
     device: str | torch.device = "cpu",
     precision: str = "fp32",
     progress: bool = True,
+    channels_last: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Embed ``(images, labels, index)`` batches: ``(emb float32 N × D, labels int64, index int64)``.
 
     The model runs in eval mode under ``torch.no_grad`` (its previous mode is restored
-    afterwards), in ``precision`` autocast; the embeddings come back as float32 on the CPU,
-    unnormalized. Empty batches are skipped; no batch at all gives a ``0 × 0`` array.
-    Progress goes to stderr.
+    afterwards), in ``precision`` autocast (``bf16`` on a GPU: the tensor cores' format), with
+    4-D image batches in ``channels_last`` layout when asked (the layout a channels_last model
+    convolves fastest; the model's own layout is the caller's). The embeddings stay on the
+    device until the last batch, so the host does not wait for each forward pass, and come back
+    as float32 on the CPU, unnormalized. Empty batches are skipped; no batch at all gives a
+    ``0 × 0`` array. Progress goes to stderr.
     """
     from tqdm import tqdm
 
-    from dmltrain.models.precision import autocast
+    from dmltrain.models.precision import autocast, to_channels_last
 
     dev = torch.device(device)
     was_training = model.training
     model.eval()
-    embs: list[np.ndarray] = []
+    embs: list[Tensor] = []
     labels: list[np.ndarray] = []
     index: list[np.ndarray] = []
     bar = tqdm(desc="embed", unit="img", file=sys.stderr, disable=not progress, leave=False)
@@ -66,10 +70,12 @@ def embed_batches(
                 if len(images) == 0:
                     continue
                 images = images.to(dev, non_blocking=True) if isinstance(images, Tensor) else torch.as_tensor(images, device=dev)
+                if channels_last:
+                    images = to_channels_last(images)
                 emb = _embedding_of(model(images)).float()
                 if emb.ndim != 2 or emb.shape[0] != len(images):
                     raise ValueError(f"embed_batches: expected {len(images)} × D embeddings, got shape {tuple(emb.shape)}")
-                embs.append(emb.cpu().numpy())
+                embs.append(emb)
                 labels.append(_as_numpy(y, np.int64))
                 index.append(_as_numpy(idx, np.int64))
                 if len(labels[-1]) != len(images) or len(index[-1]) != len(images):
@@ -80,7 +86,7 @@ def embed_batches(
         model.train(was_training)
     if not embs:
         return np.zeros((0, 0), np.float32), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(embs), np.concatenate(labels), np.concatenate(index)
+    return torch.cat(embs).cpu().numpy(), np.concatenate(labels), np.concatenate(index)
 
 
 def _sort_by_index(emb: np.ndarray, labels: np.ndarray, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -155,6 +161,7 @@ def evaluate_model(
     device: str | torch.device = "cpu",
     precision: str = "fp32",
     progress: bool = True,
+    channels_last: bool = False,
 ) -> tuple[dict[str, float], dict[str, tuple[np.ndarray, np.ndarray]]] | tuple[None, None]:
     """Embed ``splits`` of the shards on every rank, gather to rank 0, compute the metrics there.
 
@@ -162,6 +169,8 @@ def evaluate_model(
     Uses ``eval_cfg.ks``, ``nmi``, ``map_at_r``, ``binary`` and ``data_cfg.eval_batch_size``
     (per worker), ``eval_resize``, ``eval_crop``, ``augment.grayscale``, ``loader_workers``. Every rank must call it.
     ``progress``: rank 0 draws bars (off inside training, where the driver shows progress).
+    ``precision`` and ``channels_last``: as in :func:`embed_batches`; the metrics run on
+    ``device`` when it is a GPU.
     Rank 0 returns ``(metrics, {split: (embeddings, labels)})``; the other ranks ``(None, None)``.
     Samples whose shard member cannot be read are left out of the metrics (not replaced); when
     there are any, ``metrics["unreadable_samples"]`` says how many (all splits, all ranks).
@@ -184,7 +193,8 @@ def evaluate_model(
             resize=data_cfg.eval_resize, crop=data_cfg.eval_crop, grayscale=data_cfg.augment.grayscale,
             loader_workers=data_cfg.loader_workers,
         )
-        emb, labels, index = embed_batches(model, batches, device=device, precision=precision, progress=progress and rank == 0)
+        emb, labels, index = embed_batches(model, batches, device=device, precision=precision, progress=progress and rank == 0,
+                                           channels_last=channels_last)
         out = gather_to_rank0(emb, labels, index)
         if out[0] is not None:
             gathered[split] = out  # type: ignore[assignment]

@@ -1,9 +1,10 @@
-"""All-pairs Hamming distances between packed binary codes: the binary path's score blocks.
+"""All-pairs Hamming distances between packed binary codes on the CPU: the binary path's score blocks there.
 
 Two engines, identical results (distances are exact integers): the native AVX2 kernel
 (:mod:`.native`, int16 output) and ``faiss.hammings``, faiss's all-pairs routine behind its
 flat binary index (int32 output), used when the kernel cannot be built, for codes longer
-than :data:`MAX_NATIVE_BITS`, or with ``DMLTRAIN_HAMMING=faiss``.
+than :data:`MAX_NATIVE_BITS`, or with ``DMLTRAIN_HAMMING=faiss``. The GPU engines
+(``mma``, ``popcount``) live in :mod:`.gallery`.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ _warned = False
 
 
 def engine_name() -> str:
-    """``native`` or ``faiss``: the engine :func:`hamming_block` uses in this process."""
+    """``native`` or ``faiss``: the engine :func:`hamming_block` uses in this process (the GPU
+    engines ``mma`` and ``popcount`` leave the CPU's choice to ``auto``)."""
     global _warned
     choice = os.environ.get("DMLTRAIN_HAMMING", "auto")
-    if choice not in ("auto", "native", "faiss"):
-        raise ValueError(f"DMLTRAIN_HAMMING: expected auto, native or faiss, got '{choice}'")
+    if choice not in ("auto", "native", "faiss", "mma", "popcount"):
+        raise ValueError(f"DMLTRAIN_HAMMING: expected auto, native, faiss, mma or popcount, got '{choice}'")
     if choice == "faiss":
         return "faiss"
     if native.library() is not None:

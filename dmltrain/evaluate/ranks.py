@@ -11,12 +11,16 @@ cut-off is never an issue, and the result does not depend on the engine:
 
 * ``native``: the C kernel of :mod:`.native` (CPU, auto-vectorized, a few threads);
 * ``numpy``: one compare-and-count pass over the block per pair position (CPU fallback);
-* ``torch``: the same passes on the block's device (CUDA).
+* ``triton``: the Triton kernel of :mod:`.gpu_kernels` (CUDA): one pass over each row counts
+  for up to 32 of its pairs at once; the default on CUDA;
+* ``torch``: the ``numpy`` passes on the block's device (CUDA without Triton).
 
 Rows with very many relevant items switch to sorting each row once (O(N log N) per row).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -25,8 +29,18 @@ from torch import Tensor
 from dmltrain.evaluate import native
 from dmltrain.evaluate.threads import parallel_ranges
 
+# The Triton kernels (and Triton itself) are loaded only where they can run: with CUDA, or
+# under Triton's interpreter (TRITON_INTERPRET=1 before the import). Elsewhere None.
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    try:
+        from dmltrain.evaluate import gpu_kernels
+    except ImportError:  # a torch build without Triton
+        gpu_kernels = None
+else:
+    gpu_kernels = None
+
 # Mean relevant items per row above which sorting the rows beats counting per pair.
-SORT_ABOVE = {"native": 1024, "numpy": 48, "torch": 48}
+SORT_ABOVE = {"native": 1024, "numpy": 48, "torch": 48, "triton": 4096}
 _SORT_CHUNK_ROWS = 64
 
 
@@ -56,7 +70,7 @@ def engine_for(block: Tensor, engine: str | None = None) -> str:
     if engine is not None:
         return engine
     if block.device.type != "cpu":
-        return "torch"
+        return "triton" if gpu_kernels is not None else "torch"
     return "native" if native.library() is not None else "numpy"
 
 
@@ -64,8 +78,9 @@ def pair_ranks(block: Tensor, rows: np.ndarray, cols: np.ndarray, larger_is_bett
     """1-based rank (int64) of each ``(rows[i], cols[i])`` pair within its row of ``block``.
 
     ``rows`` must be grouped (non-decreasing). A masked column (a self match set to the worst
-    score) is never counted before anything. ``engine``: ``native``, ``numpy`` or ``torch``
-    (default: ``native`` on CPU when available, else ``numpy``; ``torch`` on CUDA).
+    score) is never counted before anything. ``engine``: ``native``, ``numpy``, ``triton`` or
+    ``torch`` (default: ``native`` on CPU when available, else ``numpy``; ``triton`` on CUDA,
+    ``torch`` there without Triton).
     """
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     cols = np.ascontiguousarray(cols, dtype=np.int64)
@@ -81,6 +96,8 @@ def pair_ranks(block: Tensor, rows: np.ndarray, cols: np.ndarray, larger_is_bett
         return _ranks_native(block, rows, cols, larger_is_better)
     if engine == "numpy":
         return _ranks_by_passes(block.numpy(), rows, cols, larger_is_better, np)
+    if engine == "triton":
+        return _ranks_triton(block, rows, cols, larger_is_better)
     if engine == "torch":
         return _ranks_by_passes(block, rows, cols, larger_is_better, torch)
     raise ValueError(f"pair_ranks: unknown engine '{engine}'")
@@ -106,6 +123,19 @@ def _ranks_native(block: Tensor, rows: np.ndarray, cols: np.ndarray, larger: boo
     bounds = np.r_[starts[np.linspace(0, len(starts), parts, endpoint=False).astype(np.int64)], len(rows)]
     parallel_ranges(run, bounds)
     return ranks
+
+
+def _ranks_triton(block: Tensor, rows: np.ndarray, cols: np.ndarray, larger: bool) -> np.ndarray:
+    if gpu_kernels is None:
+        raise RuntimeError("pair_ranks: the Triton engine is not loaded (no CUDA device, no TRITON_INTERPRET=1, or no Triton)")
+    starts = row_starts(rows)
+    dev = block.device
+
+    def put(a: np.ndarray) -> Tensor:  # int32: pair and column counts of a block stay far below 2**31
+        return torch.from_numpy(a.astype(np.int32)).to(dev)
+
+    ranks = gpu_kernels.pair_ranks(block, put(rows[starts]), put(np.r_[starts, len(rows)]), put(cols), larger)
+    return ranks.cpu().numpy()
 
 
 def _ranks_by_passes(S, rows: np.ndarray, cols: np.ndarray, larger: bool, xp) -> np.ndarray:

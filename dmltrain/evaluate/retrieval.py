@@ -15,8 +15,12 @@ Protocol (SPEC "Evaluation"; MAP@R and R-precision as in Musgrave et al. 2020):
 * Queries with ``R = 0`` (label absent from the gallery, or a singleton class) cannot be
   retrieved: they are excluded from every retrieval metric and counted in
   ``excluded_queries``; ``num_queries`` counts the evaluated ones.
-* ``nmi``: faiss k-means of the (normalized) query embeddings with k = number of distinct
-  query labels, scored by scikit-learn's NMI (:mod:`.clustering`). Float only.
+* ``nmi``: k-means of the (normalized) query embeddings with k = number of distinct query
+  labels, scored by scikit-learn's NMI (:mod:`.clustering`: faiss, or a torch k-means on a GPU
+  without faiss's GPU build). Float only.
+* Where it runs: ``device`` (CUDA: the GEMMs, the binary codes' int8 GEMMs and the rank
+  counting in a Triton kernel, :mod:`.gallery`, :mod:`.ranks`); the results are the same on
+  every device up to the float rounding of the cosines themselves.
 * K larger than the number of candidates: Recall@K is 1 for every evaluated query, which is
   what it means; a ``RuntimeWarning`` says so.
 
@@ -36,19 +40,9 @@ from torch import Tensor
 from tqdm import tqdm
 
 from dmltrain.evaluate.clustering import clustering_nmi
-from dmltrain.evaluate.hamming import pad_codes
+from dmltrain.evaluate.gallery import Gallery, binary_gallery, default_block_bytes, float_gallery, mask_self, resolve_device
 from dmltrain.evaluate.inputs import ArrayLike, as_embeddings, as_labels
-from dmltrain.evaluate.knn import (
-    DEFAULT_BLOCK_BYTES,
-    Gallery,
-    binary_gallery,
-    float_gallery,
-    float_queries,
-    mask_self,
-    resolve_device,
-)
 from dmltrain.evaluate.ranks import pair_ranks, row_starts
-from dmltrain.models.binary import pack_sign_bits
 
 # Per-block budget of (query, relevant item) pairs, ranked together.
 _MAX_PAIRS = 4 << 20
@@ -137,6 +131,7 @@ def _ranked_metrics(
     reads the best rank of each query, MAP@R and R-precision all of them.
     """
     self_search = queries is None
+    larger = gal.larger_is_better
     tot = _Totals(ks)
     # Similar R together keeps the per-position passes of the fallback engines dense.
     order = valid[np.argsort(labels.R[valid], kind="stable")]
@@ -148,15 +143,13 @@ def _ranked_metrics(
         hi = min(lo + max_rows, len(order))
         hi = lo + max(1, int(np.searchsorted(np.cumsum(labels.R[order[lo:hi]] + 1), _MAX_PAIRS, side="right")))
         qi = order[lo:hi]
+        block = gal.scores(gal.query_rows(qi) if self_search else gal.take(queries, qi))
         if self_search:
-            block = gal.scores(gal.query_rows(qi))
-            mask_self(block, torch.from_numpy(qi), gal.larger_is_better)
-        elif isinstance(queries, Tensor):
-            block = gal.scores(queries[torch.from_numpy(qi).to(queries.device)])
-        else:
-            block = gal.scores(queries[qi])
+            mask_self(block, torch.from_numpy(qi), larger)
         rows, cols = labels.positive_pairs(qi, self_search)
-        ranks = pair_ranks(block, rows, cols, gal.larger_is_better)
+        if not map_at_r:  # Recall@K needs only each query's best-ranked relevant item
+            rows, cols = _best_pairs(block, rows, cols, larger)
+        ranks = pair_ranks(block, rows, cols, larger)
         del block
         # Ranks of each query's relevant items, ascending: r_1 < r_2 < ... < r_R.
         srt = np.lexsort((ranks, rows))
@@ -176,6 +169,18 @@ def _ranked_metrics(
     return tot
 
 
+def _best_pairs(block: Tensor, rows: np.ndarray, cols: np.ndarray, larger: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's best pair in the rank order (best score, then lowest column): the one whose
+    rank decides Recall@K. ``rows`` grouped and ``cols`` ascending within a row, as built."""
+    if len(rows) == 0:
+        return rows, cols
+    at = (torch.from_numpy(rows).to(block.device), torch.from_numpy(cols).to(block.device))
+    score = block[at].double().cpu().numpy()
+    pick = np.lexsort((cols, -score if larger else score, rows))  # stable: first of a row is its best
+    pick = pick[row_starts(rows[pick])]
+    return rows[pick], cols[pick]
+
+
 def _report(tot: _Totals, prefix: str, map_at_r: bool) -> dict[str, float]:
     out: dict[str, float] = {f"{prefix}recall@{k}": float(h) / tot.n for k, h in zip(tot.ks, tot.hits)}
     if map_at_r:
@@ -193,19 +198,21 @@ def path_metrics(
     map_at_r: bool,
     kind: str,
     device: torch.device,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    block_bytes: int | None = None,
     progress: bool = False,
+    binary_engine: str | None = None,
 ) -> dict[str, float]:
     """Recall@K (and MAP@R, R-precision) of one path, ``float`` (cosine) or ``binary`` (Hamming
-    of the sign bits, keys prefixed ``binary/``), from checked inputs (see :func:`retrieval_metrics`)."""
+    of the sign bits, keys prefixed ``binary/``; ``binary_engine`` as in
+    :func:`~.gallery.binary_gallery`), from checked inputs (see :func:`retrieval_metrics`)."""
     if kind == "float":
         gal = float_gallery(q if g is None else g, device)
-        queries: Tensor | np.ndarray | None = None if g is None else float_queries(q, device)
     elif kind == "binary":
-        gal = binary_gallery(pack_sign_bits(q if g is None else g))
-        queries = None if g is None else pad_codes(pack_sign_bits(q))
+        gal = binary_gallery(q if g is None else g, device, binary_engine)
     else:
         raise ValueError(f"path_metrics: kind must be 'float' or 'binary', got '{kind}'")
+    queries = None if g is None else gal.queries(q)
+    block_bytes = block_bytes or default_block_bytes(device)
     tot = _ranked_metrics(gal, queries, labels, valid, ks, map_at_r, block_bytes, kind if progress else None)
     return _report(tot, "" if kind == "float" else "binary/", map_at_r)
 
@@ -223,7 +230,7 @@ def retrieval_metrics(
     seed: int = 0,
     *,
     device: str | torch.device | None = "auto",
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    block_bytes: int | None = None,
     nmi_iters: int = 20,
     progress: bool = False,
 ) -> dict[str, float]:
@@ -232,8 +239,9 @@ def retrieval_metrics(
     ``query``/``gallery``: ``N × D`` float arrays or tensors (any device and float dtype);
     labels: 1-D, any comparable values. ``gallery=None``: self-retrieval, each query
     excluded. ``binary``: also evaluate the sign bits by Hamming distance. ``device``: where
-    the float GEMMs run (``auto``: CUDA when available); the binary path runs on the CPU.
-    ``block_bytes`` bounds one dense score block. See the module doc for every definition.
+    the scoring, the ranking and NMI's k-means run (``auto``: CUDA when available).
+    ``block_bytes`` bounds one dense score block (default: 256 MiB on a CPU, 1 GiB on a GPU).
+    See the module doc for every definition.
 
     Raises a one-line ``ValueError`` for mismatched lengths or dims, NaN/inf embeddings,
     empty inputs, a gallery without labels, or no query with any relevant gallery item.
@@ -266,7 +274,7 @@ def retrieval_metrics(
     dev = resolve_device(device)
     metrics = path_metrics(q, g, labels, valid, ks, map_at_r, "float", dev, block_bytes, progress)
     if nmi:
-        metrics["nmi"] = clustering_nmi(q, labels.q, seed=seed, niter=nmi_iters)
+        metrics["nmi"] = clustering_nmi(q, labels.q, seed=seed, niter=nmi_iters, device=dev)
     if binary:
         metrics.update(path_metrics(q, g, labels, valid, ks, map_at_r, "binary", dev, block_bytes, progress))
     metrics["num_queries"] = int(len(valid))

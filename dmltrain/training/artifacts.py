@@ -3,7 +3,9 @@
 * :func:`log_run_files`: the resolved config, the DeepSpeed JSON and the manifest summary, once per run.
 * :class:`ModelExporter`: ``<name>/model.pt`` (a :func:`~dmltrain.models.save_model` file) to
   MLflow and, through :func:`publish`, to ``<storage_dir>/<name>/model.pt`` (``best_model``
-  when an evaluation improves, ``model`` at the end).
+  when an evaluation improves, ``model`` at the end); :func:`publish_model` does the same for a
+  model at hand (an asynchronous evaluation's checkpoint).
+* :func:`read_storage_text`: a small file of the run's storage directory (local or remote).
 """
 
 from __future__ import annotations
@@ -49,14 +51,37 @@ class ModelExporter:
         weights = full_module_state_dict(self.engine)
         if self.rank != 0:
             return
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "model.pt"
-            save_model(path, self.engine.module, self.config, extra=extra, state_dict=weights)
-            self.logger.log_artifact(path, name)
-            if self.logger.enabled:  # MLflow 3's Models view: the model as pt2, linked to this step's metrics
-                crop = self.config["data"]["eval_crop"]
-                self.logger.log_model(load_model(path)[0], name, step=extra["step"], input_example=np.zeros((2, 3, crop, crop), np.float32))
-            publish(path, self.storage_dir, f"{name}/model.pt")
+        publish_model(self.logger, self.engine.module, name, extra=extra, storage_dir=self.storage_dir, config=self.config,
+                      state_dict=weights)
+
+
+def publish_model(logger, model, name: str, *, extra: dict[str, Any], storage_dir: str, config: dict[str, Any],
+                  state_dict: dict[str, Any] | None = None) -> None:
+    """``<name>/model.pt`` of ``model`` (weights ``state_dict`` when given) with ``extra`` (step, metrics)
+    to MLflow (artifact and logged model) and to the run's storage directory."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.pt"
+        save_model(path, model, config, extra=extra, state_dict=state_dict)
+        logger.log_artifact(path, name)
+        if logger.enabled:  # MLflow 3's Models view: the model as pt2, linked to this step's metrics
+            crop = config["data"]["eval_crop"]
+            logger.log_model(load_model(path)[0], name, step=extra["step"], input_example=np.zeros((2, 3, crop, crop), np.float32))
+        publish(path, storage_dir, f"{name}/model.pt")
+
+
+def _storage(storage_dir: str) -> tuple[pyarrow.fs.FileSystem, str]:
+    fs, root = pyarrow.fs.FileSystem.from_uri(storage_dir) if "://" in storage_dir else (pyarrow.fs.LocalFileSystem(), storage_dir)
+    return fs, root.rstrip("/")
+
+
+def read_storage_text(storage_dir: str, relpath: str) -> str | None:
+    """The text of ``<storage_dir>/<relpath>``; None when there is no such file."""
+    fs, root = _storage(storage_dir)
+    path = f"{root}/{relpath}"
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as f:
+        return f.read().decode()
 
 
 def publish(local_file: Path, storage_dir: str, relpath: str) -> None:
@@ -64,8 +89,8 @@ def publish(local_file: Path, storage_dir: str, relpath: str) -> None:
 
     The copy lands under a temporary name and is then renamed, so a reader never sees half a file.
     """
-    fs, root = pyarrow.fs.FileSystem.from_uri(storage_dir) if "://" in storage_dir else (pyarrow.fs.LocalFileSystem(), storage_dir)
-    dest = f"{root.rstrip('/')}/{relpath}"
+    fs, root = _storage(storage_dir)
+    dest = f"{root}/{relpath}"
     fs.create_dir(dest.rsplit("/", 1)[0], recursive=True)
     tmp_dest = dest + ".tmp"
     pyarrow.fs.copy_files(str(local_file), tmp_dest, destination_filesystem=fs)

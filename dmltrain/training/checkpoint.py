@@ -35,11 +35,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from ray.train.v2.api.validation_config import ValidationTaskConfig
 
 from dmltrain.distributed import load_by_class, save_by_class
 from dmltrain.errors import UserError
 from dmltrain.fileio import write_json
-from dmltrain.models import save_model
+from dmltrain.models import load_model, save_model
+from dmltrain.models.embedding_model import EmbeddingModel
 from dmltrain.training.dp_state import full_dp_state, full_module_state_dict, load_full_dp_state
 from dmltrain.training.head import LossHead
 from dmltrain.training.reporting import Reporter, position_metrics
@@ -80,13 +82,14 @@ class Checkpointer:
             self.states["instance_loss"] = head
 
     # -- through Ray Train --------------------------------------------------------------------------
-    def save(self, state: TrainState) -> None:
-        """A checkpoint of ``state`` through Ray Train: every rank writes its files, Ray merges and uploads them."""
+    def save(self, state: TrainState, validation: ValidationTaskConfig | None = None) -> None:
+        """A checkpoint of ``state`` through Ray Train: every rank writes its files, Ray merges and uploads them
+        (and, with ``validation``, evaluates the checkpoint asynchronously: :mod:`.async_eval`)."""
         self.reporter.progress(state, phase="checkpointing")
         tmp = Path(tempfile.mkdtemp(prefix=f"dmltrain-ckpt-rank{self.rank}-"))
         try:
             self.save_to(tmp, state)
-            self.reporter.report(position_metrics(state), step=state.step, checkpoint_dir=tmp)
+            self.reporter.report(position_metrics(state), step=state.step, checkpoint_dir=tmp, validation=validation)
             self.last_step = state.step
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -165,6 +168,12 @@ class Checkpointer:
         load_full_dp_state(self.engine, {"weights": {k: weights[k] for k in params}, "optim": opt["optim"], "scalars": opt["scalars"]})
         buffers = {k: v for k, v in weights.items() if k not in params}
         module.load_state_dict({**module.state_dict(), **buffers})
+
+
+def load_checkpoint_model(directory: Path, map_location: str | torch.device = "cpu") -> EmbeddingModel:
+    """The model of a merged checkpoint directory (its ``model.pt``: full fp32 weights, read weights-only),
+    in eval mode on ``map_location``: what an asynchronous evaluation evaluates and exports."""
+    return load_model(directory / "model.pt", map_location=map_location)[0]
 
 
 def _load(path: Path) -> Any:

@@ -7,8 +7,9 @@ MLflow at ``step`` as ``eval/<name>`` (``initial/<name>`` for the untrained mode
 plots, exports ``best_model`` when the tracked metric improved, and reports the evaluation to
 Ray (Tune reads these reports). Every rank calls it: it holds collectives.
 
-The metrics come from the model alone, so the same steps can run on a saved checkpoint's
-``model.pt`` elsewhere (asynchronous evaluation) and land at that checkpoint's step.
+The metrics come from the model alone, so the same steps run on a saved checkpoint's
+``model.pt`` elsewhere (``eval.mode: async``, :mod:`.async_eval`, through :func:`log_evaluation`)
+and land at that checkpoint's step.
 """
 
 from __future__ import annotations
@@ -42,10 +43,7 @@ class Evaluator:
         key = self.cfg.eval.metric
         improved = state.record_evaluation(metrics, step, key, initial=phase == "initial")
         if self.rank == 0:
-            prefix = INITIAL_PREFIX if phase == "initial" else EVAL_PREFIX
-            self.logger.log_metrics({f"{prefix}{k}": v for k, v in metrics.items()}, step=step)
-            if self.cfg.eval.plots and embeddings is not None:
-                self._plot(metrics, embeddings, step, phase)
+            log_evaluation(self.logger, self.cfg, metrics, embeddings, step, phase)
             self.reporter.progress(state, last_eval=f"{key} {metrics.get(key, float('nan')):.4f}")
         if improved:
             self.exporter.export("best_model", extra={"step": step, "metrics": metrics})
@@ -68,15 +66,23 @@ class Evaluator:
                 # the engine already holds the weights in its precision; autocast on top would feed
                 # fp32 activations to bf16 norm layers
                 rank=self.rank, world_size=self.world_size, device=str(self.device), precision="fp32",
-                progress=False,
+                progress=False, channels_last=self.cfg.model.channels_last,
             )
         self.model.train(was_training)
         return broadcast_object(metrics) or {}, embeddings
 
-    def _plot(self, metrics: dict[str, float], embeddings: Any, step: int, phase: str) -> None:
-        emb, labels = embeddings.get("query", next(iter(embeddings.values())))
-        with tempfile.TemporaryDirectory() as tmp:
-            curve = plot_recall_at_k({f"{phase} step {step}": metrics}, Path(tmp) / f"recall_at_k-step{step:07d}.png")
-            emap = plot_embedding_map(emb, labels, Path(tmp) / f"embeddings-step{step:07d}.png", seed=self.cfg.train.seed)
-            for p in (curve, emap):
-                self.logger.log_artifact(p, "plots")
+
+
+def log_evaluation(logger, cfg: Config, metrics: dict[str, float], embeddings: Any, step: int, phase: str) -> None:
+    """An evaluation in the run's MLflow run: ``eval/<name>`` (``initial/<name>`` for the untrained
+    model) at ``step``, and with ``eval.plots`` the Recall@K curve and the embedding map."""
+    prefix = INITIAL_PREFIX if phase == "initial" else EVAL_PREFIX
+    logger.log_metrics({f"{prefix}{k}": v for k, v in metrics.items()}, step=step)
+    if not cfg.eval.plots or embeddings is None:
+        return
+    emb, labels = embeddings.get("query", next(iter(embeddings.values())))
+    with tempfile.TemporaryDirectory() as tmp:
+        curve = plot_recall_at_k({f"{phase} step {step}": metrics}, Path(tmp) / f"recall_at_k-step{step:07d}.png")
+        emap = plot_embedding_map(emb, labels, Path(tmp) / f"embeddings-step{step:07d}.png", seed=cfg.train.seed)
+        for p in (curve, emap):
+            logger.log_artifact(p, "plots")

@@ -28,7 +28,8 @@ class ProgressBoard:
         self._latest = {**self._latest, **info}
 
     def set_summary(self, summary: dict[str, Any]) -> None:
-        self._summary = summary
+        # merged: with asynchronous evaluation the workers post the position and the evaluation tasks the metrics
+        self._summary = {**self._summary, **summary}
 
     def get(self) -> tuple[dict[str, Any], dict[str, Any]]:
         return self._latest, self._summary

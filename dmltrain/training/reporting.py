@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import ray.train
+from ray.train.v2.api.validation_config import ValidationTaskConfig
 
 from dmltrain.training.progress import post
 from dmltrain.training.state import TrainState
@@ -51,13 +52,15 @@ class Reporter:
         self.run, self.rank = run, rank
         self.total_steps, self.num_epochs = total_steps, num_epochs
 
-    def report(self, metrics: dict[str, Any], step: int, checkpoint_dir: Path | None = None) -> None:
-        """Hand ``metrics`` (and this rank's checkpoint files, if any) to Ray Train; all ranks call it."""
+    def report(self, metrics: dict[str, Any], step: int, checkpoint_dir: Path | None = None,
+               validation: ValidationTaskConfig | None = None) -> None:
+        """Hand ``metrics`` (and this rank's checkpoint files, if any) to Ray Train; all ranks call it.
+        ``validation``: Ray evaluates the checkpoint asynchronously with these arguments (:mod:`.async_eval`)."""
         if not self.run.report_to_ray:
             return
         ckpt = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir is not None else None
         name = f"checkpoint-step{step:08d}" if checkpoint_dir is not None else None
-        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=name)
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=name, validation=validation or False)
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[Path | None]:

@@ -39,6 +39,7 @@ from dmltrain.models import build_model, param_groups
 from dmltrain.models.precision import autocast_dtype
 from dmltrain.models.sync_bn import convert_sync_batchnorm
 from dmltrain.training.artifacts import ModelExporter, log_run_files
+from dmltrain.training.async_eval import load_record, record_summary, validation_request
 from dmltrain.training.cadence import Cadence, Due
 from dmltrain.training.checkpoint import Checkpointer
 from dmltrain.training.divergence import Diverged, DivergenceGuard, injected_nan_step
@@ -140,7 +141,7 @@ class Trainer:
             message = f"{e}; training stopped, " + (f"the last checkpoint is step {saved}" if saved is not None else "no checkpoint was saved")
             if self.rank == 0:
                 log.error("%s", message)
-            summary = self.state.summary(self.cfg.eval.metric) | {"error": message}
+            summary = self._summary() | {"error": message}
             self.reporter.summary(summary)
             return summary
 
@@ -148,13 +149,16 @@ class Trainer:
         resumed = self._resume()
         st = self.state
         if st.finished:  # the same command again on a finished run: nothing left to train
-            self.reporter.summary(st.summary(self.cfg.eval.metric))
+            summary = self._summary()
+            if self.cfg.eval.mode == "async":  # the evaluation tasks' record of the run
+                summary |= record_summary(load_record(self.run.storage_dir), self.cfg.eval.metric)
+            self.reporter.summary(summary)
             self.reporter.report(position_metrics(st), step=st.step)
-            return st.summary(self.cfg.eval.metric)
+            return summary
         if not resumed:
             log_run_files(self.logger, self.cfg, self.ds_config, self.stream.manifest)
             if self.cfg.eval.before_training:
-                st.initial_metrics = self.evaluator.evaluate(st, step=0, phase="initial")
+                st.initial_metrics = self._evaluate("initial")
         self.engine.train()
         self.objective.train()
         while st.step < self.total_steps:
@@ -169,12 +173,15 @@ class Trainer:
                 st.epoch, st.batch = epoch + 1, 0  # the epoch is complete (or the stream ended it)
                 self._act(self.cadence.due(st.step, epoch_end=st.epoch))
         self.guard.check()
-        self.evaluator.evaluate(st, step=st.step, phase="final")
+        inline = self.cfg.eval.mode == "inline"
+        if inline:
+            self.evaluator.evaluate(st, step=st.step, phase="final")
         st.finished = True
         self.evaluator.export_final(st)
-        self.checkpointer.save(st)
-        self.reporter.summary(st.summary(self.cfg.eval.metric))
-        return st.summary(self.cfg.eval.metric)
+        self.checkpointer.save(st, validation=None if inline else validation_request(st.step, st.epoch, "final"))
+        summary = self._summary()
+        self.reporter.summary(summary)
+        return summary
 
     def _train_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         st, engine, timer = self.state, self.engine, self.timer  # images, labels: on the device (self.input)
@@ -203,9 +210,29 @@ class Trainer:
             self._log_train()
         with self.timer.aside():
             if due.evaluate:
-                self.evaluator.evaluate(self.state, step=self.state.step, phase="eval")
-            if due.checkpoint:
+                self._evaluate("eval", checkpoint=due.checkpoint)
+            elif due.checkpoint:
                 self.checkpointer.save(self.state)
+
+    def _evaluate(self, phase: str, checkpoint: bool = False) -> dict[str, float]:
+        """``eval.mode: inline``: evaluate now (then checkpoint, when due); ``async``: checkpoint now and
+        let Ray evaluate that checkpoint while training goes on (:mod:`.async_eval`; no metrics here)."""
+        st = self.state
+        if self.cfg.eval.mode == "async":
+            self.checkpointer.save(st, validation=validation_request(st.step, st.epoch, phase))
+            return {}
+        metrics = self.evaluator.evaluate(st, step=st.step, phase=phase)
+        if checkpoint:
+            self.checkpointer.save(st)
+        return metrics
+
+    def _summary(self) -> dict[str, Any]:
+        """What the run returns and the driver prints. With asynchronous evaluation the evaluation tasks
+        post the metrics part (the board merges), so the workers' part is the position alone."""
+        summary = self.state.summary(self.cfg.eval.metric)
+        if self.cfg.eval.mode == "async":
+            summary = {"step": summary["step"], "metric": summary["metric"]}
+        return summary
 
     # -- around the loop ----------------------------------------------------------------------------
     def _resume(self) -> bool:
