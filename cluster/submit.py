@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import shlex
@@ -33,7 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from ray.job_submission import JobSubmissionClient
+
 from cluster.upload import Upload, plan_upload
+from dmltrain.config import load_config
 from dmltrain.config_tree import config_files
 from dmltrain.errors import UserError
 from dmltrain.text import format_duration, safe_name
@@ -131,7 +135,6 @@ def plan_job(
     ``train.run_name`` is set to the submission id unless the config or an override names
     the run (re-submitting with the same run name resumes that run).
     """
-    from dmltrain.config import load_config
 
     overrides = list(overrides or [])
     wd = Path(working_dir or os.getcwd()).expanduser().resolve()
@@ -193,7 +196,6 @@ def resolve_address(address: str | None) -> str:
 
 def connect(address: str):
     """A ``JobSubmissionClient`` for the dashboard at ``address``; one clear line when it cannot be reached."""
-    from ray.job_submission import JobSubmissionClient
 
     try:
         return JobSubmissionClient(address)
@@ -404,8 +406,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"dmltrain: warning: {w}", file=sys.stderr)
     upload = spec.upload.summary() if spec.upload else "nothing"
     if args.dry_run:
-        import json
-
         job = spec.submit_kwargs("<a zip of the files under 'upload', made at submission>")
         print(json.dumps({**job, "upload": spec.upload.describe() if spec.upload else None}, indent=2))
         print(f"would upload {upload} (listed under 'upload')", file=sys.stderr)

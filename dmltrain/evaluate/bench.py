@@ -29,6 +29,15 @@ from __future__ import annotations
 import argparse
 import time
 
+import numpy as np
+import torch
+
+from dmltrain.errors import UserError
+from dmltrain.evaluate.clustering import clustering_nmi, kmeans_engine
+from dmltrain.evaluate.gallery import default_block_bytes, float_gallery, hamming_engine, resolve_device
+from dmltrain.evaluate.ranks import gpu_kernels
+from dmltrain.evaluate.retrieval import _Labels, check_ks, path_metrics
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=60502, help="images (default: 60502, the SOP test set)")
@@ -49,7 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _data(n: int, dim: int, classes: int, seed: int):
     """Class centres plus noise: every class has >= 2 images, sizes like SOP's (2-12); the
     noise grows with the dim so Recall@1 stays in the range trained models reach."""
-    import numpy as np
 
     rng = np.random.default_rng(seed)
     labels = np.concatenate([np.arange(classes), np.arange(classes), rng.integers(0, classes, max(n - 2 * classes, 0))])[:n]
@@ -69,7 +77,6 @@ def _timed(fn):
 def _gemm_seconds(gal, rows_idx, device, block_bytes) -> float:
     """The bound for queries ``rows_idx``: their normalized rows times the whole gallery's
     transpose, in the metrics' query blocks, writing every score block."""
-    import torch
 
     x = gal.data
     step = gal.rows_per_block(block_bytes)
@@ -85,8 +92,6 @@ def _gemm_seconds(gal, rows_idx, device, block_bytes) -> float:
 
 
 def _sync(device) -> None:
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -96,8 +101,6 @@ class _Interleaved:
     change of load on a shared machine falls on all of them alike."""
 
     def __init__(self, n: int, chunks: int, device):
-        import numpy as np
-
         self.parts = [p for p in np.array_split(np.random.default_rng(0).permutation(n), chunks) if len(p)]
         self.seconds: dict[str, float] = {}
         self.device = device
@@ -118,15 +121,6 @@ class _Interleaved:
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
-    import torch
-
-    from dmltrain.errors import UserError
-    from dmltrain.evaluate.clustering import clustering_nmi, kmeans_engine
-    from dmltrain.evaluate.gallery import default_block_bytes, float_gallery, hamming_engine, resolve_device
-    from dmltrain.evaluate.ranks import gpu_kernels
-    from dmltrain.evaluate.retrieval import _Labels, check_ks, path_metrics
-
     if args.threads:
         torch.set_num_threads(args.threads)
     n = args.n

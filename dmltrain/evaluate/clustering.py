@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from sklearn.metrics import normalized_mutual_info_score
 
 from dmltrain.evaluate.kmeans import torch_kmeans
 
@@ -87,7 +88,6 @@ def kmeans_assignments(
 
 def nmi_score(labels: np.ndarray, assignments: np.ndarray) -> float:
     """scikit-learn's normalized mutual information of two labelings (arithmetic mean normalization)."""
-    from sklearn.metrics import normalized_mutual_info_score
 
     return float(normalized_mutual_info_score(np.asarray(labels), np.asarray(assignments)))
 

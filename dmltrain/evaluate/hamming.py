@@ -13,6 +13,7 @@ import os
 import warnings
 
 import numpy as np
+import torch
 
 from dmltrain.evaluate import native
 from dmltrain.evaluate.threads import parallel_ranges
@@ -73,7 +74,6 @@ def hamming_block(query: np.ndarray, gallery: np.ndarray, threads: int | None = 
         return out
     if engine == "faiss":
         import faiss
-        import torch
 
         previous = faiss.omp_get_max_threads()
         faiss.omp_set_num_threads(max(1, threads or torch.get_num_threads()))
@@ -94,6 +94,4 @@ def hamming_block(query: np.ndarray, gallery: np.ndarray, threads: int | None = 
 
 
 def _threads() -> int:
-    import torch
-
     return torch.get_num_threads()

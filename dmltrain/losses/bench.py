@@ -17,6 +17,12 @@ import time
 import warnings
 from collections.abc import Callable
 
+import torch
+from tqdm import tqdm
+
+from dmltrain.errors import UserError
+from dmltrain.losses import build_loss, is_proxy_loss, loss_names
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=180, help="embeddings per batch (default 180, the ICE/RLL recipes)")
@@ -85,12 +91,6 @@ def _fwd_bwd(fn: Callable, x, labels) -> Callable[[], None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from tqdm import tqdm
-
-    from dmltrain.errors import UserError
-    from dmltrain.losses import build_loss, is_proxy_loss, loss_names
-
     if args.batch < 2 or args.dim < 1 or args.repeat < 1 or args.samples_per_class < 2:
         raise UserError("bench losses: need --batch >= 2, --dim >= 1, --repeat >= 1, --samples-per-class >= 2")
     if args.batch % args.samples_per_class:

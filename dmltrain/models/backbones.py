@@ -18,7 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torchvision.models as tvm
 from torch import Tensor, nn
+from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from dmltrain.errors import UserError
 
@@ -87,9 +89,6 @@ class Backbone(nn.Module):
 
 # -- torchvision ResNets ---------------------------------------------------------------------------
 def _resnet(name: str) -> Backbone:
-    import torchvision.models as tvm
-    from torchvision.models.resnet import BasicBlock, Bottleneck
-
     net = getattr(tvm, name)(weights=None)
     layers = [(n, getattr(net, n)) for n in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4")]
     channels = {}
@@ -115,8 +114,6 @@ def _googlenet_transform(x: Tensor) -> Tensor:
 
 
 def _googlenet(name: str, *, transform_input: bool) -> Backbone:
-    import torchvision.models as tvm
-
     # as torchvision does: its (slow) truncated-normal init is skipped when weights will be loaded
     net = tvm.googlenet(weights=None, aux_logits=False, init_weights=not transform_input)
     order = (
@@ -197,7 +194,6 @@ def imagenet_weights(name: str):
     spec = BACKBONES[name][1] if name in BACKBONES else None
     if spec is None:
         return None
-    import torchvision.models as tvm
 
     enum_name, member = spec.split(".")
     return getattr(getattr(tvm, enum_name), member)

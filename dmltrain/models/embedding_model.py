@@ -31,10 +31,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from dmltrain.config import ModelConfig
 from dmltrain.models.backbones import Backbone, build_backbone
 from dmltrain.models.binary import pack_sign_bits
 from dmltrain.models.heads import Head, build_head
 from dmltrain.models.precision import to_channels_last
+from dmltrain.models.pretrained import load_pretrained as load_weights
 
 
 class EmbeddingModel(nn.Module):
@@ -162,8 +164,6 @@ def build_model(cfg: Any, *, load_pretrained: bool = True) -> EmbeddingModel:
     weights ``cfg.pretrained`` names (used to rebuild a saved model). Bad names raise one-line
     :class:`~dmltrain.errors.UserError`.
     """
-    from dmltrain.config import ModelConfig
-    from dmltrain.models.pretrained import load_pretrained as load_weights
 
     if not isinstance(cfg, ModelConfig):
         cfg = ModelConfig.model_validate(cfg)

@@ -15,8 +15,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 from torch import Tensor
 
+from dmltrain.config import _format_validation_error
 from dmltrain.errors import UserError
 from dmltrain.fileio import atomic_path
 from dmltrain.models.embedding_model import EmbeddingModel, build_model
@@ -98,9 +100,6 @@ def load_model(
 def _rebuild(path: Path, model_config: Any) -> EmbeddingModel:
     """The architecture ``model_config`` describes; a config this dmltrain no longer accepts (a
     renamed or removed key or value) is a one-line :class:`UserError` naming the file and the key."""
-    from pydantic import ValidationError
-
-    from dmltrain.config import _format_validation_error
 
     if not isinstance(model_config, dict):
         raise UserError(f"{path}: the model file stores no model_config to rebuild the model from")

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.hub import HASH_REGEX
+from tqdm import tqdm
 
 from dmltrain.errors import UserError
 from dmltrain.fileio import atomic_path
@@ -143,7 +145,6 @@ def download(url: str, dest: Path, timeout: float | None = None) -> None:
     short body silently; a broken chunked body raises its ``IncompleteRead``). On any error
     nothing is left at ``dest`` or beside it.
     """
-    from tqdm import tqdm
 
     expected = _hash_prefix(dest.name)
     request = urllib.request.Request(url, headers={"User-Agent": "dmltrain"})
@@ -164,8 +165,6 @@ def download(url: str, dest: Path, timeout: float | None = None) -> None:
 
 
 def _hash_prefix(filename: str) -> str | None:
-    from torch.hub import HASH_REGEX
-
     match = HASH_REGEX.search(filename)
     return match.group(1) if match else None
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from dmltrain.config import Config, load_config
+from dmltrain.distributed.process_group import ensure_process_group
 from dmltrain.errors import UserError
 from dmltrain.models import build_model, param_groups
 from dmltrain.models.precision import autocast_dtype
@@ -43,6 +44,7 @@ from dmltrain.training.timing import StepTimer
 from shards.device_decoding import DeviceInput, resolve_decode
 from shards.manifest import Manifest
 from shards.stream import TrainStream
+from shards.synthetic import build_synthetic_shards
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,8 +76,6 @@ def _config(args: argparse.Namespace, shards: str) -> Config:
 
 
 def _synthetic(spec: str, out: Path) -> str:
-    from shards.synthetic import build_synthetic_shards
-
     try:
         classes, per_class, size = (int(v) for v in spec.split(","))
     except ValueError:
@@ -112,7 +112,6 @@ def bare_backbone(cfg: Config, device: torch.device, steps: int, warmup: int) ->
 
 def full_pipeline(cfg: Config, device: torch.device, steps: int, warmup: int) -> tuple[float, dict[str, float], str]:
     """Images/s of the training step from shards, the step timer's split of the timed steps, and the decoding used."""
-    from dmltrain.distributed.process_group import ensure_process_group
 
     ensure_process_group()
     decode = resolve_decode(cfg.data.decode, device, cfg.data.augment)
