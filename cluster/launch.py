@@ -24,6 +24,7 @@ from dmltrain.errors import UserError
 from dmltrain.text import safe_name
 from dmltrain.tracking.names import STORAGE_DIR_TAG
 from dmltrain.tracking.run import RunHandle
+from shards.storage import is_url, location_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,8 +95,8 @@ def prepare_data(cfg: Config) -> None:
     """Build synthetic shards if configured and missing; then check the shards and splits exist."""
     from shards.manifest import Manifest
 
-    shards_dir = Path(cfg.data.shards)
-    if cfg.data.synthetic is not None and not (shards_dir / "manifest.json").exists():
+    shards_dir = location_of(cfg.data)  # a local folder or a URL
+    if cfg.data.synthetic is not None and shards_dir.size("manifest.json") is None:
         from shards.synthetic import build_synthetic_shards
 
         s = cfg.data.synthetic
@@ -138,7 +139,8 @@ def user_error_in(error: BaseException | None) -> UserError | None:
 
 def absolutize(cfg: Config) -> Config:
     """Paths made absolute: Ray workers run in another working directory."""
-    data = cfg.data.model_copy(update={"shards": str(Path(cfg.data.shards).expanduser().resolve())})
+    shards = cfg.data.shards if is_url(cfg.data.shards) else str(Path(cfg.data.shards).expanduser().resolve())
+    data = cfg.data.model_copy(update={"shards": shards})
     train = cfg.train
     if train.deepspeed_config:
         train = train.model_copy(update={"deepspeed_config": str(Path(train.deepspeed_config).resolve())})
