@@ -113,7 +113,8 @@ class RemoteSource:
         self._gens.clear()
         self._ahead = None
         for fut in self._downloads.values():
-            fut.cancel()
+            if not fut.cancel() and fut.done() and fut.exception() is None and fut.result() is not None:
+                os.close(fut.result())
         self._downloads.clear()
         for fd in self._files.values():
             os.close(fd)
@@ -208,7 +209,8 @@ class RemoteSource:
         self.stats.add("bytes", len(data))
         return data
 
-    async def _download(self, shard: int) -> Any:
+    async def _download(self, shard: int) -> int | None:
+        """The open descriptor of the cached shard (downloaded first when needed), or None: read it by ranges."""
         sh, limit = self.split.shards[shard], self._limit
 
         async def write(fd: int) -> None:
@@ -225,7 +227,15 @@ class RemoteSource:
                 raise
             self.stats.add("cache_downloads")
 
-        return await self.cache.fetch(sh.sha256, sh.bytes, write)  # type: ignore[union-attr]
+        for _ in range(3):  # opened at once: another process making room may remove the file, not an open one
+            path = await self.cache.fetch(sh.sha256, sh.bytes, write)  # type: ignore[union-attr]
+            if path is None:
+                return None
+            try:
+                return os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+        return None
 
     def _cached(self, shard: int) -> int | None:
         """The open cached file of ``shard`` (downloading it first), or None to read it by ranges."""
@@ -236,12 +246,12 @@ class RemoteSource:
             return fd
         fut = self._downloads.pop(shard, None) or self._schedule(self._download(shard))
         try:
-            path = fut.result()
+            fd = fut.result()
         except OSError:  # the download failed after its retries: the ranges get their own
-            path = None
-        if path is None:
+            fd = None
+        if fd is None:
             self._uncached.add(shard)
             return None
-        fd = self._files[shard] = os.open(path, os.O_RDONLY)
+        self._files[shard] = fd
         return fd
 

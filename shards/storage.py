@@ -290,7 +290,7 @@ class Location:
     def _make_fs(self) -> Any:
         import fsspec
 
-        opts = dict(self.storage_options)
+        opts = {"use_listings_cache": False, **self.storage_options}  # other writers: a cached listing would go stale
         if self.protocol in ("s3", "s3a"):  # botocore's own retries off: ours are counted
             config = dict(opts.get("config_kwargs") or {})
             config.setdefault("retries", {"total_max_attempts": 1})
@@ -367,7 +367,12 @@ class Location:
 
     def run(self, coro: Awaitable[T]) -> T:
         """Run a coroutine of this location on its loop and wait for it (from any thread but the loop's)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()  # type: ignore[arg-type]
+        try:
+            loop = self.loop  # makes the filesystem: a missing SDK or bad options raise here
+        except BaseException:
+            coro.close()  # type: ignore[attr-defined]
+            raise
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()  # type: ignore[arg-type]
 
     # -- whole-file operations (manifest, listing, uploads) ----------------------------------
     def read_bytes(self, name: str, stats: IOStats | None = None) -> bytes:

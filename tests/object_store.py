@@ -9,14 +9,18 @@ from a seeded generator, only for reads of objects (GET), unless ``fail_puts`` n
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import logging
 import random
 import re
 import threading
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+
+import pytest
 
 from moto.moto_server.threaded_moto_server import ThreadedMotoServer
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
@@ -204,3 +208,22 @@ class RangeHTTPServer:
     def url(self) -> str:
         host, port = self.server.server_address[:2]
         return f"http://{host}:{port}"
+
+
+# credentials for moto only, and nothing read from the user's own AWS files
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+@contextlib.contextmanager
+def s3_server(faults: Faults) -> Iterator[FaultyMotoServer]:
+    """A started :class:`FaultyMotoServer`, with test credentials in the environment (as a user would have theirs)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in CREDENTIALS.items():
+            mp.setenv(k, v)
+        server = FaultyMotoServer(faults)
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
