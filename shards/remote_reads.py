@@ -11,9 +11,11 @@ shard size. Each request has a time limit and is retried after transient failure
 (:meth:`shards.storage.Location.call`); a range that still fails makes :meth:`read` raise
 :class:`OSError`, and the reader counts its samples as unreadable, as for a damaged local shard.
 
-With the cache on (``data.remote.cache``, the default for URLs) a shard is instead downloaded whole,
-in ``request_mb`` pieces, into :class:`~shards.shard_cache.ShardCache` the first time a batch needs
-it, and read from local disk from then on; a shard that cannot be cached is read by ranges.
+With the cache on (``data.remote.cache``, the default for URLs) the first batch that needs a shard
+also starts its download, whole, in ``request_mb`` pieces, into :class:`~shards.shard_cache.ShardCache`,
+and once it is there the shard is read from local disk. Nothing waits for a download: until it is
+done the shard's ranges are fetched as above. Downloads use at most half of the request slots, so
+the next batch's ranges always find room; a shard that cannot be cached is read by ranges.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class RemoteSource:
         self.stats = IOStats()
         self.cache = ShardCache(s.cache_dir, int(s.cache_gb * 2**30)) if s.cache else None
         self._sem: asyncio.Semaphore | None = None
+        self._download_sem: asyncio.Semaphore | None = None
         self._gens: deque[dict[int, list[_Block]]] = deque()
         self._ahead: tuple[int, _Block] | None = None
         self._downloads: dict[int, concurrent.futures.Future] = {}
@@ -127,13 +130,9 @@ class RemoteSource:
 
     def prefetch(self, ranges: Iterable[tuple[int, int, int]]) -> None:
         """Start fetching ``(shard, offset, size)`` ranges (the next batch's) in the background; keep the
-        blocks of the last :data:`GENERATIONS` calls. With the cache, start downloading their shards instead."""
-        ranges = list(ranges)
-        if self.cache is not None:
-            for shard in sorted({r[0] for r in ranges} - self._uncached):
-                if shard not in self._files and shard not in self._downloads:
-                    self._downloads[shard] = self._schedule(self._download(shard))
-            ranges = [r for r in ranges if r[0] in self._uncached]
+        blocks of the last :data:`GENERATIONS` calls. With the cache, shards already on disk are skipped,
+        and the others start downloading (after these ranges, which are not held up by them)."""
+        ranges = [r for r in ranges if self._cached(r[0], start=False) is None]
         gen: dict[int, list[_Block]] = {}
         todo = []
         for r in ranges:
@@ -147,6 +146,8 @@ class RemoteSource:
         for blocks in gen.values():
             blocks.sort(key=lambda b: b.start)
         self._gens.append(gen)
+        for shard in sorted({r[0] for r in ranges}):
+            self._cached(shard)  # starts its download
         while len(self._gens) > GENERATIONS:
             old = self._gens.popleft()
             live = {id(b) for g in self._gens for bl in g.values() for b in bl}
@@ -192,9 +193,13 @@ class RemoteSource:
     def _submit(self, shard: int, start: int, end: int) -> concurrent.futures.Future:
         return self._schedule(self._get(shard, start, end))
 
-    async def _get(self, shard: int, start: int, end: int) -> bytes:
+    async def _get(self, shard: int, start: int, end: int, download: bool = False) -> bytes:
         if self._sem is None:
-            self._sem = asyncio.Semaphore(self.loc.settings.requests_in_flight)
+            n = self.loc.settings.requests_in_flight
+            self._sem, self._download_sem = asyncio.Semaphore(n), asyncio.Semaphore(max(1, n // 2))
+        if download:  # a download's piece takes one of half the slots first: ranges keep the other half
+            async with self._download_sem:  # type: ignore[union-attr]
+                return await self._get(shard, start, end)
         sh = self.split.shards[shard]
         n = end - start
 
@@ -215,7 +220,7 @@ class RemoteSource:
 
         async def write(fd: int) -> None:
             async def piece(s: int) -> None:
-                os.pwrite(fd, await self._get(shard, s, min(sh.bytes, s + limit)), s)
+                os.pwrite(fd, await self._get(shard, s, min(sh.bytes, s + limit), download=True), s)
 
             tasks = [asyncio.ensure_future(piece(s)) for s in range(0, sh.bytes, limit)]
             try:
@@ -237,21 +242,36 @@ class RemoteSource:
                 continue
         return None
 
-    def _cached(self, shard: int) -> int | None:
-        """The open cached file of ``shard`` (downloading it first), or None to read it by ranges."""
+    def _cached(self, shard: int, start: bool = True) -> int | None:
+        """The open cached file of ``shard`` when it is on local disk; else None (read it by ranges), its
+        download started (with ``start``) if the cache takes it. Never waits."""
         if self.cache is None or shard in self._uncached:
             return None
         fd = self._files.get(shard)
         if fd is not None:
             return fd
-        fut = self._downloads.pop(shard, None) or self._schedule(self._download(shard))
+        fut = self._downloads.get(shard)
+        if fut is None:
+            sh = self.split.shards[shard]
+            hit = self.cache.lookup(sh.sha256, sh.bytes)  # there already (an earlier epoch, another process)
+            if hit is not None:
+                try:
+                    fd = self._files[shard] = os.open(hit, os.O_RDONLY)
+                    return fd
+                except FileNotFoundError:
+                    pass
+            if start:
+                self._downloads[shard] = self._schedule(self._download(shard))
+            return None
+        if not fut.done():
+            return None
+        del self._downloads[shard]
         try:
             fd = fut.result()
-        except OSError:  # the download failed after its retries: the ranges get their own
+        except (OSError, concurrent.futures.CancelledError):  # failed after its retries: its ranges are read instead
             fd = None
         if fd is None:
             self._uncached.add(shard)
             return None
         self._files[shard] = fd
         return fd
-

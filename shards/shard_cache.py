@@ -42,25 +42,31 @@ class ShardCache:
             return None
         return p
 
-    def _evict(self, need: int, keep: str) -> None:
-        entries = []
+    def _evict(self, need: int, keep: str) -> bool:
+        """Remove least recently used shards until ``need`` more bytes fit; False if they cannot (downloads in
+        progress, whose temporaries are sized in full at once, count as used but are not removed)."""
+        entries, busy = [], 0
         for e in os.scandir(self.dir):
-            if e.name.endswith(".tar") and not e.name.startswith(".") and e.name != f"{keep}.tar":
-                try:
-                    st = e.stat()
-                except OSError:
-                    continue
+            try:
+                st = e.stat()
+            except OSError:
+                continue
+            if e.name.endswith(".tmp"):
+                busy += st.st_size
+            elif e.name.endswith(".tar") and not e.name.startswith(".") and e.name != f"{keep}.tar":
                 entries.append((st.st_mtime, st.st_size, e.path))
-        used = sum(size for _, size, _ in entries)
+        used = busy + sum(size for _, size, _ in entries)
         for _, size, path in sorted(entries):
             if used + need <= self.max_bytes:
                 break
             Path(path).unlink(missing_ok=True)
             used -= size
+        return used + need <= self.max_bytes
 
     async def fetch(self, sha256: str, size: int, download: Callable[[int], Awaitable[None]]) -> Path | None:
         """The cached shard, downloaded first if needed by ``download(fd)`` (which writes ``size`` bytes to the
-        file descriptor at their offsets). None when the shard is larger than the cache. Raises OSError when
+        file descriptor at their offsets). None when it does not fit (larger than the cache, or the cache is
+        taken by downloads in progress). Raises OSError when
         the download fails or its SHA-256 differs from ``sha256``; nothing is left behind then."""
         if size > self.max_bytes:
             return None
@@ -79,7 +85,8 @@ class ShardCache:
             hit = self.lookup(sha256, size)
             if hit is not None:
                 return hit
-            self._evict(size, sha256)
+            if not self._evict(size, sha256):  # then, with no await between, the space is taken (a full-size temporary)
+                return None
             fd, tmp = tempfile.mkstemp(prefix=f".{sha256}.", suffix=".tmp", dir=self.dir)
             try:
                 os.ftruncate(fd, size)
