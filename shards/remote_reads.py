@@ -83,6 +83,7 @@ class RemoteSource:
         self._gens: deque[dict[int, list[_Block]]] = deque()
         self._ahead: tuple[int, _Block] | None = None
         self._downloads: dict[int, concurrent.futures.Future] = {}
+        self._download_tasks: set[asyncio.Task] = set()  # their tasks on the loop (touched there only)
         self._files: dict[int, int] = {}
         self._uncached: set[int] = set()
 
@@ -115,9 +116,8 @@ class RemoteSource:
                     b.future.cancel()
         self._gens.clear()
         self._ahead = None
-        for fut in self._downloads.values():
-            if not fut.cancel() and fut.done() and fut.exception() is None and fut.result() is not None:
-                os.close(fut.result())
+        if self._downloads:  # cancelled and awaited on the loop, so their temporaries are removed before we exit
+            asyncio.run_coroutine_threadsafe(self._stop_downloads(), self.loc.loop).result()
         self._downloads.clear()
         for fd in self._files.values():
             os.close(fd)
@@ -217,6 +217,7 @@ class RemoteSource:
     async def _download(self, shard: int) -> int | None:
         """The open descriptor of the cached shard (downloaded first when needed), or None: read it by ranges."""
         sh, limit = self.split.shards[shard], self._limit
+        self._download_tasks.add(asyncio.current_task())  # type: ignore[arg-type]
 
         async def write(fd: int) -> None:
             async def piece(s: int) -> None:
@@ -241,6 +242,15 @@ class RemoteSource:
             except FileNotFoundError:
                 continue
         return None
+
+    async def _stop_downloads(self) -> None:
+        tasks = [t for t in self._download_tasks if not t.done()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for fut in self._downloads.values():  # finished ones hold an open file
+            if fut.done() and not fut.cancelled() and fut.exception() is None and fut.result() is not None:
+                os.close(fut.result())
 
     def _cached(self, shard: int, start: bool = True) -> int | None:
         """The open cached file of ``shard`` when it is on local disk; else None (read it by ranges), its

@@ -52,7 +52,10 @@ class ShardCache:
             except OSError:
                 continue
             if e.name.endswith(".tmp"):
-                busy += st.st_size
+                if e.name.split(".")[1] != keep and self._abandoned(e.name.split(".")[1]):
+                    Path(e.path).unlink(missing_ok=True)  # left by a process that died while downloading
+                else:
+                    busy += st.st_size
             elif e.name.endswith(".tar") and not e.name.startswith(".") and e.name != f"{keep}.tar":
                 entries.append((st.st_mtime, st.st_size, e.path))
         used = busy + sum(size for _, size, _ in entries)
@@ -62,6 +65,20 @@ class ShardCache:
             Path(path).unlink(missing_ok=True)
             used -= size
         return used + need <= self.max_bytes
+
+    def _abandoned(self, sha256: str) -> bool:
+        """Whether nobody holds the download lock of ``sha256`` (so its temporaries are leftovers)."""
+        try:
+            fd = os.open(self.dir / f".{sha256}.lock", os.O_RDWR)
+        except OSError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)  # releases the lock if taken
+        return True
 
     async def fetch(self, sha256: str, size: int, download: Callable[[int], Awaitable[None]]) -> Path | None:
         """The cached shard, downloaded first if needed by ``download(fd)`` (which writes ``size`` bytes to the

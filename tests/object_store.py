@@ -43,6 +43,7 @@ class Faults:
         self.hang_s = 2.0
         self.truncate = 0
         self.fail_puts: str | None = None
+        self.limit: int | None = None  # 503s and hangs left to inject (None: no limit)
         self.injected = {"503": 0, "hang": 0, "truncated": 0, "put_refused": 0}
         self.log: list[tuple[str, str]] = []
 
@@ -52,7 +53,7 @@ class Faults:
         return self
 
     def clear(self) -> Faults:
-        return self.set(p_503=0.0, p_hang=0.0, truncate=0, fail_puts=None)
+        return self.set(p_503=0.0, p_hang=0.0, truncate=0, fail_puts=None, limit=None)
 
     def draw(self, method: str, path: str) -> str | None:
         with self.lock:
@@ -67,6 +68,11 @@ class Faults:
                 self.injected["truncated"] += 1
                 return "truncate"
             x = self.rng.random()
+            if self.limit is not None:
+                if self.limit <= 0:
+                    return None
+                if x < self.p_503 + self.p_hang:
+                    self.limit -= 1
             if x < self.p_503:
                 self.injected["503"] += 1
                 return "503"
