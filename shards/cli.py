@@ -7,7 +7,8 @@ import sys
 
 from dmltrain.errors import UserError
 from shards.layouts import LAYOUTS
-from shards.storage import IOStats, add_storage_option, parse_storage_options
+from shards.retries import IOStats
+from shards.storage import add_storage_option, parse_storage_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from dmltrain.errors import UserError
-from shards.storage import IOStats, Location, is_url, open_location, read_chunks
+from shards.retries import IOStats
+from shards.storage import Location, is_url, open_location, read_chunks
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "dmltrain-shards"

@@ -26,7 +26,8 @@ from pathlib import Path
 from dmltrain.errors import UserError
 from dmltrain.fileio import write_text
 from shards.manifest import MANIFEST_NAME, Manifest
-from shards.storage import IOStats, Location, read_chunks
+from shards.retries import IOStats
+from shards.storage import Location, read_chunks
 from shards.writer import ShardRecord
 
 # what a build writes: <split>-NNNNNN.tar shards, and hidden temporaries while it runs (atomic_path)

@@ -29,7 +29,8 @@ from typing import Any
 
 from shards.manifest import SplitInfo
 from shards.shard_cache import ShardCache
-from shards.storage import IOStats, Location, ShortRead
+from shards.retries import IOStats, ShortRead
+from shards.storage import Location
 
 MERGE_GAP = 1 << 20  # ranges of one shard closer than this are fetched in one request (a round trip costs more)
 READ_AHEAD = 256 << 10  # a small read nobody planned fetches this much (header walks read on from there)
@@ -68,7 +69,7 @@ class _Block:
 class RemoteSource:
     """:class:`~shards.tar_index.ByteSource` over the shards of a split whose location is a URL (see the module docstring).
 
-    ``stats`` counts requests, bytes, retries by kind and failures (:class:`~shards.storage.IOStats`).
+    ``stats`` counts requests, bytes, retries by kind and failures (:class:`~shards.retries.IOStats`).
     Not thread-safe: one reader thread, as in a loader process.
     """
 

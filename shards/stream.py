@@ -49,7 +49,7 @@ from dmltrain.errors import UserError
 from shards.batch_decoding import EvalBatchDataset, TrainBatchDataset
 from shards.manifest import Manifest, SplitInfo
 from shards.sampler import PLAN_VERSION, EpochPlanner, Piece, batch_shape, eval_batch_ranges, plan_digest
-from shards.storage import RETRY_KINDS, IOStats
+from shards.retries import RETRY_KINDS, IOStats
 from shards.transforms import EvalTransform, TrainTransform, normalize_batch
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class _SkipLog:
     def __init__(self):
         self.count = 0
         self.lines = 0
-        self.io: dict[str, int] = {}  # remote requests, bytes, retries by kind (shards.storage.IOStats), all loader processes
+        self.io: dict[str, int] = {}  # remote requests, bytes, retries by kind (shards.retries.IOStats), all loader processes
 
     def add(self, batch: dict[str, Any]) -> None:
         self.count += int(batch["skipped"])
@@ -317,7 +317,7 @@ class EvalBatches:
         self.rank, self.loader_workers, self.pin_memory, self.normalize = rank, loader_workers, pin_memory, normalize
         self.num_samples = info.num_images
         self.skipped = 0
-        self.io: dict[str, int] = {}  # remote requests and retries of the latest pass (shards.storage.IOStats keys)
+        self.io: dict[str, int] = {}  # remote requests and retries of the latest pass (shards.retries.IOStats keys)
 
     def __len__(self) -> int:
         return len(self.ranges)

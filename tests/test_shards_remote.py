@@ -20,7 +20,8 @@ from object_store import Faults, RangeHTTPServer, s3_server
 from shard_fixtures import make_shards, stream
 from shards.manifest import Manifest
 from shards.remote_reads import RemoteSource, coalesce
-from shards.storage import Location, parse_storage_options, transient_kind
+from shards.retries import IOStats, transient_kind
+from shards.storage import Location, parse_storage_options
 from shards.stream import eval_batches
 from shards.tar_index import GroupReader
 
@@ -206,8 +207,6 @@ def test_stream_from_s3_equals_local_disk_through_faults(s3, local, uploaded, lo
 
 @pytest.mark.parametrize("fault", ["truncate", "hang", "503"])
 def test_each_fault_is_retried_and_counted_by_kind(s3, uploaded, fault):
-    from shards.storage import IOStats
-
     loc = Location(uploaded, s3.opts, FAST)
     expected = loc.read_bytes("train-000000.tar")[100:-7]
     s3.faults.set(**{"truncate": {"truncate": 1}, "hang": {"p_hang": 1.0, "hang_s": 3.0, "limit": 1}, "503": {"p_503": 1.0, "limit": 1}}[fault])
