@@ -5,24 +5,38 @@ starts Ray, creates (or finds) the run's MLflow run, and hands both to a Ray Tra
 ``TorchTrainer`` whose workers run :func:`dmltrain.training.trainer.train_loop_per_worker`.
 Ray restarts the worker group after a failure (``cluster.max_failures``) and the workers
 resume from the latest checkpoint; running the same command again with the same
-``train.run_name`` resumes the run the same way.
+``train.run_name``, or with ``--resume [RUN]`` (the latest run of the config by default),
+resumes the run the same way, in the same MLflow run.
+
+Before Ray starts, the driver checks what the workers would otherwise find out one by one: the
+output folder, the shards, the pretrained weights, a user DeepSpeed JSON, and the checkpoints it
+would resume from (:func:`~dmltrain.training.safe_load.scan_checkpoint`). It prints the run's
+name and MLflow run id at once, and keeps a record in the run's folder
+(:mod:`cluster.run_records`) so that a run whose driver was killed is found later and marked
+FAILED (or resumed), never left RUNNING.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.resume import announce, claim_run, close_crashed_runs, latest_checkpoint_step, resolve_run_name
+from cluster.run_records import Heartbeat, RunRecord
 from dmltrain.config import Config
 from dmltrain.errors import UserError
+from dmltrain.fileio import check_output_dir
 from dmltrain.text import safe_name
-from dmltrain.tracking.names import STORAGE_DIR_TAG
+from dmltrain.tracking.names import ERROR_TAG, STORAGE_DIR_TAG
 from dmltrain.tracking.run import RunHandle
 from shards.storage import is_url, location_of
 
@@ -30,16 +44,33 @@ from shards.storage import is_url, location_of
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config (see configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=0.01 cluster.num_workers=4")
+    parser.add_argument("--resume", nargs="?", const="", default=None, metavar="RUN",
+                        help="continue a run from its latest checkpoint in the same MLflow run: RUN by name, "
+                             "or without RUN the latest run of this config in its output folder")
     parser.add_argument("--no-progress", action="store_true", help="no live progress line")
 
 
 def run(args: argparse.Namespace) -> int:
     from dmltrain.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
-    summary = train(cfg, progress=not args.no_progress, config_name=Path(args.config).stem)
+    overrides, resume = list(args.overrides), args.resume
+    if resume and "=" in resume:  # `--resume optim.lr=0.1`: an override after a bare --resume
+        overrides, resume = [*overrides, resume], ""
+    cfg = load_config(args.config, overrides)
+    main_thread = threading.current_thread() is threading.main_thread()
+    # a stopped job (SIGTERM: `ray job stop`, a scheduler) ends its MLflow run as KILLED, not RUNNING
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
+    try:
+        summary = train(cfg, progress=not args.no_progress, config_name=Path(args.config).stem, config_path=args.config, resume=resume)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     print(summary.render())
     return 0 if summary.ok else 1
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 # ------------------------------------------------------------------------------------------------
@@ -74,12 +105,21 @@ class TrainSummary:
         lines.append(f"  MLflow run id: {self.mlflow_run_id or '(tracking off)'}")
         if self.checkpoint:
             lines.append(f"  checkpoint: {self.checkpoint}   (dmltrain eval {self.checkpoint} --shards ...)")
-        lines.append(f"  models: {self.storage_dir}/model/model.pt, {self.storage_dir}/best_model/model.pt")
+        models = self.written_models()
+        if models:
+            lines.append(f"  models: {', '.join(models)}")
         if self.tracking_uri.startswith("sqlite:///"):
             lines.append(f"  open MLflow: mlflow ui --backend-store-uri {self.tracking_uri}")
         else:
             lines.append(f"  open MLflow: {self.tracking_uri}")
         return "\n".join(lines)
+
+    def written_models(self) -> list[str]:
+        """The exported model files that exist (on remote storage: those a finished run writes)."""
+        model, best = (f"{self.storage_dir}/{name}/model.pt" for name in ("model", "best_model"))
+        if "://" in self.storage_dir:  # not listed here: a finished run wrote its final model, and a best one if it had one
+            return ([model] + ([best] if (self.metrics or {}).get("best") else [])) if self.ok else []
+        return [p for p in (model, best) if Path(p).is_file()]
 
 
 def default_run_name(config_name: str | None) -> str:
@@ -89,6 +129,16 @@ def default_run_name(config_name: str | None) -> str:
 def storage_root(cfg: Config) -> str:
     raw = cfg.cluster.storage_path or cfg.train.output_dir
     return raw if "://" in raw else str(Path(raw).expanduser().resolve())
+
+
+def check_outputs(cfg: Config) -> None:
+    """The run's output folder (and a synthetic shard folder still to be built) can be written: refused in one line if not."""
+    root = storage_root(cfg)
+    if "://" not in root:
+        check_output_dir(root, "cluster.storage_path" if cfg.cluster.storage_path else "train.output_dir")
+    shards = location_of(cfg.data)
+    if cfg.data.synthetic is not None and not shards.remote and not (shards.path / "manifest.json").exists():
+        check_output_dir(shards.path, "data.shards")  # a URL is written through its SDK: nothing local to check
 
 
 def prepare_data(cfg: Config) -> None:
@@ -113,11 +163,13 @@ def prepare_data(cfg: Config) -> None:
 
 def check_run(cfg: Config) -> None:
     """What the workers would otherwise find out one by one, after retries: checked once on the driver."""
+    from dmltrain.models.pretrained import check_pretrained
     from dmltrain.training.engine import deepspeed_config
     from shards.stream import TrainStream
 
     c = cfg.cluster
     deepspeed_config(cfg, c.num_workers)  # reads and checks a user DeepSpeed JSON
+    check_pretrained(cfg.model.backbone, cfg.model.pretrained)
     # refuses (UserError) a global batch the split cannot fill once per epoch at this worker count
     TrainStream.from_config(cfg, 0, c.num_workers, loader_workers=0)
 
@@ -165,6 +217,19 @@ def local_ray_env() -> dict[str, str]:
     return {_CLUSTERS_ENV: "0"}
 
 
+@contextmanager
+def _loopback_stays_loopback():
+    """Within: Ray keeps a 127.0.0.1 node IP or bootstrap address as it is (see ``_CLUSTERS_ENV``)."""
+    from ray._private import ray_constants
+
+    enabled = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read by ray.init when it resolves the node IP and the address
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = enabled
+
+
 def start_local_ray(**init_kwargs: Any) -> None:
     """Start a Ray instance on this machine, every server on 127.0.0.1 (dashboard included).
 
@@ -174,18 +239,17 @@ def start_local_ray(**init_kwargs: Any) -> None:
     ``RAY_AUTH_MODE=disabled`` is respected. ``init_kwargs`` go to ``ray.init``.
     """
     import ray
-    from ray._private import ray_constants
 
-    enabled = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False  # read by ray.init when it resolves the node IP (see above)
-    try:
+    with _loopback_stays_loopback():
         ray.init(_node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **init_kwargs)
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = enabled
 
 
 def init_ray(cfg: Config) -> None:
-    """Join ``cluster.address`` when set, else start a local Ray on loopback (:func:`start_local_ray`)."""
+    """Join ``cluster.address`` when set, else start a local Ray on loopback (:func:`start_local_ray`).
+
+    A loopback address (``127.0.0.1:port``, ``localhost:port``) joins that local instance as
+    given; Ray would otherwise rewrite it to the machine's outward address, where a local
+    instance started by :func:`start_local_ray` does not listen."""
     import ray
 
     if ray.is_initialized():
@@ -193,10 +257,13 @@ def init_ray(cfg: Config) -> None:
     address = cfg.cluster.address
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     try:
-        if address:
-            ray.init(address=address, log_to_driver=True)
-        else:
+        if not address:
             start_local_ray(log_to_driver=True)
+        elif address.rsplit(":", 1)[0] in (LOOPBACK, "localhost"):
+            with _loopback_stays_loopback():
+                ray.init(address=address, log_to_driver=True)
+        else:
+            ray.init(address=address, log_to_driver=True)
     except ConnectionError as e:
         raise UserError(f"cluster.address: cannot join the Ray cluster at {address}: {e}") from None
 
@@ -206,6 +273,7 @@ def build_trainer(cfg: Config, run_name: str, run_context: dict[str, Any], callb
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from dmltrain.training.divergence import FAULT_ENV
     from dmltrain.training.trainer import train_loop_per_worker
 
     c = cfg.cluster
@@ -216,6 +284,8 @@ def build_trainer(cfg: Config, run_name: str, run_context: dict[str, Any], callb
            "MLFLOW_LOGGING_LEVEL": "WARNING"}
     if not c.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed otherwise warns that it found no GPU
+    if FAULT_ENV in os.environ:  # a test's fault injection reaches the workers
+        env[FAULT_ENV] = os.environ[FAULT_ENV]
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "run": run_context},
@@ -233,54 +303,90 @@ def build_trainer(cfg: Config, run_name: str, run_context: dict[str, Any], callb
     )
 
 
-def train(cfg: Config, *, progress: bool = True, config_name: str | None = None, parent_run_id: str | None = None) -> TrainSummary:
-    """Run one training to completion (or failure) and summarise it."""
+def train(cfg: Config, *, progress: bool = True, config_name: str | None = None, parent_run_id: str | None = None,
+          config_path: str | None = None, resume: str | None = None) -> TrainSummary:
+    """Run one training to completion (or failure) and summarise it.
+
+    ``resume``: None trains as configured (a ``train.run_name`` that exists is resumed); a run
+    name resumes that run; "" resumes the latest run of ``config_path`` in the output folder.
+    """
     import ray
 
     from dmltrain.training.progress import ProgressBoard, ProgressPrinter
 
     started = time.time()
+    check_outputs(cfg)
     prepare_data(cfg)
     cfg = absolutize(cfg)
     check_run(cfg)
-    run_name = cfg.train.run_name or default_run_name(config_name)
+    config_file = str(Path(config_path).resolve()) if config_path else None
+    root = storage_root(cfg)
+    run_name = resolve_run_name(cfg, root, config_file, resume) or default_run_name(config_name)
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_name": run_name})})
-    storage_dir = f"{storage_root(cfg).rstrip('/')}/{run_name}"
+    storage_dir = f"{root.rstrip('/')}/{run_name}"
+    run_dir = None if "://" in root else Path(storage_dir)  # records and checks need a file system
+    resumed_step = None
+    if run_dir is not None:
+        claim_run(run_dir, run_name)
+        close_crashed_runs(Path(root), keep=run_name)
+        resumed_step = latest_checkpoint_step(run_dir)
     tracked = RunHandle.for_config(cfg, run_name, cfg.flat(), tags={STORAGE_DIR_TAG: storage_dir}, parent_run_id=parent_run_id)
     uri, run_id = tracked.uri, tracked.run_id
-    if tracked.resumed:
-        print(f"resuming run {run_name} (MLflow run {run_id})", file=sys.stderr)
-    init_ray(cfg)
-    board_name = f"dmltrain-progress-{uuid.uuid4().hex[:8]}"
-    board = ProgressBoard.options(name=board_name).remote()
-    context = {"run_name": run_name, "storage_dir": storage_dir, "tracking_uri": uri, "mlflow_run_id": run_id, "board_name": board_name}
-    trainer = build_trainer(cfg, run_name, context)
+    if tracked.resumed:  # a resumed run's earlier failure no longer describes it
+        tracked.delete_tag(ERROR_TAG)
+    record = heartbeat = None
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        record = RunRecord.for_this_driver(run_name, config_file, run_id, uri)
+        record.write(run_dir)
+        heartbeat = Heartbeat(run_dir)
+    announce(run_name, run_id, cfg, config_path, resumed_step, tracked.resumed)
     error = None
     result = None
+    summary: dict[str, Any] = {}
     status = "FAILED"
+    board = None
     try:
         try:
+            init_ray(cfg)
+            board_name = f"dmltrain-progress-{uuid.uuid4().hex[:8]}"
+            board = ProgressBoard.options(name=board_name).remote()
+            context = {"run_name": run_name, "storage_dir": storage_dir, "tracking_uri": uri, "mlflow_run_id": run_id, "board_name": board_name}
+            trainer = build_trainer(cfg, run_name, context)
             if progress:
                 with ProgressPrinter(board):
                     result = trainer.fit()
             else:
                 result = trainer.fit()
             failure = result.error
+        except UserError:
+            raise
         except Exception as e:  # noqa: BLE001 — reported below, and by the exit code
             failure = e
+        if board is not None:
+            _, summary = ray.get(board.get.remote())
         if failure is not None:
             user = user_error_in(failure)
             if user is not None:  # a config or input problem a worker found: one line, exit 2
+                error = str(user)
                 raise UserError(str(user), user.exit_code) from None
             text = str(failure).strip()
             error = f"{type(failure).__name__}: {text.splitlines()[-1] if text else ''}"
+        elif summary.get("error"):  # the workers stopped the run themselves (a diverged loss)
+            error = summary["error"]
         status = "FINISHED" if error is None else "FAILED"
     except KeyboardInterrupt:
         status = "KILLED"
         raise
     finally:
-        _, summary = ray.get(board.get.remote())
-        ray.kill(board)
+        if board is not None:
+            ray.kill(board)
+        if error is not None:
+            tracked.set_tag(ERROR_TAG, error)
         tracked.finish(status)
+        if record is not None:
+            heartbeat.stop()
+            record.status = status
+            record.write(run_dir)
     ckpt = result.checkpoint.path if result is not None and result.checkpoint is not None else None
     return TrainSummary(run_name, error is None, run_id, uri, ckpt, storage_dir, summary, error, time.time() - started)

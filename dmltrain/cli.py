@@ -3,7 +3,10 @@
 Each subcommand lives in the module that owns its work and exposes two functions,
 ``add_arguments(parser)`` and ``run(args) -> int``. Only the chosen subcommand's module is
 imported, so ``dmltrain --help`` and ``dmltrain config show`` stay fast. A
-:class:`~dmltrain.errors.UserError` anywhere becomes one line on stderr and its exit code.
+:class:`~dmltrain.errors.UserError` anywhere becomes one line on stderr and its exit code; so
+does an ``OSError`` (a folder that cannot be written, a disk that filled up), naming the path,
+with exit code 1. Dotted overrides may also follow a command's options
+(``dmltrain train cfg.yaml --no-progress optim.lr=0.1``).
 """
 
 from __future__ import annotations
@@ -69,14 +72,35 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The parsed command line; ``key=value`` words after a command's options join its ``overrides``."""
+    parser = build_parser(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or not all("=" in x and not x.startswith("-") for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def os_error_line(e: OSError) -> str:
+    """``<path>: <reason>`` for an OSError (both paths of a failed rename or copy)."""
+    reason = e.strerror or str(e) or type(e).__name__
+    paths = [str(p) for p in (e.filename, e.filename2) if p is not None]
+    return f"{' -> '.join(paths)}: {reason}" if paths else reason
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser(argv).parse_args(argv)
+        args = parse(argv)
         return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
     except UserError as e:
         print(f"dmltrain: error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:
+        print(f"dmltrain: error: {os_error_line(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("dmltrain: interrupted", file=sys.stderr)
         return 130

@@ -28,10 +28,13 @@ from shards.storage import RemoteSettings, check_storage_options
 
 _REMOTE = RemoteSettings()
 
-class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, assignments are re-validated."""
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # a folder name: no separators, no leading dot
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are re-validated, and every
+    number must be finite (``optim.lr=.inf`` or ``.nan`` is refused, never trained with)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class SyntheticData(Section):
@@ -309,7 +312,7 @@ class TrainConfig(Section):
     grad_clip: float | None = Field(None, gt=0)
     deepspeed_config: str | None = Field(None, description="a DeepSpeed JSON whose keys override the generated ones")
     seed: int = 0
-    run_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=200,
+    run_name: str | None = Field(None, pattern=RUN_NAME_PATTERN, max_length=200,
                                  description="re-running with the same name resumes that run (letters, digits, _ . -)")
     output_dir: str = "runs"
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0: at each epoch end")

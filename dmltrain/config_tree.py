@@ -31,24 +31,37 @@ def config_files(path: str | Path, _ancestors: tuple[Path, ...] = ()) -> list[tu
 
     A file's ``extends`` (a path or a list, relative to the file) comes before the file itself,
     recursively and in the order listed; a file extended twice is listed twice (merging it again
-    is what reading it twice did). Errors name the file: not found, invalid YAML, not a mapping,
-    ``extends`` looping back to a file that extends it.
+    is what reading it twice did). Errors name the file: not found, unreadable, not UTF-8, invalid
+    YAML, not a mapping, ``extends`` not a path or a list of paths, ``extends`` looping back to a
+    file that extends it.
     """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     if path.resolve() in _ancestors:
         raise ConfigError(f"{path}: 'extends' loops back to this file")
-    tree = parse_yaml(path.read_text(), path) or {}
+    tree = parse_yaml(read_text(path), path) or {}
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: a config must be a YAML mapping, got {type(tree).__name__}")
     parents = tree.pop("extends", None) or []
     if isinstance(parents, str):
         parents = [parents]
+    if not isinstance(parents, list) or not all(isinstance(p, str) and p for p in parents):
+        raise ConfigError(f"{path}: extends: expected a config path or a list of paths, got {parents!r}")
     out: list[tuple[Path, dict[str, Any]]] = []
     for parent in parents:
         out += config_files(path.parent / parent, _ancestors + (path.resolve(),))
     return out + [(path, tree)]
+
+
+def read_text(path: Path) -> str:
+    """A config file's text; one line naming the file when it cannot be read or is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror or e})") from None
 
 
 def read_tree(path: str | Path) -> dict[str, Any]:

@@ -1,6 +1,9 @@
 """Crash-safe file writing: write under a temporary name in the same folder, then rename.
 
 A reader never sees a half-written file: either the old content or the new one.
+:func:`check_output_dir` is the one up-front check of an output folder (every command that
+writes runs it before starting work, so a read-only or full folder fails in one line, not
+after an hour).
 """
 
 from __future__ import annotations
@@ -8,10 +11,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from dmltrain.errors import UserError
+
+MIN_FREE_MB = 64  # below this an output folder counts as full
 
 
 @contextlib.contextmanager
@@ -44,3 +52,29 @@ def write_text(path: str | os.PathLike[str], text: str) -> None:
 
 def write_json(path: str | os.PathLike[str], obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def check_output_dir(path: str | os.PathLike[str], what: str, *, min_free_mb: float = MIN_FREE_MB) -> Path:
+    """Refuse, before any work, an output folder that cannot take the output; returns ``path``.
+
+    ``path`` need not exist: its nearest existing ancestor must be a folder in which a file can
+    be created (tried for real, then removed: permission bits do not tell a read-only mount or an
+    immutable folder) with at least ``min_free_mb`` MB free. Nothing is left behind. Each refusal
+    is a one-line :class:`UserError` naming ``what`` (the option or config key) and the folder.
+    """
+    path = Path(path).expanduser()
+    existing = path.absolute()
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{what}: {existing} is not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".dmltrain-write-check-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"{what}: cannot write to {existing} ({e.strerror or e})") from None
+    free_mb = shutil.disk_usage(existing).free / 2**20
+    if free_mb < min_free_mb:
+        raise UserError(f"{what}: {existing} is full ({free_mb:.0f} MB free; at least {min_free_mb:.0f} MB needed)")
+    return path

@@ -6,9 +6,10 @@ import argparse
 import sys
 
 from dmltrain.errors import UserError
+from dmltrain.fileio import check_output_dir
 from shards.layouts import LAYOUTS
 from shards.retries import IOStats
-from shards.storage import add_storage_option, parse_storage_options
+from shards.storage import Location, add_storage_option, parse_storage_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _build(args: argparse.Namespace) -> int:
     opts = parse_storage_options(args.storage_option)
+    out = Location(args.out, opts)
+    if not out.remote:  # a URL's shards are staged in the temporary folder, a few at a time
+        check_output_dir(out.path, "--out")
     if args.layout == "synthetic":
         if args.root:
             raise UserError("--root: not used with --layout synthetic (the images are generated)")

@@ -526,3 +526,22 @@ def test_gathered_loss_in_one_process_is_the_loss():
         GatheredInstanceLoss(_Global(), mode="local_anchors")
     with pytest.raises(ValueError, match="mode"):
         GatheredInstanceLoss(_PairSum(), mode="everything")
+
+
+def test_classifier_index_cannot_name_a_file_outside_its_folder(tmp_path):
+    """A tampered index.json naming ``../x`` is refused before anything is opened."""
+    import json
+
+    from dmltrain.distributed import load_by_class, save_by_class
+    from dmltrain.distributed.class_checkpoint import INDEX_NAME
+    from dmltrain.errors import UserError
+
+    clf = ShardedClassifier(10, 4, "normsoftmax")
+    save_by_class(clf, tmp_path / "ckpt")
+    secret = tmp_path / "outside.pt"
+    torch.save({"weight": torch.zeros(10, 4)}, secret)
+    index = json.loads((tmp_path / "ckpt" / INDEX_NAME).read_text())
+    index["pieces"][0]["file"] = "../outside.pt"
+    (tmp_path / "ckpt" / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(UserError, match=r"'\.\./outside\.pt' is not a file name inside the checkpoint folder"):
+        load_by_class(ShardedClassifier(10, 4, "normsoftmax"), tmp_path / "ckpt")

@@ -7,13 +7,20 @@ synthetic shards, sharded NormSoftmax with class subsampling plus ICE):
 2. the same config under another name, with one worker process killed (SIGKILL) after the
    first checkpoint: Ray restarts the group, training resumes from the checkpoint, ends at
    the same step in a single MLflow run, and with the same weights as run 1 (determinism);
-3. a run saved at 2 workers is resumed at 1 worker by re-running it under its name.
+3. a run saved at 2 workers is resumed at 1 worker by re-running it under its name;
+4. a copy of run 1 with a pickle planted in its checkpoint is refused before any worker starts;
+5. a loss made NaN at step 3 stops the run FAILED, keeping the checkpoints of steps 1-2 only;
+6. a `dmltrain train` process killed outright (SIGKILL) after its first checkpoint is continued
+   by `dmltrain train CONFIG --resume` (no run name) in the same MLflow run, which ends FINISHED.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +29,8 @@ import pytest
 import torch
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "configs/demo.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +51,10 @@ def env(tmp_path_factory):
 def _config(root: Path, shards: Path, **over):
     from dmltrain.config import load_config
 
+    return load_config(DEMO, _overrides(root, shards, **over))
+
+
+def _overrides(root: Path, shards: Path, **over) -> list[str]:
     overrides = {
         "data.shards": str(shards),
         "data.synthetic": "null",
@@ -68,7 +81,7 @@ def _config(root: Path, shards: Path, **over):
         "cluster.max_failures": 1,
     }
     overrides.update(over)
-    return load_config(Path(__file__).resolve().parents[1] / "configs/demo.yaml", [f"{k}={v}" for k, v in overrides.items()])
+    return [f"{k}={v}" for k, v in overrides.items()]
 
 
 def _final_weights(summary) -> dict[str, torch.Tensor]:
@@ -154,25 +167,30 @@ def _registered_checkpoints(run_dir: Path) -> list[str]:
 
 
 def _train_worker_pids() -> set[int]:
+    """Ray Train workers of this test's Ray (descendants of this process: other Rays on the machine are not ours)."""
     import psutil
 
-    return {p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])}
+    workers = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "RayTrainWorker" in " ".join(p.cmdline()):
+                workers.add(p.pid)
+        except psutil.Error:
+            continue
+    return workers
 
 
 def _kill_a_worker_after_first_checkpoint(run_dir: Path, killed: list[int], earlier: set[int]) -> None:
     """SIGKILL a training worker of this run (not a lingering one of an earlier run: ``earlier``)."""
-    import psutil
-
     deadline = time.time() + 600
     while time.time() < deadline and not _registered_checkpoints(run_dir):
         time.sleep(0.05)
     for _ in range(100):
-        workers = [p for p in psutil.process_iter(["pid", "cmdline"])
-                   if "RayTrainWorker" in " ".join(p.info["cmdline"] or []) and p.info["pid"] not in earlier]
+        workers = _train_worker_pids() - earlier
         if workers:
-            victim = max(workers, key=lambda p: p.info["pid"])
-            os.kill(victim.info["pid"], signal.SIGKILL)
-            killed.append(victim.info["pid"])
+            victim = max(workers)
+            os.kill(victim, signal.SIGKILL)
+            killed.append(victim)
             return
         time.sleep(0.1)
 
@@ -219,3 +237,103 @@ def test_resume_at_a_different_worker_count(env):
     assert tags["dmltrain.resumed_from_step"] == "2" and tags["resumed.cluster.num_workers"] == "1"
     # step 2 was mid-epoch under a 2-worker batch plan: the 1-worker run starts the next epoch instead
     assert "world_size" in tags["dmltrain.resumed_at_epoch_start"]
+
+
+class _Planted:
+    """A pickle payload: unpickling it calls ``open(marker, 'w')``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_tampered_checkpoint_is_refused_before_any_worker_starts(env, plain_run):
+    from cluster.launch import train
+    from dmltrain.errors import UserError
+
+    root, shards = env
+    copy = root / "runs" / "tampered"
+    shutil.copytree(plain_run.storage_dir, copy, ignore=shutil.ignore_patterns("driver.json"))
+    latest = sorted(copy.glob("checkpoint-step*"))[-1]
+    states = latest / "engine" / "mp_rank_00_model_states.pt"  # DeepSpeed's module states, read by every worker
+    marker = root / "code-ran"
+    torch.save({**torch.load(states, weights_only=False), "module": _Planted(marker)}, states)
+    with pytest.raises(UserError, match=r"mp_rank_00_model_states\.pt: refused to load a checkpoint file that holds .*open"):
+        train(_config(root, shards, **{"train.run_name": "tampered"}), progress=False)
+    assert not marker.exists()
+    assert _runs(root, "tampered")[1] == []  # refused before its MLflow run was opened
+
+
+def test_a_diverged_loss_stops_the_run_failed_keeping_the_last_good_checkpoint(env, monkeypatch):
+    from cluster.launch import train
+    from dmltrain.tracking.names import ERROR_TAG
+    from dmltrain.training.divergence import FAULT_ENV
+
+    root, shards = env
+    monkeypatch.setenv(FAULT_ENV, "3")  # the embeddings of step 3 become NaN on every worker
+    over = {"train.run_name": "diverged", "train.checkpoint_every": 1, "eval.before_training": "false", "eval.every": 0}
+    summary = train(_config(root, shards, **over), progress=False)
+    assert not summary.ok
+    assert summary.error == "loss diverged: the classifier loss is nan at step 3; training stopped, the last checkpoint is step 2"
+    run_dir = Path(summary.storage_dir)
+    assert [p.name for p in sorted(run_dir.glob("checkpoint-step*"))] == ["checkpoint-step00000001", "checkpoint-step00000002"]
+    assert not (run_dir / "model" / "model.pt").exists() and "models:" not in summary.render()
+    client, runs = _runs(root, "diverged")
+    assert len(runs) == 1 and runs[0].info.status == "FAILED" and runs[0].data.tags[ERROR_TAG] == summary.error
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] == [1, 2]  # nothing logged from step 3
+
+
+def _wait_for(predicate, what: str, timeout: float = 600):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_killed_driver_is_resumed_by_config_in_the_same_mlflow_run(env, tmp_path, capsys):
+    import ray
+
+    from cluster.resume import latest_checkpoint_step
+    from cluster.run_records import RunRecord
+    from dmltrain.cli import main
+    from dmltrain.tracking.names import RESUMED_FROM_STEP_TAG
+
+    root, shards = env
+    short = {"train.epochs": 1, "train.checkpoint_every": 1, "eval.before_training": "false", "eval.every": 0}
+    args = ["train", str(DEMO), "--no-progress", *_overrides(root, shards, **short),
+            f"cluster.address={ray.get_runtime_context().gcs_address}"]
+    earlier = _train_worker_pids()
+    log = tmp_path / "driver.log"
+    with open(log, "w") as out:
+        driver = subprocess.Popen([sys.executable, "-m", "dmltrain", *args], stdout=out, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+    try:
+        def running(found):
+            assert driver.poll() is None, "the driver ended before it was killed:\n" + log.read_text()[-3000:]
+            return found
+
+        run_dir = _wait_for(lambda: running(next((p.parent for p in (root / "runs").glob("*/driver.json")
+                                                   if RunRecord.read(p.parent).pid == driver.pid), None)), "the driver's run record")
+        _wait_for(lambda: running(_registered_checkpoints(run_dir)), "the first checkpoint")
+    finally:
+        driver.kill()
+        driver.wait()
+    name = run_dir.name
+    assert f"run {name}: MLflow run " in log.read_text()  # the name and run id, printed before the workers started
+    _wait_for(lambda: not (_train_worker_pids() - earlier), "the killed job's workers to go", timeout=120)
+    client, runs = _runs(root, name)
+    assert len(runs) == 1 and runs[0].info.status == "RUNNING"  # what a killed driver leaves behind
+    saved = latest_checkpoint_step(run_dir)
+    assert main([*args, "--resume"]) == 0
+    assert f"resuming run {name} at step {saved}: MLflow run {runs[0].info.run_id}" in capsys.readouterr().err
+    _, runs = _runs(root, name)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].data.tags[RESUMED_FROM_STEP_TAG] == str(saved)
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")]
+    assert saved + 1 in steps and max(steps) == latest_checkpoint_step(run_dir) > saved  # continued to the end
+    assert RunRecord.read(run_dir).status == "FINISHED" and (run_dir / "model" / "model.pt").is_file()

@@ -234,54 +234,190 @@ def test_loss_head_unscales_steps_and_skips_with_the_engine():
     assert other.proxy_optimizer.state_dict()["state"].keys() == scaled.proxy_optimizer.state_dict()["state"].keys()
 
 
-def test_checkpointer_restores_engine_head_rngs_and_position(tmp_path, monkeypatch):
-    """A real DeepSpeed engine at W=1: DeepSpeed's own checkpoint (same layout) and the portable files (another ZeRO stage)."""
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    from dmltrain.distributed.process_group import ensure_process_group
+def _checkpointed_engine(tmp_path, stage: int, seed: int, precision: str = "fp32"):
+    """A small real DeepSpeed engine at W=1 with a proxy loss head, and its Checkpointer (the process group must exist)."""
     from dmltrain.models import build_model, param_groups
     from dmltrain.training.checkpoint import Checkpointer
     from dmltrain.training.engine import build_engine
     from dmltrain.training.reporting import Reporter, RunContext
-    from dmltrain.training.state import TrainState
 
-    def build(stage, seed):
-        cfg = load_config(None, ["model.backbone=small_cnn", "model.embedding_dim=64", "model.pretrained=none", "data.batch_size=4",
-                                 "cluster.num_workers=1", f"train.zero_stage={stage}", "loss.instance.kind=proxy_nca",
-                                 "loss.instance.params={}", "optim.name=adamw"])
-        torch.manual_seed(seed)
-        model = build_model(cfg.model)
-        engine, _ = build_engine(model, param_groups(model, cfg.optim), cfg, 1)
-        head = _head(["optim.name=adamw"], seed=seed, dim=64)
-        reporter = Reporter(RunContext("r", str(tmp_path), "", None, report_to_ray=False), 0, 10, 1)
-        return engine, head, Checkpointer(engine, head, reporter, rank=0, world_size=1, zero_stage=stage, seed=0, model_config=cfg.to_dict())
+    cfg = load_config(None, ["model.backbone=small_cnn", "model.embedding_dim=64", "model.pretrained=none", "data.batch_size=4",
+                             "cluster.num_workers=1", f"train.zero_stage={stage}", f"train.precision={precision}",
+                             "loss.instance.kind=proxy_nca", "loss.instance.params={}", "optim.name=adamw"])
+    torch.manual_seed(seed)
+    model = build_model(cfg.model)
+    engine, _ = build_engine(model, param_groups(model, cfg.optim), cfg, 1)
+    head = _head(["optim.name=adamw"], seed=seed, dim=64)
+    reporter = Reporter(RunContext("r", str(tmp_path), "", None, report_to_ray=False), 0, 10, 1)
+    return engine, head, Checkpointer(engine, head, reporter, rank=0, world_size=1, zero_stage=stage, seed=0, model_config=cfg.to_dict())
+
+
+def _train_two_steps(engine, head) -> None:
+    g = torch.Generator().manual_seed(0)
+    images, y = torch.randn(4, 3, 32, 32, generator=g), torch.tensor([0, 0, 4, 4])
+    for step in range(2):
+        loss = head.objective(engine(images.to(next(engine.module.parameters()).dtype)).float(), y, step=step)
+        engine.backward(loss)
+        engine.step()
+        head.step()
+
+
+@pytest.fixture
+def one_process_group(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    from dmltrain.distributed.process_group import ensure_process_group
 
     ensure_process_group()
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_checkpointer_restores_engine_head_rngs_and_position(tmp_path, one_process_group):
+    """A real DeepSpeed engine at W=1: DeepSpeed's own checkpoint (same layout) and the portable files (another ZeRO stage)."""
+    from dmltrain.training.state import TrainState
+
+    engine, head, ckpt = _checkpointed_engine(tmp_path, 1, seed=0)
+    _train_two_steps(engine, head)
+    state = TrainState(step=2, epoch=0, batch=2, zero_stage=1, last_metrics={"recall@1": 0.5}, plan={"seed": 0})
+    ckpt.save_to(tmp_path / "c", state)
+    assert {"engine", "model.pt", "dp_optimizer.pt", "instance_loss.pt", "classifier", "rng-rank0.pt", "train_state.json"} <= {
+        p.name for p in (tmp_path / "c").iterdir()}
+    want_rand = torch.rand(3)
+    for stage in (1, 0):  # the same layout (DeepSpeed's checkpoint), then another ZeRO stage (the portable files)
+        engine2, head2, ckpt2 = _checkpointed_engine(tmp_path, stage, seed=7)
+        loaded = ckpt2.load_from(tmp_path / "c")
+        assert (loaded.step, loaded.batch, loaded.last_metrics, loaded.zero_stage) == (2, 2, {"recall@1": 0.5}, stage)
+        for (n, p), q in zip(engine.module.named_parameters(), engine2.module.parameters()):
+            assert torch.equal(p, q), n
+        for p, q in zip(head.parameters(), head2.parameters()):
+            assert torch.equal(p, q)
+        if stage == 1:
+            assert torch.equal(torch.rand(3), want_rand)  # the RNG streams continue where they were saved
+        assert all(torch.equal(s["exp_avg"], t["exp_avg"]) for s, t in zip(
+            head.classifier_optimizer.state.values(), head2.classifier_optimizer.state.values()))
+
+
+class _Planted:
+    """A pickle payload: unpickling it calls ``open(marker, 'w')`` — creating the marker proves code ran."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _safe_loading_worker(rank, world, tmp: str):
+    """In a fresh process (DeepSpeed keeps its groups per process): ZeRO-2/3 round trips through the allow-list,
+    then planted pickles in DeepSpeed's and in our own files."""
+    from pathlib import Path
+
+    from dmltrain.training.dp_state import full_module_state_dict
+    from dmltrain.training.safe_load import scan_checkpoint
+    from dmltrain.training.state import TrainState
+
+    tmp = Path(tmp)
+    out: dict = {}
+    for stage, precision in ((2, "bf16"), (3, "fp32")):
+        engine, head, ckpt = _checkpointed_engine(tmp, stage, seed=0, precision=precision)
+        _train_two_steps(engine, head)
+        ckpt.save_to(tmp / f"z{stage}", TrainState(step=2, batch=2, zero_stage=stage))
+        scan_checkpoint(tmp / f"z{stage}")  # the driver's check passes a genuine checkpoint
+        engine2, _, ckpt2 = _checkpointed_engine(tmp, stage, seed=7, precision=precision)
+        step = ckpt2.load_from(tmp / f"z{stage}").step
+        a, b = full_module_state_dict(engine), full_module_state_dict(engine2)
+        out[stage] = (step, all(torch.equal(a[k], b[k]) for k in a), engine2.global_steps == engine.global_steps)
+    engine, head, ckpt = _checkpointed_engine(tmp, 1, seed=0)
+    _train_two_steps(engine, head)
+    for victim in ("engine/mp_rank_00_model_states.pt", "rng-rank0.pt"):
+        directory = tmp / f"planted-{victim.replace('/', '-')}"
+        ckpt.save_to(directory, TrainState(step=2, batch=2, zero_stage=1))
+        marker, bad = directory / "code-ran", directory / victim
+        genuine = torch.load(bad, weights_only=False) if victim.startswith("engine") else None
+        torch.save({**genuine, "module": _Planted(marker)} if genuine else _Planted(marker), bad)
+        _, _, ckpt2 = _checkpointed_engine(tmp, 1, seed=7)
+        messages = []
+        for attempt in (lambda: scan_checkpoint(directory), lambda: ckpt2.load_from(directory)):
+            try:
+                attempt()
+                messages.append(None)
+            except UserError as e:
+                messages.append(str(e))
+        ran_before = marker.exists()
+        torch.load(bad, weights_only=False)  # the file is a live payload: an unrestricted load runs it
+        out[victim] = (messages, ran_before, marker.exists())
+    return out
+
+
+@pytest.mark.multiprocess
+def test_resume_loads_data_only_zero_2_and_3_and_refuses_planted_pickles(tmp_path, monkeypatch):
+    """Resuming reads every checkpoint file weights-only with DeepSpeed's few state types allowed: ZeRO-2 (bf16) and
+    ZeRO-3 engines come back exactly; a pickle planted in DeepSpeed's model states or in an RNG file is refused by the
+    driver's scan and by the workers' load, with one line naming the file, and never runs."""
+    from multiproc import run_workers
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    (out,) = run_workers(_safe_loading_worker, 1, str(tmp_path), timeout=300)
+    assert out[2] == (2, True, True) and out[3] == (2, True, True)
+    for victim in ("engine/mp_rank_00_model_states.pt", "rng-rank0.pt"):
+        messages, ran_before, ran_unrestricted = out[victim]
+        for m in messages:
+            assert m is not None and "\n" not in m and victim.rsplit("/", 1)[-1] in m and "refused" in m and "open" in m, m
+        assert not ran_before and ran_unrestricted, victim
+
+
+def _divergence_worker(rank, world):
+    from dmltrain.training.divergence import Diverged, DivergenceGuard
+
+    guard = DivergenceGuard(["classifier", "instance"], torch.device("cpu"))
+    verdicts = []
+    for step in range(1, 6):
+        classifier = torch.tensor(float("inf") if (rank == 1 and step == 3) else 1.0)  # only rank 1 sees it
+        instance = torch.tensor(float("nan") if step >= 4 else 0.5)
+        guard.observe(step, {"classifier": classifier, "instance": instance})
+        if step % 2 == 1:  # checked at some steps only, as at log points: the first bad step is remembered
+            try:
+                guard.check()
+                verdicts.append(None)
+            except Diverged as e:
+                verdicts.append(str(e))
+    return verdicts
+
+
+@pytest.mark.multiprocess
+def test_divergence_guard_stops_every_rank_at_the_same_check_naming_the_first_bad_step():
+    from multiproc import run_workers
+
+    r0, r1 = run_workers(_divergence_worker, 2)
+    assert r0[0] is None and r1[0] is None
+    assert r1[1] == "loss diverged: the classifier loss is inf at step 3"
+    assert r0[1] == "loss diverged: the classifier loss is not finite at step 3"  # rank 0 stops too, at the same check
+    assert r0[2] == r0[1] and r1[2] == r1[1]  # the later NaN of the instance loss does not hide the first
+
+
+def test_divergence_guard_on_one_process():
+    from dmltrain.training.divergence import Diverged, DivergenceGuard
+
+    guard = DivergenceGuard(["instance"], torch.device("cpu"))
+    guard.observe(1, {"instance": torch.tensor(2.0)})
+    guard.check()
+    guard.observe(2, {"instance": torch.tensor(float("-inf"))})
+    guard.observe(3, {"instance": torch.tensor(float("nan"))})
+    with pytest.raises(Diverged, match=r"^loss diverged: the instance loss is -inf at step 2$"):
+        guard.check()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_divergence_guard_observes_without_synchronising_the_device():
+    from dmltrain.training.divergence import DivergenceGuard
+
+    guard = DivergenceGuard(["classifier", "instance"], torch.device("cuda"))
+    losses = {"classifier": torch.tensor(1.0, device="cuda"), "instance": torch.tensor(float("nan"), device="cuda")}
+    torch.cuda.set_sync_debug_mode("error")  # any call that waits for the device raises
     try:
-        engine, head, ckpt = build(1, seed=0)
-        g = torch.Generator().manual_seed(0)
-        images, y = torch.randn(4, 3, 32, 32, generator=g), torch.tensor([0, 0, 4, 4])
-        for step in range(2):
-            loss = head.objective(engine(images), y, step=step)
-            engine.backward(loss)
-            engine.step()
-            head.step()
-        state = TrainState(step=2, epoch=0, batch=2, zero_stage=1, last_metrics={"recall@1": 0.5}, plan={"seed": 0})
-        ckpt.save_to(tmp_path / "c", state)
-        assert {"engine", "model.pt", "dp_optimizer.pt", "instance_loss.pt", "classifier", "rng-rank0.pt", "train_state.json"} <= {
-            p.name for p in (tmp_path / "c").iterdir()}
-        want_rand = torch.rand(3)
-        for stage in (1, 0):  # the same layout (DeepSpeed's checkpoint), then another ZeRO stage (the portable files)
-            engine2, head2, ckpt2 = build(stage, seed=7)
-            loaded = ckpt2.load_from(tmp_path / "c")
-            assert (loaded.step, loaded.batch, loaded.last_metrics, loaded.zero_stage) == (2, 2, {"recall@1": 0.5}, stage)
-            for (n, p), q in zip(engine.module.named_parameters(), engine2.module.parameters()):
-                assert torch.equal(p, q), n
-            for p, q in zip(head.parameters(), head2.parameters()):
-                assert torch.equal(p, q)
-            if stage == 1:
-                assert torch.equal(torch.rand(3), want_rand)  # the RNG streams continue where they were saved
-            assert all(torch.equal(s["exp_avg"], t["exp_avg"]) for s, t in zip(
-                head.classifier_optimizer.state.values(), head2.classifier_optimizer.state.values()))
+        for step in range(1, 4):
+            guard.observe(step, losses)
     finally:
-        torch.distributed.destroy_process_group()
+        torch.cuda.set_sync_debug_mode("default")
+    assert guard.first_bad.tolist() == [2**62, 1]

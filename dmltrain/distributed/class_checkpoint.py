@@ -30,6 +30,7 @@ from torch import Tensor
 
 from dmltrain.distributed.collectives import _gather_rows, group_rank_size
 from dmltrain.distributed.sharded_softmax import ShardedClassifier
+from dmltrain.errors import UserError
 from dmltrain.fileio import atomic_path, write_json
 
 FORMAT = "dmltrain.sharded_classifier/1"
@@ -226,5 +227,8 @@ def load_by_class(clf: ShardedClassifier, directory: str | os.PathLike[str], opt
     for entry in index["pieces"]:
         if entry["class_end"] <= clf.class_start or entry["class_start"] >= clf.class_end:
             continue
-        pieces.append(torch.load(directory / entry["file"], map_location="cpu", mmap=True, weights_only=True))
+        name = str(entry["file"])
+        if Path(name).name != name or name in ("", ".", ".."):  # a tampered index must not reach outside the folder
+            raise UserError(f"{index_path}: piece {name!r} is not a file name inside the checkpoint folder")
+        pieces.append(torch.load(directory / name, map_location="cpu", mmap=True, weights_only=True))
     load_state(clf, pieces, optimizer)

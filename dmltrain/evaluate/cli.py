@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dmltrain.errors import UserError
+from dmltrain.fileio import check_output_dir
 from shards.storage import Location, add_storage_option, location_of, parse_storage_options
 
 DEFAULT_KS = [1, 2, 4, 8]
@@ -170,6 +171,18 @@ def format_table(metrics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _check_outputs(args: argparse.Namespace, ckpt: str | None) -> None:
+    """Every folder this evaluation will write to, checked before the (long) evaluation starts."""
+    if args.out:
+        check_output_dir(Path(args.out).parent, "--out")
+    elif args.embeddings or ckpt is not None:  # the default: beside the checkpoint or in the embeddings folder
+        default = Path(args.embeddings) if args.embeddings else Path(ckpt) if Path(ckpt).is_dir() else Path(ckpt).parent
+        check_output_dir(default, "--out (default: beside the checkpoint)" if ckpt else "--out (default: the --embeddings folder)")
+    for option, folder in (("--save-embeddings", args.save_embeddings), ("--plots", args.plots)):
+        if folder:
+            check_output_dir(folder, option)
+
+
 def run(args: argparse.Namespace) -> int:
     from dmltrain.fileio import write_json
 
@@ -178,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("eval: give a CHECKPOINT, or --embeddings DIR to evaluate saved embeddings")
     if ckpt is not None and args.embeddings:
         raise UserError("eval: give either a CHECKPOINT or --embeddings DIR, not both (use '-' for no checkpoint)")
+    _check_outputs(args, ckpt)
     device = _device(args.device)
     config: Any = {}
     model = None

@@ -9,6 +9,9 @@
   torch hub cache (``$TORCH_HOME/hub/checkpoints``) or downloaded there with a timeout and
   its hash checked; without network the error says to fetch the file elsewhere and pass its
   path.
+
+:func:`check_pretrained` is the driver's check before any worker starts: the same reading and
+fitting, on a backbone built on the meta device (shapes only, no memory).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch import Tensor
 
 from dmltrain.errors import UserError
 from dmltrain.fileio import atomic_path
-from dmltrain.models.backbones import CLASSIFIER_PREFIXES, Backbone, imagenet_weights
+from dmltrain.models.backbones import CLASSIFIER_PREFIXES, Backbone, build_backbone, imagenet_weights
 
 DOWNLOAD_TIMEOUT_S = 30.0  # per blocking socket operation, not for the whole file
 
@@ -39,6 +42,23 @@ def load_pretrained(backbone: Backbone, spec: str) -> None:
     else:
         path = Path(spec).expanduser()
     apply_state_dict(backbone, read_state_dict(path), str(path))
+
+
+def check_pretrained(backbone_name: str, spec: str) -> None:
+    """A one-line :class:`UserError` unless ``model.pretrained`` = ``spec`` would load into backbone
+    ``backbone_name``: a readable state dict file that fits it, or ``imagenet`` for a backbone that has
+    ImageNet weights (whether they can be downloaded is the workers' to find)."""
+    if spec in ("", "none"):
+        return
+    if spec == "imagenet":
+        if imagenet_weights(backbone_name) is None:
+            raise UserError(f"model.pretrained=imagenet: backbone {backbone_name} has no ImageNet weights; use none or a file path")
+        return
+    path = Path(spec).expanduser()
+    state = read_state_dict(path)
+    with torch.device("meta"):
+        backbone = build_backbone(backbone_name, pretrained=True)
+    fitted_state_dict(backbone, state, str(path))
 
 
 def read_state_dict(path: str | Path) -> dict[str, Tensor]:
@@ -61,6 +81,16 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
 
 def apply_state_dict(backbone: Backbone, state: dict[str, Tensor], source: str) -> None:
     """Strictly load ``state`` into ``backbone``; a one-line :class:`UserError` names ``source`` on mismatch."""
+    state = fitted_state_dict(backbone, state, source)
+    try:
+        backbone.load_state_dict(state, strict=True)
+    except RuntimeError as e:  # pragma: no cover - fitted_state_dict catches what load_state_dict would
+        raise UserError(f"model.pretrained: {source} does not fit backbone {backbone.name}: {_one_line(e)}") from None
+
+
+def fitted_state_dict(backbone: Backbone, state: dict[str, Tensor], source: str) -> dict[str, Tensor]:
+    """``state`` reduced to the backbone's keys (a wrapped model's prefix and the ImageNet classifier dropped);
+    a one-line :class:`UserError` naming ``source`` when keys are missing or unexpected or shapes differ."""
     own = backbone.state_dict()
     prefix = _best_prefix(state, own)
     if prefix:  # a wrapped model: keep the backbone's part, ignore the rest (its head)
@@ -79,10 +109,7 @@ def apply_state_dict(backbone: Backbone, state: dict[str, Tensor], source: str) 
             problems.append(f"{len(keys)} {what} ({', '.join(keys[:3])}{more})")
     if problems:
         raise UserError(f"model.pretrained: {source} does not fit backbone {backbone.name}: {'; '.join(problems)}")
-    try:
-        backbone.load_state_dict(state, strict=True)
-    except RuntimeError as e:  # pragma: no cover - the checks above catch what load_state_dict would
-        raise UserError(f"model.pretrained: {source} does not fit backbone {backbone.name}: {_one_line(e)}") from None
+    return state
 
 
 def imagenet_file(name: str) -> Path:

@@ -198,11 +198,20 @@ class RunHandle:
         self.query("set tags", lambda c: [c.set_tag(self.run_id, k, str(v)[:TAG_CHARS]) for k, v in tags.items()])
 
     def delete_tag(self, key: str) -> None:
-        self.query("delete a tag", lambda c: c.delete_tag(self.run_id, key))
+        """Remove tag ``key`` if the run has it (MLflow refuses to delete a tag that is not there)."""
+        def delete(c: MlflowClient) -> None:
+            if key in c.get_run(self.run_id).data.tags:
+                c.delete_tag(self.run_id, key)
+
+        self.query("delete a tag", delete)
 
     def finish(self, status: str) -> None:
         """Set the final status: FINISHED, FAILED or KILLED (the driver's or the search's call, not the workers')."""
         self.query("set the run status", lambda c: c.set_terminated(self.run_id, status=status))
+
+    def status(self) -> str | None:
+        """The run's MLflow status (RUNNING, FINISHED, FAILED, KILLED); None when the handle is off or it cannot be read."""
+        return self.query("read the run status", lambda c: c.get_run(self.run_id).info.status)
 
     def children(self) -> list[Run]:
         """The child runs (a search's trials, a study's points), oldest first; [] when they cannot be read."""

@@ -19,8 +19,11 @@ workers into one checkpoint, so every per-rank file has a rank-unique name:
 Resuming at the same world size and ZeRO stage loads DeepSpeed's own checkpoint (exact,
 bit for bit); at another world size the data-parallel state comes from ``model.pt`` and
 ``dp_optimizer.pt``, the classifier reshards by class id, and RNG streams are re-derived
-from (seed, step, rank). Every file this module reads itself loads with
-``torch.load(weights_only=True)``; DeepSpeed's engine folder is read by DeepSpeed.
+from (seed, step, rank).
+
+Nothing is unpickled beyond data: every file, DeepSpeed's included, is read weights-only with an
+explicit allow-list of DeepSpeed's state types (:mod:`.safe_load`); a file naming any other type
+stops the resume with one line.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from dmltrain.training.dp_state import full_dp_state, full_module_state_dict, lo
 from dmltrain.training.head import LossHead
 from dmltrain.training.reporting import Reporter, position_metrics
 from dmltrain.training.rng import rng_state, seed_rngs, set_rng_state
+from dmltrain.training.safe_load import load_file, restricted_loads
 from dmltrain.training.state import TrainState
 
 ENGINE_TAG = "engine"
@@ -71,6 +75,7 @@ class Checkpointer:
         self.rank, self.world_size, self.zero_stage, self.seed = rank, world_size, zero_stage, seed
         self.model_config = model_config
         self.states: dict[str, Stateful] = dict(states or {})
+        self.last_step: int | None = None  # the step of the latest checkpoint saved or restored by this run
         if head.proxies is not None:
             self.states["instance_loss"] = head
 
@@ -82,13 +87,16 @@ class Checkpointer:
         try:
             self.save_to(tmp, state)
             self.reporter.report(position_metrics(state), step=state.step, checkpoint_dir=tmp)
+            self.last_step = state.step
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def restore(self) -> TrainState | None:
         """Load Ray's latest checkpoint of this run into the engine, head and RNGs; its position, or None if there is none."""
         with self.reporter.latest_checkpoint() as directory:
-            return None if directory is None else self.load_from(directory)
+            state = None if directory is None else self.load_from(directory)
+        self.last_step = None if state is None else state.step
+        return state
 
     # -- one directory ------------------------------------------------------------------------------
     def save_to(self, directory: Path, state: TrainState) -> None:
@@ -114,7 +122,15 @@ class Checkpointer:
         write_json(directory / STATE_FILE, state.to_dict())
 
     def load_from(self, directory: Path) -> TrainState:
-        """Restore everything from a merged checkpoint directory; returns the saved position (now at this layout)."""
+        """Restore everything from a merged checkpoint directory; returns the saved position (now at this layout).
+
+        Every file is read as data only (:func:`~.safe_load.restricted_loads`): one that names a type
+        outside the allow-list raises a one-line :class:`UserError` before anything of it is built.
+        """
+        with restricted_loads(self.engine, directory):
+            return self._load_from(directory)
+
+    def _load_from(self, directory: Path) -> TrainState:
         state = TrainState.from_json(directory / STATE_FILE)
         same_layout = state.world_size == self.world_size and state.zero_stage == self.zero_stage
         if same_layout:
@@ -152,4 +168,4 @@ class Checkpointer:
 
 
 def _load(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return load_file(path)

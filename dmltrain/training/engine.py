@@ -73,6 +73,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         raise UserError(f"train.deepspeed_config: {path}: file not found") from None
     except json.JSONDecodeError as e:
         raise UserError(f"train.deepspeed_config: {path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    except (UnicodeDecodeError, OSError) as e:
+        raise UserError(f"train.deepspeed_config: {path}: cannot read it as UTF-8 text ({getattr(e, 'strerror', None) or e})") from None
     if not isinstance(user, dict):
         raise UserError(f"train.deepspeed_config: {path}: expected a JSON object")
     for key in _BATCH_KEYS:

@@ -25,6 +25,7 @@ from dmltrain.evaluate import evaluate_model, plot_embedding_map, plot_recall_at
 from dmltrain.training.artifacts import ModelExporter
 from dmltrain.training.reporting import Reporter
 from dmltrain.training.state import TrainState
+from dmltrain.tracking.names import EVAL_PREFIX, INITIAL_PREFIX, REPORT_EPOCH, REPORT_EVALUATION, REPORT_STEP, report_key
 
 
 class Evaluator:
@@ -41,15 +42,16 @@ class Evaluator:
         key = self.cfg.eval.metric
         improved = state.record_evaluation(metrics, step, key, initial=phase == "initial")
         if self.rank == 0:
-            prefix = "initial" if phase == "initial" else "eval"
-            self.logger.log_metrics({f"{prefix}/{k}": v for k, v in metrics.items()}, step=step)
+            prefix = INITIAL_PREFIX if phase == "initial" else EVAL_PREFIX
+            self.logger.log_metrics({f"{prefix}{k}": v for k, v in metrics.items()}, step=step)
             if self.cfg.eval.plots and embeddings is not None:
                 self._plot(metrics, embeddings, step, phase)
             self.reporter.progress(state, last_eval=f"{key} {metrics.get(key, float('nan')):.4f}")
         if improved:
             self.exporter.export("best_model", extra={"step": step, "metrics": metrics})
         # `evaluation: 1` tells evaluation reports from checkpoint reports, which repeat the latest metrics
-        self.reporter.report({f"eval/{k}": v for k, v in metrics.items()} | {"step": step, "epoch": state.epoch, "evaluation": 1}, step=step)
+        self.reporter.report({report_key(k): v for k, v in metrics.items()} | {REPORT_STEP: step, REPORT_EPOCH: state.epoch, REPORT_EVALUATION: 1},
+                             step=step)
         return metrics
 
     def export_final(self, state: TrainState) -> None:

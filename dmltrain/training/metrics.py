@@ -12,13 +12,15 @@ from collections.abc import Mapping
 import psutil
 import torch
 
+from dmltrain.tracking.names import CLASSIFIER_MB, CUDA_PEAK_MB, EPOCH, IMAGES_PER_S, LOSS, LR, RSS_MB, TRAIN_PREFIX
+
 # logged under their own names; every other statistic without a "/" goes under "train/"
-TOP_LEVEL = ("lr", "epoch", "images_per_s", "loss")
+TOP_LEVEL = (LR, EPOCH, IMAGES_PER_S, LOSS)
 
 
 def mlflow_names(summary: Mapping[str, float]) -> dict[str, float]:
     """``summary`` with plain statistic names moved under ``train/`` (``active_pairs`` -> ``train/active_pairs``)."""
-    return {k if "/" in k or k in TOP_LEVEL else f"train/{k}": v for k, v in summary.items()}
+    return {k if "/" in k or k in TOP_LEVEL else f"{TRAIN_PREFIX}{k}": v for k, v in summary.items()}
 
 
 class TrainMetrics:
@@ -45,9 +47,9 @@ class TrainMetrics:
 
 def memory_metrics(device: torch.device, classifier_mb: float | None) -> dict[str, float]:
     """This process's resident memory, its classifier shard (rows + row optimizer state) and the CUDA peak, in MB."""
-    out = {"memory/rss_mb": psutil.Process().memory_info().rss / 2**20}
+    out = {RSS_MB: psutil.Process().memory_info().rss / 2**20}
     if classifier_mb is not None:
-        out["memory/classifier_mb"] = classifier_mb
+        out[CLASSIFIER_MB] = classifier_mb
     if device.type == "cuda":
-        out["memory/cuda_peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        out[CUDA_PEAK_MB] = torch.cuda.max_memory_allocated(device) / 2**20
     return out

@@ -78,6 +78,16 @@ class Objective(nn.Module):
         return total
 
     @property
+    def terms(self) -> list[str]:
+        """The loss terms this objective sums: ``classifier``, ``instance`` or both."""
+        return [name for name, part in (("classifier", self.classifier), ("instance", self.instance)) if part is not None]
+
+    @property
+    def losses(self) -> dict[str, Tensor]:
+        """Each term's loss of the last ``forward`` as a detached 0-d tensor on the device (reading it does not sync)."""
+        return {name: loss for name, _, loss, _ in self._parts}
+
+    @property
     def stats(self) -> dict[str, float]:
         """``loss`` (the weighted total) and each part's statistics as ``name/...`` of the last ``forward``.
 

@@ -35,14 +35,24 @@ class ProgressBoard:
 
 
 def post(board_name: str | None, info: dict[str, Any], summary: bool = False) -> None:
-    """Fire-and-forget update from a worker; silently absent boards are fine (e.g. under Tune)."""
+    """Fire-and-forget update from a worker; silently absent boards are fine (e.g. under Tune).
+
+    A ``summary`` is waited for (briefly): the driver reads it as soon as the training returns,
+    and it may carry the reason the run failed.
+    """
     if not board_name:
         return
     try:
         board = _board(board_name)
     except ValueError:
         return
-    (board.set_summary if summary else board.update).remote(info)
+    if summary:
+        try:
+            ray.get(board.set_summary.remote(info), timeout=30)
+        except Exception:  # noqa: BLE001 — the driver reports a missing summary itself
+            pass
+    else:
+        board.update.remote(info)
 
 
 @functools.lru_cache(maxsize=4)

@@ -22,6 +22,7 @@ import ray.train
 
 from dmltrain.training.progress import post
 from dmltrain.training.state import TrainState
+from dmltrain.tracking.names import REPORT_EPOCH, REPORT_STEP, report_key
 
 
 @dataclass
@@ -42,7 +43,7 @@ class RunContext:
 
 def position_metrics(state: TrainState) -> dict[str, Any]:
     """A report of where the run stands: step, epoch and the latest evaluation as ``eval/<name>``."""
-    return {"step": state.step, "epoch": state.epoch, **{f"eval/{k}": v for k, v in state.last_metrics.items()}}
+    return {REPORT_STEP: state.step, REPORT_EPOCH: state.epoch, **{report_key(k): v for k, v in state.last_metrics.items()}}
 
 
 class Reporter:

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 import torch
 
+from dmltrain.tracking.names import IMAGES_PER_S, STEP_MS
+
 
 class StepTimer:
     """``start()`` before fetching a batch, ``lap(part)`` after each part of the step, in ``PARTS`` order."""
@@ -59,7 +61,7 @@ class StepTimer:
         n = max(1, self.steps)
         wall = max(1e-9, time.perf_counter() - self.window_start)
         out = {f"time/{k}_ms": 1000 * v / n for k, v in self.total.items()}
-        out["time/step_ms"] = 1000 * wall / n
-        out["images_per_s"] = global_batch * self.steps / wall
+        out[STEP_MS] = 1000 * wall / n
+        out[IMAGES_PER_S] = global_batch * self.steps / wall
         self.reset()
         return out

@@ -15,7 +15,9 @@ One :class:`Trainer` per worker process. It builds its parts, each in its own mo
   :class:`~.reporting.Reporter` (Ray Train reports, the driver's progress line).
 
 Every decision that involves a collective (when to evaluate, checkpoint or report) is a
-pure function of the step, identical on every rank, so no rank ever waits alone.
+pure function of the step, identical on every rank, so no rank ever waits alone. So is the
+:class:`~.divergence.DivergenceGuard`'s check before each of them: a NaN or infinite loss
+term stops every rank at the same point, with the last checkpoint taken before it kept.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from dmltrain.models.sync_bn import convert_sync_batchnorm
 from dmltrain.training.artifacts import ModelExporter, log_run_files
 from dmltrain.training.cadence import Cadence, Due
 from dmltrain.training.checkpoint import Checkpointer
+from dmltrain.training.divergence import Diverged, DivergenceGuard, injected_nan_step
 from dmltrain.training.engine import build_engine, loss_scale
 from dmltrain.training.evaluator import Evaluator
 from dmltrain.training.head import LossHead
@@ -48,7 +51,17 @@ from dmltrain.training.rng import seed_rngs
 from dmltrain.training.schedule import LRSchedule, ScheduledLR
 from dmltrain.training.state import TrainState, realign_to_plan
 from dmltrain.training.timing import StepTimer
-from dmltrain.tracking.names import REMOTE_PREFIX
+from dmltrain.tracking.names import (
+    EPOCH,
+    IMAGES_PER_S,
+    LOSS,
+    LR,
+    REMOTE_PREFIX,
+    RESUMED_AT_EPOCH_START_TAG,
+    RESUMED_FROM_STEP_TAG,
+    SKIPPED_SAMPLES,
+    STEP_MS,
+)
 from dmltrain.tracking.run import RunHandle
 from shards.stream import TrainStream
 from shards.transforms import normalize_batch
@@ -106,10 +119,28 @@ class Trainer:
         self.checkpointer = Checkpointer(self.engine, self.head, self.reporter, rank=self.rank, world_size=self.world,
                                          zero_stage=t.zero_stage, seed=t.seed, model_config=cfg.to_dict())
         self.state = TrainState(world_size=self.world, zero_stage=t.zero_stage, plan=self.stream.plan_signature())
+        self.guard = DivergenceGuard(self.objective.terms, self.device)
+        self.nan_at = injected_nan_step()
 
     # -- the algorithm ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        """Train to ``total_steps`` (resuming Ray's latest checkpoint if any); the run's summary (``TrainState.summary``)."""
+        """Train to ``total_steps`` (resuming Ray's latest checkpoint if any); the run's summary (``TrainState.summary``).
+
+        A non-finite loss term ends the training on every rank; the summary then holds ``error``
+        (the term, its value, the step and the last checkpoint), and nothing is saved after it.
+        """
+        try:
+            return self._fit()
+        except Diverged as e:
+            saved = self.checkpointer.last_step
+            message = f"{e}; training stopped, " + (f"the last checkpoint is step {saved}" if saved is not None else "no checkpoint was saved")
+            if self.rank == 0:
+                log.error("%s", message)
+            summary = self.state.summary(self.cfg.eval.metric) | {"error": message}
+            self.reporter.summary(summary)
+            return summary
+
+    def _fit(self) -> dict[str, Any]:
         resumed = self._resume()
         st = self.state
         if st.finished:  # the same command again on a finished run: nothing left to train
@@ -132,6 +163,7 @@ class Trainer:
             if st.batch >= self.steps_per_epoch or st.step < self.total_steps:
                 st.epoch, st.batch = epoch + 1, 0  # the epoch is complete (or the stream ended it)
                 self._act(self.cadence.due(st.step, epoch_end=st.epoch))
+        self.guard.check()
         self.evaluator.evaluate(st, step=st.step, phase="final")
         st.finished = True
         self.evaluator.export_final(st)
@@ -148,7 +180,10 @@ class Trainer:
         labels = labels.to(self.device, non_blocking=True)
         lr = self.lr.apply(st.step)
         timer.lap("data")
-        loss = self.objective(engine(images), labels, step=st.step)
+        embeddings = engine(images)
+        if self.nan_at == st.step + 1:  # fault injection (tests): a diverged step
+            embeddings = embeddings * float("nan")
+        loss = self.objective(embeddings, labels, step=st.step)
         timer.lap("forward")
         engine.backward(loss)
         timer.lap("backward")
@@ -156,11 +191,14 @@ class Trainer:
         engine.step()
         self.head.step(scale, applied=not engine.fp16_enabled() or engine.was_step_applied())
         timer.lap("step")
-        self.metrics.add({**self.objective.stats, "lr": lr})
+        self.metrics.add({**self.objective.stats, LR: lr})
         st.step += 1
         st.batch += 1
+        self.guard.observe(st.step, self.objective.losses)
 
     def _act(self, due: Due) -> None:
+        if due.log or due.evaluate or due.checkpoint:
+            self.guard.check()  # the same calls on every rank: all stop together, before anything is saved
         if due.log:
             self._log_train()
         with self.timer.aside():
@@ -181,9 +219,9 @@ class Trainer:
         if changed and (st.epoch, st.batch) != was and self.rank == 0:
             log.warning("resuming step %d at the start of epoch %d, not at batch %d of epoch %d: the batch plan changed (%s)",
                         st.step, st.epoch, was[1], was[0], ", ".join(changed))
-            self.logger.set_tag("dmltrain.resumed_at_epoch_start", f"plan changed: {', '.join(changed)}")
+            self.logger.set_tag(RESUMED_AT_EPOCH_START_TAG, f"plan changed: {', '.join(changed)}")
         if self.logger is not None:
-            self.logger.set_tag("dmltrain.resumed_from_step", str(st.step))
+            self.logger.set_tag(RESUMED_FROM_STEP_TAG, str(st.step))
         self.state = st
         return True
 
@@ -196,13 +234,13 @@ class Trainer:
             return
         summary.update({REMOTE_PREFIX + k: v for k, v in io.items()})
         st = self.state
-        summary["epoch"] = st.epoch + st.batch / self.steps_per_epoch
+        summary[EPOCH] = st.epoch + st.batch / self.steps_per_epoch
         summary.update(memory_metrics(self.device, self.head.classifier_memory_mb()))
         if self.stream.skipped:
-            summary["data/skipped_samples"] = float(self.stream.skipped)
+            summary[SKIPPED_SAMPLES] = float(self.stream.skipped)
         self.logger.log_metrics(mlflow_names(summary), step=st.step)
-        eta = (self.total_steps - st.step) * summary["time/step_ms"] / 1000
-        self.reporter.progress(st, loss=summary.get("loss", float("nan")), images_per_s=summary["images_per_s"], eta_s=eta, phase="train")
+        eta = (self.total_steps - st.step) * summary[STEP_MS] / 1000
+        self.reporter.progress(st, loss=summary.get(LOSS, float("nan")), images_per_s=summary[IMAGES_PER_S], eta_s=eta, phase="train")
 
 
 def worker_device(use_gpu: bool) -> torch.device:

@@ -1,0 +1,107 @@
+"""Which run a ``dmltrain train`` continues, and what must hold before it may.
+
+* :func:`resolve_run_name`: ``--resume [RUN]`` to a run name (the latest run of the config by default);
+* :func:`claim_run`: no live driver trains the run already, and the checkpoint it resumes from
+  holds only data (:func:`~dmltrain.training.safe_load.scan_checkpoint`, before any worker loads it);
+* :func:`close_crashed_runs`: runs left RUNNING by a dead driver are marked FAILED, with the
+  command that resumes them;
+* :func:`announce`: the run's name and MLflow run id, printed before anything else happens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from cluster.run_records import RUNNING, RunRecord, crashed_runs, latest_run
+from dmltrain.config import RUN_NAME_PATTERN, Config
+from dmltrain.errors import UserError
+from dmltrain.training.safe_load import scan_checkpoint
+from dmltrain.tracking.names import ERROR_TAG, REPORT_STEP
+from dmltrain.tracking.run import RunHandle
+
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's list of the checkpoints it committed
+
+
+def resolve_run_name(cfg: Config, root: str, config_file: str | None, resume: str | None) -> str | None:
+    """The run to train: ``train.run_name`` (None when unset: a new run), or with ``resume`` the run to continue.
+
+    ``resume``: None (start as configured), a run name, or "" for the latest run of ``config_file``
+    under ``root``. A named run to resume must exist under a local ``root``.
+    """
+    named = cfg.train.run_name
+    if resume is None:
+        return named
+    if resume and not re.match(RUN_NAME_PATTERN, resume):
+        raise UserError(f"--resume {resume}: not a run name (letters, digits, _ . -)")
+    if resume and named and resume != named:
+        raise UserError(f"--resume {resume}: train.run_name is {named}; give one of them")
+    name = resume or named
+    local = "://" not in root
+    if not name:
+        if not local:
+            raise UserError(f"--resume: name the run to resume (--resume RUN): runs under {root} are not listed")
+        name = latest_run(Path(root), config_file)
+        if name is None:
+            raise UserError(f"--resume: no earlier run of {config_file or 'this config'} in {root}; start one without --resume")
+    elif local and not (Path(root) / name).is_dir():
+        raise UserError(f"--resume {name}: no run of that name in {root}")
+    return name
+
+
+def resume_checkpoint(run_dir: Path) -> tuple[Path, int] | None:
+    """The checkpoint Ray Train will resume the run from (its latest committed one) and its step; None when there is none.
+
+    Ray lists what it committed in the run folder's snapshot; a checkpoint folder not listed there
+    (a driver killed while it was being written) is never loaded.
+    """
+    try:
+        latest = json.loads((run_dir / RAY_SNAPSHOT).read_text())["latest_checkpoint_result"]
+        return run_dir / latest["checkpoint_dir_name"], int(latest["metrics"][REPORT_STEP])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def latest_checkpoint_step(run_dir: Path) -> int | None:
+    """The step a resumed run continues from; None when it has no checkpoint."""
+    found = resume_checkpoint(run_dir)
+    return None if found is None else found[1]
+
+
+def claim_run(run_dir: Path, run_name: str) -> None:
+    """Refuse a run whose recorded driver is still running, or whose checkpoint to resume from holds more than data."""
+    record = RunRecord.read(run_dir)
+    if record is not None and record.status == RUNNING and record.driver_alive(run_dir):
+        raise UserError(f"run {run_name} is being trained by another driver ({record.describe()}); stop it first, or wait")
+    found = resume_checkpoint(run_dir)
+    if found is not None:
+        scan_checkpoint(found[0])
+
+
+def close_crashed_runs(root: Path, keep: str) -> None:
+    """Mark FAILED every run under ``root`` left RUNNING by a driver that died (all but ``keep``, about to be resumed)."""
+    for run_dir, record in crashed_runs(root):
+        if record.run_name == keep:
+            continue
+        reason = f"the driver ({record.describe()}) died without ending the run"
+        handle = RunHandle(record.tracking_uri, record.mlflow_run_id)
+        if handle.status() == "RUNNING":
+            handle.set_tag(ERROR_TAG, reason)
+            handle.finish("FAILED")
+        record.status = "FAILED"
+        record.write(run_dir)
+        hint = f"dmltrain train {record.config} --resume {record.run_name}" if record.config else f"train.run_name={record.run_name}"
+        print(f"dmltrain: run {record.run_name}: {reason}; marked FAILED (resume it with: {hint})", file=sys.stderr)
+
+
+def announce(run_name: str, run_id: str | None, cfg: Config, config_path: str | None, resumed_step: int | None, resumed: bool) -> None:
+    """The run's name and MLflow run id, before anything else happens (a crash can then be resumed by name)."""
+    mlflow = f"MLflow run {run_id} in experiment {cfg.tracking.experiment}" if run_id else "tracking off"
+    if resumed or resumed_step is not None:
+        at = f"at step {resumed_step}" if resumed_step is not None else "(no checkpoint yet: from step 0)"
+        print(f"resuming run {run_name} {at}: {mlflow}", file=sys.stderr)
+        return
+    again = f"dmltrain train {config_path} --resume {run_name}" if config_path else f"train.run_name={run_name}"
+    print(f"run {run_name}: {mlflow} (to resume it after a crash: {again})", file=sys.stderr)

@@ -1,0 +1,247 @@
+"""The driver of `dmltrain train` without Ray: up-front checks (one line, exit 2, before Ray starts), output
+folders for every command, the run records that tell a crashed run from a live one, `--resume`, the summary."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmltrain.cli import main
+from dmltrain.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from shards.synthetic import build_synthetic_shards
+
+    out = tmp_path_factory.mktemp("shards") / "s"
+    build_synthetic_shards(out, classes=16, per_class=6, image_size=32, seed=0, shard_size=40, progress=False)
+    return out
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder nothing can be created in, for root too (root ignores permission bits: the folder is made immutable)."""
+    d = tmp_path / "read-only"
+    d.mkdir()
+    if os.geteuid() == 0:
+        made = subprocess.run(["chattr", "+i", str(d)], capture_output=True)
+        if made.returncode:
+            pytest.skip(f"running as root and chattr +i failed ({made.stderr.decode().strip()}): cannot make a read-only folder")
+        yield d
+        subprocess.run(["chattr", "-i", str(d)], check=True)
+    else:
+        d.chmod(0o555)
+        yield d
+        d.chmod(0o755)
+
+
+def _train_args(tmp_path: Path, shards: Path, *extra: str) -> list[str]:
+    return ["train", str(REPO / "configs/demo.yaml"), "--no-progress", f"data.shards={shards}", "data.synthetic=null",
+            "data.batch_size=32", "data.samples_per_class=4", "model.backbone=small_cnn", f"train.output_dir={tmp_path / 'runs'}",
+            f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", *extra]
+
+
+def _one_line_error(capsys, argv: list[str], code: int = 2) -> str:
+    import ray
+
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dmltrain: error: ") and "\n" not in err, err
+    assert not ray.is_initialized()  # refused before Ray started
+    return err
+
+
+def test_bad_configs_are_one_line_before_anything_starts(tmp_path, shards, capsys):
+    bad = tmp_path / "extends.yaml"
+    bad.write_text("extends: 42\n")
+    assert "extends.yaml: extends: expected a config path" in _one_line_error(capsys, ["train", str(bad)])
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("optim:\n  lr: 0.1  # r\xe9glage\n".encode("latin-1"))
+    assert "latin1.yaml: not UTF-8 text (byte 0xe9" in _one_line_error(capsys, ["train", str(latin1)])
+    for value in (".inf", ".nan", "-.inf"):
+        err = _one_line_error(capsys, _train_args(tmp_path, shards, f"optim.lr={value}"))
+        assert "optim.lr: Input should be a finite number" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bad_pretrained_weights_are_refused_on_the_driver(tmp_path, shards, capsys):
+    garbage = tmp_path / "weights.pth"
+    garbage.write_bytes(os.urandom(1000))
+    err = _one_line_error(capsys, _train_args(tmp_path, shards, f"model.pretrained={garbage}"))
+    assert f"model.pretrained: cannot read {garbage} as a PyTorch state dict" in err
+    other = tmp_path / "resnet18.pth"
+    from dmltrain.models.backbones import build_backbone
+
+    torch.save(build_backbone("resnet18").state_dict(), other)
+    err = _one_line_error(capsys, _train_args(tmp_path, shards, f"model.pretrained={other}"))
+    assert f"model.pretrained: {other} does not fit backbone small_cnn" in err
+    err = _one_line_error(capsys, _train_args(tmp_path, shards, f"model.pretrained={tmp_path / 'missing.pth'}"))
+    assert "model.pretrained: file not found" in err
+    # a file that fits passes the driver's check
+    from dmltrain.models.pretrained import check_pretrained
+
+    fits = tmp_path / "small_cnn.pth"
+    torch.save(build_backbone("small_cnn").state_dict(), fits)
+    check_pretrained("small_cnn", str(fits))
+
+
+def test_read_only_output_folders_are_refused_before_the_work(tmp_path, shards, read_only_dir, capsys):
+    err = _one_line_error(capsys, _train_args(tmp_path, shards, f"train.output_dir={read_only_dir / 'runs'}"))
+    assert f"train.output_dir: cannot write to {read_only_dir}" in err
+    err = _one_line_error(capsys, ["shards", "build", "--layout", "synthetic", "--classes", "4", "--per-class", "2", "--quiet",
+                                   "--out", str(read_only_dir / "s")])
+    assert f"--out: cannot write to {read_only_dir}" in err
+    from dmltrain.evaluate.store import save_embeddings
+
+    emb = tmp_path / "emb"
+    g = torch.Generator().manual_seed(0)
+    save_embeddings(emb, "test", torch.nn.functional.normalize(torch.randn(12, 8, generator=g), dim=1).numpy(), (torch.arange(12) % 4).numpy())
+    for option, target in (("--out", read_only_dir / "m.json"), ("--save-embeddings", read_only_dir / "again"), ("--plots", read_only_dir)):
+        err = _one_line_error(capsys, ["eval", "-", "--embeddings", str(emb), "--no-nmi", option, str(target)])
+        assert f"{option}: cannot write to {read_only_dir}" in err, err
+    assert list(read_only_dir.iterdir()) == []
+
+
+def test_a_full_file_system_is_refused(tmp_path, monkeypatch, capsys):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr("dmltrain.fileio.shutil.disk_usage", lambda path: usage(10 * 2**30, 10 * 2**30 - 2**20, 2**20))
+    err = _one_line_error(capsys, ["shards", "build", "--layout", "synthetic", "--classes", "4", "--per-class", "2", "--quiet",
+                                   "--out", str(tmp_path / "s")])
+    assert f"--out: {tmp_path} is full (1 MB free" in err
+    assert not (tmp_path / "s").exists()
+
+
+def test_an_os_error_anywhere_is_one_line_naming_the_path(monkeypatch, capsys):
+    def fail(args):
+        raise PermissionError(13, "Permission denied", "/srv/out/metrics.json")
+
+    monkeypatch.setattr("dmltrain.cli.run", fail)
+    assert main(["config", "show"]) == 1
+    assert capsys.readouterr().err == "dmltrain: error: /srv/out/metrics.json: Permission denied\n"
+
+
+def test_overrides_may_follow_options_and_a_bare_resume():
+    from dmltrain.cli import parse
+
+    args = parse(["train", "cfg.yaml", "a.b=1", "--no-progress", "c.d=2", "--resume", "e.f=3"])
+    assert (args.config, args.overrides, args.resume, args.no_progress) == ("cfg.yaml", ["a.b=1", "c.d=2"], "e.f=3", True)
+    args = parse(["train", "cfg.yaml", "--resume", "my-run", "x.y=4"])
+    assert (args.resume, args.overrides) == ("my-run", ["x.y=4"])
+    with pytest.raises(SystemExit):
+        parse(["train", "cfg.yaml", "--resume", "r", "stray"])
+
+
+def test_the_summary_lists_only_models_that_were_written(tmp_path):
+    from cluster.launch import TrainSummary
+
+    failed = TrainSummary("r", False, None, "sqlite:///x.db", None, str(tmp_path), {"step": 3}, "loss diverged")
+    assert "models:" not in failed.render()
+    (tmp_path / "best_model").mkdir()
+    (tmp_path / "best_model" / "model.pt").write_bytes(b"x")
+    assert f"  models: {tmp_path}/best_model/model.pt\n" in failed.render() + "\n"
+    assert "model/model.pt" not in failed.render().replace("best_model/model.pt", "")
+
+
+# -- run records: a crashed driver is found and its run closed or resumed --------------------------------
+def _record(tmp_path: Path, name: str, **over):
+    from cluster.run_records import RunRecord
+
+    record = RunRecord.for_this_driver(name, over.pop("config", "/cfg/a.yaml"), over.pop("run_id", None), over.pop("uri", "sqlite:///x.db"))
+    for k, v in over.items():
+        setattr(record, k, v)
+    run_dir = tmp_path / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record.write(run_dir)
+    return run_dir, record
+
+
+def test_run_records_tell_a_dead_driver_from_a_live_one(tmp_path):
+    import psutil
+
+    from cluster.run_records import STALE_AFTER_S, RunRecord
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = psutil.Process(sleeper.pid).create_time()
+        run_dir, _ = _record(tmp_path, "live", pid=sleeper.pid, pid_started=started)
+        assert RunRecord.read(run_dir).driver_alive(run_dir)
+        _, reused = _record(tmp_path, "reused", pid=sleeper.pid, pid_started=started - 100)  # the pid, reused by another process
+        assert not reused.driver_alive(tmp_path / "reused")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert not RunRecord.read(run_dir).driver_alive(run_dir)
+    far_dir, far = _record(tmp_path, "far", host="another-host", pid=1)
+    assert far.driver_alive(far_dir)  # another host: its heartbeat is fresh
+    old = time.time() - STALE_AFTER_S - 10
+    os.utime(far_dir / "driver.json", (old, old))
+    assert not far.driver_alive(far_dir)
+    _, mine = _record(tmp_path, "mine")
+    assert not mine.driver_alive(tmp_path / "mine")  # this process trains one run at a time: its earlier record has ended
+
+
+def test_a_crashed_run_is_marked_failed_and_a_live_one_left_alone(tmp_path, capsys):
+    from mlflow import MlflowClient
+
+    from cluster.resume import claim_run, close_crashed_runs
+    from dmltrain.tracking.names import ERROR_TAG
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("e")
+    crashed, live = (client.create_run(exp, run_name=n).info.run_id for n in ("crashed", "live"))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        import psutil
+
+        _record(tmp_path, "crashed", pid=2**22 + 7, host=os.uname().nodename, run_id=crashed, uri=uri)  # no such pid
+        _record(tmp_path, "live", pid=sleeper.pid, pid_started=psutil.Process(sleeper.pid).create_time(), run_id=live, uri=uri)
+        _record(tmp_path, "resumed-now", pid=2**22 + 9, host=os.uname().nodename, run_id=None, uri=uri)
+        close_crashed_runs(tmp_path, keep="resumed-now")
+        with pytest.raises(UserError, match=r"run live is being trained by another driver \(pid \d+ on "):
+            claim_run(tmp_path / "live", "live")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    run = client.get_run(crashed)
+    assert run.info.status == "FAILED" and "died without ending the run" in run.data.tags[ERROR_TAG]
+    assert client.get_run(live).info.status == "RUNNING"
+    err = capsys.readouterr().err
+    assert "run crashed: the driver (pid" in err and "dmltrain train /cfg/a.yaml --resume crashed" in err and "resumed-now" not in err
+    from cluster.run_records import RunRecord
+
+    assert RunRecord.read(tmp_path / "crashed").status == "FAILED" and RunRecord.read(tmp_path / "resumed-now").status == "RUNNING"
+
+
+def test_resume_picks_the_latest_run_of_the_config(tmp_path):
+    from cluster.resume import resolve_run_name
+    from dmltrain.config import load_config
+
+    cfg = load_config(None, [])
+    _record(tmp_path, "a-old", config="/cfg/a.yaml", started=100.0)
+    _record(tmp_path, "a-new", config="/cfg/a.yaml", started=200.0)
+    _record(tmp_path, "b-newest", config="/cfg/b.yaml", started=300.0)
+    root = str(tmp_path)
+    assert resolve_run_name(cfg, root, "/cfg/a.yaml", "") == "a-new"
+    assert resolve_run_name(cfg, root, "/cfg/a.yaml", "a-old") == "a-old"
+    assert resolve_run_name(cfg, root, "/cfg/a.yaml", None) is None  # no --resume: a new run
+    with pytest.raises(UserError, match="--resume: no earlier run of /cfg/c.yaml in"):
+        resolve_run_name(cfg, root, "/cfg/c.yaml", "")
+    with pytest.raises(UserError, match="--resume gone: no run of that name in"):
+        resolve_run_name(cfg, root, "/cfg/a.yaml", "gone")
+    with pytest.raises(UserError, match="not a run name"):
+        resolve_run_name(cfg, root, "/cfg/a.yaml", "../a-new")
+    named = load_config(None, ["train.run_name=a-old"])
+    with pytest.raises(UserError, match="train.run_name is a-old"):
+        resolve_run_name(named, root, "/cfg/a.yaml", "a-new")
+    assert resolve_run_name(named, root, "/cfg/a.yaml", "") == "a-old"
