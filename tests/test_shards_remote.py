@@ -322,3 +322,22 @@ def test_file_urls_are_local_paths(local):
     assert not m.location.remote and m.split("train").shards[0].path.is_file()
     assert np.array_equal(m.split("train").group_table().offset, Manifest.load(local).split("train").group_table().offset)
     assert os.fspath(m.root) == str(local.resolve())
+
+
+def test_drivers_take_a_url_for_data_shards(s3, local, uploaded, tmp_path, monkeypatch):
+    """The launcher's up-front checks and a study's shard table keep ``data.shards`` a URL (no local folder)."""
+    from cluster.launch import check_outputs
+    from cluster.study import prepare_shards
+    from dmltrain.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    over = [f"data.shards={uploaded}", f"data.storage_options.endpoint_url={s3.endpoint}", f"train.output_dir={tmp_path / 'runs'}",
+            "data.eval_splits=[test]"]
+    cfg = load_config(None, [*over, "data.synthetic=null"])
+    check_outputs(cfg)
+    assert prepare_shards(cfg, None, progress=False) == {Manifest.load(local).split("train").num_classes: uploaded}
+    synthetic = load_config(None, [*over, "data.synthetic.classes=24", "data.synthetic.per_class=4"])
+    check_outputs(synthetic)
+    with pytest.raises(UserError, match="is a URL"):
+        prepare_shards(synthetic, [4, 8], progress=False)
+    assert list(tmp_path.iterdir()) == []
