@@ -38,6 +38,7 @@ from dmltrain.fileio import check_output_dir
 from dmltrain.text import safe_name
 from dmltrain.tracking.names import ERROR_TAG, STORAGE_DIR_TAG
 from dmltrain.tracking.run import RunHandle
+from shards.storage import is_url, location_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,16 +136,17 @@ def check_outputs(cfg: Config) -> None:
     root = storage_root(cfg)
     if "://" not in root:
         check_output_dir(root, "cluster.storage_path" if cfg.cluster.storage_path else "train.output_dir")
-    if cfg.data.synthetic is not None and not (Path(cfg.data.shards) / "manifest.json").exists():
-        check_output_dir(cfg.data.shards, "data.shards")
+    shards = location_of(cfg.data)
+    if cfg.data.synthetic is not None and not shards.remote and not (shards.path / "manifest.json").exists():
+        check_output_dir(shards.path, "data.shards")  # a URL is written through its SDK: nothing local to check
 
 
 def prepare_data(cfg: Config) -> None:
     """Build synthetic shards if configured and missing; then check the shards and splits exist."""
     from shards.manifest import Manifest
 
-    shards_dir = Path(cfg.data.shards)
-    if cfg.data.synthetic is not None and not (shards_dir / "manifest.json").exists():
+    shards_dir = location_of(cfg.data)  # a local folder or a URL
+    if cfg.data.synthetic is not None and shards_dir.size("manifest.json") is None:
         from shards.synthetic import build_synthetic_shards
 
         s = cfg.data.synthetic
@@ -189,7 +191,8 @@ def user_error_in(error: BaseException | None) -> UserError | None:
 
 def absolutize(cfg: Config) -> Config:
     """Paths made absolute: Ray workers run in another working directory."""
-    data = cfg.data.model_copy(update={"shards": str(Path(cfg.data.shards).expanduser().resolve())})
+    shards = cfg.data.shards if is_url(cfg.data.shards) else str(Path(cfg.data.shards).expanduser().resolve())
+    data = cfg.data.model_copy(update={"shards": shards})
     train = cfg.train
     if train.deepspeed_config:
         train = train.model_copy(update={"deepspeed_config": str(Path(train.deepspeed_config).resolve())})

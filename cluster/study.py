@@ -66,6 +66,7 @@ from dmltrain.tracking.names import (
 from dmltrain.tracking.queries import history
 from dmltrain.tracking.run import RunHandle
 from shards.manifest import Manifest
+from shards.storage import is_url, location_of
 from shards.synthetic import build_synthetic_shards
 
 STAT_KEYS = {  # column -> (MLflow metric, how its history is summarised)
@@ -162,11 +163,15 @@ def prepare_shards(cfg, classes: list[int] | None, progress: bool = True) -> dic
     s = cfg.data.synthetic
     if not classes or s is None:
         prepare_data(cfg)  # the config's own shards (built when synthetic and missing) and its splits
-        own = Manifest.load(cfg.data.shards).split(cfg.data.train_split).num_classes
+        shards = location_of(cfg.data)  # a local folder or a URL
+        own = Manifest.load(shards).split(cfg.data.train_split).num_classes
         if classes and classes != [own]:
             raise UserError(f"--classes: {cfg.data.shards} is a dataset with {own} train classes; other class counts need a "
                             "synthetic config (data.synthetic)")
-        return {own: str(Path(cfg.data.shards).expanduser().resolve())}
+        return {own: shards.root if shards.remote else str(shards.path.resolve())}
+    if is_url(cfg.data.shards):
+        raise UserError(f"--classes: synthetic shards for other class counts are built beside data.shards on local disk; "
+                        f"{cfg.data.shards} is a URL")
     out = {}
     for n in classes:
         d = synthetic_shards_dir(cfg, n)

@@ -24,6 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from dmltrain.config_tree import apply_overrides, flatten, read_tree
 from dmltrain.errors import ConfigError
 from shards.sampler import batch_shape
+from shards.storage import RemoteSettings, check_storage_options
+
+_REMOTE = RemoteSettings()
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # a folder name: no separators, no leading dot
 
@@ -135,8 +138,25 @@ class AugmentConfig(Section):
         return (-abs(r), abs(r)) if isinstance(r, (int, float)) else (float(r[0]), float(r[1]))
 
 
+class RemoteConfig(Section):
+    """Reading shards from a URL (``data.shards`` = ``s3://``, ``gs://``, ``https://``, ...); local paths ignore it."""
+
+    requests_in_flight: int = Field(_REMOTE.requests_in_flight, ge=1, le=1024, description="ranged GETs in flight per loader process")
+    request_mb: float = Field(_REMOTE.request_mb, gt=0, le=1024, description="largest ranged GET; with requests_in_flight, the memory bound")
+    timeout_s: float = Field(_REMOTE.timeout_s, gt=0, description="time limit of one request; past it, it is retried")
+    retries: int = Field(_REMOTE.retries, ge=0, le=100, description="retries after a timeout, 5xx, throttling, dropped or truncated response")
+    cache: bool = Field(_REMOTE.cache, description="keep whole shards on local disk (remote URLs only; local paths are never cached)")
+    cache_dir: str = Field(_REMOTE.cache_dir, description="the shard cache, shared by the processes of a machine")
+    cache_gb: float = Field(_REMOTE.cache_gb, gt=0, description="size bound of the cache; least recently used shards go first")
+
+
 class DataConfig(Section):
-    shards: str = Field("data/synthetic-200", description="directory holding manifest.json and the tar shards")
+    shards: str = Field("data/synthetic-200", description="folder holding manifest.json and the tar shards: a path or a URL (s3://, gs://, https://)")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec options of a URL: endpoint_url, anon, client_kwargs.region_name, ...; credentials come from the environment",
+    )
+    remote: RemoteConfig = Field(default_factory=RemoteConfig)
     train_split: str = "train"
     eval_splits: list[str] = Field(default_factory=lambda: ["test"], description="['test'], or ['query', 'gallery'] for In-Shop")
     sampler: Literal["pk", "random"] = Field("pk", description="class-balanced P×K batches, or plain random batches")
@@ -164,6 +184,11 @@ class DataConfig(Section):
             if isinstance(v, dict) and old in v:
                 raise ValueError(f"data.{old}: moved to data.{new} (same meaning)")
         return v
+
+    @field_validator("storage_options")
+    @classmethod
+    def _no_secrets(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return check_storage_options(v)
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:

@@ -147,14 +147,15 @@ class TrainBatchDataset(IterableDataset):
     def __iter__(self):
         wid, nw = _worker_slice()
         reader = GroupReader(self.split, self.table)
+        mine = ((b, p) for b, p in self.planner.batches(self.epoch, self.rank, self.start) if (b - self.start) % nw == wid)
         try:
-            for b, pieces in self.planner.batches(self.epoch, self.rank, self.start):
-                if (b - self.start) % nw == wid:
-                    t = self.transform
-                    yield build_batch(
-                        reader, pieces, t, seed=self.seed, epoch=self.epoch, rank=self.rank, batch=b, image_size=t.size,
-                        channels=t.channels, dtype=t.dtype,
-                    )
+            for b, pieces in reader.read_ahead(mine):
+                t = self.transform
+                out = build_batch(
+                    reader, pieces, t, seed=self.seed, epoch=self.epoch, rank=self.rank, batch=b, image_size=t.size,
+                    channels=t.channels, dtype=t.dtype,
+                )
+                yield {**out, "io": reader.take_io()}
         finally:
             reader.close()
 
@@ -169,16 +170,19 @@ class EvalBatchDataset(IterableDataset):
         wid, nw = _worker_slice()
         reader = GroupReader(self.split, self.table)
         starts = self.table.start
-        try:
+        def mine():
             for b, (lo, hi) in enumerate(self.ranges):
-                if b % nw != wid:
-                    continue
-                pos = np.arange(lo, hi, dtype=np.int64)
-                groups = np.searchsorted(starts, pos, side="right") - 1
-                pieces = [Piece(int(g), int(self.table.label[g]), (int(p - starts[g]),)) for g, p in zip(groups, pos)]
+                if b % nw == wid:
+                    pos = np.arange(lo, hi, dtype=np.int64)
+                    groups = np.searchsorted(starts, pos, side="right") - 1
+                    yield b, [Piece(int(g), int(self.table.label[g]), (int(p - starts[g]),)) for g, p in zip(groups, pos)]
+
+        try:
+            for b, pieces in reader.read_ahead(mine()):
                 t = self.transform
-                yield build_batch(
+                out = build_batch(
                     reader, pieces, t, seed=0, epoch=0, rank=0, batch=b, image_size=t.crop, channels=t.channels, substitute=False
                 )
+                yield {**out, "io": reader.take_io()}
         finally:
             reader.close()

@@ -5,8 +5,10 @@ seed gives the same shards), each class's images in index order. Labels are cont
 the sorted original class ids of the split's label space. Images that cannot be read are
 skipped and listed in the manifest (``strict`` stops at the first one instead).
 
-The manifest is written last and atomically: a directory without ``manifest.json`` is an
-unfinished build, and readers refuse it.
+The output may be a local folder or a URL (``s3://bucket/prefix``, ``gs://...``): shards are
+uploaded as they are finished (:mod:`shards.publish`). The manifest is written last and atomically:
+a folder without ``manifest.json`` is an unfinished build, and readers refuse it; ``resume``
+finishes one, keeping the shards already in place with the right checksum.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import sys
 import time
 import zlib
@@ -27,10 +28,11 @@ from typing import Any
 import numpy as np
 
 from dmltrain.errors import UserError
-from dmltrain.fileio import write_text
 from shards.ingest import ingest_file, load_or_skip
 from shards.layouts import Entry, Layout, class_sort_key, read_layout
-from shards.manifest import FORMAT, MANIFEST_NAME, VERSION, Manifest
+from shards.manifest import FORMAT, MANIFEST_NAME, VERSION
+from shards.publish import Publisher
+from shards.storage import Location, open_location
 from shards.writer import SplitWriter
 
 # below this many images a build runs in-process: a pool costs more than it saves
@@ -48,9 +50,10 @@ class SplitResult:
 
 @dataclass
 class BuildResult:
-    out_dir: Path
+    out_dir: Path | str  # a local folder, or the URL built to
     splits: dict[str, SplitResult]
     seconds: float
+    uploads: str | None = None  # for a URL: the uploads (and shards kept by --resume)
 
     def summary_lines(self) -> list[str]:
         lines = []
@@ -63,13 +66,15 @@ class BuildResult:
         for s in skipped[:10]:
             lines.append(f"  skipped {s['path']}: {s['reason']}")
         if len(skipped) > 10:
-            lines.append(f"  ... and {len(skipped) - 10} more skipped (listed in {self.out_dir / MANIFEST_NAME})")
+            lines.append(f"  ... and {len(skipped) - 10} more skipped (listed in {self.out_dir}/{MANIFEST_NAME})")
         total_images = sum(r.images for r in self.splits.values())
         total_bytes = sum(r.bytes for r in self.splits.values())
         lines.append(
             f"wrote {total_images:,} images in {sum(r.shards for r in self.splits.values())} shards "
             f"({total_bytes / 1e6:,.1f} MB) to {self.out_dir} in {self.seconds:.1f}s; {len(skipped)} skipped"
         )
+        if self.uploads:
+            lines.append(self.uploads)
         return lines
 
 
@@ -90,54 +95,6 @@ def manifest_json(obj: Any, level: int = 0) -> str:
     if isinstance(obj, (list, tuple)) and obj:
         return "[\n" + ",\n".join(pad + manifest_json(v, level + 1) for v in obj) + "\n" + " " * level + "]"
     return json.dumps(obj)
-
-
-def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
-    """Atomically write the manifest as indented JSON with number lists on one line (see :func:`manifest_json`)."""
-    write_text(path, manifest_json(manifest) + "\n")
-
-
-# what a build writes: <split>-NNNNNN.tar shards, and hidden temporaries while it runs (atomic_path)
-SHARD_NAME = re.compile(r"[A-Za-z0-9_.]+-\d{6}\.tar")
-TEMPORARY_NAME = re.compile(r"\.([A-Za-z0-9_.]+-\d{6}\.tar|manifest\.json)\..+\.tmp")
-
-
-def prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
-    """Refuse a non-empty directory unless ``overwrite``; then remove the previous build: its manifest, the
-    shards that manifest lists, and a build's leftover temporaries. Nothing else in the folder is touched.
-
-    A file that looks like a shard (``<split>-NNNNNN.tar``) but is not listed by the manifest being
-    replaced (or is left with no manifest at all, by an interrupted build or someone else) could be
-    overwritten by the new build: it is refused, with one line naming it, before anything is removed.
-    """
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"{out_dir}: exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        if not overwrite:
-            raise UserError(f"{out_dir}: directory is not empty (pass --overwrite to replace the shards in it)")
-        listed: set[str] = set()
-        if (out_dir / MANIFEST_NAME).exists():
-            try:
-                old = Manifest.load(out_dir)
-            except UserError as e:
-                raise UserError(f"--overwrite: {e}; cannot tell which files are its shards, so nothing was removed "
-                                "(remove them yourself or choose another --out)") from None
-            listed = {sh.file for name in old.splits for sh in old.split(name).shards}
-        for p in sorted(out_dir.iterdir()):
-            if SHARD_NAME.fullmatch(p.name) and p.name not in listed:
-                why = "not listed by its manifest.json" if listed else "no manifest.json lists it (an interrupted build's shard, or not a shard)"
-                raise UserError(f"{p}: {why}; the new build could overwrite it, so nothing was removed "
-                                "(move or remove it yourself, or choose another --out)")
-        # the manifest goes first: from here on the directory reads as an unfinished build
-        (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
-        for name in sorted(listed):
-            path = out_dir / name
-            if path.is_file() or path.is_symlink():
-                path.unlink()
-        for p in out_dir.iterdir():
-            if TEMPORARY_NAME.fullmatch(p.name) and p.is_file():
-                p.unlink()
-    out_dir.mkdir(parents=True, exist_ok=True)
 
 
 def check_disjoint_classes(layout: Layout, allow_shared: bool = False) -> list[str]:
@@ -173,7 +130,7 @@ def _split_seed(seed: int, split: str) -> np.random.Generator:
 
 
 def build_shards(
-    out_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str] | Location,
     layout: Layout,
     *,
     load: Callable[[Any], tuple[bytes, str]],
@@ -186,21 +143,41 @@ def build_shards(
     progress: bool = True,
     options: dict[str, Any] | None = None,
     allow_shared_classes: bool = False,
+    resume: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> BuildResult:
-    """Write every split of ``layout`` to ``out_dir``.
+    """Write every split of ``layout`` to ``out_dir`` (a local folder, or a URL with ``storage_options``).
 
     ``args[split][i]`` is what ``load`` (a picklable function) turns into ``(bytes, extension)``
     for ``layout.splits[split][i]``; it raises :class:`SkipImage` for an unusable image.
     Splits in different label spaces must not share an original class id
     (:func:`check_disjoint_classes`; checked before anything in ``out_dir`` is touched).
+    ``overwrite`` replaces a previous build, ``resume`` finishes an interrupted one (:mod:`shards.publish`).
     """
-    from tqdm import tqdm
-
-    out_dir = Path(out_dir).expanduser()
+    out = open_location(out_dir, storage_options)
     if shard_size < 1:
         raise UserError(f"--shard-size: must be at least 1, got {shard_size}")
     shared = check_disjoint_classes(layout, allow_shared_classes)
-    prepare_out_dir(out_dir, overwrite)
+    with Publisher(out, overwrite=overwrite, resume=resume) as publisher:
+        publisher.prepare()
+        splits_json, results, t0 = _write_splits(publisher, layout, shard_size, seed, workers, strict, progress, load, args)
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "layout": layout.name,
+            "source": layout.root,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "options": {"shard_size": shard_size, "seed": seed, **(options or {}), **({"shared_classes": len(shared)} if shared else {})},
+            "splits": {name: splits_json[name] for name in layout.splits},
+        }
+        publisher.finish(manifest_json(manifest) + "\n")
+    shown = out.root if out.remote else out.path
+    return BuildResult(shown, {name: results[name] for name in layout.splits}, time.perf_counter() - t0, publisher.summary())
+
+
+def _write_splits(publisher: Publisher, layout: Layout, shard_size, seed, workers, strict, progress, load, args):
+    from tqdm import tqdm
+
     workers = max(1, workers if workers is not None else min(8, os.cpu_count() or 1))
     total = sum(len(v) for v in layout.splits.values())
     pool = None
@@ -221,7 +198,7 @@ def build_shards(
                 entries = layout.splits[split]
                 bar = tqdm(total=len(entries), desc=split, unit="img", file=sys.stderr, disable=not progress, dynamic_ncols=True)
                 res, sj = _write_split(
-                    out_dir, split, entries, args[split], mapping, load=load, pool=pool, shard_size=shard_size,
+                    publisher, split, entries, args[split], mapping, load=load, pool=pool, shard_size=shard_size,
                     rng=_split_seed(seed, split), strict=strict, bar=bar,
                 )
                 sj["label_space"] = list(space)
@@ -231,21 +208,10 @@ def build_shards(
         if pool is not None:
             pool.terminate()
             pool.join()
-    manifest = {
-        "format": FORMAT,
-        "version": VERSION,
-        "layout": layout.name,
-        "source": layout.root,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "options": {"shard_size": shard_size, "seed": seed, **(options or {}), **({"shared_classes": len(shared)} if shared else {})},
-        "splits": {name: splits_json[name] for name in layout.splits},
-    }
-    write_manifest(out_dir / MANIFEST_NAME, manifest)
-    Manifest.load(out_dir)  # the reader's own check of what was just written
-    return BuildResult(out_dir, {name: results[name] for name in layout.splits}, time.perf_counter() - t0)
+    return splits_json, results, t0
 
 
-def _write_split(out_dir, split, entries: list[Entry], args, mapping, *, load, pool, shard_size, rng, strict, bar):
+def _write_split(publisher: Publisher, split, entries: list[Entry], args, mapping, *, load, pool, shard_size, rng, strict, bar):
     by_label: dict[int, list[int]] = {}
     for i, e in enumerate(entries):
         by_label.setdefault(mapping[e.class_id], []).append(i)
@@ -256,7 +222,7 @@ def _write_split(out_dir, split, entries: list[Entry], args, mapping, *, load, p
     results = pool.imap(job, (args[i] for i in sequence), chunksize=8) if pool is not None else map(job, (args[i] for i in sequence))
     res = SplitResult()
     class_counts = [0] * len(mapping)
-    with bar, SplitWriter(out_dir, split, shard_size) as writer:
+    with bar, SplitWriter(publisher.staging, split, shard_size, on_shard=publisher.shard_done) as writer:
         it = iter(results)
         for label in order:
             label = int(label)
@@ -302,6 +268,8 @@ def build_layout(
     overwrite: bool = False,
     progress: bool = True,
     allow_shared_classes: bool = False,
+    resume: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> BuildResult:
     """``dmltrain shards build --layout NAME --root ROOT --out DIR``: shards from an official layout or a folder tree."""
     if resize is not None and resize < 8:
@@ -312,4 +280,5 @@ def build_layout(
     return build_shards(
         out_dir, layout, load=load, args=args, shard_size=shard_size, seed=seed, workers=workers,
         strict=strict, overwrite=overwrite, progress=progress, options={"resize": resize}, allow_shared_classes=allow_shared_classes,
+        resume=resume, storage_options=storage_options,
     )

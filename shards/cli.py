@@ -8,6 +8,8 @@ import sys
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
 from shards.layouts import LAYOUTS
+from shards.retries import IOStats
+from shards.storage import Location, add_storage_option, parse_storage_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,13 +22,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--layout", required=True, choices=LAYOUTS, help="dataset layout of --root (synthetic: generated)")
     b.add_argument("--root", help="dataset root (the folder holding the index files); not for synthetic")
-    b.add_argument("--out", required=True, help="output directory for the shards and manifest.json")
+    b.add_argument("--out", required=True, help="output folder for the shards and manifest.json: a path, or a URL (s3://bucket/prefix, gs://...)")
     b.add_argument("--shard-size", type=int, default=2000, help="samples per shard (default 2000)")
     b.add_argument(
         "--resize", type=int, default=None, metavar="S", help="re-encode as JPEG with the shorter side at most S (default: store bytes as they are)"
     )
     b.add_argument("--strict", action="store_true", help="stop at the first unreadable image instead of skipping it")
     b.add_argument("--overwrite", action="store_true", help="replace the shards of a non-empty --out")
+    b.add_argument("--resume", action="store_true",
+                   help="finish an interrupted build in --out (same command): shards already there with the right checksum are kept")
     b.add_argument(
         "--allow-shared-classes", action="store_true",
         help="build even when a class id is in both train and an evaluation split (refused by default: retrieval needs disjoint classes)",
@@ -37,18 +41,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--per-class", type=int, help="synthetic: images per class")
     b.add_argument("--image-size", type=int, default=64, help="synthetic: image side in pixels (default 64)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_storage_option(b)
     i = sub.add_parser(
         "inspect",
         help="print a shard directory's summary and verify checksums",
         description="Print the manifest summary and verify every shard's SHA-256; exits 1 naming the first bad shard.",
     )
-    i.add_argument("dir", help="shard directory (holding manifest.json)")
+    i.add_argument("dir", help="shard folder (holding manifest.json): a path or a URL")
     i.add_argument("--no-verify", action="store_true", help="only print the summary")
     i.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_storage_option(i)
 
 
 def _build(args: argparse.Namespace) -> int:
-    check_output_dir(args.out, "--out")
+    opts = parse_storage_options(args.storage_option)
+    out = Location(args.out, opts)
+    if not out.remote:  # a URL's shards are staged in the temporary folder, a few at a time
+        check_output_dir(out.path, "--out")
     if args.layout == "synthetic":
         if args.root:
             raise UserError("--root: not used with --layout synthetic (the images are generated)")
@@ -61,7 +70,7 @@ def _build(args: argparse.Namespace) -> int:
 
         result = build_synthetic_shards(
             args.out, args.classes, args.per_class, args.image_size, args.seed, shard_size=args.shard_size,
-            overwrite=args.overwrite, workers=args.workers, progress=not args.quiet,
+            overwrite=args.overwrite, workers=args.workers, progress=not args.quiet, resume=args.resume, storage_options=opts,
         )
     else:
         if not args.root:
@@ -74,7 +83,7 @@ def _build(args: argparse.Namespace) -> int:
         result = build_layout(
             args.layout, args.root, args.out, shard_size=args.shard_size, resize=args.resize, seed=args.seed,
             workers=args.workers, strict=args.strict, overwrite=args.overwrite, progress=not args.quiet,
-            allow_shared_classes=args.allow_shared_classes,
+            allow_shared_classes=args.allow_shared_classes, resume=args.resume, storage_options=opts,
         )
     print("\n".join(result.summary_lines()))
     return 0
@@ -83,7 +92,7 @@ def _build(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from shards.manifest import Manifest
 
-    m = Manifest.load(args.dir)
+    m = Manifest.load(args.dir, parse_storage_options(args.storage_option))
     summary = m.summary()
     if args.json:
         import json
@@ -99,7 +108,10 @@ def _inspect(args: argparse.Namespace) -> int:
             )
     if args.no_verify:
         return 0
-    problems = m.verify(progress=sys.stderr.isatty())
+    stats = IOStats()
+    problems = m.verify(progress=sys.stderr.isatty(), stats=stats)
+    if m.location.remote and stats.retries:
+        print(f"remote reads: {stats.counts['requests']} requests, {stats.retries} retried after transient errors", file=sys.stderr)
     if problems:
         for p in problems:
             print(f"BAD {p}", file=sys.stderr)

@@ -9,6 +9,9 @@ images skipped at build time. The group table has one row per class per shard it
 
 Splits that share a label space (In-Shop ``query`` and ``gallery``) carry the same mapping,
 built over their union, so an item has the same label in both.
+
+The folder may be a URL (:mod:`shards.storage`): the manifest is then fetched, and shard file names
+stay confined to the URL's prefix as they do to a local folder.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from dmltrain.errors import UserError
+from shards.retries import IOStats
+from shards.storage import Location, is_url, open_location, read_chunks
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "dmltrain-shards"
@@ -35,7 +40,18 @@ class ShardInfo:
     bytes: int
     sha256: str
     groups: list[list[int]]  # [label, count, offset, length] per class group
-    path: Path  # absolute
+    url: str  # where it is: an absolute local path, or the URL of a remote folder's shard
+
+    @property
+    def remote(self) -> bool:
+        return is_url(self.url)
+
+    @property
+    def path(self) -> Path:
+        """The local file (a remote shard has none: use :attr:`url`)."""
+        if self.remote:
+            raise ValueError(f"{self.url}: a remote shard, not a local file")
+        return Path(self.url)
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,7 @@ class SplitInfo:
     shards: list[ShardInfo]
     label_space: list[str]  # the splits sharing this mapping
     skipped: list[dict[str, str]] = field(default_factory=list)
+    location: Location | None = None  # the shard folder (how readers reach the shards); None: a local folder
 
     @property
     def bytes(self) -> int:
@@ -86,9 +103,10 @@ class SplitInfo:
 class Manifest:
     """A loaded ``manifest.json``; :meth:`load` checks it and names the file in every error."""
 
-    def __init__(self, root: Path, data: dict[str, Any]):
-        self.root = root
-        self.path = root / MANIFEST_NAME
+    def __init__(self, root: Path | str, data: dict[str, Any], location: Location | None = None):
+        self.location = location if location is not None else open_location(root)
+        self.root: Path | str = Path(root) if not self.location.remote else self.location.root
+        self.path: Path | str = self.root / MANIFEST_NAME if isinstance(self.root, Path) else self.location.url(MANIFEST_NAME)
         self.data = data
         self._splits: dict[str, SplitInfo] = {}
         files: dict[str, str] = {}
@@ -102,8 +120,9 @@ class Manifest:
                     if file in files:
                         raise ValueError(f"{where}.file: {file!r} is also listed at {files[file]}")
                     files[file] = where
+                    url = self.location.url(file) if self.location.remote else str(self.root / file)
                     info_sh = ShardInfo(file, int(sh["samples"]), int(sh["bytes"]), str(sh["sha256"]),
-                                        [list(map(int, g)) for g in sh["groups"]], root / file)
+                                        [list(map(int, g)) for g in sh["groups"]], url)
                     _check_shard(info_sh, num_labels, where)
                     shards.append(info_sh)
                 info = SplitInfo(
@@ -116,6 +135,7 @@ class Manifest:
                     shards=shards,
                     label_space=list(s.get("label_space", [name])),
                     skipped=list(s.get("skipped", [])),
+                    location=self.location,
                 )
                 _check_labels(info)
                 if sum(sh.samples for sh in shards) != info.num_images or sum(g[1] for sh in shards for g in sh.groups) != info.num_images:
@@ -127,22 +147,41 @@ class Manifest:
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
-    def load(cls, shard_dir: str | Path) -> Manifest:
-        root = Path(shard_dir).expanduser()
-        path = root / MANIFEST_NAME
-        if not root.is_dir():
-            raise UserError(f"{root}: shard directory not found")
-        if not path.is_file():
-            raise UserError(f"{path}: not found (build shards with `dmltrain shards build`; an interrupted build leaves no manifest)")
+    def load(cls, shard_dir: str | Path | Location, storage_options: dict[str, Any] | None = None, remote: Any = None) -> Manifest:
+        """The manifest of a shard folder: a local path, or a URL read with ``storage_options`` and ``remote``
+        settings (:func:`shards.storage.open_location`). Every problem is a :class:`UserError` naming the file."""
+        loc = open_location(shard_dir, storage_options, remote)
+        if loc.remote:
+            path = loc.url(MANIFEST_NAME)
+            try:
+                raw = loc.read_bytes(MANIFEST_NAME)
+            except FileNotFoundError:
+                raise UserError(f"{path}: not found (build shards with `dmltrain shards build`; an interrupted build leaves no manifest)") from None
+            except OSError as e:
+                raise UserError(f"{path}: unreadable manifest ({e})") from None
+            root: Path | str = loc.root
+        else:
+            root = loc.path
+            path = root / MANIFEST_NAME
+            if not root.is_dir():
+                raise UserError(f"{root}: shard directory not found")
+            if not path.is_file():
+                raise UserError(f"{path}: not found (build shards with `dmltrain shards build`; an interrupted build leaves no manifest)")
+            try:
+                raw = path.read_bytes()
+            except OSError as e:
+                raise UserError(f"{path}: unreadable manifest ({e})") from None
+            root = root.resolve()
+            loc = open_location(root, loc.storage_options, loc.settings)
         try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise UserError(f"{path}: unreadable manifest ({e})") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise UserError(f"{path}: not a {FORMAT} manifest (format key is {data.get('format') if isinstance(data, dict) else None!r})")
         if int(data.get("version", 0)) > VERSION:
             raise UserError(f"{path}: manifest version {data.get('version')} is newer than this dmltrain reads ({VERSION})")
-        return cls(root.resolve(), data)
+        return cls(root, data, loc)
 
     # -- queries ----------------------------------------------------------------------------
     @property
@@ -180,8 +219,9 @@ class Manifest:
             },
         }
 
-    def verify(self, progress: bool = False) -> list[str]:
-        """Re-hash every shard; one problem line per missing, resized or altered shard (empty: all good)."""
+    def verify(self, progress: bool = False, stats: IOStats | None = None) -> list[str]:
+        """Re-hash every shard (a remote one streamed by ranged GETs); one problem line per missing, resized or
+        altered shard (empty: all good). ``stats`` counts the remote requests and retries."""
         shards = [sh for s in self._splits.values() for sh in s.shards]
         bar = None
         if progress:
@@ -189,27 +229,41 @@ class Manifest:
 
             bar = tqdm(total=sum(sh.bytes for sh in shards), unit="B", unit_scale=True, desc="verify", leave=False)
         problems = []
+        loc = self.location
         for sh in shards:
-            if not sh.path.is_file():
-                problems.append(f"{sh.path}: shard missing")
+            try:
+                size = loc.size(sh.file, stats)
+            except OSError as e:
+                problems.append(f"{sh.url}: cannot read ({e})")
                 continue
-            size = sh.path.stat().st_size
+            if size is None:
+                problems.append(f"{sh.url}: shard missing")
+                continue
             if size != sh.bytes:
-                problems.append(f"{sh.path}: size {size} bytes, manifest says {sh.bytes}")
+                problems.append(f"{sh.url}: size {size} bytes, manifest says {sh.bytes}")
                 if bar is not None:
                     bar.update(sh.bytes)
                 continue
             h = hashlib.sha256()
-            with open(sh.path, "rb") as f:
-                while chunk := f.read(1 << 20):
+            try:
+                for chunk in read_chunks(loc, sh.file, size, stats) if loc.remote else _local_chunks(sh.path):
                     h.update(chunk)
                     if bar is not None:
                         bar.update(len(chunk))
+            except OSError as e:
+                problems.append(f"{sh.url}: cannot read ({e})")
+                continue
             if h.hexdigest() != sh.sha256:
-                problems.append(f"{sh.path}: checksum mismatch (sha256 {h.hexdigest()[:16]}..., manifest {sh.sha256[:16]}...)")
+                problems.append(f"{sh.url}: checksum mismatch (sha256 {h.hexdigest()[:16]}..., manifest {sh.sha256[:16]}...)")
         if bar is not None:
             bar.close()
         return problems
+
+
+def _local_chunks(path: Path):
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            yield chunk
 
 
 def _shard_file(name: Any, where: str) -> str:
@@ -217,7 +271,8 @@ def _shard_file(name: Any, where: str) -> str:
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}.file: expected a file name, got {name!r}")
     parts = name.split("/")
-    if name.startswith("/") or "\\" in name or "\0" in name or ":" in parts[0] or any(p in ("", ".", "..") for p in parts):
+    odd = any(c in name for c in "\\\0%?#") or any(ord(c) < 32 for c in name)  # %, ?, # would change a URL's path
+    if name.startswith("/") or odd or ":" in parts[0] or any(p in ("", ".", "..") for p in parts):
         raise ValueError(f"{where}.file: {name!r} is not a plain file name inside the shard folder")
     return name
 

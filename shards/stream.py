@@ -52,6 +52,7 @@ from dmltrain.errors import UserError
 from shards.batch_decoding import EvalBatchDataset, TrainBatchDataset
 from shards.device_decoding import EncodedImages, EncodedTransform
 from shards.manifest import Manifest, SplitInfo
+from shards.retries import RETRY_KINDS, IOStats
 from shards.sampler import PLAN_VERSION, EpochPlanner, Piece, batch_shape, eval_batch_ranges, plan_digest
 from shards.transforms import EvalTransform, TrainTransform, normalize_batch
 
@@ -91,9 +92,12 @@ class _SkipLog:
     def __init__(self):
         self.count = 0
         self.lines = 0
+        self.io: dict[str, int] = {}  # remote requests, bytes, retries by kind (shards.retries.IOStats), all loader processes
 
     def add(self, batch: dict[str, Any]) -> None:
         self.count += int(batch["skipped"])
+        for k, v in batch.get("io", {}).items():
+            self.io[k] = self.io.get(k, 0) + int(v)
         for note in batch["notes"]:
             if self.lines < self.MAX_LINES:
                 log.warning("skipped corrupt shard member %s", note)
@@ -169,13 +173,15 @@ class TrainStream:
         draft: bool = True,
         normalize: bool = True,
         decode: str = "cpu",
+        storage_options: dict[str, Any] | None = None,
+        remote: Any = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
         if decode not in ("cpu", "device") or (decode == "device" and normalize):
             raise ValueError(f"decode={decode!r}: choose 'cpu', or 'device' with normalize=False (the device decoder normalizes)")
         self.decode = decode
-        self.manifest = Manifest.load(shard_dir)
+        self.manifest = Manifest.load(shard_dir, storage_options, remote)
         self.split = self.manifest.split(split)
         try:
             shape = batch_shape(sampler, batch_size, samples_per_class, world_size)
@@ -228,12 +234,29 @@ class TrainStream:
             samples_per_class=d.samples_per_class, seed=cfg.train.seed, image_size=d.image_size, augment=d.augment,
             loader_workers=d.loader_workers if loader_workers is None else loader_workers,
             pin_memory=pin_memory, draft=draft, normalize=normalize, decode=decode,
+            storage_options=d.storage_options, remote=d.remote,
         )
 
     @property
     def skipped(self) -> int:
         """Corrupt or truncated members met so far (each replaced; counted per occurrence)."""
         return self._skips.count
+
+    @property
+    def remote(self) -> bool:
+        """Whether the shards are read from a URL (the same on every rank of a run)."""
+        return self.manifest.location.remote
+
+    def io_counts(self) -> dict[str, float]:
+        """Remote reads so far on this rank, all loader processes: ``requests``, ``bytes``, ``retries`` and
+        ``retries/<kind>`` (timeout, throttled, server_error, connection, truncated), ``failed``, ``cache_downloads``;
+        always the same keys in the same order (empty for local shards)."""
+        if not self.remote:
+            return {}
+        io = self._skips.io
+        out = {k: float(io.get(k, 0)) for k in IOStats.COUNTERS}
+        out["retries"] = float(sum(io.get(f"retries/{k}", 0) for k in RETRY_KINDS))
+        return out
 
     def plan_signature(self) -> dict[str, Any]:
         """Everything that decides which samples each (epoch, rank, batch) gets, as a JSON-ready dict.
@@ -310,6 +333,7 @@ class EvalBatches:
         self.rank, self.loader_workers, self.pin_memory, self.normalize = rank, loader_workers, pin_memory, normalize
         self.num_samples = info.num_images
         self.skipped = 0
+        self.io: dict[str, int] = {}  # remote requests and retries of the latest pass (shards.retries.IOStats keys)
 
     def __len__(self) -> int:
         return len(self.ranges)
@@ -321,7 +345,7 @@ class EvalBatches:
         pin = _pin_available(self.pin_memory)
         for item in _in_order(ds, self.loader_workers, 0, pin and not self.normalize):
             skips.add(item)
-            self.skipped = skips.count
+            self.skipped, self.io = skips.count, skips.io
             yield _deliver(item["images"], self.normalize, pin), item["labels"], item["index"]
         if self.skipped:
             log.warning(
@@ -343,6 +367,8 @@ def eval_batches(
     pin_memory: bool = False,
     draft: bool = True,
     normalize: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    remote: Any = None,
 ) -> EvalBatches:
     """``(images, labels, index)`` batches of ``rank``'s contiguous share of ``split`` (an :class:`EvalBatches`).
 
@@ -353,13 +379,13 @@ def eval_batches(
     the retrieval metrics): its batch comes out smaller, its index is absent, it is logged and
     counted in the returned object's ``skipped``. Images: shorter side to ``resize``, centre
     ``crop``, ``grayscale`` as in training (:class:`shards.transforms.EvalTransform`); otherwise
-    as in :class:`TrainStream` (``normalize``, ``pin_memory``).
+    as in :class:`TrainStream` (``normalize``, ``pin_memory``, and for a URL ``storage_options``, ``remote``).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world_size {world_size}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    manifest = Manifest.load(shard_dir)
+    manifest = Manifest.load(shard_dir, storage_options, remote)
     info = manifest.split(split)
     ranges = eval_batch_ranges(info.num_images, world_size, rank, batch_size)
     return EvalBatches(

@@ -21,7 +21,6 @@ import io
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -184,6 +183,8 @@ def build_synthetic_shards(
     *,
     workers: int | None = None,
     progress: bool = True,
+    resume: bool = False,
+    storage_options: dict | None = None,
 ):
     """Write synthetic train and test shards (``classes`` disjoint classes each, ``per_class`` images per class).
 
@@ -197,7 +198,7 @@ def build_synthetic_shards(
             raise UserError(f"{name}: must be at least {low} for --layout synthetic, got {value}")
     layout, jobs = synthetic_layout(classes, per_class, image_size, seed)
     return build_shards(
-        Path(out_dir), layout, load=render_jpeg, args=jobs, shard_size=shard_size, seed=seed, workers=workers,
-        overwrite=overwrite, progress=progress,
+        out_dir, layout, load=render_jpeg, args=jobs, shard_size=shard_size, seed=seed, workers=workers,
+        overwrite=overwrite, progress=progress, resume=resume, storage_options=storage_options,
         options={"synthetic": {"classes": classes, "per_class": per_class, "image_size": image_size, "seed": seed}},
     )

@@ -4,19 +4,24 @@ The manifest gives each class group's byte range in its shard (a class's samples
 contiguous there). :class:`GroupReader` reads such a range, or walks its ustar headers, and
 returns a sample's image bytes, never holding an index of all images. Where the bytes come
 from is one small interface, :class:`ByteSource` (``read(shard, offset, size)``, ``name``,
-``close``); :class:`LocalFiles` reads local or shared-file-system shards, and an object store
-would supply ranged GETs behind the same three methods.
+``close``); :class:`LocalFiles` reads local or shared-file-system shards, and
+:class:`shards.remote_reads.RemoteSource` ranged GETs from a URL (chosen by the split's location).
+:meth:`GroupReader.read_ahead` tells a source that can prefetch the byte ranges of the next batch
+while the current one decodes (a local source has nothing to gain and is not told).
 """
 
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO, Protocol
 
 import webdataset as wds
 
 from shards.ingest import IMAGE_EXTENSIONS
 from shards.manifest import GroupTable, SplitInfo
+from shards.remote_reads import RemoteSource
+from shards.sampler import Piece
 
 Sample = tuple[str, str, bytes]  # (key, image extension, image bytes)
 MemberTable = list[dict[str, tuple[int, int]]]  # per sample position: extension -> (data offset, size)
@@ -130,7 +135,10 @@ class GroupReader:
         source: ByteSource | None = None,
     ):
         self.split, self.table = split, table
-        self.source: ByteSource = source if source is not None else LocalFiles(split)
+        if source is None:
+            remote = split.location is not None and split.location.remote
+            source = RemoteSource(split) if remote else LocalFiles(split)
+        self.source: ByteSource = source
         self.whole_group_bytes, self.cache_bytes, self.cache_indexes = whole_group_bytes, cache_bytes, cache_indexes
         self._groups: dict[int, tuple[list[Sample | None], int]] = {}  # decoded small groups, LRU by bytes
         self._group_bytes = 0
@@ -142,6 +150,50 @@ class GroupReader:
         self._groups.clear()
         self._group_bytes = 0
         self._indexes.clear()
+
+    # -- reading ahead (sources that fetch remotely) --------------------------------------------
+    def ranges(self, pieces: Iterable[Piece]) -> list[tuple[int, int, int]]:
+        """``(shard, offset, size)`` byte ranges that :meth:`sample` will read for ``pieces``: a small group
+        not in memory whole, a large one's members when its member table is known, else (its first use)
+        the whole group, from which the member table is then walked without further reads."""
+        t, out = self.table, []
+        for p in pieces:
+            g = p.group
+            shard, off, length = int(t.shard[g]), int(t.offset[g]), int(t.length[g])
+            if length <= self.whole_group_bytes:
+                if g not in self._groups:
+                    out.append((shard, off, length))
+                continue
+            members = self._indexes.get(g)
+            if members is None:
+                out.append((shard, off, length))
+                continue
+            for pos in p.positions:
+                ext = _image_field(members[pos])
+                if ext is not None:
+                    out.append((shard, *members[pos][ext]))
+        return out
+
+    def read_ahead(self, batches: Iterable[tuple[int, list[Piece]]]) -> Iterator[tuple[int, list[Piece]]]:
+        """``batches`` unchanged; before each is handed out, a prefetching source is given the next one's ranges."""
+        prefetch = getattr(self.source, "prefetch", None)
+        it = iter(batches)
+        if prefetch is None:
+            yield from it
+            return
+        nxt = next(it, None)
+        if nxt is not None:
+            prefetch(self.ranges(nxt[1]))
+        while nxt is not None:
+            cur, nxt = nxt, next(it, None)
+            if nxt is not None:
+                prefetch(self.ranges(nxt[1]))
+            yield cur
+
+    def take_io(self) -> dict[str, int]:
+        """The source's request and retry counts since the last call (empty for local files)."""
+        stats = getattr(self.source, "stats", None)
+        return stats.take() if stats is not None else {}
 
     def shard_name(self, g: int) -> str:
         """The shard file holding group ``g``, as messages name it."""

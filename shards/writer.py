@@ -10,7 +10,8 @@ counts without an index of images.
 Each shard is written under a hidden temporary name (:func:`dmltrain.fileio.atomic_path`)
 and renamed when closed, so an interrupted build never leaves a partial ``*.tar``. The
 SHA-256 and size are computed while writing. Tar headers carry a fixed mtime, so the same
-input and seed give byte-identical shards.
+input and seed give byte-identical shards. ``on_shard(record, path)`` is called with each shard
+once it is complete under its final name (the build uploads it from there to a URL).
 
 A sample is ``KEY.<ext>`` (the image bytes), ``KEY.cls`` (the label as decimal text) and
 ``KEY.json`` (``label``, ``class_id``, ``path``, ``index``); ``KEY`` is the zero-padded index
@@ -23,6 +24,7 @@ import contextlib
 import hashlib
 import json
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,12 +83,13 @@ class SplitWriter:
     progress; finished shards stay (the manifest, written last, is what makes a build valid).
     """
 
-    def __init__(self, out_dir: str | Path, prefix: str, shard_size: int):
+    def __init__(self, out_dir: str | Path, prefix: str, shard_size: int, on_shard: Callable[[ShardRecord, Path], None] | None = None):
         if shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {shard_size}")
         self.out_dir = Path(out_dir)
         self.prefix = prefix
         self.shard_size = shard_size
+        self.on_shard = on_shard
         self.shards: list[ShardRecord] = []
         self.num_samples = 0
         self._stack: contextlib.ExitStack | None = None
@@ -126,6 +129,8 @@ class SplitWriter:
         self._stack.close()  # closes the file, then renames it into place
         self.shards.append(rec)
         self._tar = self._file = self._current = self._stack = None
+        if self.on_shard is not None:
+            self.on_shard(rec, self.out_dir / rec.file)
 
     # -- groups and samples ----------------------------------------------------------------
     def _end_group(self) -> None:

@@ -23,13 +23,14 @@ from typing import Any
 
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
+from shards.storage import Location, add_storage_option, location_of, parse_storage_options
 
 DEFAULT_KS = [1, 2, 4, 8]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", nargs="?", default=None, help="model file from save_model, or a folder holding model.pt ('-' or omitted with --embeddings)")
-    parser.add_argument("--shards", metavar="DIR", help="shard folder (default: the checkpoint config's data.shards)")
+    parser.add_argument("--shards", metavar="DIR|URL", help="shard folder, a path or a URL such as s3://bucket/sop (default: the checkpoint config's data.shards)")
     parser.add_argument("--split", metavar="SPLITS", help="'test' (self-retrieval) or 'query,gallery' (default: the config's data.eval_splits, else test)")
     parser.add_argument("--binary", action="store_true", help="also evaluate the sign bits by Hamming distance (binary/ metrics)")
     parser.add_argument("--ks", metavar="K,K,...", help="Recall@K cut-offs (default: the config's eval.ks, else 1,2,4,8)")
@@ -46,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="k-means seed for NMI")
     parser.add_argument("--allow-missing", action="store_true",
                         help="evaluate even when shard files are missing or samples unreadable (left out and counted; exit 0)")
+    add_storage_option(parser)  # added to the checkpoint config's data.storage_options
 
 
 def _parse_ks(text: str) -> list[int]:
@@ -93,18 +95,22 @@ def _device(text: str) -> str:
     return str(dev)
 
 
-def _check_shard_files(shards: str, splits: list[str], allow_missing: bool) -> None:
+def _check_shard_files(shards: Location, splits: list[str], allow_missing: bool) -> None:
     """Refuse (or, with ``--allow-missing``, warn about) shard files of ``splits`` that are not there."""
     from shards.manifest import Manifest
 
     manifest = Manifest.load(shards)
     for split in splits:
         info = manifest.split(split)
-        missing = [sh for sh in info.shards if not sh.path.is_file()]
+        try:
+            present = shards.sizes([sh.file for sh in info.shards])
+        except OSError as e:
+            raise UserError(f"{shards}: cannot check the shard files ({e})") from None
+        missing = [sh for sh in info.shards if present[sh.file] is None]
         if not missing:
             continue
         lost = sum(sh.samples for sh in missing)
-        what = f"{missing[0].path}: shard missing" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        what = f"{missing[0].url}: shard missing" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         what += f"; {lost} of the {info.num_images} samples of split '{split}' cannot be read"
         if not allow_missing:
             raise UserError(f"{what} (pass --allow-missing to evaluate without them)")
@@ -119,10 +125,11 @@ def _embed_splits(args: argparse.Namespace, splits: list[str], model: Any, confi
     from shards.stream import eval_batches
 
     data = _section(config, "data")
-    shards = args.shards or data.get("shards")
-    if not shards:
+    if not (args.shards or data.get("shards")):
         raise UserError("--shards: needed (the checkpoint's config names no data.shards)")
-    if not Path(shards).is_dir():
+    options = {**(data.get("storage_options") or {}), **parse_storage_options(args.storage_option)}
+    shards = location_of({**data, "storage_options": options}, args.shards or data.get("shards"))
+    if not shards.remote and not shards.path.is_dir():
         raise UserError(f"{shards}: shard folder not found")
     batch_size = args.batch_size or int(data.get("eval_batch_size", 128))
     if batch_size < 1:
@@ -144,6 +151,9 @@ def _embed_splits(args: argparse.Namespace, splits: list[str], model: Any, confi
             raise UserError(f"{shards}: split '{split}' has no readable images")
         out[split] = gather_to_rank0(emb, labels, index)
         unreadable[split] = batches.num_samples - len(out[split][1])
+        if batches.io.get("requests"):
+            retries = sum(v for k, v in batches.io.items() if k.startswith("retries/"))
+            print(f"split '{split}': {batches.io['requests']} remote requests, {retries} retried after transient errors", file=sys.stderr)
     args.shards = shards
     return out, unreadable
 

@@ -192,6 +192,7 @@ def evaluate_model(
             shard_dir, split, rank=rank, world_size=world_size, batch_size=data_cfg.eval_batch_size,
             resize=data_cfg.eval_resize, crop=data_cfg.eval_crop, grayscale=data_cfg.augment.grayscale,
             loader_workers=data_cfg.loader_workers,
+            storage_options=getattr(data_cfg, "storage_options", None), remote=getattr(data_cfg, "remote", None),
         )
         emb, labels, index = embed_batches(model, batches, device=device, precision=precision, progress=progress and rank == 0,
                                            channels_last=channels_last)

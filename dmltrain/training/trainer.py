@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from dmltrain.config import Config
+from dmltrain.distributed.collectives import all_reduce_sum
 from dmltrain.distributed.process_group import ensure_process_group
 from dmltrain.models import build_model, param_groups
 from dmltrain.models.precision import autocast_dtype
@@ -59,6 +60,7 @@ from dmltrain.tracking.names import (
     IMAGES_PER_S,
     LOSS,
     LR,
+    REMOTE_PREFIX,
     RESUMED_AT_EPOCH_START_TAG,
     RESUMED_FROM_STEP_TAG,
     SKIPPED_SAMPLES,
@@ -254,8 +256,12 @@ class Trainer:
 
     def _log_train(self) -> None:
         summary = self.timer.summary(self.cfg.data.batch_size) | self.metrics.summary()
+        io = self.stream.io_counts()  # remote shards: the same keys on every rank, summed over the ranks here
+        if io:
+            io = dict(zip(io, all_reduce_sum(torch.tensor(list(io.values()), dtype=torch.float64, device=self.device)).tolist()))
         if self.rank != 0:
             return
+        summary.update({REMOTE_PREFIX + k: v for k, v in io.items()})
         st = self.state
         summary[EPOCH] = st.epoch + st.batch / self.steps_per_epoch
         summary.update(memory_metrics(self.device, self.head.classifier_memory_mb()))
