@@ -16,12 +16,16 @@ worker's samples; DeepSpeed *averages* over workers, so feed the backbone output
 :func:`~dmltrain.distributed.collectives.grad_scale` ``(emb, world_size)`` first.
 
 ``wrapper.stats`` holds the global statistics: means as Σsum / Σcount, totals summed. The
-loss must report the same statistic names on every worker (they are reduced together).
+loss must report the same statistic names on every worker (they are reduced together). On a
+CPU they are host floats (a mean over no anchors is left out); on an accelerator, in
+``local_anchors`` mode, a :class:`~dmltrain.distributed.shard_call.CallStats` that keeps them
+on the device until read (a mean over no anchors reads 0), so a step never waits for them.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -34,12 +38,15 @@ from dmltrain.distributed.collectives import (
     gather_with_grad,
     group_rank_size,
 )
+from dmltrain.distributed.shard_call import CallStats
 from dmltrain.errors import ConfigError
 
 MODES = ("local_anchors", "full")
 
 
 class GatheredInstanceLoss(nn.Module):
+    _MISMATCH = "GatheredInstanceLoss: {} reported different statistics on different workers"
+
     def __init__(self, loss: nn.Module, group: Any = None, mode: str = "local_anchors") -> None:
         super().__init__()
         if mode not in MODES:
@@ -49,7 +56,7 @@ class GatheredInstanceLoss(nn.Module):
             if not getattr(loss, "decomposes", False) or not hasattr(loss, "anchor_terms"):
                 raise ConfigError(f"loss.instance.mode: {name} does not decompose over anchors; use mode=full")
         self.loss, self.group, self.mode = loss, group, mode
-        self.stats: dict[str, float] = {}
+        self.stats: Mapping[str, float] = {}
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
         if embeddings.dim() != 2 or labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
@@ -81,18 +88,25 @@ class GatheredInstanceLoss(nn.Module):
         packed = torch.stack([torch.as_tensor(v, device=like.device).detach().double().reshape(()) for v in vals])
         packed = torch.cat([packed, torch.tensor([float(key_hash)], dtype=torch.float64, device=like.device)])
         all_reduce_sum(packed, self.group)
-        host = packed.tolist()
-        if host[-1] != key_hash * world:
-            raise RuntimeError(f"GatheredInstanceLoss: {type(self.loss).__name__} reported different statistics on different workers")
-        count = max(host[0], 1.0)
+        count = packed[0].clamp_min(1.0).to(terms.total.dtype)
         total = terms.total
         # value: the global loss, bit-identical on every worker; gradient: this worker's terms / global count
         out = (total - total.detach()) / count + packed[1].to(total.dtype) / count
-        stats = {k: host[2 + 2 * len(mean_keys) + i] for i, k in enumerate(total_keys)}
+        totals = {k: packed[2 + 2 * len(mean_keys) + i] for i, k in enumerate(total_keys)}
+        if like.device.type != "cpu":
+            # no host read on an accelerator: the check fails at a later kernel, a mean over no anchors reads 0
+            torch._assert_async(packed[-1] == key_hash * world, self._MISMATCH.format(type(self.loss).__name__))
+            means = {k: packed[2 + 2 * i] / packed[3 + 2 * i].clamp_min(1.0) for i, k in enumerate(mean_keys)}
+            self.stats = CallStats({**totals, **means, "loss": packed[1] / packed[0].clamp_min(1.0)}, {})
+            return out
+        host = packed.tolist()
+        if host[-1] != key_hash * world:
+            raise RuntimeError(self._MISMATCH.format(type(self.loss).__name__))
+        stats = {k: float(v) for k, v in totals.items()}
         for i, k in enumerate(mean_keys):
             s, c = host[2 + 2 * i], host[3 + 2 * i]
             if c > 0:
                 stats[k] = s / c
-        stats["loss"] = host[1] / count
+        stats["loss"] = host[1] / max(host[0], 1.0)
         self.stats = stats
         return out
