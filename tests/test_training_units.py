@@ -138,6 +138,8 @@ def _old_loop_events(total, steps_per_epoch, log_every, eval_every, eval_unit, c
 
 def _cadence_events(cadence, steps_per_epoch):
     """The same run driven by Cadence.due in the shape of Trainer.fit."""
+    from dmltrain.training.cadence import Due
+
     events, step, epoch, batch = [], 0, 0, 0
 
     def act(due, at):
@@ -146,11 +148,20 @@ def _cadence_events(cadence, steps_per_epoch):
     while step < cadence.total_steps:
         for _ in range(min(steps_per_epoch - batch, cadence.total_steps - step)):
             step, batch = step + 1, batch + 1
-            act(cadence.due(step), step)
+            if batch < steps_per_epoch:
+                act(cadence.due(step), step)
         if batch >= steps_per_epoch or step < cadence.total_steps:
+            step_due = cadence.due(step) if batch >= steps_per_epoch else Due()
             epoch, batch = epoch + 1, 0
-            act(cadence.due(step, epoch_end=epoch), step)
+            act(step_due | cadence.due(step, epoch_end=epoch), step)
     return events + [("final eval", step), ("ckpt", step)]
+
+
+def _in_step_order(events):
+    """Events of one step in the trainer's order (log, evaluate, checkpoint), each at most once: an epoch's
+    last step acts once with its epoch end (the old loop checkpointed before an epoch-end evaluation)."""
+    rank = {"log": 0, "eval": 1, "final eval": 1.5, "ckpt": 2}
+    return sorted(set(events), key=lambda e: (e[1], rank[e[0]]))
 
 
 @pytest.mark.parametrize("total,spe", [(12, 4), (10, 4), (1, 3), (7, 1)])
@@ -160,7 +171,9 @@ def test_cadence_keeps_the_event_order_of_the_original_loop(total, spe, eval_eve
     from dmltrain.training.cadence import Cadence
 
     cadence = Cadence(total, log_every, eval_every, unit, ckpt_every)
-    assert _cadence_events(cadence, spe) == _old_loop_events(total, spe, log_every, eval_every, unit, ckpt_every)
+    events = _cadence_events(cadence, spe)
+    assert len(events) == len(set(events)) and events == _in_step_order(events)
+    assert events == _in_step_order(_old_loop_events(total, spe, log_every, eval_every, unit, ckpt_every))
 
 
 def test_cadence_by_hand():
@@ -170,6 +183,7 @@ def test_cadence_by_hand():
     assert c.due(4) == Due(log=True) and c.due(3) == Due() and c.due(10) == Due(log=True)
     assert c.due(6, epoch_end=2) == Due(evaluate=True, checkpoint=True) and c.due(3, epoch_end=1) == Due(checkpoint=True)
     assert c.due(10, epoch_end=4) == Due()  # the end of the run checkpoints and evaluates itself
+    assert Due(log=True, checkpoint=True) | Due(evaluate=True, checkpoint=True) == Due(True, True, True)
 
 
 def test_best_evaluation_tracking():

@@ -24,6 +24,10 @@ class Due:
     evaluate: bool = False
     checkpoint: bool = False
 
+    def __or__(self, other: Due) -> Due:
+        """Both at once (a step that ends an epoch): each action at most once."""
+        return Due(self.log or other.log, self.evaluate or other.evaluate, self.checkpoint or other.checkpoint)
+
 
 @dataclass(frozen=True)
 class Cadence:

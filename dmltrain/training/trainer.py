@@ -169,11 +169,15 @@ class Trainer:
             batches = islice(self.stream.epoch(epoch, start_batch=st.batch), self.total_steps - st.step)
             for images, labels in self.prefetch(batches):
                 self._train_step(images, labels)
-                self._act(self.cadence.due(st.step))
+                if st.batch < self.steps_per_epoch:  # an epoch's last step acts once, with its epoch end
+                    self._act(self.cadence.due(st.step))
                 self.timer.start()
             if st.batch >= self.steps_per_epoch or st.step < self.total_steps:
+                step_due = self.cadence.due(st.step) if st.batch >= self.steps_per_epoch else Due()
                 st.epoch, st.batch = epoch + 1, 0  # the epoch is complete (or the stream ended it)
-                self._act(self.cadence.due(st.step, epoch_end=st.epoch))
+                # one save for both: with asynchronous evaluation, a step checkpoint and the epoch's
+                # validated one would otherwise be two checkpoints of the same step
+                self._act(step_due | self.cadence.due(st.step, epoch_end=st.epoch))
         self.guard.check()
         inline = self.cfg.eval.mode == "inline"
         if inline:
