@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
+from dmltrain.errors import UserError
+from shards.build import build_shards
 from shards.layouts import Entry, Layout
 
 JPEG_QUALITY = 90
@@ -190,8 +192,6 @@ def build_synthetic_shards(
 
     Same as ``dmltrain shards build --layout synthetic``; returns the :class:`~shards.build.BuildResult`.
     """
-    from dmltrain.errors import UserError
-    from shards.build import build_shards
 
     for name, value, low in (("--classes", classes, 1), ("--per-class", per_class, 1), ("--image-size", image_size, 8)):
         if value is None or value < low:

@@ -15,7 +15,13 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from tqdm import tqdm
+
+from dmltrain.evaluate.retrieval import retrieval_metrics
+from dmltrain.models.precision import autocast, to_channels_last
+from shards.stream import eval_batches
 
 
 def _as_numpy(x: Any, dtype: np.dtype) -> np.ndarray:
@@ -53,9 +59,6 @@ def embed_batches(
     as float32 on the CPU, unnormalized. Empty batches are skipped; no batch at all gives a
     ``0 × 0`` array. Progress goes to stderr.
     """
-    from tqdm import tqdm
-
-    from dmltrain.models.precision import autocast, to_channels_last
 
     dev = torch.device(device)
     was_training = model.training
@@ -109,7 +112,6 @@ def gather_to_rank0(
     its first row (with a warning). Without an initialized process group the input comes
     back sorted. Works with gloo (CPU tensors) and NCCL (through the current CUDA device).
     """
-    import torch.distributed as dist
 
     emb = np.asarray(emb, dtype=np.float32)
     labels = np.asarray(labels).astype(np.int64, copy=False).reshape(-1)
@@ -175,10 +177,6 @@ def evaluate_model(
     Samples whose shard member cannot be read are left out of the metrics (not replaced); when
     there are any, ``metrics["unreadable_samples"]`` says how many (all splits, all ranks).
     """
-    import torch.distributed as dist
-
-    from dmltrain.evaluate.retrieval import retrieval_metrics
-    from shards.stream import eval_batches
 
     splits = list(splits)
     if len(splits) not in (1, 2):
