@@ -347,7 +347,7 @@ class EvalConfig(Section):
         "inline", description="inline: the workers evaluate and training waits; async: each evaluation point saves a "
         "checkpoint that a Ray task evaluates while training goes on (Ray Train's checkpoint validation)")
     async_cpus: float = Field(1.0, gt=0, description="CPUs of an asynchronous evaluation task")
-    async_gpus: float = Field(0.0, ge=0, description="GPUs of an asynchronous evaluation task (0: it evaluates on the CPU)")
+    async_gpus: float = Field(0.0, ge=0, description="GPUs of an asynchronous evaluation task (0: it evaluates on the CPU; a GPU that training leaves free, or the task waits)")
 
     @field_validator("ks")
     @classmethod

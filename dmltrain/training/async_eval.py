@@ -27,6 +27,7 @@ The task loads the checkpoint's ``model.pt`` (its fp32 weights; ``train.precisio
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,10 @@ def validation_config(cfg: Config, run_context: dict[str, Any]) -> ValidationCon
     resources and the run it reports to; each request adds its step and phase (:func:`validation_request`)."""
     if cfg.eval.mode != "async":
         return None
+    if cfg.cluster.use_gpu and cfg.eval.async_gpus == 0:
+        # not a GPU by default: every GPU usually trains, and a task waiting for one would never start
+        print("warning: eval.mode async: the evaluation tasks run on the CPU; set eval.async_gpus to evaluate on a GPU "
+              "that training leaves free", file=sys.stderr)
     env = {"OMP_NUM_THREADS": str(max(1, int(cfg.eval.async_cpus))), "MLFLOW_LOGGING_LEVEL": "WARNING"}
     return ValidationConfig(
         fn=evaluate_checkpoint,
