@@ -1,5 +1,6 @@
 """The DeepSpeed engine with a channels_last model: it starts (DeepSpeed's broadcast views parameters as
-bytes) and trains exactly like the same model in the default layout, at ZeRO 0-2, fp32 and bf16."""
+bytes) and trains exactly like the same model in the default layout, at ZeRO 0-2, fp32 and bf16 (fp16 is
+refused on CPU workers by the config, as DeepSpeed's fp16 optimizers need CUDA; it takes the same path)."""
 
 from __future__ import annotations
 

@@ -114,7 +114,8 @@ def build_engine(model: torch.nn.Module, param_groups: list[dict[str, Any]], cfg
     optimizer = build_optimizer(param_groups, cfg.optim)
     ds_config = deepspeed_config(cfg, world_size)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, dist_init_required=False)
-    if channels_last:
+    if channels_last and engine.zero_optimization_stage() == 0:
+        # ZeRO 1-2 make every parameter a view of their flat buffers, even a buffer of one parameter
         restore_channels_last(engine.module)
     return engine, ds_config
 
