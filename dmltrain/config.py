@@ -10,6 +10,10 @@ win. Command-line overrides are ``dotted.key=value`` with the value read as YAML
 Everything is checked before anything starts: unknown keys, wrong types and impossible
 combinations raise :class:`~dmltrain.errors.ConfigError` whose one-line message names the
 dotted key and the reason.
+
+One module past the usual size on purpose: the schema of a run is one concept, and every key,
+its default, bounds and description are read in one place (the YAML tree handling lives in
+:mod:`dmltrain.config_tree`).
 """
 
 from __future__ import annotations
