@@ -383,6 +383,8 @@ class TrackingConfig(Section):
     uri: str | None = Field(None, description="MLflow tracking URI; default sqlite:///<cwd>/mlflow.db")
     experiment: str = "dmltrain"
     system_metrics: bool = True
+    log_models: bool = Field(True, description="register the best and final models in MLflow's Models view (pt2 through "
+                             "torch.export, a few seconds each on rank 0); their files are logged as artifacts either way")
 
     def resolved_uri(self) -> str:
         """The tracking URI with the default filled in as an absolute SQLite path (Ray workers change directory)."""

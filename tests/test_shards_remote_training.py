@@ -48,7 +48,7 @@ def _config(root: Path, name: str, shards: str, **over):
         "data.shards": shards, "data.synthetic": "null", "data.batch_size": 16, "data.samples_per_class": 4,
         "data.loader_workers": 1, "data.eval_batch_size": 16, "train.epochs": 1, "train.log_every": 1,
         "train.run_name": name, "train.output_dir": str(root / "runs"), "eval.every": 0, "eval.plots": False,
-        "tracking.uri": f"sqlite:///{root / 'mlflow.db'}", "tracking.system_metrics": False,
+        "tracking.uri": f"sqlite:///{root / 'mlflow.db'}", "tracking.system_metrics": False, "tracking.log_models": False,
         "cluster.num_workers": 2, "cluster.cpus_per_worker": 0.5,
     }
     overrides.update(over)

@@ -114,7 +114,7 @@ def study(tmp_path_factory):
         "model.embedding_dim": 64, "loss.instance": "null", "train.epochs": 1, "train.log_every": 1,
         "train.output_dir": str(root / "runs"), "eval.before_training": False, "eval.plots": False, "eval.binary": False,
         "eval.nmi": False, "tracking.uri": f"sqlite:///{root / 'mlflow.db'}", "tracking.experiment": "study-test",
-        "tracking.system_metrics": False, "cluster.num_workers": 1, "cluster.cpus_per_worker": 0.5,
+        "tracking.system_metrics": False, "tracking.log_models": False, "cluster.num_workers": 1, "cluster.cpus_per_worker": 0.5,
     }
     start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     printed = io.StringIO()

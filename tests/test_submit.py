@@ -389,7 +389,7 @@ def test_tiny_training_submitted_as_a_ray_job(ray_head, in_repo, capsys):
     uri = f"sqlite:///{tmp}/mlflow.db"
     overrides = ["train.epochs=1", "eval.before_training=false", "eval.plots=false", "data.synthetic.classes=20",
                  "data.synthetic.per_class=8", f"data.shards={tmp}/shards", "cluster.num_workers=2", "data.loader_workers=0",
-                 f"tracking.uri={uri}", "tracking.experiment=submit-test", "tracking.system_metrics=false",
+                 f"tracking.uri={uri}", "tracking.experiment=submit-test", "tracking.system_metrics=false", "tracking.log_models=false",
                  f"train.output_dir={tmp}/runs"]
     rc = main(["submit", DEMO, *overrides, "--address", ray_head.dashboard])
     out, err = capsys.readouterr()

@@ -239,7 +239,7 @@ def search(tmp_path_factory):
         "data.loader_workers": 0, "data.eval_batch_size": 96, "model.embedding_dim": 64, "loss.instance": "null",
         "train.epochs": 1, "train.log_every": 1, "train.output_dir": str(root / "runs"),
         "eval.unit": "step", "eval.every": 2, "eval.before_training": False, "eval.plots": False, "eval.binary": False, "eval.nmi": False,
-        "tracking.uri": f"sqlite:///{root / 'mlflow.db'}", "tracking.experiment": "tune-test", "tracking.system_metrics": False,
+        "tracking.uri": f"sqlite:///{root / 'mlflow.db'}", "tracking.experiment": "tune-test", "tracking.system_metrics": False, "tracking.log_models": False,
         "cluster.num_workers": 1, "cluster.cpus_per_worker": 0.5,
     }
     start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)

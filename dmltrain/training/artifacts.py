@@ -63,7 +63,7 @@ def publish_model(logger, model, name: str, *, extra: dict[str, Any], storage_di
         path = Path(tmp) / "model.pt"
         save_model(path, model, config, extra=extra, state_dict=state_dict)
         logger.log_artifact(path, name)
-        if logger.enabled:  # MLflow 3's Models view: the model as pt2, linked to this step's metrics
+        if logger.enabled and config["tracking"].get("log_models", True):  # MLflow 3's Models view: pt2, linked to this step's metrics
             crop = config["data"]["eval_crop"]
             logger.log_model(load_model(path)[0], name, step=extra["step"], input_example=np.zeros((2, 3, crop, crop), np.float32))
         publish(path, storage_dir, f"{name}/model.pt")
