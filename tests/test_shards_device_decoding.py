@@ -108,11 +108,11 @@ def test_noise_is_drawn_from_the_record_seed():
     noisy, _ = DeviceDecoder(aug, "cpu")(batch, torch.arange(len(IMAGES)))
     again, _ = DeviceDecoder(aug, "cpu")(batch, torch.arange(len(IMAGES)))
     assert torch.equal(noisy, again)
-    clean_items = [Encoded(e.data, dataclasses.replace(e.params, noise_seed=None)) for e in items]
+    clean_items = [dataclasses.replace(e, params=dataclasses.replace(e.params, noise_seed=None)) for e in items]
     clean, _ = DeviceDecoder(plain, "cpu")(EncodedTransform(TrainTransform(S, plain)).collate(clean_items), torch.arange(len(IMAGES)))
     diff = noisy - clean
     assert abs(float(diff.std()) - 0.2) < 0.01 and abs(float(diff.mean())) < 0.01
-    reseeded = [Encoded(e.data, dataclasses.replace(e.params, noise_seed=e.params.noise_seed + 1)) for e in items]
+    reseeded = [dataclasses.replace(e, params=dataclasses.replace(e.params, noise_seed=e.params.noise_seed + 1)) for e in items]
     other, _ = DeviceDecoder(aug, "cpu")(EncodedTransform(TrainTransform(S, aug)).collate(reseeded), torch.arange(len(IMAGES)))
     assert not torch.allclose(other, noisy)
 
