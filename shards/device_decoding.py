@@ -9,18 +9,33 @@ does not decode (anything but an RGB or grayscale JPEG, or a rotated crop) is de
 right there by the CPU transform and handed over as pixels. A batch travels as one
 :class:`EncodedImages`.
 
-Device side (:class:`DeviceDecoder`, in the training process): one batched
-``torchvision.io.decode_jpeg`` (nvJPEG on CUDA), then each record applied with PIL's arithmetic on
-tensors (:mod:`shards.pixel_ops`): the crop box resampled (antialiased bilinear, horizontal then
-vertical, rounded to 8 bits after each pass), the flip folded into the horizontal weights, colour
-jitter, grayscale, erasing, normalization, then Gaussian noise from a generator seeded by the
-record's noise seed (the same distribution as the CPU path's numpy field, not the same numbers).
+Device side (:class:`DeviceDecoder`, in the training process): the batch's crop plan (PIL's
+resampling taps), jitter factors, labels and loader-decoded slots are built on the host and cross
+in one non-blocking copy from pinned memory; then, in runs of consecutive images bounded by a
+pixel budget (:data:`PIXEL_BUDGET`: decoded plus padded crop pixels, so multi-megapixel photos do
+not allocate gigabytes at once), one batched ``torchvision.io.decode_jpeg`` (nvJPEG on CUDA) and
+each record applied with PIL's arithmetic on tensors (:mod:`shards.pixel_ops`): the crop box
+resampled (antialiased bilinear, horizontal then vertical, rounded to 8 bits after each pass), the
+flip folded into the horizontal weights, colour jitter, grayscale, erasing, normalization, then
+Gaussian noise from a generator seeded by the record's noise seed (the same distribution as the
+CPU path's numpy field, not the same numbers). Nothing waits for the device (see
+:class:`DeviceDecoder`).
 
-Pixels: the device path always decodes at full resolution (no JPEG draft scaling), so it compares
-with ``TrainTransform(draft=False)``: on the CPU (libjpeg-turbo, as PIL; float64 resampling) equal
-but for rare float32 roundings of the colour-jitter blends; on CUDA (float32 resampling: rare ±1)
-nvJPEG's inverse DCT and chroma upsampling differ from libjpeg's by a few levels. Rotation is not applied on the device (configs refuse
-``data.decode=device`` with ``data.augment.rotation``; a record with an angle is decoded on the CPU).
+Pixels: the device path always decodes at full resolution. The CPU path by default
+(``TrainTransform(draft=True)``) decodes a JPEG at 1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling,
+PIL's draft mode) when the crop box is at least twice the output side both ways, then resamples
+that; neither nvJPEG nor torchvision's decoders scale in the DCT, so the device path does not
+reproduce it. For such crops the two paths' pixels differ by resampling detail (a level or two
+on average, tens of levels at single sharp edges), not in geometry: the crop, flip and factors
+are the same. Where draft does not apply, and against ``TrainTransform(draft=False)`` always, the
+device path on the CPU (libjpeg-turbo, as PIL; float64 resampling) gives PIL's pixels but for
+rare float32 roundings of the colour-jitter blends; on CUDA (float32 resampling: rare ±1)
+nvJPEG's inverse DCT and chroma upsampling differ from libjpeg's by a few levels. Rotation is not
+applied on the device (configs refuse ``data.decode=device`` with ``data.augment.rotation``; a
+record with an angle is decoded on the CPU).
+
+One concept, the device half of the train transform with the host plan it runs from, hence a little
+over 400 lines.
 
 An encoded image the device cannot decode (a corrupt entropy stream: headers are checked in the
 loader, members at read time) takes a decoded image of its batch, with that image's label, and is
