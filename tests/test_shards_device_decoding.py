@@ -158,19 +158,28 @@ def test_pixel_budget_changes_memory_not_results():
 
 def test_runs_stay_within_the_pixel_budget():
     """Consecutive runs covering every image; each within the budget (decoded pixels + run length × largest crop
-    height × largest crop width) unless it is one image over the budget by itself."""
+    height × largest crop width) unless it is one image over the budget by itself, and its padded crops holding at
+    most twice its crops' pixels; a run ends only where the next image would break one of the two."""
     rng = np.random.default_rng(0)
     decoded = rng.integers(100, 5000, 40)
-    hc, wc = rng.integers(5, 60, 40), rng.integers(5, 60, 40)
+    hc = rng.integers(8, 60, 40)
+    wc = np.round(hc * rng.uniform(0.75, 1.34, 40)).astype(np.int64)  # RandomResizedCrop's aspect ratios
+    order = np.argsort(-hc * wc, kind="stable")
+    decoded, hc, wc = decoded[order], hc[order], wc[order]
+
+    def fits(a: int, b: int, budget: int) -> bool:
+        h, w = hc[a:b].max(), wc[a:b].max()
+        padded = (b - a) * h * w
+        return decoded[a:b].sum() + padded <= budget and padded <= 2 * (hc[a:b] * wc[a:b]).sum()
+
     for budget in (1, 3000, 20000, 10**9):
         runs = _runs(decoded, hc, wc, budget)
         assert [a for a, _ in runs] == [0, *(b for _, b in runs[:-1])] and runs[-1][1] == 40
         for a, b in runs:
-            cost = decoded[a:b].sum() + (b - a) * hc[a:b].max() * wc[a:b].max()
-            assert cost <= budget or b - a == 1, (budget, a, b)
-            if b < 40:  # greedy: the next image would not have fit
-                assert decoded[a : b + 1].sum() + (b + 1 - a) * hc[a : b + 1].max() * wc[a : b + 1].max() > budget
-    assert len(_runs(decoded, hc, wc, 10**9)) == 1 and len(_runs(decoded, hc, wc, 1)) == 40
+            assert fits(a, b, budget) or b - a == 1, (budget, a, b)
+            assert b == 40 or not fits(a, b + 1, budget), (budget, a, b)  # greedy
+    assert len(_runs(decoded, hc, wc, 1)) == 40
+    assert len(_runs(decoded, hc, wc, 10**9)) <= 6  # by size class: crop areas from about 60 to 4200
 
 
 def test_noise_is_drawn_from_the_record_seed():
