@@ -175,7 +175,10 @@ class DataConfig(Section):
     decode: Literal["auto", "cpu", "device"] = Field(
         "auto",
         description="train images: decoded and augmented in the loader processes (cpu), or handed over encoded and "
-        "decoded on the worker's device (device: nvJPEG on GPUs); auto: device on GPU workers unless data.augment.rotation",
+        "decoded on the worker's device (device: nvJPEG on GPUs); auto: device on GPU workers unless data.augment.rotation. "
+        "Same crops, flips and factors either way; device always decodes at full resolution, while cpu decodes a JPEG "
+        "at 1/2-1/8 scale (draft) when its crop box is at least twice data.image_size both ways, so those pixels differ "
+        "by resampling detail",
     )
     eval_batch_size: int = Field(128, ge=1)
     synthetic: SyntheticData | None = Field(None, description="build synthetic shards at data.shards if missing")

@@ -5,8 +5,10 @@ Images here are float32 tensors holding 8-bit values (integers 0..255), ``b × C
 step can round exactly where PIL rounds to 8 bits:
 
 * :func:`bilinear_taps`: PIL's antialiased bilinear resampling of a float box (``Image.resize(size,
-  BILINEAR, box=...)``) as per-output-pixel taps, with PIL's 22-bit fixed-point coefficients; applied
-  as one matrix product per axis, horizontal pass first, each rounded to 8 bits as PIL does.
+  BILINEAR, box=...)``) as per-output-pixel taps, with PIL's 22-bit fixed-point coefficients, computed
+  on the host (:func:`tap_entries`) and made into one matrix per axis on the device
+  (:func:`dense_weights`); applied as one matrix product per axis, horizontal pass first, each
+  rounded to 8 bits as PIL does.
 * :func:`blend` (``Image.blend``), :func:`luma` (``convert("L")``), :func:`adjust` (``ImageEnhance``
   brightness, contrast, saturation) and :func:`shift_hue` (8-bit HSV round trip, as
   ``shards.transforms._hue``), each with a factor per image.
@@ -51,19 +53,29 @@ def bilinear_taps(in_size: np.ndarray, lo: np.ndarray, hi: np.ndarray, out: int)
     return first, np.floor(0.5 + w * (1 << PRECISION_BITS)) / (1 << PRECISION_BITS)
 
 
-def dense_weights(
-    first: np.ndarray, taps: np.ndarray, origin: np.ndarray, width: int, device: torch.device, dtype: torch.dtype = torch.float32
-) -> Tensor:
-    """``b × out × width`` resampling matrices (``dtype``) on ``device`` from :func:`bilinear_taps`, the source
-    axis starting at pixel ``origin`` (per image) of the image."""
+def tap_entries(
+    first: np.ndarray, taps: np.ndarray, origin: np.ndarray, width: int, flip: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The host half of :func:`dense_weights`: each tap of :func:`bilinear_taps` as (column, weight) in a source
+    axis that starts at pixel ``origin`` (per image) and is ``width`` wide, ``b × out × K`` int64 and float64.
+    A zero tap, or one past the axis, becomes weight 0 at column 0 (summed there, it changes nothing).
+    ``flip`` (bool per image) reverses an image's output pixels: a left-right mirror folded into the weights."""
     b, out, k = taps.shape
     cols = first[..., None] + np.arange(k) - np.asarray(origin, np.int64)[:, None, None]
     keep = (taps != 0) & (cols >= 0) & (cols < width)  # zero taps may point past the crop
-    cols = np.where(keep, cols, 0)
-    m = torch.zeros(b, out, width, dtype=dtype, device=device)
-    src = torch.from_numpy(np.where(keep, taps, 0.0)).to(device=device, dtype=dtype, non_blocking=True)
+    cols, weights = np.where(keep, cols, 0), np.where(keep, taps, 0.0)
+    if flip is not None and np.any(flip):
+        cols[flip], weights[flip] = cols[flip, ::-1], weights[flip, ::-1]
+    return cols, weights
+
+
+def dense_weights(cols: Tensor, weights: Tensor, width: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``b × out × width`` resampling matrices (``dtype``) on the device of ``cols`` and ``weights`` (from
+    :func:`tap_entries`, already there: this launches kernels only, it copies nothing from the host)."""
+    b, out, _ = cols.shape
+    m = torch.zeros(b, out, width, dtype=dtype, device=cols.device)
     # summing zero-weight taps into column 0 changes nothing; each real column is hit once
-    return m.scatter_add_(2, torch.from_numpy(cols).to(device, non_blocking=True), src)
+    return m.scatter_add_(2, cols, weights.to(dtype))
 
 
 def round8(x: Tensor) -> Tensor:

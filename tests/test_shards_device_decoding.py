@@ -8,6 +8,10 @@ vertical pass first for some shapes (tall images), so its intermediate rounds el
 level, mean |Δ| under 0.2 level, most pixels identical. Colour jitter carries such a ±1 on: scaled by a
 brightness, contrast or saturation factor (at most 5 levels) or through the 8-bit HSV round trip of a hue
 shift (at most 14 levels), at rare pixels.
+
+The default CPU path (``draft=True``) decodes a JPEG at 1/2, 1/4 or 1/8 scale when the crop box is at least
+twice the output side both ways; the device path never does. Where draft cannot apply the two are compared
+directly (:func:`test_device_pixels_match_the_default_cpu_path_without_draft`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataset_fixtures import class_image
 from dmltrain.config import AugmentConfig, load_config
 from dmltrain.errors import ConfigError
 from shard_fixtures import IMG, K, P, make_shards, stream
-from shards.device_decoding import DeviceDecoder, DeviceInput, Encoded, EncodedImages, EncodedTransform, resolve_decode
+from shards.device_decoding import DeviceDecoder, DeviceInput, Encoded, EncodedImages, EncodedTransform, _runs, resolve_decode
 from shards.pixel_ops import adjust, blend, luma, shift_hue
 from shards.transforms import IMAGENET_STD, TrainTransform, _hue, normalize_batch
 
@@ -101,6 +105,83 @@ def test_device_pixels_match_the_cpu_path(name):
     assert (levels[wide] < 0.5).float().mean() > 0.99  # the same pass order as the reference: (nearly) exact
 
 
+def _levels(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|Δ| of normalized images in 8-bit levels."""
+    return (got - want).abs() * (255 * torch.tensor(IMAGENET_STD).view(1, 3, 1, 1))
+
+
+@pytest.mark.parametrize("name", ["default", "gray + erase"])
+def test_device_pixels_match_the_default_cpu_path_without_draft(name):
+    """Against the CPU path as it runs by default (``draft=True``): where the crop box is narrower or lower than
+    twice the output side, draft scaling cannot apply and the pixels are the same (wide images exactly, tall ones
+    within the pass-order ±1 of the module docstring); where it applies they differ by more (stated in
+    data.decode's description and the README)."""
+    aug = CONFIGS[name]
+    batch, items = _device_batch(aug)
+    got, _ = DeviceDecoder(aug, "cpu")(batch, torch.arange(len(IMAGES)))
+    cpu = TrainTransform(S, aug)
+    assert cpu.draft
+    ref = np.stack([cpu(data, random.Random(100 + i)) for i, data in enumerate(IMAGES)]).transpose(0, 3, 1, 2)
+    levels = _levels(got, normalize_batch(torch.from_numpy(np.ascontiguousarray(ref))))
+    sides = [(it.params.box[2] - it.params.box[0], it.params.box[3] - it.params.box[1]) for it in items]
+    no_draft = [i for i, (w, h) in enumerate(sides) if min(w, h) < 2 * S]
+    drafted = [i for i, (w, h) in enumerate(sides) if min(w, h) >= 2 * S]
+    assert len(no_draft) >= 5 and drafted, sides  # both cases drawn
+    for i in no_draft:
+        width, height = Image.open(io.BytesIO(IMAGES[i])).size
+        if width > height:
+            assert torch.equal(levels[i].round(), torch.zeros_like(levels[i])), (name, i)
+        else:
+            assert levels[i].max() <= 1.01, (name, i)
+    assert max(float(levels[i].max()) for i in drafted) > 2
+
+
+def test_pixel_budget_changes_memory_not_results():
+    """Runs of one image, of a few, or the whole batch at once: the same images and labels, with a PNG slot, an
+    undecodable JPEG (borrowing an image and its label), jitter, erasing and noise in the batch."""
+    png = io.BytesIO()
+    class_image(5, 2, (50, 40)).save(png, format="PNG")
+    cut = IMAGES[2][: IMAGES[2].find(b"\xff\xda") + 30]
+    images = [*IMAGES[:5], png.getvalue(), cut, *IMAGES[5:]]
+    aug = AugmentConfig(color_jitter=[0.4, 0.4, 0.4, 0.1], erase=0.5, noise=0.1)
+    batch, _ = _device_batch(aug, images)
+    labels = torch.arange(len(images)) + 100
+    want, want_labels = DeviceDecoder(aug, "cpu")(batch, labels)
+    pixels = batch.sizes.prod(1)
+    for budget in (1, int(pixels.max()) * 3):
+        dec = DeviceDecoder(aug, "cpu", pixel_budget=budget)
+        got, got_labels = dec(batch, labels)
+        assert torch.equal(got, want) and torch.equal(got_labels, want_labels) and dec.skipped == 1, budget
+    with pytest.raises(ValueError, match="pixel_budget"):
+        DeviceDecoder(aug, "cpu", pixel_budget=0)
+
+
+def test_runs_stay_within_the_pixel_budget():
+    """Consecutive runs covering every image; each within the budget (decoded pixels + run length × largest crop
+    height × largest crop width) unless it is one image over the budget by itself, and its padded crops holding at
+    most twice its crops' pixels; a run ends only where the next image would break one of the two."""
+    rng = np.random.default_rng(0)
+    decoded = rng.integers(100, 5000, 40)
+    hc = rng.integers(8, 60, 40)
+    wc = np.round(hc * rng.uniform(0.75, 1.34, 40)).astype(np.int64)  # RandomResizedCrop's aspect ratios
+    order = np.argsort(-hc * wc, kind="stable")
+    decoded, hc, wc = decoded[order], hc[order], wc[order]
+
+    def fits(a: int, b: int, budget: int) -> bool:
+        h, w = hc[a:b].max(), wc[a:b].max()
+        padded = (b - a) * h * w
+        return decoded[a:b].sum() + padded <= budget and padded <= 2 * (hc[a:b] * wc[a:b]).sum()
+
+    for budget in (1, 3000, 20000, 10**9):
+        runs = _runs(decoded, hc, wc, budget)
+        assert [a for a, _ in runs] == [0, *(b for _, b in runs[:-1])] and runs[-1][1] == 40
+        for a, b in runs:
+            assert fits(a, b, budget) or b - a == 1, (budget, a, b)
+            assert b == 40 or not fits(a, b + 1, budget), (budget, a, b)  # greedy
+    assert len(_runs(decoded, hc, wc, 1)) == 40
+    assert len(_runs(decoded, hc, wc, 10**9)) <= 6  # by size class: crop areas from about 60 to 4200
+
+
 def test_noise_is_drawn_from_the_record_seed():
     """Gaussian noise of std σ on the normalized pixels, a function of each record's noise seed."""
     aug, plain = AugmentConfig(noise=0.2), AugmentConfig()
@@ -108,11 +189,11 @@ def test_noise_is_drawn_from_the_record_seed():
     noisy, _ = DeviceDecoder(aug, "cpu")(batch, torch.arange(len(IMAGES)))
     again, _ = DeviceDecoder(aug, "cpu")(batch, torch.arange(len(IMAGES)))
     assert torch.equal(noisy, again)
-    clean_items = [Encoded(e.data, dataclasses.replace(e.params, noise_seed=None)) for e in items]
+    clean_items = [dataclasses.replace(e, params=dataclasses.replace(e.params, noise_seed=None)) for e in items]
     clean, _ = DeviceDecoder(plain, "cpu")(EncodedTransform(TrainTransform(S, plain)).collate(clean_items), torch.arange(len(IMAGES)))
     diff = noisy - clean
     assert abs(float(diff.std()) - 0.2) < 0.01 and abs(float(diff.mean())) < 0.01
-    reseeded = [Encoded(e.data, dataclasses.replace(e.params, noise_seed=e.params.noise_seed + 1)) for e in items]
+    reseeded = [dataclasses.replace(e, params=dataclasses.replace(e.params, noise_seed=e.params.noise_seed + 1)) for e in items]
     other, _ = DeviceDecoder(aug, "cpu")(EncodedTransform(TrainTransform(S, aug)).collate(reseeded), torch.arange(len(IMAGES)))
     assert not torch.allclose(other, noisy)
 

@@ -1,5 +1,6 @@
-"""The trainer's input side on the CPU: one-batch lookahead in stream order, the same batches with or without it
-(both decodings), step timing without device waits, statistics kept on the device until a log point."""
+"""The trainer's input side: one-batch lookahead in stream order, the same batches with or without it (both
+decodings), step timing without device waits, statistics kept on the device until a log point. The CUDA tests
+(skipped without a GPU) run device decoding on the prefetcher's side stream against a busy compute stream."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from dmltrain.training.prefetch import Prefetcher
 from dmltrain.training.timing import StepTimer
 from shard_fixtures import make_shards, stream
 from shards.device_decoding import DeviceInput
+from shards.transforms import IMAGENET_STD
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -58,6 +62,64 @@ def test_prefetched_batches_are_the_streams(shard_dir, decode):
         for (x, y), (wx, wy) in zip(got, direct[start:]):
             assert torch.equal(y, wy) and torch.equal(x, wx) and x.dtype == torch.bfloat16
             assert x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _busy(load: torch.Tensor, churn: int) -> torch.Tensor:
+    """Work queued on the current (compute) stream, with memory allocated, dirtied and freed there."""
+    for _ in range(4):
+        load = torch.tanh(load @ load / load.shape[0] ** 0.5)
+        torch.empty(churn, device=load.device).fill_(float("nan"))
+    return load
+
+
+@cuda
+def test_prefetched_device_decoding_on_cuda_under_a_busy_stream(shard_dir):
+    """Batches decoded on the side stream while the compute stream runs (and reuses freed memory) are the batches
+    prepared directly, one at a time with a synchronization after each: the step waits for its batch's event and
+    the allocator keeps the batch's memory until the step is done with it."""
+    dev = torch.device("cuda")
+    aug = AugmentConfig(scale=(0.3, 1.0), color_jitter=[0.2, 0.2, 0.2, 0.05], erase=0.3)
+    batches = list(stream(shard_dir, augment=aug, decode="device", normalize=False).epoch(0))
+    prep = DeviceInput(aug, dev)
+    direct = []
+    for b in batches:
+        x, y = prep(*b)
+        torch.cuda.synchronize()
+        direct.append((x.cpu(), y.cpu()))
+    load, got = torch.randn(1024, 1024, device=dev), []
+    for x, y in Prefetcher(prep, dev)(batches):
+        load = _busy(load, 4 * x.numel())
+        got.append((x.clone(), y.clone()))  # on the compute stream, after the batch's event
+    torch.cuda.synchronize()
+    assert len(got) == len(direct) and torch.isfinite(load).all()
+    for (x, y), (wx, wy) in zip(got, direct):
+        assert torch.equal(y.cpu(), wy)
+        # the same kernels on another stream; a float32 sum on a rounding boundary may round the other way
+        levels = (x.cpu() - wx).abs() * (255 * torch.tensor(IMAGENET_STD).view(1, 3, 1, 1))
+        assert levels.max() <= 1.01 and (levels < 0.5).float().mean() > 0.999
+
+
+@cuda
+def test_preparing_a_device_decoded_batch_does_not_wait_for_the_device(shard_dir):
+    """With torch's sync debug mode at "error", preparing batches (the one copy from pinned memory, decoding,
+    augmentation, normalization, noise) and handing them over raises on any host synchronization torch makes.
+    torchvision's nvJPEG call waits through the CUDA runtime for its own stream only (the decoding itself),
+    which this mode does not see and which does not wait for the compute stream."""
+    dev = torch.device("cuda")
+    aug = AugmentConfig(scale=(0.3, 1.0), color_jitter=[0.2, 0.2, 0.2, 0.05], erase=0.5, noise=0.1)
+    batches = list(stream(shard_dir, augment=aug, decode="device", normalize=False).epoch(0))
+    prep = DeviceInput(aug, dev, torch.bfloat16, channels_last=True)
+    prep(*batches[0])  # first use: nvJPEG's handle, the normalization constants, the pinned pool
+    torch.cuda.synchronize()
+    load, seen = torch.randn(1024, 1024, device=dev), 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, y in Prefetcher(prep, dev)(batches[1:]):
+            load = _busy(load, x.numel())
+            seen += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert seen == len(batches) - 1 and x.dtype == torch.bfloat16 and y.device.type == "cuda"
 
 
 def test_step_timer_parts_and_aside():
