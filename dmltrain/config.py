@@ -244,6 +244,11 @@ class ClassifierLoss(Section):
     weight_storage: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16 halves the weight and its gradient (CUDA; fp32 optimizer state, stochastic rounding)"
     )
+    init_std: float | None = Field(
+        None, gt=0, description="std of the initial class weights (normalised kinds); None: 1/sqrt(D). The rows are "
+        "normalised in the loss, so their norm sets how fast the class directions move (a step turns a row by about "
+        "lr·|g|/|w|²); pytorch-metric-learning's NormalizedSoftmaxLoss starts at 1",
+    )
 
     @field_validator("sample_ratio")
     @classmethod

@@ -341,6 +341,20 @@ def test_weight_init_does_not_depend_on_world_size():
     assert abs(std - 0.5) < 0.01
     ce = ShardedClassifier(10, 4, "softmax_ce")
     assert (ce.weight == 0).all() and (ce.bias == 0).all()
+    # init_std scales the same draws (the directions, hence the initial loss, are unchanged)
+    big = ShardedClassifier(70_000, 4, "normsoftmax", seed=3, init_std=2.0)
+    assert torch.allclose(big.weight, a.weight * 4) and abs(float(big.weight.detach().std()) - 2.0) < 0.04
+    with pytest.raises(ValueError, match="init_std must be positive"):
+        ShardedClassifier(10, 4, init_std=0.0)
+
+
+def test_init_std_config_reaches_the_classifier():
+    from dmltrain.config import load_config
+    from dmltrain.training.objective import Objective
+
+    cfg = load_config(None, ["loss.classifier.init_std=1.0"])
+    assert Objective(cfg, 50, 16, world_size=1).classifier.init_std == 1.0
+    assert Objective(load_config(None, []), 50, 16, world_size=1).classifier.init_std is None
 
 
 def test_argument_errors_name_the_culprit():

@@ -35,7 +35,8 @@ def test_quality_bench_runs_both_trainings(tmp_path, capsys):
     assert lines[2].startswith("dmltrain train (Ray + DeepSpeed + shards, 2 workers, sync BN)") and re.search(number, lines[2])
     assert re.fullmatch(r"dmltrain - plain: [+-]\d+\.\d\d points Recall@1 at 3 steps; wall time dmltrain / plain: \d+\.\d\dx", lines[3])
     written = (tmp_path / "work" / "dmltrain.yaml").read_text()
-    assert "sync_bn: true" in written and "max_steps: 3" in written  # what the command ran
+    assert "sync_bn: true" in written and "max_steps: 3" in written and "init_std: 1.0" in written  # what the command ran
+    assert "class weights N(0, 1²)" in lines[0]
 
 
 def test_quality_bench_bad_input_is_one_line(tmp_path):
@@ -44,6 +45,7 @@ def test_quality_bench_bad_input_is_one_line(tmp_path):
         (["--synthetic", "8,6", "--steps", "2"], "--synthetic: expected 'classes,per_class,size'"),
         (["--scale", "0.5", "--steps", "2"], "--scale: expected two numbers"),
         (["--steps", "0"], "--steps: must be >= 1"),
+        (["--steps", "2", "--class-init-std", "0"], "--class-init-std: must be > 0"),
     ):
         with pytest.raises(UserError, match=re.escape(text)) as e:
             quality_bench.run(_args(*argv))

@@ -19,6 +19,7 @@ from dataset_fixtures import class_image
 from dmltrain.config import AugmentConfig, load_config
 from dmltrain.errors import ConfigError
 from shards.augment import AugmentParams, draw_params, random_resized_crop_params
+from shards.batch_decoding import slot_rngs
 from shards.transforms import ERASE_RGB, IMAGENET_STD, EvalTransform, TrainTransform, normalize_batch
 
 
@@ -102,6 +103,61 @@ def test_records_are_functions_of_the_generator():
     assert all(sorted(op for op, _ in r.jitter) == ["brightness", "contrast", "hue", "saturation"] for r in recs)
     assert len({tuple(op for op, _ in r.jitter) for r in recs}) > 1, "a random order of the jitter operations"
     assert all(r.noise_seed is not None for r in recs) and len({r.noise_seed for r in recs}) == 30
+
+
+# each option alone (the crop fixed to the whole image unless the option is the crop), and the part of the
+# record it draws; grayscale and resize draw nothing of their own, so they are checked for equality only
+_FIXED = {"scale": (1.0, 1.0), "ratio": (W / H, W / H), "flip": 0.0}
+_OPTIONS = {
+    "crop": ({"scale": (0.2, 1.0), "ratio": (0.5, 2.0), "flip": 0.0}, lambda p: p.box),
+    "resize": ({"resize": [48, 48], "flip": 0.0}, lambda p: p.box),
+    "flip": ({**_FIXED, "flip": 0.5}, lambda p: p.flip),
+    "rotation": ({**_FIXED, "rotation": 30}, lambda p: p.angle),
+    "color_jitter": ({**_FIXED, "color_jitter": [0.4, 0.4, 0.4, 0.1]}, lambda p: p.jitter),
+    "grayscale": ({**_FIXED, "grayscale": 1}, None),
+    "noise": ({**_FIXED, "noise": 0.1}, lambda p: p.noise_seed),
+    "erase": ({**_FIXED, "erase": 0.5}, lambda p: p.erase),
+}
+
+
+@pytest.mark.parametrize("option", list(_OPTIONS))
+def test_every_option_is_reproducible_from_seed_epoch_rank_batch(option):
+    """Records and pixels are functions of (seed, epoch, rank, batch) through the batch's slot generators: the
+    same key gives the same records and the same pixels, changing any one of its parts gives other draws."""
+    _, png = _png()
+    kwargs, drawn = _OPTIONS[option]
+    t = TrainTransform(S, AugmentConfig(**kwargs), draft=False)
+    slots = 16
+    key = (3, 1, 1, 5)  # seed, epoch, rank, batch
+
+    def batch(seed, epoch, rank, b):
+        rngs = slot_rngs(seed, epoch, rank, b, slots)
+        records = [t.draw(W, H, r) for r in slot_rngs(seed, epoch, rank, b, slots)]
+        return records, [t(png, r) for r in rngs]
+
+    records, pixels = batch(*key)
+    again, pixels2 = batch(*key)
+    assert records == again and all(np.array_equal(a, b) for a, b in zip(pixels, pixels2))
+    assert pixels[0].shape == (S, S, t.channels)
+    if drawn is None:  # deterministic: the same whatever the key
+        other, other_pixels = batch(4, 2, 0, 6)
+        assert other == records and all(np.array_equal(a, b) for a, b in zip(pixels, other_pixels))
+        return
+    assert len({repr(drawn(r)) for r in records}) > 1, "the slots of one batch draw differently"
+    for part in range(4):
+        changed = list(key)
+        changed[part] += 1
+        other, other_pixels = batch(*changed)
+        assert [drawn(r) for r in other] != [drawn(r) for r in records], (option, "seed epoch rank batch".split()[part])
+        assert any(not np.array_equal(a, b) for a, b in zip(pixels, other_pixels))
+
+
+def test_config_defaults_are_crop_and_flip():
+    """A config that names no augmentation gets the defaults above; options are off unless set."""
+    assert load_config(None, []).data.augment == AugmentConfig()
+    a = load_config(None, ["data.augment.rotation=15"]).data.augment
+    assert (a.rotation_range, a.flip, a.scale, a.noise, a.erase.p, a.grayscale) == ((-15, 15), 0.5, (0.08, 1.0), 0.0, 0.0, 0)
+    assert a.color_jitter == AugmentConfig().color_jitter
 
 
 def test_flip_probability():

@@ -108,6 +108,9 @@ class ShardedClassifier(nn.Module):
         group: the process group sharing the classes (None: the default group, or one
             process when ``torch.distributed`` is not initialised).
         seed: seeds the weight initialisation (the same for any world size) and the class draws.
+        init_std: std of the normalised kinds' initial rows (None: ``1/sqrt(dim)``, rows of norm
+            about 1). The loss normalises the rows, so a larger norm turns them more slowly
+            (by about ``lr·|g|/|w|²`` a step): pytorch-metric-learning starts at 1.
         logits_budget_mb: torch path: keep the ``global batch × active rows`` logits for
             backward while they fit; beyond it, work in class blocks and recompute in backward.
         precision: ``auto``, ``fp32``, ``tf32`` or ``bf16``: the products of the fused kernels.
@@ -140,6 +143,7 @@ class ShardedClassifier(nn.Module):
         precision: str = "auto",
         weight_storage: str = "fp32",
         backend: str = "auto",
+        init_std: float | None = None,
         **params: float,
     ) -> None:
         super().__init__()
@@ -159,6 +163,9 @@ class ShardedClassifier(nn.Module):
                 raise ValueError(f"ShardedClassifier: {name} must be one of {', '.join(choices)}, got {value!r}")
         self.num_classes, self.dim, self.kind = int(num_classes), int(dim), kind
         self.sample_ratio, self.seed = float(sample_ratio), int(seed)
+        if init_std is not None and not init_std > 0:
+            raise ValueError(f"ShardedClassifier: init_std must be positive, got {init_std}")
+        self.init_std = None if init_std is None else float(init_std)
         self.logits_budget_mb = float(logits_budget_mb)
         self.precision, self.backend = precision, backend
         self.group = group
@@ -186,14 +193,14 @@ class ShardedClassifier(nn.Module):
         return self.class_end - self.class_start
 
     def reset_parameters(self) -> None:
-        """Normalised kinds: N(0, 1/D) rows, generated per block of class ids so that every
-        world size gets the same weight; softmax_ce: zeros (weight and bias)."""
+        """Normalised kinds: N(0, init_std²) rows (default 1/D), generated per block of class ids so
+        that every world size gets the same weight; softmax_ce: zeros (weight and bias)."""
         with torch.no_grad():
             if self.spec.has_bias:
                 self.weight.zero_()
                 self.bias.zero_()
                 return
-            std = self.dim**-0.5
+            std = self.init_std if self.init_std is not None else self.dim**-0.5
             b0 = self.class_start // _INIT_BLOCK
             for blk in range(b0, (max(self.class_end - 1, self.class_start)) // _INIT_BLOCK + 1):
                 lo, hi = blk * _INIT_BLOCK, min((blk + 1) * _INIT_BLOCK, self.num_classes)

@@ -44,7 +44,8 @@ class Objective(nn.Module):
         if c is not None:
             self.classifier = ShardedClassifier(
                 num_classes, dim, c.kind, sample_ratio=c.sample_ratio, group=group, seed=cfg.train.seed,
-                logits_budget_mb=c.logits_budget_mb, precision=c.precision, weight_storage=c.weight_storage, **c.params,
+                logits_budget_mb=c.logits_budget_mb, precision=c.precision, weight_storage=c.weight_storage,
+                init_std=c.init_std, **c.params,
             )
         self.replicated: nn.Module | None = None
         if i is not None:
