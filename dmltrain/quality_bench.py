@@ -107,7 +107,8 @@ def _config(args: argparse.Namespace, shard_dir: Path, work: Path, size: int, re
         "train": {"epochs": None, "max_steps": args.steps, "seed": args.seed, "checkpoint_every": args.steps, "log_every": 50,
                   "output_dir": str(work / "runs"), "run_name": "bench-quality"},
         "eval": {"every": 0, "before_training": False, "ks": [1], "nmi": False, "map_at_r": False, "binary": False, "plots": False},
-        "tracking": {"uri": f"sqlite:///{work / 'mlflow.db'}", "experiment": "bench-quality", "system_metrics": False},
+        "tracking": {"uri": f"sqlite:///{work / 'mlflow.db'}", "experiment": "bench-quality", "system_metrics": False,
+                     "log_models": False},  # the plain loop registers no model either
         "cluster": {"num_workers": args.workers, "cpus_per_worker": max(0.25, (os.cpu_count() or 2) / (2 * args.workers))},
     }, source="bench quality")
 
