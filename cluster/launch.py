@@ -14,6 +14,9 @@ would resume from (:func:`~dmltrain.training.safe_load.scan_checkpoint`). It pri
 name and MLflow run id at once, and keeps a record in the run's folder
 (:mod:`cluster.run_records`) so that a run whose driver was killed is found later and marked
 FAILED (or resumed), never left RUNNING.
+
+A command module: what running the command needs is imported where it runs, so ``dmltrain train --help``
+answers without loading torch, Ray or the data stack (the CLI's lazy dispatch).
 """
 
 from __future__ import annotations
@@ -30,29 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import ray
-from ray._private import ray_constants
-from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
-
 from cluster.resume import announce, claim_run, close_crashed_runs, latest_checkpoint_step, resolve_run_name
 from cluster.run_records import Heartbeat, RunRecord
-from dmltrain.config import Config, load_config
+from dmltrain.config import Config
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
-from dmltrain.models.pretrained import check_pretrained
 from dmltrain.text import safe_name
 from dmltrain.tracking.names import ERROR_TAG, STORAGE_DIR_TAG
 from dmltrain.tracking.run import RunHandle
-from dmltrain.training.async_eval import validation_config
-from dmltrain.training.divergence import FAULT_ENV
-from dmltrain.training.engine import deepspeed_config
-from dmltrain.training.progress import ProgressBoard, ProgressPrinter
-from dmltrain.training.trainer import train_loop_per_worker
-from shards.manifest import Manifest
 from shards.storage import is_url, location_of
-from shards.stream import TrainStream
-from shards.synthetic import build_synthetic_shards
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dmltrain.config import load_config
+
     overrides, resume = list(args.overrides), args.resume
     if resume and "=" in resume:  # `--resume optim.lr=0.1`: an override after a bare --resume
         overrides, resume = [*overrides, resume], ""
@@ -155,9 +146,12 @@ def check_outputs(cfg: Config) -> None:
 
 def prepare_data(cfg: Config) -> None:
     """Build synthetic shards if configured and missing; then check the shards and splits exist."""
+    from shards.manifest import Manifest
 
     shards_dir = location_of(cfg.data)  # a local folder or a URL
     if cfg.data.synthetic is not None and shards_dir.size("manifest.json") is None:
+        from shards.synthetic import build_synthetic_shards
+
         s = cfg.data.synthetic
         print(f"building synthetic shards in {shards_dir} ({s.classes} classes x {s.per_class} images, {s.image_size}px)", file=sys.stderr)
         build_synthetic_shards(shards_dir, classes=s.classes, per_class=s.per_class, image_size=s.image_size, seed=s.seed,
@@ -172,6 +166,9 @@ def prepare_data(cfg: Config) -> None:
 
 def check_run(cfg: Config) -> None:
     """What the workers would otherwise find out one by one, after retries: checked once on the driver."""
+    from dmltrain.models.pretrained import check_pretrained
+    from dmltrain.training.engine import deepspeed_config
+    from shards.stream import TrainStream
 
     c = cfg.cluster
     deepspeed_config(cfg, c.num_workers)  # reads and checks a user DeepSpeed JSON
@@ -226,6 +223,7 @@ def local_ray_env() -> dict[str, str]:
 @contextmanager
 def _loopback_stays_loopback():
     """Within: Ray keeps a 127.0.0.1 node IP or bootstrap address as it is (see ``_CLUSTERS_ENV``)."""
+    from ray._private import ray_constants
 
     enabled = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False  # read by ray.init when it resolves the node IP and the address
@@ -243,6 +241,7 @@ def start_local_ray(**init_kwargs: Any) -> None:
     (``RAY_AUTH_MODE`` unset: a token in ``~/.ray/auth_token``, made if missing); an explicit
     ``RAY_AUTH_MODE=disabled`` is respected. ``init_kwargs`` go to ``ray.init``.
     """
+    import ray
 
     with _loopback_stays_loopback():
         ray.init(_node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **init_kwargs)
@@ -254,6 +253,7 @@ def init_ray(cfg: Config) -> None:
     A loopback address (``127.0.0.1:port``, ``localhost:port``) joins that local instance as
     given; Ray would otherwise rewrite it to the machine's outward address, where a local
     instance started by :func:`start_local_ray` does not listen."""
+    import ray
 
     if ray.is_initialized():
         return
@@ -273,6 +273,12 @@ def init_ray(cfg: Config) -> None:
 
 def build_trainer(cfg: Config, run_name: str, run_context: dict[str, Any], callbacks: list | None = None):
     """The Ray Train V2 TorchTrainer of one run (also used by ``tune`` and ``study``)."""
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from dmltrain.training.async_eval import validation_config
+    from dmltrain.training.divergence import FAULT_ENV
+    from dmltrain.training.trainer import train_loop_per_worker
 
     c = cfg.cluster
     resources = {"CPU": c.cpus_per_worker}
@@ -309,6 +315,9 @@ def train(cfg: Config, *, progress: bool = True, config_name: str | None = None,
     ``resume``: None trains as configured (a ``train.run_name`` that exists is resumed); a run
     name resumes that run; "" resumes the latest run of ``config_path`` in the output folder.
     """
+    import ray
+
+    from dmltrain.training.progress import ProgressBoard, ProgressPrinter
 
     started = time.time()
     check_outputs(cfg)

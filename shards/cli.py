@@ -1,19 +1,19 @@
-"""``dmltrain shards build|inspect``: write WebDataset shards from a dataset layout; summarize and verify them."""
+"""``dmltrain shards build|inspect``: write WebDataset shards from a dataset layout; summarize and verify them.
+
+A command module: what running the command needs is imported where it runs, so ``dmltrain shards --help``
+answers without loading torch, Ray or the data stack (the CLI's lazy dispatch).
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
-from shards.build import build_layout
 from shards.layouts import LAYOUTS
-from shards.manifest import Manifest
 from shards.retries import IOStats
 from shards.storage import Location, add_storage_option, parse_storage_options
-from shards.synthetic import build_synthetic_shards
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +70,7 @@ def _build(args: argparse.Namespace) -> int:
         missing = [n for n, v in (("--classes", args.classes), ("--per-class", args.per_class)) if v is None]
         if missing:
             raise UserError(f"{' and '.join(missing)}: required with --layout synthetic")
+        from shards.synthetic import build_synthetic_shards
 
         result = build_synthetic_shards(
             args.out, args.classes, args.per_class, args.image_size, args.seed, shard_size=args.shard_size,
@@ -81,6 +82,7 @@ def _build(args: argparse.Namespace) -> int:
         extra = [n for n, v in (("--classes", args.classes), ("--per-class", args.per_class)) if v is not None]
         if extra:
             raise UserError(f"{', '.join(extra)}: only for --layout synthetic")
+        from shards.build import build_layout
 
         result = build_layout(
             args.layout, args.root, args.out, shard_size=args.shard_size, resize=args.resize, seed=args.seed,
@@ -92,9 +94,13 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from shards.manifest import Manifest
+
     m = Manifest.load(args.dir, parse_storage_options(args.storage_option))
     summary = m.summary()
     if args.json:
+        import json
+
         print(json.dumps(summary, indent=2))
     else:
         print(f"{m.root}: layout {summary['layout']}, source {summary['source']}, built {summary['created']}")

@@ -22,21 +22,15 @@ handles), untimed, and every timing ends with the device's work done.
 Targets: Recall within 1.5× of the GEMM on the CPU, 2× on a GPU; the binary path at least
 4× faster than the float path at 2048 dims; k-means at SOP size within 3 s on a GPU.
 Nothing is asserted; the figures are printed.
+
+A command module: what running the command needs is imported where it runs, so ``dmltrain bench eval --help``
+answers without loading torch, Ray or the data stack (the CLI's lazy dispatch).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-
-import numpy as np
-import torch
-
-from dmltrain.errors import UserError
-from dmltrain.evaluate.clustering import clustering_nmi, kmeans_engine
-from dmltrain.evaluate.gallery import default_block_bytes, float_gallery, hamming_engine, resolve_device
-from dmltrain.evaluate.ranks import gpu_kernels
-from dmltrain.evaluate.retrieval import _Labels, check_ks, path_metrics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _data(n: int, dim: int, classes: int, seed: int):
     """Class centres plus noise: every class has >= 2 images, sizes like SOP's (2-12); the
     noise grows with the dim so Recall@1 stays in the range trained models reach."""
+    import numpy as np
 
     rng = np.random.default_rng(seed)
     labels = np.concatenate([np.arange(classes), np.arange(classes), rng.integers(0, classes, max(n - 2 * classes, 0))])[:n]
@@ -77,6 +72,7 @@ def _timed(fn):
 def _gemm_seconds(gal, rows_idx, device, block_bytes) -> float:
     """The bound for queries ``rows_idx``: their normalized rows times the whole gallery's
     transpose, in the metrics' query blocks, writing every score block."""
+    import torch
 
     x = gal.data
     step = gal.rows_per_block(block_bytes)
@@ -92,6 +88,8 @@ def _gemm_seconds(gal, rows_idx, device, block_bytes) -> float:
 
 
 def _sync(device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -101,6 +99,8 @@ class _Interleaved:
     change of load on a shared machine falls on all of them alike."""
 
     def __init__(self, n: int, chunks: int, device):
+        import numpy as np
+
         self.parts = [p for p in np.array_split(np.random.default_rng(0).permutation(n), chunks) if len(p)]
         self.seconds: dict[str, float] = {}
         self.device = device
@@ -121,6 +121,15 @@ class _Interleaved:
 
 
 def run(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from dmltrain.errors import UserError
+    from dmltrain.evaluate.clustering import clustering_nmi, kmeans_engine
+    from dmltrain.evaluate.gallery import default_block_bytes, float_gallery, hamming_engine, resolve_device
+    from dmltrain.evaluate.ranks import gpu_kernels
+    from dmltrain.evaluate.retrieval import _Labels, check_ks, path_metrics
+
     if args.threads:
         torch.set_num_threads(args.threads)
     n = args.n

@@ -12,6 +12,9 @@ Partial data is an error, not a footnote: a shard file missing from the split st
 before anything is embedded (exit 2), and samples that cannot be read are left out of the
 metrics, counted in the JSON as ``eval/unreadable_samples`` and make the command exit 1 after
 writing it. ``--allow-missing`` accepts both (the count is still reported).
+
+A command module: what running the command needs is imported where it runs, so ``dmltrain eval --help``
+answers without loading torch, Ray or the data stack (the CLI's lazy dispatch).
 """
 
 from __future__ import annotations
@@ -21,18 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dmltrain.errors import UserError
-from dmltrain.evaluate.embedding import embed_batches, gather_to_rank0
-from dmltrain.evaluate.plots import plot_embedding_map, plot_recall_at_k
-from dmltrain.evaluate.retrieval import retrieval_metrics
-from dmltrain.evaluate.store import load_embeddings, save_embeddings
-from dmltrain.fileio import check_output_dir, write_json
-from dmltrain.models import load_model
-from shards.manifest import Manifest
+from dmltrain.fileio import check_output_dir
 from shards.storage import Location, add_storage_option, location_of, parse_storage_options
-from shards.stream import eval_batches
 
 DEFAULT_KS = [1, 2, 4, 8]
 
@@ -91,6 +85,8 @@ def _section(config: Any, name: str) -> dict[str, Any]:
 
 
 def _device(text: str) -> str:
+    import torch
+
     if text == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -104,6 +100,7 @@ def _device(text: str) -> str:
 
 def _check_shard_files(shards: Location, splits: list[str], allow_missing: bool) -> None:
     """Refuse (or, with ``--allow-missing``, warn about) shard files of ``splits`` that are not there."""
+    from shards.manifest import Manifest
 
     manifest = Manifest.load(shards)
     for split in splits:
@@ -125,6 +122,10 @@ def _check_shard_files(shards: Location, splits: list[str], allow_missing: bool)
 
 def _embed_splits(args: argparse.Namespace, splits: list[str], model: Any, config: Any, device: str) -> tuple[dict[str, tuple[Any, Any]], dict[str, int]]:
     """Each split's gathered ``(embeddings, labels)`` and its count of unreadable samples (left out)."""
+    import torch
+
+    from dmltrain.evaluate.embedding import embed_batches, gather_to_rank0
+    from shards.stream import eval_batches
 
     data = _section(config, "data")
     if not (args.shards or data.get("shards")):
@@ -190,6 +191,8 @@ def _check_outputs(args: argparse.Namespace, ckpt: str | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dmltrain.fileio import write_json
+
     ckpt = None if args.checkpoint in (None, "-") else args.checkpoint
     if ckpt is None and not args.embeddings:
         raise UserError("eval: give a CHECKPOINT, or --embeddings DIR to evaluate saved embeddings")
@@ -202,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
     ckpt_path = None
     if ckpt is not None:
         ckpt_path = _checkpoint_file(ckpt)
+        from dmltrain.models import load_model
 
         model, config, _ = load_model(ckpt_path, map_location=device)
     ev = _section(config, "eval")
@@ -210,14 +214,20 @@ def run(args: argparse.Namespace) -> int:
     binary = args.binary or bool(ev.get("binary", False))
 
     if args.embeddings:
+        from dmltrain.evaluate.store import load_embeddings
+
         gathered = {s: load_embeddings(args.embeddings, s) for s in splits}
         unreadable: dict[str, int] | None = None
     else:
         gathered, unreadable = _embed_splits(args, splits, model, config, device)
     lost = sum(unreadable.values()) if unreadable else 0
     if args.save_embeddings:
+        from dmltrain.evaluate.store import save_embeddings
+
         for split, (emb, labels) in gathered.items():
             print(f"saved {save_embeddings(args.save_embeddings, split, emb, labels)}", file=sys.stderr)
+
+    from dmltrain.evaluate.retrieval import retrieval_metrics
 
     q, ql = gathered[splits[0]]
     g, gl = gathered[splits[1]] if len(splits) == 2 else (None, None)
@@ -247,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
     write_json(out, record)
     print(f"wrote {out}", file=sys.stderr)
     if args.plots:
+        from dmltrain.evaluate.plots import plot_embedding_map, plot_recall_at_k
+
         name = ckpt_path.stem if ckpt_path else Path(args.embeddings).name
         print(f"wrote {plot_recall_at_k({name: metrics}, Path(args.plots) / 'recall_at_k.png')}", file=sys.stderr)
         print(f"wrote {plot_embedding_map(q, ql, Path(args.plots) / 'embedding_map.png', seed=args.seed)}", file=sys.stderr)
