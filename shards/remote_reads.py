@@ -219,6 +219,7 @@ class RemoteSource:
         """The open descriptor of the cached shard (downloaded first when needed), or None: read it by ranges."""
         sh, limit = self.split.shards[shard], self._limit
         self._download_tasks.add(asyncio.current_task())  # type: ignore[arg-type]
+        wrote = []
 
         async def write(fd: int) -> None:
             async def piece(s: int) -> None:
@@ -232,10 +233,13 @@ class RemoteSource:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
-            self.stats.add("cache_downloads")
+            wrote.append(shard)
 
         for _ in range(3):  # opened at once: another process making room may remove the file, not an open one
             path = await self.cache.fetch(sh.sha256, sh.bytes, write)  # type: ignore[union-attr]
+            if wrote:  # counted once the shard is in the cache (checked and renamed), not when its bytes arrived
+                self.stats.add("cache_downloads")
+                wrote.clear()
             if path is None:
                 return None
             try:

@@ -234,8 +234,11 @@ def test_shard_cache_downloads_each_shard_once_and_stays_bounded(s3, local, uplo
     assert _same_epoch(stream(local), remote) > 3
     first = remote.io_counts()
     shas = {sh.sha256 for sh in Manifest.load(local).split("train").shards}
-    cached = {p.stem for p in cache.glob("*.tar")}  # by content; the shards this epoch touched
-    assert len(cached) > len(shas) // 2 and cached <= shas and first["cache_downloads"] == len(cached)
+    # by content; the shards whose download finished during the epoch (reads never wait for one, so how
+    # many depends on the machine's speed; one finishing after the last batch's counts is in the cache
+    # uncounted, those still running when the epoch ended were stopped and left nothing)
+    cached = {p.stem for p in cache.glob("*.tar")}
+    assert cached and cached <= shas and 0 < first["cache_downloads"] <= len(cached)
     assert first["retries/throttled"] > 0 and not list(cache.glob("*.tmp"))
     # shards in the cache (content-addressed: <sha256>.tar) are read from there, not requested
     for sh in Manifest.load(local).split("train").shards:
