@@ -33,6 +33,8 @@ from shards.device_decoding import DeviceDecoder, DeviceInput, Encoded, EncodedI
 from shards.pixel_ops import adjust, blend, luma, shift_hue
 from shards.transforms import IMAGENET_STD, TrainTransform, _hue, normalize_batch
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 S = 32
 CONFIGS = {
     "default": AugmentConfig(),
@@ -42,14 +44,6 @@ CONFIGS = {
     "gray + erase": AugmentConfig(grayscale=3, erase=0.7),
     "one channel + jitter": AugmentConfig(grayscale=1, color_jitter=0.3),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _jpeg(key: int, size: tuple[int, int], mode: str = "RGB") -> bytes:

@@ -34,6 +34,8 @@ from shards.stream import TrainStream, eval_batches
 from shards.tar_index import GroupReader
 from shards.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize_batch
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 # every augmentation option on: all of them must be functions of (seed, epoch, rank, batch)
 ALL_OPTIONS = AugmentConfig(
@@ -45,15 +47,6 @@ ALL_OPTIONS = AugmentConfig(
 @pytest.fixture(scope="module")
 def shard_dir(tmp_path_factory) -> Path:
     return make_shards(tmp_path_factory.mktemp("stream") / "shards")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Small tensors on a shared 2-core machine: intra-op threads only add contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # -- the stream ----------------------------------------------------------------------------------
@@ -240,7 +233,6 @@ def test_corrupt_members_are_skipped_and_counted(shard_dir, tmp_path, caplog):
     for reader in (GroupReader(info, table), GroupReader(info, table, whole_group_bytes=0)):
         got = [reader.sample(g, pos) is not None for pos in range(int(table.count[g]))]
         assert got[0] and not any(got[1:]), got
-
 
 
 # -- evaluation -----------------------------------------------------------------------------------

@@ -16,17 +16,10 @@ from shards.manifest import Manifest
 from shards.stream import TrainStream, eval_batches
 from shards.synthetic import build_synthetic_shards, class_parts, render
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 CLASSES, PER_CLASS, SIZE = 40, 10, 32
 
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Small tensors on a shared 2-core machine: intra-op threads only add contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 class TinyCNN(nn.Module):
     def __init__(self, dim: int = 64):

@@ -15,15 +15,9 @@ from shard_fixtures import make_shards, stream
 from shards.device_decoding import DeviceInput
 from shards.transforms import IMAGENET_STD
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_prefetcher_prepares_one_ahead_in_order():

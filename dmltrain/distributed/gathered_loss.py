@@ -88,8 +88,8 @@ class GatheredInstanceLoss(nn.Module):
         packed = torch.stack([torch.as_tensor(v, device=like.device).detach().double().reshape(()) for v in vals])
         packed = torch.cat([packed, torch.tensor([float(key_hash)], dtype=torch.float64, device=like.device)])
         all_reduce_sum(packed, self.group)
-        count = packed[0].clamp_min(1.0).to(terms.total.dtype)
-        total = terms.total
+        anchors = packed[0].clamp_min(1.0)
+        total, count = terms.total, anchors.to(terms.total.dtype)
         # value: the global loss, bit-identical on every worker; gradient: this worker's terms / global count
         out = (total - total.detach()) / count + packed[1].to(total.dtype) / count
         totals = {k: packed[2 + 2 * len(mean_keys) + i] for i, k in enumerate(total_keys)}
@@ -97,7 +97,7 @@ class GatheredInstanceLoss(nn.Module):
             # no host read on an accelerator: the check fails at a later kernel, a mean over no anchors reads 0
             torch._assert_async(packed[-1] == key_hash * world, self._MISMATCH.format(type(self.loss).__name__))
             means = {k: packed[2 + 2 * i] / packed[3 + 2 * i].clamp_min(1.0) for i, k in enumerate(mean_keys)}
-            self.stats = CallStats({**totals, **means, "loss": packed[1] / packed[0].clamp_min(1.0)}, {})
+            self.stats = CallStats({**totals, **means, "loss": packed[1] / anchors}, {})
             return out
         host = packed.tolist()
         if host[-1] != key_hash * world:
