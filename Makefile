@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# The remote-shard tests' moto and s3fs: beside site-packages, not in it (tests/s3_stack.py says why).
+S3_STACK := $(VENV)/test-s3
 PYTEST_ARGS ?=
 SHELL  := /bin/bash
 .SHELLFLAGS := -o pipefail -c
@@ -11,7 +13,7 @@ QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 
 .PHONY: setup test demo clean-venv
 
-setup: $(STAMP)
+setup: $(STAMP) $(S3_STACK)/.installed
 
 # Re-installs when the dependency list or the torch pair changes.
 $(STAMP): pyproject.toml constraints.txt
@@ -20,7 +22,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]' 2>&1 | $(QUIET_PIP)
 	@touch $(STAMP)
 
-test: $(STAMP)
+# After every install into .venv, which may change what the stack has to add.
+$(S3_STACK)/.installed: $(STAMP) tests/s3_stack.py
+	@echo "installing the S3 test stack (moto, s3fs) into $(S3_STACK)"
+	env -u PYTHONPATH $(BIN)/python tests/s3_stack.py $(S3_STACK) 2>&1 | $(QUIET_PIP)
+	@touch $@
+
+test: $(STAMP) $(S3_STACK)/.installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)

@@ -14,6 +14,7 @@ import http.server
 import logging
 import random
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,9 +23,14 @@ from pathlib import Path
 
 import pytest
 
-from moto.moto_server.threaded_moto_server import ThreadedMotoServer
-from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
-from werkzeug.serving import make_server
+try:
+    import s3fs  # noqa: F401  (read by the code under test, through fsspec)
+    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+except ImportError as e:  # an error, not a skip: CI must run these tests
+    raise ImportError(f"{e}: the remote-shard tests need the test-s3 extra, which `make test` installs into "
+                      f"{Path(sys.prefix) / 'test-s3'}") from e
 
 logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
 
