@@ -7,11 +7,12 @@ over a few classes; with it, a training step sees the statistics one process hol
 global batch would see, and its gradients account for them.
 
 On CUDA (NCCL) this is torch's :class:`torch.nn.SyncBatchNorm`. torch's kernels refuse CPU
-tensors, so on the CPU (gloo) the same computation runs here: the per-channel count, sum and
-squared deviations are summed over the process group (the mean first, then the variance
-around it, in float64) and the sums' backward is again a sum over the group, so each
-worker's input gradient includes every worker's contribution. Scale and shift gradients stay
-local, as in torch: the data-parallel reduction sums them. Alone (no process group or one
+tensors, so on the CPU (gloo) the same computation runs here, with torch's CPU BatchNorm kernels
+for the local work and one all-reduce each way, as torch's CUDA layer has: forward sums every
+worker's count, sum and sum of squares (in float64, built from its exact local mean and
+variance, so nothing cancels), backward sums ``dy`` and ``dy·(x - mean)``, so each worker's input
+gradient includes every worker's contribution. Scale and shift gradients stay local, as in
+torch: the data-parallel reduction sums them. Alone (no process group or one
 worker), in eval mode, or with frozen statistics it is plain BatchNorm. Parameter and buffer
 names are BatchNorm's, so checkpoints load either way.
 """
@@ -20,22 +21,59 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from dmltrain.distributed.collectives import all_reduce_sum, group_rank_size
 
 
-class _SumOverGroup(torch.autograd.Function):
-    """Sum of a tensor over the process group; its gradient is the sum of the gradients (every worker used it)."""
+class _SyncBatchNormCPU(torch.autograd.Function):
+    """BatchNorm with the statistics of the whole process group: one all-reduce forward, one backward.
+
+    Returns the normalized ``x`` and, for the running statistics, the group's mean and unbiased variance
+    (not differentiable). Backward returns the local scale and shift gradients, as torch does.
+    """
 
     @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group = group
-        return all_reduce_sum(x.clone(), group)
+    def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, group) -> tuple[Tensor, Tensor, Tensor]:
+        # torch's BatchNorm kernel: the local mean and biased variance, several times faster than var_mean
+        local_mean, local_var = torch.batch_norm_update_stats(x, None, None, 0.0)
+        count = x.numel() // x.shape[1]
+        m, v = local_mean.double(), local_var.double()
+        summed = all_reduce_sum(torch.cat([m * count, (v + m * m) * count, m.new_full((1,), count)]), group)
+        c = x.shape[1]
+        n = summed[-1]
+        mean = summed[:c] / n
+        var = (summed[c : 2 * c] / n - mean * mean).clamp_(min=0)
+        mean_x, var_x = mean.to(torch.float32), var.to(torch.float32)
+        out = F.batch_norm(x, mean_x, var_x, weight, bias, False, 0.0, eps)
+        invstd = torch.rsqrt(var_x + eps)
+        ctx.save_for_backward(x, weight, mean_x, invstd)
+        ctx.group, ctx.n = group, n
+        ctx.mark_non_differentiable(mean, var)
+        return out, mean, var * n / (n - 1).clamp(min=1)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
-        return all_reduce_sum(grad.clone(), ctx.group), None
+    def backward(ctx, dy: Tensor, _mean, _var):
+        x, weight, mean, invstd = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        # torch's kernel gives the local sums: grad_weight = Σ dy·(x - mean)·invstd, grad_bias = Σ dy
+        _, local_w, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            dy, x, weight, None, None, mean, invstd, True, 0.0, [False, True, True]
+        )
+        grad_w, grad_b = (local_w if need_w else None), (sum_dy if need_b else None)
+        grad_x = None
+        if need_x:
+            c = x.shape[1]
+            sums = all_reduce_sum(torch.cat([sum_dy, local_w / invstd]).double(), ctx.group) / ctx.n
+            mean_dy, mean_dy_xmu = sums[:c].float(), sums[c:].float()
+            scale = invstd if weight is None else invstd * weight.float()
+            # dx = (dy - mean_dy - (x - mean)·invstd²·mean_dy_xmu)·invstd·w, as per-channel a·dy + b·x + c
+            b = -scale * invstd * invstd * mean_dy_xmu
+            c0 = -scale * mean_dy - b * mean
+            shape = [1, -1] + [1] * (x.dim() - 2)
+            grad_x = torch.addcmul(c0.view(shape), x, b.view(shape)).addcmul_(dy, scale.view(shape)).to(x.dtype)
+        return grad_x, grad_w, grad_b, None, None
 
 
 class SyncBatchNorm(nn.SyncBatchNorm):
@@ -47,24 +85,13 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         if not (self.training and group_rank_size(self.process_group)[1] > 1):
             return _BatchNorm.forward(self, input)  # plain BatchNorm: torch's class refuses CPU tensors before falling back
         self._check_input_dim(input)
-        dims = [0, *range(2, input.dim())]
-        shape = [1, -1] + [1] * (input.dim() - 2)
-        count = input.new_full((1,), input.numel() // input.shape[1], dtype=torch.float64)
-        summed = _SumOverGroup.apply(torch.cat([input.sum(dims, dtype=torch.float64), count]), self.process_group)
-        n = summed[-1]
-        mean = summed[:-1] / n
-        centred = input - mean.to(input.dtype).view(shape)
-        # the variance around the global mean (not E[x²] - mean², which cancels badly in float32 inputs)
-        var = _SumOverGroup.apply(centred.pow(2).sum(dims, dtype=torch.float64), self.process_group) / n
-        out = centred * torch.rsqrt(var + self.eps).to(input.dtype).view(shape)
-        if self.weight is not None:
-            out = out * self.weight.view(shape) + self.bias.view(shape)
+        out, mean, var = _SyncBatchNormCPU.apply(input, self.weight, self.bias, self.eps, self.process_group)
         if self.track_running_stats:
             self.num_batches_tracked.add_(1)
             momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
             with torch.no_grad():  # torch's update: the unbiased variance of the global batch
                 self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
-                self.running_var.lerp_((var * n / (n - 1).clamp(min=1)).to(self.running_var.dtype), momentum)
+                self.running_var.lerp_(var.to(self.running_var.dtype), momentum)
         return out
 
 
