@@ -97,3 +97,31 @@ def test_alone_it_is_plain_batchnorm_and_keeps_names():
     assert converted is model and list(model.state_dict()) == plain_keys
     n_sync = sum(isinstance(m, SyncBatchNorm) for m in model.modules())
     assert n_sync == sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) > 8  # backbone and head
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("affine", [True, False])
+def test_the_synchronized_function_in_every_precision(dtype, affine):
+    """The layer's autograd function (its collectives are no-ops without a process group) against
+    float64 BatchNorm: output, running statistics' inputs and all gradients, in the input's precision
+    (bf16 runs torch's mixed-type kernels with float32 statistics and parameters)."""
+    from dmltrain.models.sync_bn import _SyncBatchNormCPU
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 4, 5, 5, generator=g) * 3 + 2).to(dtype).requires_grad_(True)
+    params = [torch.rand(4, generator=g).to(dtype).requires_grad_(True) for _ in range(2)] if affine else [None, None]
+    out, mean, var = _SyncBatchNormCPU.apply(x, *params, 1e-5, None)
+    dy = torch.randn(out.shape, generator=g).to(dtype)
+    inputs = [x, *params] if affine else [x]
+    grads = torch.autograd.grad(out, inputs, dy)
+    ref_inputs = [t.detach().double().requires_grad_(True) for t in inputs]
+    ref = nn.functional.batch_norm(ref_inputs[0], None, None, *(ref_inputs[1:] if affine else [None, None]), True, 0.0, 1e-5)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, dy.double())
+    tol = {torch.bfloat16: 3e-2, torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
+    assert out.dtype == dtype and all(gr.dtype == dtype for gr in grads)
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    x64 = x.detach().double()
+    stat_tol = 1e-2 if dtype == torch.bfloat16 else 1e-6  # bf16: the kernel's own bf16 statistics
+    torch.testing.assert_close(mean, x64.mean((0, 2, 3)), rtol=stat_tol, atol=1e-6)
+    torch.testing.assert_close(var, x64.var((0, 2, 3)), rtol=stat_tol, atol=1e-6)

@@ -45,10 +45,14 @@ class _SyncBatchNormCPU(torch.autograd.Function):
         n = summed[-1]
         mean = summed[:c] / n
         var = (summed[c : 2 * c] / n - mean * mean).clamp_(min=0)
-        mean_x, var_x = mean.to(torch.float32), var.to(torch.float32)
-        out = F.batch_norm(x, mean_x, var_x, weight, bias, False, 0.0, eps)
+        # statistics and affine parameters in float32 for a bf16 input: torch's CPU kernels' mixed-type path
+        acc = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+        weight_acc = weight.to(acc) if weight is not None else None
+        mean_x, var_x = mean.to(acc), var.to(acc)
+        out = F.batch_norm(x, mean_x, var_x, weight_acc, bias.to(acc) if bias is not None else None, False, 0.0, eps)
         invstd = torch.rsqrt(var_x + eps)
-        ctx.save_for_backward(x, weight, mean_x, invstd)
+        ctx.save_for_backward(x, weight_acc, mean_x, invstd)
+        ctx.param_dtype = weight.dtype if weight is not None else None
         ctx.group, ctx.n = group, n
         ctx.mark_non_differentiable(mean, var)
         return out, mean, var * n / (n - 1).clamp(min=1)
@@ -61,13 +65,14 @@ class _SyncBatchNormCPU(torch.autograd.Function):
         _, local_w, sum_dy = torch.ops.aten.native_batch_norm_backward(
             dy, x, weight, None, None, mean, invstd, True, 0.0, [False, True, True]
         )
-        grad_w, grad_b = (local_w if need_w else None), (sum_dy if need_b else None)
+        dtype = ctx.param_dtype
+        grad_w, grad_b = (local_w.to(dtype) if need_w else None), (sum_dy.to(dtype) if need_b else None)
         grad_x = None
         if need_x:
             c = x.shape[1]
             sums = all_reduce_sum(torch.cat([sum_dy, local_w / invstd]).double(), ctx.group) / ctx.n
-            mean_dy, mean_dy_xmu = sums[:c].float(), sums[c:].float()
-            scale = invstd if weight is None else invstd * weight.float()
+            mean_dy, mean_dy_xmu = sums[:c].to(invstd.dtype), sums[c:].to(invstd.dtype)
+            scale = invstd if weight is None else invstd * weight
             # dx = (dy - mean_dy - (x - mean)·invstd²·mean_dy_xmu)·invstd·w, as per-channel a·dy + b·x + c
             b = -scale * invstd * invstd * mean_dy_xmu
             c0 = -scale * mean_dy - b * mean
