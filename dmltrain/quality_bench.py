@@ -56,6 +56,8 @@ from dmltrain.config import Config, EvalConfig, build_config
 from dmltrain.errors import UserError
 from dmltrain.evaluate.embedding import evaluate_model
 from dmltrain.models import build_model, load_model
+from dmltrain.tracking.names import STEP_MS
+from dmltrain.tracking.queries import history, run_by_name
 from shards.manifest import Manifest
 from shards.synthetic import build_synthetic_shards
 from shards.transforms import IMAGENET_MEAN, IMAGENET_STD
@@ -192,9 +194,9 @@ def train_plain(cfg: Config, steps: int, seed: int) -> tuple[torch.nn.Module, fl
 def _logged_step_ms(cfg: Config) -> float:
     """dmltrain's mean step time as its run logged it (``time/step_ms`` per logging window), from its MLflow store."""
     client = mlflow.MlflowClient(cfg.tracking.uri)
-    runs = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id], max_results=1)
-    history = [m.value for m in client.get_metric_history(runs[0].info.run_id, "time/step_ms")] if runs else []
-    return float(np.mean(history)) if history else float("nan")
+    run = run_by_name(client, client.get_experiment_by_name(cfg.tracking.experiment).experiment_id, cfg.train.run_name)
+    points = history(client, run.info.run_id, STEP_MS) if run is not None else []
+    return float(np.mean([v for _, v in points])) if points else float("nan")
 
 
 # -- the dmltrain run -------------------------------------------------------------------------------

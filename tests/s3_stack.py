@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 EXTRA = "test-s3"
 REPO = Path(__file__).resolve().parents[1]
@@ -26,14 +28,12 @@ def _pip(*args: str) -> str:
     return subprocess.run([sys.executable, "-m", "pip", *args], check=True, stdout=subprocess.PIPE, text=True).stdout
 
 
-def _key(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def install(target: Path) -> list[str]:
     """Replace ``target`` with the extra's packages that this interpreter's environment lacks; their names."""
-    wanted = [r.split(";")[0].strip() for r in importlib.metadata.requires("dmltrain") or []
-              if re.search(rf"extra\s*==\s*['\"]{EXTRA}['\"]", r)]
+    wanted = [req for req in map(Requirement, importlib.metadata.requires("dmltrain") or [])
+              if req.marker is not None and req.marker.evaluate({"extra": EXTRA})]
+    for req in wanted:
+        req.marker = None  # as a requirement of its own, not one of the extra
     if not wanted:
         sys.exit(f"s3_stack: the installed dmltrain declares no '{EXTRA}' extra (pip install -e . first)")
     target = target.absolute()
@@ -44,15 +44,15 @@ def install(target: Path) -> list[str]:
         (work / "have.txt").write_text("\n".join(pinned) + "\n")
         # a dry run against the environment: what it would have to add, given that nothing it has may change
         _pip("install", "-q", "--dry-run", "--report", str(work / "plan.json"), "-c", str(REPO / "constraints.txt"),
-             "-c", str(work / "have.txt"), *wanted)
+             "-c", str(work / "have.txt"), *(str(req) for req in wanted))
         plan = json.loads((work / "plan.json").read_text())["install"]
         missing = [f"{p['metadata']['name']}=={p['metadata']['version']}" for p in plan]
-        have = {_key(d.metadata["Name"]) for d in importlib.metadata.distributions()}
-        inside = sorted(n for n in (_key(re.split(r"[\[<>=!~ ]", w)[0]) for w in wanted) if n in have)
+        have = {canonicalize_name(d.metadata["Name"]) for d in importlib.metadata.distributions()}
+        inside = sorted(n for n in (canonicalize_name(req.name) for req in wanted) if n in have)
         if inside:
             print(f"s3_stack: warning: {', '.join(inside)} installed in the environment itself (an older dev extra?), "
                   "so in the GPU machine's bundle too; `make clean-venv setup` starts afresh", file=sys.stderr)
-        clash = sorted(m for m in missing if _key(m.split("==")[0]) in have)
+        clash = sorted(m for m in missing if canonicalize_name(m.split("==")[0]) in have)
         if clash:
             sys.exit(f"s3_stack: {', '.join(clash)} would shadow the environment's own version")
         if missing:
