@@ -11,7 +11,7 @@ SHELL  := /bin/bash
 # pip warns once per absent mirror folder; keep its real messages only.
 QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 
-.PHONY: setup test demo clean-venv
+.PHONY: setup lint format test demo clean-venv
 
 setup: $(STAMP) $(S3_STACK)/.installed
 
@@ -28,7 +28,16 @@ $(S3_STACK)/.installed: $(STAMP) tests/s3_stack.py
 	env -u PYTHONPATH $(BIN)/python tests/s3_stack.py $(S3_STACK) 2>&1 | $(QUIET_PIP)
 	@touch $@
 
-test: $(STAMP) $(S3_STACK)/.installed
+# ruff's lint and format check (pyproject.toml's [tool.ruff]); `make test` runs it first, so CI fails on either.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+test: lint $(STAMP) $(S3_STACK)/.installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)

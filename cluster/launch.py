@@ -47,9 +47,15 @@ from shards.storage import is_url, location_of
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config (see configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=0.01 cluster.num_workers=4")
-    parser.add_argument("--resume", nargs="?", const="", default=None, metavar="RUN",
-                        help="continue a run from its latest checkpoint in the same MLflow run: RUN by name, "
-                             "or without RUN the latest run of this config in its output folder")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="RUN",
+        help="continue a run from its latest checkpoint in the same MLflow run: RUN by name, "
+        "or without RUN the latest run of this config in its output folder",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no live progress line")
 
 
@@ -64,7 +70,13 @@ def run(args: argparse.Namespace) -> int:
     # a stopped job (SIGTERM: `ray job stop`, a scheduler) ends its MLflow run as KILLED, not RUNNING
     previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
-        summary = train(cfg, progress=not args.no_progress, config_name=Path(args.config).stem, config_path=args.config, resume=resume)
+        summary = train(
+            cfg,
+            progress=not args.no_progress,
+            config_name=Path(args.config).stem,
+            config_path=args.config,
+            resume=resume,
+        )
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -94,13 +106,19 @@ class TrainSummary:
     def render(self) -> str:
         m = self.metrics or {}
         key = m.get("metric", "recall@1")
-        lines = [f"run {self.run_name}: {'finished' if self.ok else 'FAILED'} in {self.seconds:.0f}s after {m.get('step', '?')} steps"]
+        lines = [
+            f"run {self.run_name}: {'finished' if self.ok else 'FAILED'} in {self.seconds:.0f}s after {m.get('step', '?')} steps"
+        ]
         if self.error:
             lines.append(f"  error: {self.error}")
         for label in ("initial", "final", "best"):
             vals = m.get(label) or {}
             if vals:
-                shown = ", ".join(f"{k} {v:.4f}" for k, v in vals.items() if k.startswith(("recall@", "map@r", "nmi", "binary/recall@1")))
+                shown = ", ".join(
+                    f"{k} {v:.4f}"
+                    for k, v in vals.items()
+                    if k.startswith(("recall@", "map@r", "nmi", "binary/recall@1"))
+                )
                 suffix = f" (step {m.get('best_step')})" if label == "best" else ""
                 lines.append(f"  {label:<7} {shown}{suffix}")
         if m.get("initial") and m.get("final") and key in m["initial"] and key in m["final"]:
@@ -120,7 +138,9 @@ class TrainSummary:
     def written_models(self) -> list[str]:
         """The exported model files that exist (on remote storage: those a finished run writes)."""
         model, best = (f"{self.storage_dir}/{name}/model.pt" for name in ("model", "best_model"))
-        if "://" in self.storage_dir:  # not listed here: a finished run wrote its final model, and a best one if it had one
+        if (
+            "://" in self.storage_dir
+        ):  # not listed here: a finished run wrote its final model, and a best one if it had one
             return ([model] + ([best] if (self.metrics or {}).get("best") else [])) if self.ok else []
         return [p for p in (model, best) if Path(p).is_file()]
 
@@ -153,11 +173,24 @@ def prepare_data(cfg: Config) -> None:
         from shards.synthetic import build_synthetic_shards
 
         s = cfg.data.synthetic
-        print(f"building synthetic shards in {shards_dir} ({s.classes} classes x {s.per_class} images, {s.image_size}px)", file=sys.stderr)
-        build_synthetic_shards(shards_dir, classes=s.classes, per_class=s.per_class, image_size=s.image_size, seed=s.seed,
-                               shard_size=s.shard_size, overwrite=False)
+        print(
+            f"building synthetic shards in {shards_dir} ({s.classes} classes x {s.per_class} images, {s.image_size}px)",
+            file=sys.stderr,
+        )
+        build_synthetic_shards(
+            shards_dir,
+            classes=s.classes,
+            per_class=s.per_class,
+            image_size=s.image_size,
+            seed=s.seed,
+            shard_size=s.shard_size,
+            overwrite=False,
+        )
     manifest = Manifest.load(shards_dir)
-    for key, split in [("data.train_split", cfg.data.train_split), *(("data.eval_splits", s) for s in cfg.data.eval_splits)]:
+    for key, split in [
+        ("data.train_split", cfg.data.train_split),
+        *(("data.eval_splits", s) for s in cfg.data.eval_splits),
+    ]:
         try:
             manifest.split(split)
         except UserError as e:
@@ -291,8 +324,11 @@ def build_trainer(cfg: Config, run_name: str, run_context: dict[str, Any], callb
     resources = {"CPU": c.cpus_per_worker}
     if c.use_gpu:
         resources["GPU"] = 1
-    env = {"OMP_NUM_THREADS": str(max(1, int(c.cpus_per_worker))), "TOKENIZERS_PARALLELISM": "false",
-           "MLFLOW_LOGGING_LEVEL": "WARNING"}
+    env = {
+        "OMP_NUM_THREADS": str(max(1, int(c.cpus_per_worker))),
+        "TOKENIZERS_PARALLELISM": "false",
+        "MLFLOW_LOGGING_LEVEL": "WARNING",
+    }
     if not c.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed otherwise warns that it found no GPU
     if FAULT_ENV in os.environ:  # a test's fault injection reaches the workers
@@ -315,8 +351,15 @@ def build_trainer(cfg: Config, run_name: str, run_context: dict[str, Any], callb
     )
 
 
-def train(cfg: Config, *, progress: bool = True, config_name: str | None = None, parent_run_id: str | None = None,
-          config_path: str | None = None, resume: str | None = None) -> TrainSummary:
+def train(
+    cfg: Config,
+    *,
+    progress: bool = True,
+    config_name: str | None = None,
+    parent_run_id: str | None = None,
+    config_path: str | None = None,
+    resume: str | None = None,
+) -> TrainSummary:
     """Run one training to completion (or failure) and summarise it.
 
     ``resume``: None trains as configured (a ``train.run_name`` that exists is resumed); a run
@@ -342,7 +385,9 @@ def train(cfg: Config, *, progress: bool = True, config_name: str | None = None,
         claim_run(run_dir, run_name)
         close_crashed_runs(Path(root), keep=run_name)
         resumed_step = latest_checkpoint_step(run_dir)
-    tracked = RunHandle.for_config(cfg, run_name, cfg.flat(), tags={STORAGE_DIR_TAG: storage_dir}, parent_run_id=parent_run_id)
+    tracked = RunHandle.for_config(
+        cfg, run_name, cfg.flat(), tags={STORAGE_DIR_TAG: storage_dir}, parent_run_id=parent_run_id
+    )
     uri, run_id = tracked.uri, tracked.run_id
     if tracked.resumed:  # a resumed run's earlier failure no longer describes it
         tracked.delete_tag(ERROR_TAG)
@@ -363,7 +408,13 @@ def train(cfg: Config, *, progress: bool = True, config_name: str | None = None,
             init_ray(cfg)
             board_name = f"dmltrain-progress-{uuid.uuid4().hex[:8]}"
             board = ProgressBoard.options(name=board_name).remote()
-            context = {"run_name": run_name, "storage_dir": storage_dir, "tracking_uri": uri, "mlflow_run_id": run_id, "board_name": board_name}
+            context = {
+                "run_name": run_name,
+                "storage_dir": storage_dir,
+                "tracking_uri": uri,
+                "mlflow_run_id": run_id,
+                "board_name": board_name,
+            }
             trainer = build_trainer(cfg, run_name, context)
             if progress:
                 with ProgressPrinter(board):

@@ -45,7 +45,9 @@ def resolve_run_name(cfg: Config, root: str, config_file: str | None, resume: st
             raise UserError(f"--resume: name the run to resume (--resume RUN): runs under {root} are not listed")
         name = latest_run(Path(root), config_file)
         if name is None:
-            raise UserError(f"--resume: no earlier run of {config_file or 'this config'} in {root}; start one without --resume")
+            raise UserError(
+                f"--resume: no earlier run of {config_file or 'this config'} in {root}; start one without --resume"
+            )
     elif local and not (Path(root) / name).is_dir():
         raise UserError(f"--resume {name}: no run of that name in {root}")
     return name
@@ -74,7 +76,9 @@ def claim_run(run_dir: Path, run_name: str) -> None:
     """Refuse a run whose recorded driver is still running, or whose checkpoint to resume from holds more than data."""
     record = RunRecord.read(run_dir)
     if record is not None and record.status == RUNNING and record.driver_alive(run_dir):
-        raise UserError(f"run {run_name} is being trained by another driver ({record.describe()}); stop it first, or wait")
+        raise UserError(
+            f"run {run_name} is being trained by another driver ({record.describe()}); stop it first, or wait"
+        )
     found = resume_checkpoint(run_dir)
     if found is not None:
         scan_checkpoint(found[0])
@@ -92,11 +96,17 @@ def close_crashed_runs(root: Path, keep: str) -> None:
             handle.finish("FAILED")
         record.status = "FAILED"
         record.write(run_dir)
-        hint = f"dmltrain train {record.config} --resume {record.run_name}" if record.config else f"train.run_name={record.run_name}"
+        hint = (
+            f"dmltrain train {record.config} --resume {record.run_name}"
+            if record.config
+            else f"train.run_name={record.run_name}"
+        )
         print(f"dmltrain: run {record.run_name}: {reason}; marked FAILED (resume it with: {hint})", file=sys.stderr)
 
 
-def announce(run_name: str, run_id: str | None, cfg: Config, config_path: str | None, resumed_step: int | None, resumed: bool) -> None:
+def announce(
+    run_name: str, run_id: str | None, cfg: Config, config_path: str | None, resumed_step: int | None, resumed: bool
+) -> None:
     """The run's name and MLflow run id, before anything else happens (a crash can then be resumed by name)."""
     mlflow = f"MLflow run {run_id} in experiment {cfg.tracking.experiment}" if run_id else "tracking off"
     if resumed or resumed_step is not None:

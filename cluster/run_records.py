@@ -48,9 +48,19 @@ class RunRecord:
     status: str = RUNNING  # RUNNING, FINISHED, FAILED or KILLED
 
     @classmethod
-    def for_this_driver(cls, run_name: str, config: str | None, mlflow_run_id: str | None, tracking_uri: str) -> RunRecord:
-        return cls(run_name, config, mlflow_run_id, tracking_uri, socket.gethostname(), os.getpid(),
-                   psutil.Process().create_time(), time.time())
+    def for_this_driver(
+        cls, run_name: str, config: str | None, mlflow_run_id: str | None, tracking_uri: str
+    ) -> RunRecord:
+        return cls(
+            run_name,
+            config,
+            mlflow_run_id,
+            tracking_uri,
+            socket.gethostname(),
+            os.getpid(),
+            psutil.Process().create_time(),
+            time.time(),
+        )
 
     @classmethod
     def read(cls, run_dir: Path) -> RunRecord | None:

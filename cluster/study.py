@@ -58,6 +58,7 @@ from shards.manifest import Manifest
 from shards.storage import is_url, location_of
 from shards.synthetic import build_synthetic_shards
 
+
 # -- inputs -----------------------------------------------------------------------------------------------
 def _parse_list(text: str, flag: str, kind: type, what: str, example: str) -> list:
     """The comma-separated ``kind`` values of ``flag`` (blanks ignored); one-line :class:`UserError` otherwise."""
@@ -109,24 +110,43 @@ def prepare_shards(cfg, classes: list[int] | None, progress: bool = True) -> dic
         shards = location_of(cfg.data)  # a local folder or a URL
         own = Manifest.load(shards).split(cfg.data.train_split).num_classes
         if classes and classes != [own]:
-            raise UserError(f"--classes: {cfg.data.shards} is a dataset with {own} train classes; other class counts need a "
-                            "synthetic config (data.synthetic)")
+            raise UserError(
+                f"--classes: {cfg.data.shards} is a dataset with {own} train classes; other class counts need a "
+                "synthetic config (data.synthetic)"
+            )
         return {own: shards.root if shards.remote else str(shards.path.resolve())}
     if is_url(cfg.data.shards):
-        raise UserError(f"--classes: synthetic shards for other class counts are built beside data.shards on local disk; "
-                        f"{cfg.data.shards} is a URL")
+        raise UserError(
+            f"--classes: synthetic shards for other class counts are built beside data.shards on local disk; "
+            f"{cfg.data.shards} is a URL"
+        )
     out = {}
     for n in classes:
         d = synthetic_shards_dir(cfg, n)
         if not (d / "manifest.json").exists():
-            print(f"building synthetic shards for {n} classes in {d} ({n} x {s.per_class} images, {s.image_size}px)", file=sys.stderr)
-            build_synthetic_shards(d, classes=n, per_class=s.per_class, image_size=s.image_size, seed=s.seed,
-                                   shard_size=s.shard_size, overwrite=False, progress=progress)
+            print(
+                f"building synthetic shards for {n} classes in {d} ({n} x {s.per_class} images, {s.image_size}px)",
+                file=sys.stderr,
+            )
+            build_synthetic_shards(
+                d,
+                classes=n,
+                per_class=s.per_class,
+                image_size=s.image_size,
+                seed=s.seed,
+                shard_size=s.shard_size,
+                overwrite=False,
+                progress=progress,
+            )
         split = Manifest.load(d).split(cfg.data.train_split)
         if split.num_classes != n or split.num_images != n * s.per_class:
-            raise UserError(f"{d}: holds {split.num_classes} classes x {split.num_images // max(1, split.num_classes)} images, "
-                            f"not the {n} x {s.per_class} this study needs; remove the folder to rebuild it")
-        prepare_data(cfg.model_copy(update={"data": cfg.data.model_copy(update={"shards": str(d)})}))  # the eval splits exist
+            raise UserError(
+                f"{d}: holds {split.num_classes} classes x {split.num_images // max(1, split.num_classes)} images, "
+                f"not the {n} x {s.per_class} this study needs; remove the folder to rebuild it"
+            )
+        prepare_data(
+            cfg.model_copy(update={"data": cfg.data.model_copy(update={"shards": str(d)})})
+        )  # the eval splits exist
         out[n] = str(d.resolve())
     return out
 
@@ -137,12 +157,14 @@ def point_config(cfg, point: Point, runs_root: str):
     data_update: dict[str, Any] = {"shards": point.shards}
     if cfg.data.synthetic is not None:
         data_update["synthetic"] = cfg.data.synthetic.model_copy(update={"classes": point.classes})
-    return cfg.model_copy(update={
-        "loss": cfg.loss.model_copy(update={"classifier": c}),
-        "data": cfg.data.model_copy(update=data_update),
-        "train": cfg.train.model_copy(update={"run_name": point.run_name}),
-        "cluster": cfg.cluster.model_copy(update={"storage_path": runs_root}),
-    })
+    return cfg.model_copy(
+        update={
+            "loss": cfg.loss.model_copy(update={"classifier": c}),
+            "data": cfg.data.model_copy(update=data_update),
+            "train": cfg.train.model_copy(update={"run_name": point.run_name}),
+            "cluster": cfg.cluster.model_copy(update={"storage_path": runs_root}),
+        }
+    )
 
 
 def point_run_name(study: str, ratio: float, classes: int) -> str:
@@ -169,7 +191,10 @@ def training_stats(uri: str, run_id: str | None) -> dict[str, float]:
         return out
 
     def read(client) -> dict[str, float]:
-        return {col: summarise_history([v for _, v in history(client, run_id, key)], how) for col, (key, how) in STAT_KEYS.items()}
+        return {
+            col: summarise_history([v for _, v in history(client, run_id, key)], how)
+            for col, (key, how) in STAT_KEYS.items()
+        }
 
     # the accuracy columns stand without these
     out.update(RunHandle(uri, run_id, owner="the study").query(f"read the metrics of MLflow run {run_id}", read, {}))
@@ -180,10 +205,15 @@ def training_stats(uri: str, run_id: str | None) -> dict[str, float]:
 def _train_point(cfg, point: Point, runs_root: str, parent_run_id: str | None, progress: bool, index: str) -> Point:
     pcfg = point_config(cfg, point, runs_root)
     c = pcfg.loss.classifier
-    drawn = int(point.ratio * point.classes + 0.5)  # the draw's count before the batch's classes (class_sampling.target_total)
+    drawn = int(
+        point.ratio * point.classes + 0.5
+    )  # the draw's count before the batch's classes (class_sampling.target_total)
     if drawn < pcfg.data.P:
-        print(f"{index} note: ratio {point.ratio:g} x {point.classes} classes = {drawn} < the {pcfg.data.P} classes of a batch: "
-              "each softmax holds just the batch's classes", file=sys.stderr)
+        print(
+            f"{index} note: ratio {point.ratio:g} x {point.classes} classes = {drawn} < the {pcfg.data.P} classes of a batch: "
+            "each softmax holds just the batch's classes",
+            file=sys.stderr,
+        )
     print(f"{index} {point.label}: started (run {point.run_name}, {c.kind})", file=sys.stderr, flush=True)
     try:
         summary = train(pcfg, progress=progress, config_name=point.run_name, parent_run_id=parent_run_id)
@@ -202,10 +232,16 @@ def _train_point(cfg, point: Point, runs_root: str, parent_run_id: str | None, p
     if summary.ok:
         shown = ", ".join(f"recall@{k} {v:.4f}" for k, v in list(point.recalls.items())[:2])
         speed = point.stats.get("images/s", float("nan"))
-        print(f"{index} {point.label}: finished in {summary.seconds:.0f}s: {shown}"
-              + (f", {speed:.0f} images/s" if finite_number(speed) else ""), file=sys.stderr, flush=True)
+        print(
+            f"{index} {point.label}: finished in {summary.seconds:.0f}s: {shown}"
+            + (f", {speed:.0f} images/s" if finite_number(speed) else ""),
+            file=sys.stderr,
+            flush=True,
+        )
     else:
-        print(f"{index} {point.label}: FAILED after {summary.seconds:.0f}s ({point.error})", file=sys.stderr, flush=True)
+        print(
+            f"{index} {point.label}: FAILED after {summary.seconds:.0f}s ({point.error})", file=sys.stderr, flush=True
+        )
     return point
 
 
@@ -223,7 +259,9 @@ def run_study(
     """Train every point (see the module doc), write the table and plots, log them; returns the summary."""
     started = time.time()
     if cfg.loss.classifier is None:
-        raise UserError("loss.classifier: a class-subsampling study needs a classifier loss (it is null in this config)")
+        raise UserError(
+            "loss.classifier: a class-subsampling study needs a classifier loss (it is null in this config)"
+        )
     if parallel < 1:
         raise UserError(f"--parallel {parallel}: must be at least 1")
     shards = prepare_shards(cfg, classes, progress=progress)
@@ -234,15 +272,31 @@ def run_study(
     out_dir = Path(out) if out else (Path(study_dir) if "://" not in study_dir else Path.cwd() / "runs" / name)
     runs_root = f"{study_dir}/runs"
     points = [Point(r, n, d, point_run_name(name, r, n)) for n, d in shards.items() for r in ratios]
-    parent = RunHandle.for_config(cfg, name, {**cfg.flat(), "study.kind": "subsampling", "study.ratios": ",".join(f"{r:g}" for r in ratios),
-                                              "study.classes": ",".join(str(n) for n in shards)},
-                                  tags={KIND_TAG: "study", STORAGE_DIR_TAG: study_dir}, owner="the study")
-    print(f"study {name}: {len(points)} point{'s' * (len(points) != 1)} (ratios {', '.join(f'{r:g}' for r in ratios)} x "
-          f"{', '.join(str(n) for n in shards)} classes)" + (f"; MLflow parent run {parent.run_id}" if parent.run_id else ""),
-          file=sys.stderr, flush=True)
+    parent = RunHandle.for_config(
+        cfg,
+        name,
+        {
+            **cfg.flat(),
+            "study.kind": "subsampling",
+            "study.ratios": ",".join(f"{r:g}" for r in ratios),
+            "study.classes": ",".join(str(n) for n in shards),
+        },
+        tags={KIND_TAG: "study", STORAGE_DIR_TAG: study_dir},
+        owner="the study",
+    )
+    print(
+        f"study {name}: {len(points)} point{'s' * (len(points) != 1)} (ratios {', '.join(f'{r:g}' for r in ratios)} x "
+        f"{', '.join(str(n) for n in shards)} classes)"
+        + (f"; MLflow parent run {parent.run_id}" if parent.run_id else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     if not cfg.tracking.enabled:
-        print("dmltrain: warning: tracking.enabled is false: the speed and memory columns come from the points' MLflow runs "
-              "and stay empty", file=sys.stderr)
+        print(
+            "dmltrain: warning: tracking.enabled is false: the speed and memory columns come from the points' MLflow runs "
+            "and stay empty",
+            file=sys.stderr,
+        )
     init_ray(cfg)
     live = progress and parallel == 1  # one live progress line at a time
     try:
@@ -251,14 +305,18 @@ def run_study(
                 _train_point(cfg, p, runs_root, parent.run_id, live, f"[{i + 1}/{len(points)}]")
         else:
             with ThreadPoolExecutor(max_workers=parallel) as pool:
-                futures = [pool.submit(_train_point, cfg, p, runs_root, parent.run_id, False, f"[{i + 1}/{len(points)}]")
-                           for i, p in enumerate(points)]
+                futures = [
+                    pool.submit(_train_point, cfg, p, runs_root, parent.run_id, False, f"[{i + 1}/{len(points)}]")
+                    for i, p in enumerate(points)
+                ]
                 for f in futures:
                     f.result()
     except BaseException:
         parent.finish("KILLED")
         raise
-    summary = StudySummary(name, list(cfg.eval.ks), points, out_dir, {}, parent.run_id, parent.uri, time.time() - started)
+    summary = StudySummary(
+        name, list(cfg.eval.ks), points, out_dir, {}, parent.run_id, parent.uri, time.time() - started
+    )
     summary.files = write_outputs(summary)
     for fname, path in summary.files.items():
         parent.log_artifact(path, "study" if fname.endswith((".md", ".csv")) else "study/plots")
@@ -269,16 +327,23 @@ def run_study(
 # -- CLI --------------------------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="study", required=True, metavar="STUDY")
-    p = sub.add_parser("subsampling", help="train one run per class sampling ratio (and class count); table and plots",
-                       description="Class-subsampling scalability study: accuracy, speed and memory against the share of "
-                                   "classes in each softmax and against the number of classes.")
+    p = sub.add_parser(
+        "subsampling",
+        help="train one run per class sampling ratio (and class count); table and plots",
+        description="Class-subsampling scalability study: accuracy, speed and memory against the share of "
+        "classes in each softmax and against the number of classes.",
+    )
     p.add_argument("config", help="YAML config (the built-in study: configs/study/sop_synthetic.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides for every point, e.g. train.epochs=2")
-    p.add_argument("--ratios", required=True, help="comma-separated shares of classes per softmax, e.g. 1,0.1,0.01,0.001")
+    p.add_argument(
+        "--ratios", required=True, help="comma-separated shares of classes per softmax, e.g. 1,0.1,0.01,0.001"
+    )
     p.add_argument("--classes", help="comma-separated class counts (synthetic configs), e.g. 1000,11318")
     p.add_argument("--name", help="study name (default study-<config>-<time>); the same name resumes a study")
     p.add_argument("--out", help="directory of the table and plots (default <storage>/<name>)")
-    p.add_argument("--parallel", type=int, default=1, help="points trained at once (default 1: comparable speed figures)")
+    p.add_argument(
+        "--parallel", type=int, default=1, help="points trained at once (default 1: comparable speed figures)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
 
 
@@ -286,7 +351,15 @@ def run(args: argparse.Namespace) -> int:
     ratios = parse_ratios(args.ratios)
     classes = parse_classes(args.classes)
     cfg = load_config(args.config, args.overrides)
-    summary = run_study(cfg, ratios, classes, name=args.name, out=args.out, parallel=args.parallel,
-                        progress=not args.no_progress, config_name=Path(args.config).stem)
+    summary = run_study(
+        cfg,
+        ratios,
+        classes,
+        name=args.name,
+        out=args.out,
+        parallel=args.parallel,
+        progress=not args.no_progress,
+        config_name=Path(args.config).stem,
+    )
     print(render(summary))
     return 0 if summary.ok else 1

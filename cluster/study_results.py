@@ -68,8 +68,16 @@ def table(summary: StudySummary) -> tuple[list[str], list[list[Any]]]:
     head = ["ratio", "classes", "status", *(f"recall@{k}" for k in summary.ks), *STAT_KEYS, "run"]
     rows = []
     for p in summary.points:
-        rows.append([p.ratio, p.classes, p.status, *(p.recalls.get(k) for k in summary.ks), *(p.stats.get(c) for c in STAT_KEYS),
-                     p.run_name])
+        rows.append(
+            [
+                p.ratio,
+                p.classes,
+                p.status,
+                *(p.recalls.get(k) for k in summary.ks),
+                *(p.stats.get(c) for c in STAT_KEYS),
+                p.run_name,
+            ]
+        )
     return head, rows
 
 
@@ -83,14 +91,27 @@ def plot_recall_vs_ratio(summary: StudySummary, path: Path) -> Path | None:
     panels = []
     for n in counts:
         pts = sorted((p for p in done if p.classes == n), key=lambda p: p.ratio)
-        lines = {f"R@{k}": _xy([(p.ratio, 100 * p.recalls[k]) for p in pts if finite_number(p.recalls.get(k))]) for k in summary.ks}
+        lines = {
+            f"R@{k}": _xy([(p.ratio, 100 * p.recalls[k]) for p in pts if finite_number(p.recalls.get(k))])
+            for k in summary.ks
+        }
         panels.append(Panel("Recall@K (%)", lines, [p.ratio for p in pts], title=f"{n} classes"))
-    return plot_panels(panels, path, xlabel="class sampling ratio", title="Recall@K against the share of classes in each softmax",
-                       cols=len(counts), panel_size=(4.5, 3.6))
+    return plot_panels(
+        panels,
+        path,
+        xlabel="class sampling ratio",
+        title="Recall@K against the share of classes in each softmax",
+        cols=len(counts),
+        panel_size=(4.5, 3.6),
+    )
 
 
-COST_PANELS = (("images/s", "images/s"), ("step ms", "step time (ms)"), ("classifier MB", "classifier memory (MB, rank 0)"),
-               ("active rows", "active rows per worker"))
+COST_PANELS = (
+    ("images/s", "images/s"),
+    ("step ms", "step time (ms)"),
+    ("classifier MB", "classifier memory (MB, rank 0)"),
+    ("active rows", "active rows per worker"),
+)
 
 
 def _xy(points: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
@@ -101,8 +122,16 @@ def _column(p: Point, col: str) -> float:
     return 100 * p.recalls.get(1, float("nan")) if col == "recall@1" else p.stats.get(col, float("nan"))
 
 
-def plot_columns(summary: StudySummary, columns, path: Path, x_of: Callable[[Point], float], group_of: Callable[[Point], Any],
-                 xlabel: str, group_label: Callable[[Any], str], title: str) -> Path | None:
+def plot_columns(
+    summary: StudySummary,
+    columns,
+    path: Path,
+    x_of: Callable[[Point], float],
+    group_of: Callable[[Point], Any],
+    xlabel: str,
+    group_label: Callable[[Any], str],
+    title: str,
+) -> Path | None:
     """One panel per (column, label) of ``columns`` against ``x_of(point)``, a line per ``group_of(point)``; None when no point finished."""
     done = [p for p in summary.points if p.status == "finished"]
     if not done:
@@ -115,7 +144,9 @@ def plot_columns(summary: StudySummary, columns, path: Path, x_of: Callable[[Poi
             pts = sorted((p for p in done if group_of(p) == g), key=x_of)
             lines[group_label(g)] = _xy([(x_of(p), _column(p, col)) for p in pts if finite_number(_column(p, col))])
         panels.append(Panel(ylabel, lines, [x_of(p) for p in done]))
-    return plot_panels(panels, path, xlabel=xlabel, title=title, cols=2 if len(columns) <= 4 else 3, panel_size=(4.8, 3.4))
+    return plot_panels(
+        panels, path, xlabel=xlabel, title=title, cols=2 if len(columns) <= 4 else 3, panel_size=(4.8, 3.4)
+    )
 
 
 def write_outputs(summary: StudySummary) -> dict[str, Path]:
@@ -128,18 +159,33 @@ def write_outputs(summary: StudySummary) -> dict[str, Path]:
     write_text(files["study.csv"], csv_text(head, rows))
     plots = {
         "recall_vs_ratio.png": lambda path: plot_recall_vs_ratio(summary, path),
-        "cost_vs_ratio.png": lambda path: plot_columns(summary, COST_PANELS, path, lambda q: q.ratio, lambda q: q.classes,
-                                                       "class sampling ratio", lambda g: f"{g} classes",
-                                                       "Cost against the share of classes in each softmax"),
+        "cost_vs_ratio.png": lambda path: plot_columns(
+            summary,
+            COST_PANELS,
+            path,
+            lambda q: q.ratio,
+            lambda q: q.classes,
+            "class sampling ratio",
+            lambda g: f"{g} classes",
+            "Cost against the share of classes in each softmax",
+        ),
     }
     if len({p.classes for p in summary.points}) > 1:
         plots["vs_classes.png"] = lambda path: plot_columns(
-            summary, (("recall@1", "Recall@1 (%)"), *COST_PANELS), path, lambda q: q.classes, lambda q: q.ratio,
-            "number of classes", lambda g: f"ratio {g:g}", "Accuracy and cost against the number of classes")
+            summary,
+            (("recall@1", "Recall@1 (%)"), *COST_PANELS),
+            path,
+            lambda q: q.classes,
+            lambda q: q.ratio,
+            "number of classes",
+            lambda g: f"ratio {g:g}",
+            "Accuracy and cost against the number of classes",
+        )
     for fname, draw in plots.items():
         if draw(out / fname) is not None:
             files[fname] = out / fname
     return files
+
 
 def render(summary: StudySummary) -> str:
     head, rows = table(summary)
@@ -147,8 +193,10 @@ def render(summary: StudySummary) -> str:
     for p in summary.points:
         if p.error:
             lines.append(f"{p.run_name} failed: {p.error}")
-    lines.append(f"study {summary.name}: {sum(p.status == 'finished' for p in summary.points)}/{len(summary.points)} points "
-                 f"finished in {summary.seconds:.0f}s")
+    lines.append(
+        f"study {summary.name}: {sum(p.status == 'finished' for p in summary.points)}/{len(summary.points)} points "
+        f"finished in {summary.seconds:.0f}s"
+    )
     lines.append("files: " + ", ".join(str(p) for p in summary.files.values()))
     if summary.parent_run_id:
         lines.append(f"MLflow parent run: {summary.parent_run_id}")

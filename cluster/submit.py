@@ -62,7 +62,12 @@ class JobSpec:
     def submit_kwargs(self, working_dir: str | None = None) -> dict[str, Any]:
         """The Job API's arguments; ``working_dir``: the zip of :attr:`upload` (see :func:`submit`)."""
         env = dict(self.runtime_env, **({"working_dir": working_dir} if working_dir else {}))
-        return {"entrypoint": self.entrypoint, "submission_id": self.submission_id, "runtime_env": env, "metadata": self.metadata}
+        return {
+            "entrypoint": self.entrypoint,
+            "submission_id": self.submission_id,
+            "runtime_env": env,
+            "metadata": self.metadata,
+        }
 
 
 def submission_id_for(config_path: str | os.PathLike[str]) -> str:
@@ -80,8 +85,6 @@ def _override_keys(overrides: list[str]) -> set[str]:
     return {item.partition("=")[0].strip() for item in overrides}
 
 
-
-
 def _local_store(uri: str | None) -> bool:
     """A tracking URI that names files on the node that opens it (the default, sqlite:, file:, a path)."""
     if uri is None or uri.startswith(("sqlite:", "file:")):
@@ -94,24 +97,34 @@ def placement_warnings(cfg: Any) -> list[str]:
     out = []
     if cfg.tracking.enabled and _local_store(cfg.tracking.uri):
         if cfg.tracking.uri:
-            what = (f"'{cfg.tracking.uri}' is a local store: workers on other nodes cannot log to it, "
-                    "and its artifacts land in the job's temporary working directory")
+            what = (
+                f"'{cfg.tracking.uri}' is a local store: workers on other nodes cannot log to it, "
+                "and its artifacts land in the job's temporary working directory"
+            )
         else:
             what = "unset, so runs go to mlflow.db in the job's temporary working directory and are lost with it"
-        out.append(f"tracking.uri: {what}; point tracking.uri at an MLflow server (see 'Running on a cluster' in README.md)")
+        out.append(
+            f"tracking.uri: {what}; point tracking.uri at an MLflow server (see 'Running on a cluster' in README.md)"
+        )
     storage = cfg.cluster.storage_path or cfg.train.output_dir
     if "://" not in storage and not Path(storage).is_absolute():
         key = "cluster.storage_path" if cfg.cluster.storage_path else "train.output_dir"
-        out.append(f"{key}: '{storage}' is relative, so checkpoints land in the job's temporary working directory; "
-                   "set cluster.storage_path to shared storage (an NFS path every node mounts, or s3://...)")
+        out.append(
+            f"{key}: '{storage}' is relative, so checkpoints land in the job's temporary working directory; "
+            "set cluster.storage_path to shared storage (an NFS path every node mounts, or s3://...)"
+        )
     shards = cfg.data.shards
     if "://" not in shards and not Path(shards).is_absolute():
         if cfg.data.synthetic is None:
-            out.append(f"data.shards: '{shards}' is relative and is not uploaded with the job; "
-                       "give the path of the shards on shared storage")
+            out.append(
+                f"data.shards: '{shards}' is relative and is not uploaded with the job; "
+                "give the path of the shards on shared storage"
+            )
         else:
-            out.append(f"data.shards: synthetic shards will be built in the job's working directory at '{shards}'; "
-                       "on a multi-node cluster give a path on shared storage")
+            out.append(
+                f"data.shards: synthetic shards will be built in the job's working directory at '{shards}'; "
+                "on a multi-node cluster give a path on shared storage"
+            )
     return out
 
 
@@ -166,7 +179,9 @@ def plan_job(
         "dmltrain.run_name": run_name,
         "dmltrain.experiment": cfg.tracking.experiment,
     }
-    return JobSpec(sid, build_entrypoint(rel_config, job_overrides), runtime_env, metadata, placement_warnings(cfg), upload)
+    return JobSpec(
+        sid, build_entrypoint(rel_config, job_overrides), runtime_env, metadata, placement_warnings(cfg), upload
+    )
 
 
 def read_requirements(path: str | os.PathLike[str]) -> list[str]:
@@ -201,9 +216,11 @@ def connect(address: str):
         return JobSubmissionClient(address)
     except (ConnectionError, RuntimeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"--address {address}: cannot reach the Ray Job API ({first}); is the head's dashboard "
-                        "running, and forwarded here (`ray dashboard CLUSTER.yaml`, or `kubectl port-forward svc/<cluster>-head-svc 8265:8265`)?",
-                        exit_code=1) from None
+        raise UserError(
+            f"--address {address}: cannot reach the Ray Job API ({first}); is the head's dashboard "
+            "running, and forwarded here (`ray dashboard CLUSTER.yaml`, or `kubectl port-forward svc/<cluster>-head-svc 8265:8265`)?",
+            exit_code=1,
+        ) from None
 
 
 def _job_call(fn, job_id: str, *args):
@@ -212,7 +229,9 @@ def _job_call(fn, job_id: str, *args):
     except RuntimeError as e:
         text = str(e)
         if "404" in text or "does not exist" in text:
-            raise UserError(f"job {job_id}: no such job on this cluster (dmltrain submit --list shows them)", exit_code=1) from None
+            raise UserError(
+                f"job {job_id}: no such job on this cluster (dmltrain submit --list shows them)", exit_code=1
+            ) from None
         raise
 
 
@@ -235,10 +254,14 @@ def describe(client, job_id: str, address: str) -> str:
     if info.start_time:
         end = info.end_time or time.time() * 1000
         verb = "ran" if info.end_time else "running for"
-        lines.append(f"  started:    {_fmt_time(info.start_time)}, {verb} {format_duration((end - info.start_time) / 1000, exact=True)}")
+        lines.append(
+            f"  started:    {_fmt_time(info.start_time)}, {verb} {format_duration((end - info.start_time) / 1000, exact=True)}"
+        )
     meta = info.metadata or {}
     if meta.get("dmltrain.run_name"):
-        lines.append(f"  run name:   {meta['dmltrain.run_name']} (MLflow experiment {meta.get('dmltrain.experiment', '?')})")
+        lines.append(
+            f"  run name:   {meta['dmltrain.run_name']} (MLflow experiment {meta.get('dmltrain.experiment', '?')})"
+        )
     lines.append(f"  dashboard:  {address}/#/jobs/{job_id}")
     return "\n".join(lines)
 
@@ -274,8 +297,11 @@ def follow(client, job_id: str, out: TextIO | None = None, poll: float = 2.0) ->
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 — the stream is a convenience; polling below is the fallback
-        print(f"dmltrain: warning: log stream interrupted ({type(e).__name__}: {str(e)[:200]}); polling instead",
-              file=sys.stderr, flush=True)
+        print(
+            f"dmltrain: warning: log stream interrupted ({type(e).__name__}: {str(e)[:200]}); polling instead",
+            file=sys.stderr,
+            flush=True,
+        )
     while True:
         status = wait_terminal(client, job_id, timeout=poll, poll=min(poll, 1.0))
         try:
@@ -322,7 +348,9 @@ def submit(client, spec: JobSpec) -> str:
     except (RuntimeError, ValueError, TypeError, ConnectionError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "already" in first and "exist" in first:
-            raise UserError(f"--submission-id {spec.submission_id}: a job with this id already exists on the cluster", exit_code=1) from None
+            raise UserError(
+                f"--submission-id {spec.submission_id}: a job with this id already exists on the cluster", exit_code=1
+            ) from None
         raise UserError(f"the cluster refused job {spec.submission_id}: {first}", exit_code=1) from None
 
 
@@ -331,11 +359,18 @@ def _follow_and_finish(client, job_id: str, address: str) -> int:
     try:
         status = follow(client, job_id)
     except KeyboardInterrupt:
-        print(f"\ndmltrain: stopped following; job {job_id} keeps running "
-              f"(dmltrain submit --stop {job_id} --address {address} stops it)", file=sys.stderr)
+        print(
+            f"\ndmltrain: stopped following; job {job_id} keeps running "
+            f"(dmltrain submit --stop {job_id} --address {address} stops it)",
+            file=sys.stderr,
+        )
         return 130
     info = client.get_job_info(job_id)
-    took = f" in {format_duration((info.end_time - info.start_time) / 1000, exact=True)}" if info.start_time and info.end_time else ""
+    took = (
+        f" in {format_duration((info.end_time - info.start_time) / 1000, exact=True)}"
+        if info.start_time and info.end_time
+        else ""
+    )
     msg = f": {info.message.strip().splitlines()[-1]}" if status != "SUCCEEDED" and info.message else ""
     print(f"job {job_id} {status}{took}{msg}", file=sys.stderr)
     return 0 if status == "SUCCEEDED" else 1
@@ -344,26 +379,50 @@ def _follow_and_finish(client, job_id: str, address: str) -> int:
 # -- the command -------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="YAML config inside the working directory (see configs/)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cluster.num_workers=8 cluster.use_gpu=true")
-    parser.add_argument("--address", help=f"the head's dashboard (Job API), default $RAY_API_SERVER_ADDRESS, $RAY_ADDRESS or {DEFAULT_ADDRESS}")
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. cluster.num_workers=8 cluster.use_gpu=true"
+    )
+    parser.add_argument(
+        "--address",
+        help=f"the head's dashboard (Job API), default $RAY_API_SERVER_ADDRESS, $RAY_ADDRESS or {DEFAULT_ADDRESS}",
+    )
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--status", metavar="ID", help="show a job's status and exit")
-    what.add_argument("--logs", metavar="ID", help="follow a job's logs until it ends (with --no-wait: print them so far)")
+    what.add_argument(
+        "--logs", metavar="ID", help="follow a job's logs until it ends (with --no-wait: print them so far)"
+    )
     what.add_argument("--stop", metavar="ID", help="stop a job (and wait until it has stopped, unless --no-wait)")
     what.add_argument("--list", action="store_true", help="list the cluster's jobs")
     parser.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the logs")
     parser.add_argument("--submission-id", help="the job's id (default dmltrain-<config stem>-<date>-<time>-<hex>)")
     parser.add_argument("--working-dir", help="directory uploaded with the job (default: the current directory)")
-    parser.add_argument("--include", action="append", default=[], metavar="PATH",
-                        help="also upload this file or folder of the working directory (repeatable; the packages, configs/ "
-                             "and the config's files always go)")
-    parser.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
-                        help="gitignore-style pattern left out of the upload (repeatable; environments, data, weights, "
-                             "databases, caches and .gitignore'd files always are)")
-    parser.add_argument("--requirements", metavar="FILE", help="pip requirements installed in the job's runtime environment")
-    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment variable for the job (repeatable)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the job (entrypoint, runtime environment, every file uploaded and its size) without submitting it")
+    parser.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="also upload this file or folder of the working directory (repeatable; the packages, configs/ "
+        "and the config's files always go)",
+    )
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="gitignore-style pattern left out of the upload (repeatable; environments, data, weights, "
+        "databases, caches and .gitignore'd files always are)",
+    )
+    parser.add_argument(
+        "--requirements", metavar="FILE", help="pip requirements installed in the job's runtime environment"
+    )
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="environment variable for the job (repeatable)"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the job (entrypoint, runtime environment, every file uploaded and its size) without submitting it",
+    )
 
 
 def _parse_env(items: list[str]) -> dict[str, str]:
@@ -400,8 +459,16 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.config:
         raise UserError("submit: give a CONFIG to submit (or --status/--logs/--stop ID, --list)")
-    spec = plan_job(args.config, args.overrides, working_dir=args.working_dir, requirements=args.requirements,
-                    excludes=args.exclude, includes=args.include, env=_parse_env(args.env), submission_id=args.submission_id)
+    spec = plan_job(
+        args.config,
+        args.overrides,
+        working_dir=args.working_dir,
+        requirements=args.requirements,
+        excludes=args.exclude,
+        includes=args.include,
+        env=_parse_env(args.env),
+        submission_id=args.submission_id,
+    )
     for w in spec.warnings:
         print(f"dmltrain: warning: {w}", file=sys.stderr)
     upload = spec.upload.summary() if spec.upload else "nothing"
@@ -419,7 +486,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"  dashboard:  {address}/#/jobs/{job_id}", file=sys.stderr)
     if args.no_wait:
         print(job_id)
-        print(f"follow it: dmltrain submit --logs {job_id} --address {address}; stop it: dmltrain submit --stop {job_id} --address {address}",
-              file=sys.stderr)
+        print(
+            f"follow it: dmltrain submit --logs {job_id} --address {address}; stop it: dmltrain submit --stop {job_id} --address {address}",
+            file=sys.stderr,
+        )
         return 0
     return _follow_and_finish(client, job_id, address)

@@ -173,11 +173,15 @@ def _walk(root: Path, start: Path, rules: _Rules) -> Iterator[Path]:
 def _check_link(root: Path, link: Path) -> None:
     target = link.resolve()
     if target != root and root not in target.parents:
-        raise UserError(f"{link}: a link to {target}, outside the working directory {root}; "
-                        "the upload does not follow it (copy what the job needs into the folder, or --exclude it)")
+        raise UserError(
+            f"{link}: a link to {target}, outside the working directory {root}; "
+            "the upload does not follow it (copy what the job needs into the folder, or --exclude it)"
+        )
 
 
-def plan_upload(root: Path, config_files: Iterable[Path], includes: Iterable[str] = (), excludes: Iterable[str] = ()) -> Upload:
+def plan_upload(
+    root: Path, config_files: Iterable[Path], includes: Iterable[str] = (), excludes: Iterable[str] = ()
+) -> Upload:
     """The allow-listed files of ``root`` plus ``config_files`` and ``includes``; :class:`UserError` for a credential.
 
     ``config_files`` must lie inside ``root`` and must not be left out by the rules (the job could not
@@ -201,15 +205,21 @@ def plan_upload(root: Path, config_files: Iterable[Path], includes: Iterable[str
         try:
             rel = cf.resolve().relative_to(root).as_posix()
         except ValueError:
-            raise UserError(f"{cf}: outside the working directory {root} that is uploaded with the job; "
-                            "move it there or pass --working-dir") from None
+            raise UserError(
+                f"{cf}: outside the working directory {root} that is uploaded with the job; "
+                "move it there or pass --working-dir"
+            ) from None
         if rules.ignored(rel, is_dir=False):
-            raise UserError(f"{cf}: excluded from the upload (by the built-in list, a .gitignore/.rayignore or --exclude); "
-                            "move it or change --exclude")
+            raise UserError(
+                f"{cf}: excluded from the upload (by the built-in list, a .gitignore/.rayignore or --exclude); "
+                "move it or change --exclude"
+            )
         chosen[rel] = root / rel
     for rel, path in sorted(chosen.items()):
         why = rules.credential(rel, path)
         if why:
-            raise UserError(f"{path}: would be uploaded with the job, but {why}; move it out of the upload "
-                            f"or leave it out with --exclude '{rel}'")
+            raise UserError(
+                f"{path}: would be uploaded with the job, but {why}; move it out of the upload "
+                f"or leave it out with --exclude '{rel}'"
+            )
     return Upload(root, tuple((rel, chosen[rel].stat().st_size) for rel in sorted(chosen)))

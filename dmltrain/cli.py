@@ -35,7 +35,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # -- `dmltrain config` -------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    show = sub.add_parser("show", help="print the resolved config as YAML", description="Print the resolved config as YAML.")
+    show = sub.add_parser(
+        "show", help="print the resolved config as YAML", description="Print the resolved config as YAML."
+    )
     show.add_argument("config", nargs="?", help="YAML config (default: the embedded defaults)")
     show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=0.01 loss.instance.kind=ice")
 

@@ -34,6 +34,7 @@ _REMOTE = RemoteSettings()
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # a folder name: no separators, no leading dot
 
+
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, assignments are re-validated, and every
     number must be finite (``optim.lr=.inf`` or ``.nan`` is refused, never trained with)."""
@@ -119,7 +120,9 @@ class AugmentConfig(Section):
         0.0, description="RandomRotation degrees: a number d for [-d, d], or [min, max]; 0 disables"
     )
     color_jitter: ColorJitter = Field(default_factory=ColorJitter)
-    grayscale: Literal[0, 1, 3] = Field(0, description="0: colour; 1 or 3: luminance as 1 or 3 channels, in training and evaluation")
+    grayscale: Literal[0, 1, 3] = Field(
+        0, description="0: colour; 1 or 3: luminance as 1 or 3 channels, in training and evaluation"
+    )
     noise: float = Field(0.0, ge=0.0, description="std of Gaussian noise added to the normalized pixels; 0 disables")
     erase: RandomErasing = Field(default_factory=RandomErasing)
 
@@ -145,27 +148,47 @@ class AugmentConfig(Section):
 class RemoteConfig(Section):
     """Reading shards from a URL (``data.shards`` = ``s3://``, ``gs://``, ``https://``, ...); local paths ignore it."""
 
-    requests_in_flight: int = Field(_REMOTE.requests_in_flight, ge=1, le=1024, description="ranged GETs in flight per loader process")
-    request_mb: float = Field(_REMOTE.request_mb, gt=0, le=1024, description="largest ranged GET; with requests_in_flight, the memory bound")
+    requests_in_flight: int = Field(
+        _REMOTE.requests_in_flight, ge=1, le=1024, description="ranged GETs in flight per loader process"
+    )
+    request_mb: float = Field(
+        _REMOTE.request_mb, gt=0, le=1024, description="largest ranged GET; with requests_in_flight, the memory bound"
+    )
     timeout_s: float = Field(_REMOTE.timeout_s, gt=0, description="time limit of one request; past it, it is retried")
-    retries: int = Field(_REMOTE.retries, ge=0, le=100, description="retries after a timeout, 5xx, throttling, dropped or truncated response")
-    cache: bool = Field(_REMOTE.cache, description="keep whole shards on local disk (remote URLs only; local paths are never cached)")
+    retries: int = Field(
+        _REMOTE.retries,
+        ge=0,
+        le=100,
+        description="retries after a timeout, 5xx, throttling, dropped or truncated response",
+    )
+    cache: bool = Field(
+        _REMOTE.cache, description="keep whole shards on local disk (remote URLs only; local paths are never cached)"
+    )
     cache_dir: str = Field(_REMOTE.cache_dir, description="the shard cache, shared by the processes of a machine")
-    cache_gb: float = Field(_REMOTE.cache_gb, gt=0, description="size bound of the cache; least recently used shards go first")
+    cache_gb: float = Field(
+        _REMOTE.cache_gb, gt=0, description="size bound of the cache; least recently used shards go first"
+    )
 
 
 class DataConfig(Section):
-    shards: str = Field("data/synthetic-200", description="folder holding manifest.json and the tar shards: a path or a URL (s3://, gs://, https://)")
+    shards: str = Field(
+        "data/synthetic-200",
+        description="folder holding manifest.json and the tar shards: a path or a URL (s3://, gs://, https://)",
+    )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
         description="fsspec options of a URL: endpoint_url, anon, client_kwargs.region_name, ...; credentials come from the environment",
     )
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
     train_split: str = "train"
-    eval_splits: list[str] = Field(default_factory=lambda: ["test"], description="['test'], or ['query', 'gallery'] for In-Shop")
+    eval_splits: list[str] = Field(
+        default_factory=lambda: ["test"], description="['test'], or ['query', 'gallery'] for In-Shop"
+    )
     sampler: Literal["pk", "random"] = Field("pk", description="class-balanced P×K batches, or plain random batches")
     batch_size: int = Field(64, ge=1, description="global batch over all workers")
-    classes_per_batch: int | None = Field(None, ge=1, description="P; derived as batch_size // samples_per_class when unset")
+    classes_per_batch: int | None = Field(
+        None, ge=1, description="P; derived as batch_size // samples_per_class when unset"
+    )
     samples_per_class: int = Field(4, ge=1, description="K images of each class in a P×K batch")
     image_size: int = Field(224, ge=8, description="train crop (RandomResizedCrop)")
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
@@ -202,7 +225,9 @@ class DataConfig(Section):
         if self.eval_crop > self.eval_resize:
             raise ValueError(f"data.eval_crop: {self.eval_crop} is larger than data.eval_resize {self.eval_resize}")
         if self.decode == "device" and self.augment.rotation_range != (0.0, 0.0):
-            raise ValueError("data.decode: device decoding does not rotate (data.augment.rotation); use data.decode=cpu or auto")
+            raise ValueError(
+                "data.decode: device decoding does not rotate (data.augment.rotation); use data.decode=cpu or auto"
+            )
         return self
 
     @property
@@ -217,7 +242,9 @@ MOVED_DATA_KEYS = {"crop_scale": "augment.scale", "color_jitter": "augment.color
 class ModelConfig(Section):
     backbone: str = Field("resnet50", description="resnet18/34/50/101, googlenet, or small_cnn")
     pretrained: str = Field("none", description="none, imagenet, or the path of a torchvision state dict")
-    embedding_dim: int | None = Field(512, ge=64, le=4096, description="none: the pooled backbone features, unprojected")
+    embedding_dim: int | None = Field(
+        512, ge=64, le=4096, description="none: the pooled backbone features, unprojected"
+    )
     head: Literal["layernorm", "batchnorm", "none"] = Field(
         "layernorm",
         description="layernorm: NormSoftmax head (LayerNorm, Linear, L2); batchnorm: CE head (BatchNorm1d); none: pooled features",
@@ -226,7 +253,9 @@ class ModelConfig(Section):
     multilevel: list[str] | None = Field(None, description="backbone stages pooled, projected and concatenated")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the classifier branch only")
     freeze_bn: bool = Field(False, description="keep BatchNorm running statistics fixed")
-    sync_bn: bool = Field(False, description="BatchNorm statistics over the global batch (all workers), not each worker's part")
+    sync_bn: bool = Field(
+        False, description="BatchNorm statistics over the global batch (all workers), not each worker's part"
+    )
     channels_last: bool = False
 
 
@@ -237,15 +266,20 @@ class ClassifierLoss(Section):
     weight: float = Field(1.0, ge=0.0)
     sample_ratio: float = Field(1.0, description="share of classes in each step's softmax, in (0, 1]")
     params: dict[str, float] = Field(default_factory=dict, description="temperature, scale, margin, smoothing")
-    logits_budget_mb: float = Field(256.0, gt=0, description="CPU path: beyond this the classifier works in class chunks")
+    logits_budget_mb: float = Field(
+        256.0, gt=0, description="CPU path: beyond this the classifier works in class chunks"
+    )
     precision: Literal["auto", "fp32", "tf32", "bf16"] = Field(
-        "auto", description="products of the fused CUDA kernels (fp32 accumulation); auto: bf16 on CUDA, fp32 on the CPU"
+        "auto",
+        description="products of the fused CUDA kernels (fp32 accumulation); auto: bf16 on CUDA, fp32 on the CPU",
     )
     weight_storage: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16 halves the weight and its gradient (CUDA; fp32 optimizer state, stochastic rounding)"
     )
     init_std: float | None = Field(
-        None, gt=0, description="std of the initial class weights (normalised kinds); None: 1/sqrt(D). The rows are "
+        None,
+        gt=0,
+        description="std of the initial class weights (normalised kinds); None: 1/sqrt(D). The rows are "
         "normalised in the loss, so their norm sets how fast the class directions move (a step turns a row by about "
         "lr·|g|/|w|²); pytorch-metric-learning's NormalizedSoftmaxLoss starts at 1",
     )
@@ -287,7 +321,9 @@ class LossConfig(Section):
         from dmltrain.losses.registry import check_values
 
         problems = {
-            "classifier": None if self.classifier is None else check_classifier(self.classifier.kind, self.classifier.params),
+            "classifier": None
+            if self.classifier is None
+            else check_classifier(self.classifier.kind, self.classifier.params),
             "instance": None if self.instance is None else check_values(self.instance.kind, self.instance.params),
         }
         for part, problem in problems.items():
@@ -331,11 +367,17 @@ class TrainConfig(Section):
     grad_clip: float | None = Field(None, gt=0)
     deepspeed_config: str | None = Field(None, description="a DeepSpeed JSON whose keys override the generated ones")
     seed: int = 0
-    run_name: str | None = Field(None, pattern=RUN_NAME_PATTERN, max_length=200,
-                                 description="re-running with the same name resumes that run (letters, digits, _ . -)")
+    run_name: str | None = Field(
+        None,
+        pattern=RUN_NAME_PATTERN,
+        max_length=200,
+        description="re-running with the same name resumes that run (letters, digits, _ . -)",
+    )
     output_dir: str = "runs"
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0: at each epoch end")
-    keep_checkpoints: int = Field(2, ge=1, description="most recent training checkpoints kept (the best model is kept apart)")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="most recent training checkpoints kept (the best model is kept apart)"
+    )
     log_every: int = Field(10, ge=1)
 
     @model_validator(mode="after")
@@ -356,10 +398,16 @@ class EvalConfig(Section):
     before_training: bool = Field(True, description="also evaluate the untrained model")
     plots: bool = True
     mode: Literal["inline", "async"] = Field(
-        "inline", description="inline: the workers evaluate and training waits; async: each evaluation point saves a "
-        "checkpoint that a Ray task evaluates while training goes on (Ray Train's checkpoint validation)")
+        "inline",
+        description="inline: the workers evaluate and training waits; async: each evaluation point saves a "
+        "checkpoint that a Ray task evaluates while training goes on (Ray Train's checkpoint validation)",
+    )
     async_cpus: float = Field(1.0, gt=0, description="CPUs of an asynchronous evaluation task")
-    async_gpus: float = Field(0.0, ge=0, description="GPUs of an asynchronous evaluation task (0: it evaluates on the CPU; a GPU that training leaves free, or the task waits)")
+    async_gpus: float = Field(
+        0.0,
+        ge=0,
+        description="GPUs of an asynchronous evaluation task (0: it evaluates on the CPU; a GPU that training leaves free, or the task waits)",
+    )
 
     @field_validator("ks")
     @classmethod
@@ -382,7 +430,9 @@ class EvalConfig(Section):
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:
         if self.metric not in self.metric_names():
-            raise ValueError(f"eval.metric: '{self.metric}' is not reported by this evaluation (choose from {', '.join(self.metric_names())})")
+            raise ValueError(
+                f"eval.metric: '{self.metric}' is not reported by this evaluation (choose from {', '.join(self.metric_names())})"
+            )
         return self
 
 
@@ -391,8 +441,11 @@ class TrackingConfig(Section):
     uri: str | None = Field(None, description="MLflow tracking URI; default sqlite:///<cwd>/mlflow.db")
     experiment: str = "dmltrain"
     system_metrics: bool = True
-    log_models: bool = Field(True, description="register the best and final models in MLflow's Models view (pt2 through "
-                             "torch.export, a few seconds each on rank 0); their files are logged as artifacts either way")
+    log_models: bool = Field(
+        True,
+        description="register the best and final models in MLflow's Models view (pt2 through "
+        "torch.export, a few seconds each on rank 0); their files are logged as artifacts either way",
+    )
 
     def resolved_uri(self) -> str:
         """The tracking URI with the default filled in as an absolute SQLite path (Ray workers change directory)."""
@@ -424,7 +477,9 @@ class Config(Section):
     @model_validator(mode="after")
     def _check(self) -> Config:
         d, w = self.data, self.cluster.num_workers
-        batch_shape(d.sampler, d.batch_size, d.samples_per_class, w, d.classes_per_batch)  # ValueError: the one-line message
+        batch_shape(
+            d.sampler, d.batch_size, d.samples_per_class, w, d.classes_per_batch
+        )  # ValueError: the one-line message
         if self.loss.instance is not None:
             if d.sampler != "pk":
                 raise ValueError("data.sampler: instance losses need positives in every batch; use data.sampler=pk")
@@ -438,9 +493,13 @@ class Config(Section):
         c = self.loss.classifier
         if c is not None and not self.cluster.use_gpu:  # the fused kernels run on CUDA only; refuse here, not at step 1
             if c.precision in ("tf32", "bf16"):
-                raise ValueError(f"loss.classifier.precision: {c.precision} needs GPUs (cluster.use_gpu); CPU workers compute in fp32")
+                raise ValueError(
+                    f"loss.classifier.precision: {c.precision} needs GPUs (cluster.use_gpu); CPU workers compute in fp32"
+                )
             if c.weight_storage == "bf16":
-                raise ValueError("loss.classifier.weight_storage: bf16 needs GPUs (cluster.use_gpu); CPU workers keep an fp32 weight")
+                raise ValueError(
+                    "loss.classifier.weight_storage: bf16 needs GPUs (cluster.use_gpu); CPU workers keep an fp32 weight"
+                )
         if self.schedule.unit == "step" and self.train.max_steps is None and self.schedule.kind == "cosine":
             raise ValueError("schedule.unit: a cosine schedule in steps needs train.max_steps")
         return self
@@ -470,7 +529,11 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         msg = "unknown key"
     elif msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
-    if first["type"] not in ("extra_forbidden", "missing") and "input" in first and not isinstance(first["input"], dict):
+    if (
+        first["type"] not in ("extra_forbidden", "missing")
+        and "input" in first
+        and not isinstance(first["input"], dict)
+    ):
         msg = f"{msg} (got {first['input']!r})"
     text = f"{loc}: {msg}" if loc and not msg.startswith(loc) else msg
     more = len(err.errors()) - 1

@@ -118,7 +118,9 @@ def set_dotted(tree: dict[str, Any], key: str, value: Any, *, merge: bool = Fals
             raise ConfigError(f"{'.'.join(parts[: i + 1])} is a value, not a section")
         node = child
     old = node.get(parts[-1])
-    node[parts[-1]] = deep_merge(old, value) if merge and isinstance(value, dict) and isinstance(old, dict) else copy.deepcopy(value)
+    node[parts[-1]] = (
+        deep_merge(old, value) if merge and isinstance(value, dict) and isinstance(old, dict) else copy.deepcopy(value)
+    )
 
 
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

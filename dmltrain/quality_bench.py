@@ -71,7 +71,9 @@ except ImportError:  # pragma: no cover - present wherever the tests run
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_mutually_exclusive_group()
-    data.add_argument("--shards", help="shard directory to train and evaluate on (train split; test, or query + gallery)")
+    data.add_argument(
+        "--shards", help="shard directory to train and evaluate on (train split; test, or query + gallery)"
+    )
     data.add_argument(
         "--synthetic", default="100,20,32", metavar="C,N,S",
         help="build synthetic shards: C train classes (as many test classes), N images each, S pixels (default 100,20,32: the demo's data)",
@@ -86,40 +88,96 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--weight-decay", type=float, default=1e-4)
     parser.add_argument("--temperature", type=float, default=0.05)
-    parser.add_argument("--class-init-std", type=float, default=1.0,
-                        help="std of the initial class weights in both runs (default 1: NormalizedSoftmaxLoss's own init)")
+    parser.add_argument(
+        "--class-init-std",
+        type=float,
+        default=1.0,
+        help="std of the initial class weights in both runs (default 1: NormalizedSoftmaxLoss's own init)",
+    )
     parser.add_argument("--scale", default="0.5,1.0", help="RandomResizedCrop area range (default 0.5,1.0)")
-    parser.add_argument("--image-size", type=int, help="train crop and eval crop (default: the synthetic size, else 224)")
-    parser.add_argument("--eval-resize", type=int, help="eval shorter side before the centre crop (default: the image size, else 256)")
-    parser.add_argument("--sync-bn", action=argparse.BooleanOptionalAction, default=False,
-                        help="dmltrain's BatchNorm over the global batch, as the one plain process has (default: per worker, dmltrain's default)")
+    parser.add_argument(
+        "--image-size", type=int, help="train crop and eval crop (default: the synthetic size, else 224)"
+    )
+    parser.add_argument(
+        "--eval-resize", type=int, help="eval shorter side before the centre crop (default: the image size, else 256)"
+    )
+    parser.add_argument(
+        "--sync-bn",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="dmltrain's BatchNorm over the global batch, as the one plain process has (default: per worker, dmltrain's default)",
+    )
     parser.add_argument("--loader-workers", type=int, default=1, help="decoding processes of each run (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", help="keep the runs' files (shards, configs, logs, models) in this directory")
 
 
-def _config(args: argparse.Namespace, shard_dir: Path, work: Path, size: int, resize: int, scale: tuple[float, float]) -> Config:
+def _config(
+    args: argparse.Namespace, shard_dir: Path, work: Path, size: int, resize: int, scale: tuple[float, float]
+) -> Config:
     """The one config both runs follow (the plain loop reads its model, data and optimizer keys)."""
-    return build_config({
-        "data": {
-            "shards": str(shard_dir), "batch_size": args.batch, "samples_per_class": args.k, "image_size": size,
-            "augment": {"scale": list(scale)}, "eval_resize": resize, "eval_crop": size,
-            "loader_workers": args.loader_workers, "eval_batch_size": 256,
+    return build_config(
+        {
+            "data": {
+                "shards": str(shard_dir),
+                "batch_size": args.batch,
+                "samples_per_class": args.k,
+                "image_size": size,
+                "augment": {"scale": list(scale)},
+                "eval_resize": resize,
+                "eval_crop": size,
+                "loader_workers": args.loader_workers,
+                "eval_batch_size": 256,
+            },
+            "model": {
+                "backbone": args.backbone,
+                "embedding_dim": args.dim,
+                "head": "layernorm",
+                "sync_bn": args.sync_bn,
+            },
+            "loss": {
+                "classifier": {
+                    "kind": "normsoftmax",
+                    "sample_ratio": 1.0,
+                    "params": {"temperature": args.temperature},
+                    "init_std": args.class_init_std,
+                },
+                "instance": None,
+            },
+            "optim": {"name": "sgd", "lr": args.lr, "momentum": args.momentum, "weight_decay": args.weight_decay},
+            "schedule": {"kind": "constant"},
+            "train": {
+                "epochs": None,
+                "max_steps": args.steps,
+                "seed": args.seed,
+                "zero_stage": 0,
+                "checkpoint_every": args.steps,
+                "log_every": 50,
+                "output_dir": str(work / "runs"),
+                "run_name": "bench-quality",
+            },
+            "eval": {
+                "every": 0,
+                "before_training": False,
+                "ks": [1],
+                "nmi": False,
+                "map_at_r": False,
+                "binary": False,
+                "plots": False,
+            },
+            "tracking": {
+                "uri": f"sqlite:///{work / 'mlflow.db'}",
+                "experiment": "bench-quality",
+                "system_metrics": False,
+                "log_models": False,
+            },  # the plain loop registers no model either
+            "cluster": {
+                "num_workers": args.workers,
+                "cpus_per_worker": max(0.25, (os.cpu_count() or 2) / (2 * args.workers)),
+            },
         },
-        "model": {"backbone": args.backbone, "embedding_dim": args.dim, "head": "layernorm", "sync_bn": args.sync_bn},
-        "loss": {
-            "classifier": {"kind": "normsoftmax", "sample_ratio": 1.0, "params": {"temperature": args.temperature}, "init_std": args.class_init_std},
-            "instance": None,
-        },
-        "optim": {"name": "sgd", "lr": args.lr, "momentum": args.momentum, "weight_decay": args.weight_decay},
-        "schedule": {"kind": "constant"},
-        "train": {"epochs": None, "max_steps": args.steps, "seed": args.seed, "zero_stage": 0, "checkpoint_every": args.steps, "log_every": 50,
-                  "output_dir": str(work / "runs"), "run_name": "bench-quality"},
-        "eval": {"every": 0, "before_training": False, "ks": [1], "nmi": False, "map_at_r": False, "binary": False, "plots": False},
-        "tracking": {"uri": f"sqlite:///{work / 'mlflow.db'}", "experiment": "bench-quality", "system_metrics": False,
-                     "log_models": False},  # the plain loop registers no model either
-        "cluster": {"num_workers": args.workers, "cpus_per_worker": max(0.25, (os.cpu_count() or 2) / (2 * args.workers))},
-    }, source="bench quality")
+        source="bench quality",
+    )
 
 
 def recall_at_1(model: torch.nn.Module, cfg: Config, splits: list[str]) -> float:
@@ -169,19 +227,32 @@ def train_plain(cfg: Config, steps: int, seed: int) -> tuple[torch.nn.Module, fl
         transforms.ToTensor(),
         transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
     ])  # fmt: skip
-    sampler = MPerClassSampler(labels, m=d.samples_per_class, batch_size=d.batch_size, length_before_new_iter=steps * d.batch_size)
+    sampler = MPerClassSampler(
+        labels, m=d.samples_per_class, batch_size=d.batch_size, length_before_new_iter=steps * d.batch_size
+    )
     loader = torch.utils.data.DataLoader(
-        _Images(encoded, labels, tf), batch_size=d.batch_size, sampler=sampler, num_workers=d.loader_workers, drop_last=True,
+        _Images(encoded, labels, tf),
+        batch_size=d.batch_size,
+        sampler=sampler,
+        num_workers=d.loader_workers,
+        drop_last=True,
     )
     model = build_model(cfg.model)
     c = cfg.loss.classifier
     loss_fn = NormalizedSoftmaxLoss(
-        num_classes, model.embedding_dim, temperature=c.params["temperature"], weight_init_func=functools.partial(torch.nn.init.normal_, std=c.init_std)
+        num_classes,
+        model.embedding_dim,
+        temperature=c.params["temperature"],
+        weight_init_func=functools.partial(torch.nn.init.normal_, std=c.init_std),
     )
-    opt = torch.optim.SGD([*model.parameters(), *loss_fn.parameters()], lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    opt = torch.optim.SGD(
+        [*model.parameters(), *loss_fn.parameters()], lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay
+    )
     model.train()
     marks = []
-    for images, y in tqdm(loader, total=steps, desc="plain loop", unit="step", file=sys.stderr, dynamic_ncols=True, leave=False):
+    for images, y in tqdm(
+        loader, total=steps, desc="plain loop", unit="step", file=sys.stderr, dynamic_ncols=True, leave=False
+    ):
         loss = loss_fn(model(images), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -206,10 +277,16 @@ def train_dmltrain(cfg: Config, work: Path) -> Path:
     config_path.write_text(cfg.to_yaml())
     log_path = work / "dmltrain.log"
     with open(log_path, "w") as log:
-        done = subprocess.run([sys.executable, "-m", "dmltrain", "train", str(config_path), "--no-progress"], stdout=log, stderr=subprocess.STDOUT)
+        done = subprocess.run(
+            [sys.executable, "-m", "dmltrain", "train", str(config_path), "--no-progress"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     if done.returncode != 0:
         tail = log_path.read_text().strip().splitlines()[-15:]
-        raise UserError(f"bench quality: dmltrain train failed (exit {done.returncode}); the end of {log_path}:\n" + "\n".join(tail))
+        raise UserError(
+            f"bench quality: dmltrain train failed (exit {done.returncode}); the end of {log_path}:\n" + "\n".join(tail)
+        )
     return Path(cfg.train.output_dir) / "bench-quality" / "model" / "model.pt"
 
 
@@ -266,14 +343,23 @@ def run(args: argparse.Namespace) -> int:
             results["plain"] = (recall_at_1(plain, cfg, splits), time.perf_counter() - t0)
         finally:
             torch.set_num_threads(threads)
-        print(f"plain PyTorch loop (1 process, PML NormalizedSoftmaxLoss)       Recall@1 {results['plain'][0]:.4f}   wall {results['plain'][1]:7.1f} s", flush=True)
-        print(f"running dmltrain train ({args.workers} workers; output in {work / 'dmltrain.log'}) ...", file=sys.stderr, flush=True)
+        print(
+            f"plain PyTorch loop (1 process, PML NormalizedSoftmaxLoss)       Recall@1 {results['plain'][0]:.4f}   wall {results['plain'][1]:7.1f} s",
+            flush=True,
+        )
+        print(
+            f"running dmltrain train ({args.workers} workers; output in {work / 'dmltrain.log'}) ...",
+            file=sys.stderr,
+            flush=True,
+        )
         t0 = time.perf_counter()
         model_path = train_dmltrain(cfg, work)  # trains, then evaluates as the plain loop did
         seconds = time.perf_counter() - t0
         model, _, _ = load_model(model_path)
         results["dmltrain"] = (recall_at_1(model, cfg, splits), seconds)
-        label = f"dmltrain train (Ray + DeepSpeed + shards, {args.workers} workers{', sync BN' if args.sync_bn else ''})"
+        label = (
+            f"dmltrain train (Ray + DeepSpeed + shards, {args.workers} workers{', sync BN' if args.sync_bn else ''})"
+        )
         print(f"{label:<62} Recall@1 {results['dmltrain'][0]:.4f}   wall {results['dmltrain'][1]:7.1f} s")
         (r_plain, t_plain), (r_dml, t_dml) = results["plain"], results["dmltrain"]
         print(
@@ -286,4 +372,3 @@ def run(args: argparse.Namespace) -> int:
             f"dmltrain outside its steps (start-up, final evaluation and checkpoint, shutdown): {t_dml - args.steps * dml_step_ms / 1000:.1f} s"
         )
     return 0
-

@@ -65,8 +65,13 @@ def _md(value: Any) -> str:
     return cell(value).replace("|", "\\|").replace("\n", " ")
 
 
-def markdown_table(head: Sequence[str], rows: Sequence[Sequence[Any]], *, bold: Mapping[int, set[int]] | None = None,
-                   links: Sequence[str] | None = None) -> str:
+def markdown_table(
+    head: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    *,
+    bold: Mapping[int, set[int]] | None = None,
+    links: Sequence[str] | None = None,
+) -> str:
     """A Markdown table of ``rows`` (cells formatted by :func:`cell`, ``|`` escaped).
 
     ``bold`` maps a column index to the row indices shown in bold; ``links`` gives each row's first

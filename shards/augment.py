@@ -47,7 +47,9 @@ class AugmentParams:
     noise_seed: int | None = None
 
 
-def _sides(area: float, scale: tuple[float, float], ratio: tuple[float, float], rng: random.Random) -> Iterator[tuple[int, int]]:
+def _sides(
+    area: float, scale: tuple[float, float], ratio: tuple[float, float], rng: random.Random
+) -> Iterator[tuple[int, int]]:
     """torchvision's 10 tries of a rectangle: area share uniform in ``scale``, log aspect uniform in ``log(ratio)``;
     yields (round(sqrt(a·r)), round(sqrt(a/r))), which RandomResizedCrop reads as (w, h) and RandomErasing as (h, w)."""
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
@@ -87,7 +89,9 @@ def resized_frame(resize: int | tuple[int, int] | None, width: int, height: int)
     return int(resize[1]), int(resize[0])
 
 
-def erase_params(size: int, scale: tuple[float, float], ratio: tuple[float, float], rng: random.Random) -> tuple[int, int, int, int] | None:
+def erase_params(
+    size: int, scale: tuple[float, float], ratio: tuple[float, float], rng: random.Random
+) -> tuple[int, int, int, int] | None:
     """(top, left, h, w) of torchvision's ``RandomErasing.get_params`` on a ``size``² image; None when 10 tries fail."""
     for h, w in _sides(size * size, scale, ratio, rng):
         if h < size and w < size:

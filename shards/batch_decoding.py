@@ -39,7 +39,9 @@ def slot_rngs(seed: int, epoch: int, rank: int, batch: int, slots: int) -> list[
     return [random.Random(int(x)) for x in seeds]
 
 
-def _decode(reader: GroupReader, g: int, pos: int, transform: Transform, rng: random.Random, notes: list[str], seen: set) -> Any:
+def _decode(
+    reader: GroupReader, g: int, pos: int, transform: Transform, rng: random.Random, notes: list[str], seen: set
+) -> Any:
     """Decode sample ``pos`` of group ``g``; None (noted once) when it is missing or does not decode."""
     s = reader.sample(g, pos)
     if s is not None:
@@ -103,7 +105,9 @@ def build_batch(
     good = [i for i, im in enumerate(images) if im is not None]
     if substitute:
         for i, im in enumerate(images):
-            if im is None and good:  # the whole group is unreadable: borrow a decoded image (and its label) of this batch
+            if (
+                im is None and good
+            ):  # the whole group is unreadable: borrow a decoded image (and its label) of this batch
                 j = good[i % len(good)]
                 images[i], labels[i] = images[j], labels[j]
     else:
@@ -138,8 +142,16 @@ class TrainBatchDataset(IterableDataset):
     """Batches ``start ..`` of (epoch, rank) from the plan; a DataLoader worker ``i`` of ``n`` builds every n-th."""
 
     def __init__(
-        self, split: SplitInfo, table: GroupTable, planner: EpochPlanner, transform: TrainTransform | EncodedTransform, *,
-        epoch: int, start: int, rank: int, seed: int,
+        self,
+        split: SplitInfo,
+        table: GroupTable,
+        planner: EpochPlanner,
+        transform: TrainTransform | EncodedTransform,
+        *,
+        epoch: int,
+        start: int,
+        rank: int,
+        seed: int,
     ):
         self.split, self.table, self.planner, self.transform = split, table, planner, transform
         self.epoch, self.start, self.rank, self.seed = epoch, start, rank, seed
@@ -147,13 +159,23 @@ class TrainBatchDataset(IterableDataset):
     def __iter__(self):
         wid, nw = _worker_slice()
         reader = GroupReader(self.split, self.table)
-        mine = ((b, p) for b, p in self.planner.batches(self.epoch, self.rank, self.start) if (b - self.start) % nw == wid)
+        mine = (
+            (b, p) for b, p in self.planner.batches(self.epoch, self.rank, self.start) if (b - self.start) % nw == wid
+        )
         try:
             for b, pieces in reader.read_ahead(mine):
                 t = self.transform
                 out = build_batch(
-                    reader, pieces, t, seed=self.seed, epoch=self.epoch, rank=self.rank, batch=b, image_size=t.size,
-                    channels=t.channels, dtype=t.dtype,
+                    reader,
+                    pieces,
+                    t,
+                    seed=self.seed,
+                    epoch=self.epoch,
+                    rank=self.rank,
+                    batch=b,
+                    image_size=t.size,
+                    channels=t.channels,
+                    dtype=t.dtype,
                 )
                 yield {**out, "io": reader.take_io()}
         finally:
@@ -170,18 +192,31 @@ class EvalBatchDataset(IterableDataset):
         wid, nw = _worker_slice()
         reader = GroupReader(self.split, self.table)
         starts = self.table.start
+
         def mine():
             for b, (lo, hi) in enumerate(self.ranges):
                 if b % nw == wid:
                     pos = np.arange(lo, hi, dtype=np.int64)
                     groups = np.searchsorted(starts, pos, side="right") - 1
-                    yield b, [Piece(int(g), int(self.table.label[g]), (int(p - starts[g]),)) for g, p in zip(groups, pos)]
+                    yield (
+                        b,
+                        [Piece(int(g), int(self.table.label[g]), (int(p - starts[g]),)) for g, p in zip(groups, pos)],
+                    )
 
         try:
             for b, pieces in reader.read_ahead(mine()):
                 t = self.transform
                 out = build_batch(
-                    reader, pieces, t, seed=0, epoch=0, rank=0, batch=b, image_size=t.crop, channels=t.channels, substitute=False
+                    reader,
+                    pieces,
+                    t,
+                    seed=0,
+                    epoch=0,
+                    rank=0,
+                    batch=b,
+                    image_size=t.crop,
+                    channels=t.channels,
+                    substitute=False,
                 )
                 yield {**out, "io": reader.take_io()}
         finally:

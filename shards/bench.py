@@ -45,15 +45,31 @@ from shards.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize_batch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shards", required=True, help="shard folder to take the images from; a URL compares reading from it with local disk")
+    parser.add_argument(
+        "--shards",
+        required=True,
+        help="shard folder to take the images from; a URL compares reading from it with local disk",
+    )
     parser.add_argument("--split", default="train")
     parser.add_argument("--images", type=int, default=2000, help="images to stream (default 2000)")
     parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
     parser.add_argument("--image-size", type=int, default=224, help="RandomResizedCrop output (default 224)")
-    parser.add_argument("--loader-workers", type=int, default=1, help="loader processes of each pipeline (default 1: per-process figures)")
-    parser.add_argument("--repeat", type=int, default=2, help="timed runs of each pipeline; the best counts (default 2)")
+    parser.add_argument(
+        "--loader-workers",
+        type=int,
+        default=1,
+        help="loader processes of each pipeline (default 1: per-process figures)",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=2, help="timed runs of each pipeline; the best counts (default 2)"
+    )
     parser.add_argument("--k", type=int, default=4, help="with a URL: images per class in the P×K batches (default 4)")
-    parser.add_argument("--requests-in-flight", type=int, default=8, help="with a URL: ranged GETs in flight per loader process (default 8)")
+    parser.add_argument(
+        "--requests-in-flight",
+        type=int,
+        default=8,
+        help="with a URL: ranged GETs in flight per loader process (default 8)",
+    )
     add_storage_option(parser)
 
 
@@ -104,7 +120,9 @@ def _time_imagefolder(tree: Path, batch: int, size: int, workers: int) -> tuple[
 
 def _time_shards(shards: Path, batch: int, size: int, workers: int, draft: bool) -> tuple[int, float]:
     data = DataConfig(shards=str(shards), sampler="random", batch_size=batch, image_size=size, loader_workers=workers)
-    ts = TrainStream.from_config(Config(data=data, cluster=ClusterConfig(num_workers=1)), 0, 1, draft=draft, normalize=False)
+    ts = TrainStream.from_config(
+        Config(data=data, cluster=ClusterConfig(num_workers=1)), 0, 1, draft=draft, normalize=False
+    )
     t0 = time.perf_counter()
     n = 0
     for images, labels in ts.epoch(0):
@@ -166,13 +184,25 @@ def _download(url: Location, split: str, tmp: Path) -> tuple[Path, int, float]:
     return local, info.bytes, time.perf_counter() - t0
 
 
-def _time_stream(where: str | Path, args: argparse.Namespace, remote: dict | None, cache: Path | None) -> tuple[int, float, dict]:
+def _time_stream(
+    where: str | Path, args: argparse.Namespace, remote: dict | None, cache: Path | None
+) -> tuple[int, float, dict]:
     if cache is not None and cache.exists():
         shutil.rmtree(cache)  # cold: every shard the run needs is downloaded inside it
     ts = TrainStream(
-        where, args.split, rank=0, world_size=1, sampler="pk", batch_size=args.batch, samples_per_class=args.k, seed=0,
-        image_size=args.image_size, loader_workers=args.loader_workers, normalize=False,
-        storage_options=parse_storage_options(args.storage_option), remote=remote,
+        where,
+        args.split,
+        rank=0,
+        world_size=1,
+        sampler="pk",
+        batch_size=args.batch,
+        samples_per_class=args.k,
+        seed=0,
+        image_size=args.image_size,
+        loader_workers=args.loader_workers,
+        normalize=False,
+        storage_options=parse_storage_options(args.storage_option),
+        remote=remote,
     )
     steps = max(1, min(ts.batches_per_epoch, args.images // args.batch))
     t0 = time.perf_counter()
@@ -192,7 +222,9 @@ def _run_url(args: argparse.Namespace) -> int:
         base = {"requests_in_flight": args.requests_in_flight}
         runs = {
             "local disk": lambda: _time_stream(local, args, None, None),
-            "URL, shard cache (cold)": lambda: _time_stream(url.root, args, {**base, "cache": True, "cache_dir": str(cache)}, cache),
+            "URL, shard cache (cold)": lambda: _time_stream(
+                url.root, args, {**base, "cache": True, "cache_dir": str(cache)}, cache
+            ),
             "URL, ranged GETs": lambda: _time_stream(url.root, args, {**base, "cache": False}, None),
         }
         print(
@@ -209,10 +241,16 @@ def _run_url(args: argparse.Namespace) -> int:
                 if count / secs / procs > best[name][0]:
                     best[name] = (count / secs / procs, io)
         for name, (rate, io) in best.items():
-            reads = f"  ({int(io['requests'])} requests, {io['bytes'] / 1e6:,.1f} MB, {int(io['retries'])} retries)" if io else ""
+            reads = (
+                f"  ({int(io['requests'])} requests, {io['bytes'] / 1e6:,.1f} MB, {int(io['retries'])} retries)"
+                if io
+                else ""
+            )
             print(f"{name:<26} {rate:9.1f} images/s per loader process{reads}")
         disk = best["local disk"][0]
         cached, ranged = best["URL, shard cache (cold)"][0], best["URL, ranged GETs"][0]
-        print(f"ratio URL / local disk: {cached / disk:.2f} with the shard cache (cold), {ranged / disk:.2f} by ranged GETs alone "
-              f"({cached:.1f}, {ranged:.1f} vs {disk:.1f} images/s per loader process)")
+        print(
+            f"ratio URL / local disk: {cached / disk:.2f} with the shard cache (cold), {ranged / disk:.2f} by ranged GETs alone "
+            f"({cached:.1f}, {ranged:.1f} vs {disk:.1f} images/s per loader process)"
+        )
     return 0

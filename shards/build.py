@@ -120,7 +120,10 @@ def check_disjoint_classes(layout: Layout, allow_shared: bool = False) -> list[s
             )
             if not allow_shared:
                 raise UserError(msg + " (pass --allow-shared-classes to build anyway)")
-            print(f"WARNING: {msg}; building anyway (--allow-shared-classes): evaluation will see training classes", file=sys.stderr)
+            print(
+                f"WARNING: {msg}; building anyway (--allow-shared-classes): evaluation will see training classes",
+                file=sys.stderr,
+            )
             return shared
     return []
 
@@ -160,19 +163,28 @@ def build_shards(
     shared = check_disjoint_classes(layout, allow_shared_classes)
     with Publisher(out, overwrite=overwrite, resume=resume) as publisher:
         publisher.prepare()
-        splits_json, results, t0 = _write_splits(publisher, layout, shard_size, seed, workers, strict, progress, load, args)
+        splits_json, results, t0 = _write_splits(
+            publisher, layout, shard_size, seed, workers, strict, progress, load, args
+        )
         manifest = {
             "format": FORMAT,
             "version": VERSION,
             "layout": layout.name,
             "source": layout.root,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "options": {"shard_size": shard_size, "seed": seed, **(options or {}), **({"shared_classes": len(shared)} if shared else {})},
+            "options": {
+                "shard_size": shard_size,
+                "seed": seed,
+                **(options or {}),
+                **({"shared_classes": len(shared)} if shared else {}),
+            },
             "splits": {name: splits_json[name] for name in layout.splits},
         }
         publisher.finish(manifest_json(manifest) + "\n")
     shown = out.root if out.remote else out.path
-    return BuildResult(shown, {name: results[name] for name in layout.splits}, time.perf_counter() - t0, publisher.summary())
+    return BuildResult(
+        shown, {name: results[name] for name in layout.splits}, time.perf_counter() - t0, publisher.summary()
+    )
 
 
 def _write_splits(publisher: Publisher, layout: Layout, shard_size, seed, workers, strict, progress, load, args):
@@ -196,10 +208,26 @@ def _write_splits(publisher: Publisher, layout: Layout, shard_size, seed, worker
             mapping = {c: i for i, c in enumerate(ids)}
             for split in space:
                 entries = layout.splits[split]
-                bar = tqdm(total=len(entries), desc=split, unit="img", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+                bar = tqdm(
+                    total=len(entries),
+                    desc=split,
+                    unit="img",
+                    file=sys.stderr,
+                    disable=not progress,
+                    dynamic_ncols=True,
+                )
                 res, sj = _write_split(
-                    publisher, split, entries, args[split], mapping, load=load, pool=pool, shard_size=shard_size,
-                    rng=_split_seed(seed, split), strict=strict, bar=bar,
+                    publisher,
+                    split,
+                    entries,
+                    args[split],
+                    mapping,
+                    load=load,
+                    pool=pool,
+                    shard_size=shard_size,
+                    rng=_split_seed(seed, split),
+                    strict=strict,
+                    bar=bar,
                 )
                 sj["label_space"] = list(space)
                 splits_json[split] = sj
@@ -211,7 +239,9 @@ def _write_splits(publisher: Publisher, layout: Layout, shard_size, seed, worker
     return splits_json, results, t0
 
 
-def _write_split(publisher: Publisher, split, entries: list[Entry], args, mapping, *, load, pool, shard_size, rng, strict, bar):
+def _write_split(
+    publisher: Publisher, split, entries: list[Entry], args, mapping, *, load, pool, shard_size, rng, strict, bar
+):
     by_label: dict[int, list[int]] = {}
     for i, e in enumerate(entries):
         by_label.setdefault(mapping[e.class_id], []).append(i)
@@ -219,7 +249,11 @@ def _write_split(publisher: Publisher, split, entries: list[Entry], args, mappin
     order = labels[rng.permutation(len(labels))] if len(labels) else labels
     sequence = [i for label in order for i in by_label[int(label)]]
     job = functools.partial(load_or_skip, load)
-    results = pool.imap(job, (args[i] for i in sequence), chunksize=8) if pool is not None else map(job, (args[i] for i in sequence))
+    results = (
+        pool.imap(job, (args[i] for i in sequence), chunksize=8)
+        if pool is not None
+        else map(job, (args[i] for i in sequence))
+    )
     res = SplitResult()
     class_counts = [0] * len(mapping)
     with bar, SplitWriter(publisher.staging, split, shard_size, on_shard=publisher.shard_done) as writer:
@@ -278,7 +312,18 @@ def build_layout(
     load = functools.partial(ingest_file, resize=resize)
     args = {s: [e.path for e in entries] for s, entries in layout.splits.items()}
     return build_shards(
-        out_dir, layout, load=load, args=args, shard_size=shard_size, seed=seed, workers=workers,
-        strict=strict, overwrite=overwrite, progress=progress, options={"resize": resize}, allow_shared_classes=allow_shared_classes,
-        resume=resume, storage_options=storage_options,
+        out_dir,
+        layout,
+        load=load,
+        args=args,
+        shard_size=shard_size,
+        seed=seed,
+        workers=workers,
+        strict=strict,
+        overwrite=overwrite,
+        progress=progress,
+        options={"resize": resize},
+        allow_shared_classes=allow_shared_classes,
+        resume=resume,
+        storage_options=storage_options,
     )

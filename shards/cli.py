@@ -26,17 +26,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--layout", required=True, choices=LAYOUTS, help="dataset layout of --root (synthetic: generated)")
     b.add_argument("--root", help="dataset root (the folder holding the index files); not for synthetic")
-    b.add_argument("--out", required=True, help="output folder for the shards and manifest.json: a path, or a URL (s3://bucket/prefix, gs://...)")
+    b.add_argument(
+        "--out",
+        required=True,
+        help="output folder for the shards and manifest.json: a path, or a URL (s3://bucket/prefix, gs://...)",
+    )
     b.add_argument("--shard-size", type=int, default=2000, help="samples per shard (default 2000)")
     b.add_argument(
-        "--resize", type=int, default=None, metavar="S", help="re-encode as JPEG with the shorter side at most S (default: store bytes as they are)"
+        "--resize",
+        type=int,
+        default=None,
+        metavar="S",
+        help="re-encode as JPEG with the shorter side at most S (default: store bytes as they are)",
     )
     b.add_argument("--strict", action="store_true", help="stop at the first unreadable image instead of skipping it")
     b.add_argument("--overwrite", action="store_true", help="replace the shards of a non-empty --out")
-    b.add_argument("--resume", action="store_true",
-                   help="finish an interrupted build in --out (same command): shards already there with the right checksum are kept")
     b.add_argument(
-        "--allow-shared-classes", action="store_true",
+        "--resume",
+        action="store_true",
+        help="finish an interrupted build in --out (same command): shards already there with the right checksum are kept",
+    )
+    b.add_argument(
+        "--allow-shared-classes",
+        action="store_true",
         help="build even when a class id is in both train and an evaluation split (refused by default: retrieval needs disjoint classes)",
     )
     b.add_argument("--workers", type=int, default=None, help="image-checking processes (default: CPU count, at most 8)")
@@ -73,8 +85,17 @@ def _build(args: argparse.Namespace) -> int:
         from shards.synthetic import build_synthetic_shards
 
         result = build_synthetic_shards(
-            args.out, args.classes, args.per_class, args.image_size, args.seed, shard_size=args.shard_size,
-            overwrite=args.overwrite, workers=args.workers, progress=not args.quiet, resume=args.resume, storage_options=opts,
+            args.out,
+            args.classes,
+            args.per_class,
+            args.image_size,
+            args.seed,
+            shard_size=args.shard_size,
+            overwrite=args.overwrite,
+            workers=args.workers,
+            progress=not args.quiet,
+            resume=args.resume,
+            storage_options=opts,
         )
     else:
         if not args.root:
@@ -85,9 +106,19 @@ def _build(args: argparse.Namespace) -> int:
         from shards.build import build_layout
 
         result = build_layout(
-            args.layout, args.root, args.out, shard_size=args.shard_size, resize=args.resize, seed=args.seed,
-            workers=args.workers, strict=args.strict, overwrite=args.overwrite, progress=not args.quiet,
-            allow_shared_classes=args.allow_shared_classes, resume=args.resume, storage_options=opts,
+            args.layout,
+            args.root,
+            args.out,
+            shard_size=args.shard_size,
+            resize=args.resize,
+            seed=args.seed,
+            workers=args.workers,
+            strict=args.strict,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+            allow_shared_classes=args.allow_shared_classes,
+            resume=args.resume,
+            storage_options=opts,
         )
     print("\n".join(result.summary_lines()))
     return 0
@@ -105,7 +136,11 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         print(f"{m.root}: layout {summary['layout']}, source {summary['source']}, built {summary['created']}")
         for name, s in summary["splits"].items():
-            shared = f" (labels shared with {', '.join(x for x in s['label_space'] if x != name)})" if len(s["label_space"]) > 1 else ""
+            shared = (
+                f" (labels shared with {', '.join(x for x in s['label_space'] if x != name)})"
+                if len(s["label_space"]) > 1
+                else ""
+            )
             print(
                 f"{name:>8}: {s['images']:,} images, {s['classes']:,} classes{shared}, {s['shards']} shards, "
                 f"{s['bytes'] / 1e6:,.1f} MB, {s['skipped']} skipped at build"
@@ -115,11 +150,16 @@ def _inspect(args: argparse.Namespace) -> int:
     stats = IOStats()
     problems = m.verify(progress=sys.stderr.isatty(), stats=stats)
     if m.location.remote and stats.retries:
-        print(f"remote reads: {stats.counts['requests']} requests, {stats.retries} retried after transient errors", file=sys.stderr)
+        print(
+            f"remote reads: {stats.counts['requests']} requests, {stats.retries} retried after transient errors",
+            file=sys.stderr,
+        )
     if problems:
         for p in problems:
             print(f"BAD {p}", file=sys.stderr)
-        raise UserError(f"{problems[0]}" + (f" (and {len(problems) - 1} more bad shards)" if len(problems) > 1 else ""), exit_code=1)
+        raise UserError(
+            f"{problems[0]}" + (f" (and {len(problems) - 1} more bad shards)" if len(problems) > 1 else ""), exit_code=1
+        )
     n = sum(s["shards"] for s in summary["splits"].values())
     print(f"checksums: all {n} shards match")
     return 0

@@ -131,10 +131,15 @@ class EncodedTransform:
         offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
         data = np.frombuffer(b"".join(e.data for _, e in enc), np.uint8) if enc else np.zeros(0, np.uint8)
         return EncodedImages(
-            data=torch.from_numpy(data.copy()), offsets=torch.from_numpy(offsets),
-            slots=torch.tensor([i for i, _ in enc], dtype=torch.int64), params=[e.params for _, e in enc],
+            data=torch.from_numpy(data.copy()),
+            offsets=torch.from_numpy(offsets),
+            slots=torch.tensor([i for i, _ in enc], dtype=torch.int64),
+            params=[e.params for _, e in enc],
             sizes=torch.tensor([(e.size[1], e.size[0]) for _, e in enc], dtype=torch.int64).reshape(-1, 2),
-            pixels=torch.from_numpy(pixels), pixel_slots=torch.tensor(rest, dtype=torch.int64), size=S, batch_size=len(images),
+            pixels=torch.from_numpy(pixels),
+            pixel_slots=torch.tensor(rest, dtype=torch.int64),
+            size=S,
+            batch_size=len(images),
         )
 
 
@@ -183,7 +188,9 @@ class _Staging:
         for start, a in self.parts:
             buf[start : start + a.nbytes] = a.reshape(-1).view(np.uint8)
         dev = host.to(device, non_blocking=True)
-        return [dev[start : start + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape) for start, a in self.parts]
+        return [
+            dev[start : start + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape) for start, a in self.parts
+        ]
 
 
 @dataclass
@@ -213,7 +220,12 @@ def _runs(decoded: np.ndarray, hc: np.ndarray, wc: np.ndarray, budget: int) -> l
     while a < n:
         b, dec, own, h, w = a + 1, int(decoded[a]), int(hc[a]) * int(wc[a]), int(hc[a]), int(wc[a])
         while b < n:
-            d2, own2, h2, w2 = dec + int(decoded[b]), own + int(hc[b]) * int(wc[b]), max(h, int(hc[b])), max(w, int(wc[b]))
+            d2, own2, h2, w2 = (
+                dec + int(decoded[b]),
+                own + int(hc[b]) * int(wc[b]),
+                max(h, int(hc[b])),
+                max(w, int(wc[b])),
+            )
             padded = (b + 1 - a) * h2 * w2
             if d2 + padded > budget or padded > 2 * own2:
                 break
@@ -241,8 +253,13 @@ class DeviceDecoder:
     """
 
     def __init__(
-        self, augment: AugmentConfig, device: torch.device | str, dtype: torch.dtype = torch.float32, channels_last: bool = False,
-        resample_dtype: torch.dtype | None = None, pixel_budget: int = PIXEL_BUDGET,
+        self,
+        augment: AugmentConfig,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+        channels_last: bool = False,
+        resample_dtype: torch.dtype | None = None,
+        pixel_budget: int = PIXEL_BUDGET,
     ):
         self.augment, self.device, self.dtype = augment, torch.device(device), dtype
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
@@ -294,11 +311,21 @@ class DeviceDecoder:
             wc, hc = int((x1[r] - x0[r]).max()), int((y1[r] - y0[r]).max())
             wx = tap_entries(fx[r], tx[r], x0[r], wc, flips[r])
             wy = tap_entries(fy[r], ty[r], y0[r], hc)
-            chunks.append(_Chunk(
-                r, staging.add(batch.slots.numpy()[r]), x0[r], x1[r], y0[r], y1[r], hc, wc,
-                (staging.add(wx[0]), staging.add(wx[1])), (staging.add(wy[0]), staging.add(wy[1])),
-                self._jitter_plan([batch.params[j] for j in r], staging),
-            ))
+            chunks.append(
+                _Chunk(
+                    r,
+                    staging.add(batch.slots.numpy()[r]),
+                    x0[r],
+                    x1[r],
+                    y0[r],
+                    y1[r],
+                    hc,
+                    wc,
+                    (staging.add(wx[0]), staging.add(wx[1])),
+                    (staging.add(wy[0]), staging.add(wy[1])),
+                    self._jitter_plan([batch.params[j] for j in r], staging),
+                )
+            )
         return chunks
 
     @staticmethod
@@ -311,10 +338,16 @@ class DeviceDecoder:
                 if pos < len(p.jitter):
                     name, factor = p.jitter[pos]
                     ops.setdefault(name, []).append((i, factor))
-            plan.append([
-                (name, staging.add(np.array([i for i, _ in items], np.int64)), staging.add(np.array([f for _, f in items], np.float64)))
-                for name, items in ops.items()
-            ])
+            plan.append(
+                [
+                    (
+                        name,
+                        staging.add(np.array([i for i, _ in items], np.int64)),
+                        staging.add(np.array([f for _, f in items], np.float64)),
+                    )
+                    for name, items in ops.items()
+                ]
+            )
         return plan
 
     # -- decoding ---------------------------------------------------------------------------------
@@ -339,7 +372,9 @@ class DeviceDecoder:
                     im.record_stream(current)
         for j, im in zip(idx, images):
             if im is not None and tuple(im.shape[1:]) != tuple(batch.sizes[j].tolist()):
-                raise RuntimeError(f"device decoding: image of slot {int(batch.slots[j])} decoded to {tuple(im.shape[1:])}, its header says {tuple(batch.sizes[j].tolist())}")
+                raise RuntimeError(
+                    f"device decoding: image of slot {int(batch.slots[j])} decoded to {tuple(im.shape[1:])}, its header says {tuple(batch.sizes[j].tolist())}"
+                )
         return images
 
     def _decode_all(self, chunks: list[Tensor]) -> list[Tensor | None]:
@@ -355,7 +390,10 @@ class DeviceDecoder:
             return decode_jpeg(chunk, mode=ImageReadMode.RGB, device=self.device)
         except RuntimeError as e:
             if self._noted < 20:
-                log.warning("skipped an image the device could not decode (%s)", str(e).splitlines()[0] if str(e) else type(e).__name__)
+                log.warning(
+                    "skipped an image the device could not decode (%s)",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__,
+                )
             self._noted += 1
             return None
 
@@ -373,7 +411,9 @@ class DeviceDecoder:
         return labels
 
     # -- augmentation -----------------------------------------------------------------------------
-    def _augment(self, images: list[Tensor | None], batch: EncodedImages, c: _Chunk, sent: list[Tensor], S: int) -> Tensor:
+    def _augment(
+        self, images: list[Tensor | None], batch: EncodedImages, c: _Chunk, sent: list[Tensor], S: int
+    ) -> Tensor:
         """One run's decoded ``3 × H × W`` uint8 images (None: black, replaced later) -> normalized float32
         ``b × 3 × S × S``, with the plan's tensors already on the device."""
         dev, a, dt = self.device, self.augment, self.resample_dtype
@@ -416,7 +456,13 @@ class DeviceInput:
     a :class:`DeviceDecoder`. Nothing here waits for the device.
     """
 
-    def __init__(self, augment: AugmentConfig, device: torch.device | str, dtype: torch.dtype = torch.float32, channels_last: bool = False):
+    def __init__(
+        self,
+        augment: AugmentConfig,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+        channels_last: bool = False,
+    ):
         self.device, self.dtype, self.channels_last = torch.device(device), dtype, channels_last
         self.decoder = DeviceDecoder(augment, self.device, dtype, channels_last)
 

@@ -23,7 +23,16 @@ import numpy as np
 from PIL import Image
 
 # PIL format name -> shard member extension; anything else uses the lower-cased format name
-EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "TIFF": "tiff", "WEBP": "webp", "BMP": "bmp", "GIF": "gif", "PPM": "ppm"}
+EXTENSIONS = {
+    "JPEG": "jpg",
+    "MPO": "jpg",
+    "PNG": "png",
+    "TIFF": "tiff",
+    "WEBP": "webp",
+    "BMP": "bmp",
+    "GIF": "gif",
+    "PPM": "ppm",
+}
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "tiff", "tif", "webp", "bmp", "gif", "ppm", "pgm", "pbm", "pnm"})
 RESIZE_QUALITY = 95
 
@@ -38,7 +47,9 @@ def to_rgb(img: Image.Image) -> Image.Image:
         return Image.alpha_composite(white, rgba).convert("RGB")
     if img.mode.startswith("I") or img.mode == "F":
         arr = np.asarray(img, dtype=np.float64)
-        top = 1.0 if img.mode == "F" and arr.max(initial=0) <= 1.0 else (255.0 if arr.max(initial=0) <= 255 else 65535.0)
+        top = (
+            1.0 if img.mode == "F" and arr.max(initial=0) <= 1.0 else (255.0 if arr.max(initial=0) <= 255 else 65535.0)
+        )
         return Image.fromarray(np.clip(arr * (255.0 / top), 0, 255).astype(np.uint8), "L").convert("RGB")
     return img.convert("RGB")
 

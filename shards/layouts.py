@@ -137,8 +137,12 @@ def read_cars(root: Path) -> Layout:
     try:
         mat = scipy.io.loadmat(str(mat_path), squeeze_me=True, struct_as_record=True)
     except NotImplementedError:  # scipy reads MATLAB v4-v7; v7.3 is HDF5
-        raise UserError(f"{mat_path}: MATLAB v7.3 (HDF5) file, which scipy cannot read; re-save it in MATLAB v7 format (save(..., '-v7'))") from None
-    except Exception as e:  # empty, truncated or not a MAT file: scipy raises MatReadError, OSError, ValueError, IndexError...
+        raise UserError(
+            f"{mat_path}: MATLAB v7.3 (HDF5) file, which scipy cannot read; re-save it in MATLAB v7 format (save(..., '-v7'))"
+        ) from None
+    except (
+        Exception
+    ) as e:  # empty, truncated or not a MAT file: scipy raises MatReadError, OSError, ValueError, IndexError...
         raise UserError(f"{mat_path}: unreadable MAT file ({type(e).__name__}: {e})") from None
     try:
         annos = np.atleast_1d(mat["annotations"])
@@ -161,7 +165,9 @@ def read_inshop(root: Path) -> Layout:
     The index may sit at the root or under ``Eval/``; image paths (``img/...``) resolve against
     the root or ``Img/``. Query and gallery share one label space.
     """
-    index = next((p for p in (root / "list_eval_partition.txt", root / "Eval" / "list_eval_partition.txt") if p.is_file()), None)
+    index = next(
+        (p for p in (root / "list_eval_partition.txt", root / "Eval" / "list_eval_partition.txt") if p.is_file()), None
+    )
     if index is None:
         raise UserError(f"{root / 'list_eval_partition.txt'}: In-Shop partition file not found (also looked in Eval/)")
     rows = _rows(index, 1)
@@ -180,7 +186,9 @@ def read_inshop(root: Path) -> Layout:
     splits: dict[str, list[Entry]] = {"train": [], "query": [], "gallery": []}
     for lineno, parts in body:
         if len(parts) < 3:
-            raise UserError(f"{index}:{lineno}: expected 'image_name item_id evaluation_status', got {' '.join(parts)!r}")
+            raise UserError(
+                f"{index}:{lineno}: expected 'image_name item_id evaluation_status', got {' '.join(parts)!r}"
+            )
         rel, item, status = parts[:3]
         if status not in splits:
             raise UserError(f"{index}:{lineno}: evaluation_status {status!r} is not train, query or gallery")
@@ -201,7 +209,9 @@ def read_folder(root: Path) -> Layout:
         split_dir = _need_dir(root / split, "image directory")
         entries = []
         try:
-            class_dirs = sorted((d for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith(".")), key=lambda d: d.name)
+            class_dirs = sorted(
+                (d for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith(".")), key=lambda d: d.name
+            )
         except OSError as e:
             raise UserError(f"{split_dir}: cannot list ({e.strerror or e})") from None
         for class_dir in class_dirs:

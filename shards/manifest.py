@@ -106,7 +106,9 @@ class Manifest:
     def __init__(self, root: Path | str, data: dict[str, Any], location: Location | None = None):
         self.location = location if location is not None else open_location(root)
         self.root: Path | str = Path(root) if not self.location.remote else self.location.root
-        self.path: Path | str = self.root / MANIFEST_NAME if isinstance(self.root, Path) else self.location.url(MANIFEST_NAME)
+        self.path: Path | str = (
+            self.root / MANIFEST_NAME if isinstance(self.root, Path) else self.location.url(MANIFEST_NAME)
+        )
         self.data = data
         self._splits: dict[str, SplitInfo] = {}
         files: dict[str, str] = {}
@@ -121,8 +123,14 @@ class Manifest:
                         raise ValueError(f"{where}.file: {file!r} is also listed at {files[file]}")
                     files[file] = where
                     url = self.location.url(file) if self.location.remote else str(self.root / file)
-                    info_sh = ShardInfo(file, int(sh["samples"]), int(sh["bytes"]), str(sh["sha256"]),
-                                        [list(map(int, g)) for g in sh["groups"]], url)
+                    info_sh = ShardInfo(
+                        file,
+                        int(sh["samples"]),
+                        int(sh["bytes"]),
+                        str(sh["sha256"]),
+                        [list(map(int, g)) for g in sh["groups"]],
+                        url,
+                    )
                     _check_shard(info_sh, num_labels, where)
                     shards.append(info_sh)
                 info = SplitInfo(
@@ -138,8 +146,13 @@ class Manifest:
                     location=self.location,
                 )
                 _check_labels(info)
-                if sum(sh.samples for sh in shards) != info.num_images or sum(g[1] for sh in shards for g in sh.groups) != info.num_images:
-                    raise ValueError(f"splits.{name}: shard sample counts do not add up to num_images {info.num_images}")
+                if (
+                    sum(sh.samples for sh in shards) != info.num_images
+                    or sum(g[1] for sh in shards for g in sh.groups) != info.num_images
+                ):
+                    raise ValueError(
+                        f"splits.{name}: shard sample counts do not add up to num_images {info.num_images}"
+                    )
                 self._splits[name] = info
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
@@ -147,7 +160,9 @@ class Manifest:
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
-    def load(cls, shard_dir: str | Path | Location, storage_options: dict[str, Any] | None = None, remote: Any = None) -> Manifest:
+    def load(
+        cls, shard_dir: str | Path | Location, storage_options: dict[str, Any] | None = None, remote: Any = None
+    ) -> Manifest:
         """The manifest of a shard folder: a local path, or a URL read with ``storage_options`` and ``remote``
         settings (:func:`shards.storage.open_location`). Every problem is a :class:`UserError` naming the file."""
         loc = open_location(shard_dir, storage_options, remote)
@@ -156,7 +171,9 @@ class Manifest:
             try:
                 raw = loc.read_bytes(MANIFEST_NAME)
             except FileNotFoundError:
-                raise UserError(f"{path}: not found (build shards with `dmltrain shards build`; an interrupted build leaves no manifest)") from None
+                raise UserError(
+                    f"{path}: not found (build shards with `dmltrain shards build`; an interrupted build leaves no manifest)"
+                ) from None
             except OSError as e:
                 raise UserError(f"{path}: unreadable manifest ({e})") from None
             root: Path | str = loc.root
@@ -166,7 +183,9 @@ class Manifest:
             if not root.is_dir():
                 raise UserError(f"{root}: shard directory not found")
             if not path.is_file():
-                raise UserError(f"{path}: not found (build shards with `dmltrain shards build`; an interrupted build leaves no manifest)")
+                raise UserError(
+                    f"{path}: not found (build shards with `dmltrain shards build`; an interrupted build leaves no manifest)"
+                )
             try:
                 raw = path.read_bytes()
             except OSError as e:
@@ -178,9 +197,13 @@ class Manifest:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise UserError(f"{path}: unreadable manifest ({e})") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise UserError(f"{path}: not a {FORMAT} manifest (format key is {data.get('format') if isinstance(data, dict) else None!r})")
+            raise UserError(
+                f"{path}: not a {FORMAT} manifest (format key is {data.get('format') if isinstance(data, dict) else None!r})"
+            )
         if int(data.get("version", 0)) > VERSION:
-            raise UserError(f"{path}: manifest version {data.get('version')} is newer than this dmltrain reads ({VERSION})")
+            raise UserError(
+                f"{path}: manifest version {data.get('version')} is newer than this dmltrain reads ({VERSION})"
+            )
         return cls(root, data, loc)
 
     # -- queries ----------------------------------------------------------------------------
@@ -254,7 +277,9 @@ class Manifest:
                 problems.append(f"{sh.url}: cannot read ({e})")
                 continue
             if h.hexdigest() != sh.sha256:
-                problems.append(f"{sh.url}: checksum mismatch (sha256 {h.hexdigest()[:16]}..., manifest {sh.sha256[:16]}...)")
+                problems.append(
+                    f"{sh.url}: checksum mismatch (sha256 {h.hexdigest()[:16]}..., manifest {sh.sha256[:16]}...)"
+                )
         if bar is not None:
             bar.close()
         return problems

@@ -41,10 +41,14 @@ class Publisher:
 
     def __init__(self, out: Location, *, overwrite: bool = False, resume: bool = False):
         if overwrite and resume:
-            raise UserError("--overwrite and --resume: choose one (--resume continues an interrupted build, --overwrite replaces a finished one)")
+            raise UserError(
+                "--overwrite and --resume: choose one (--resume continues an interrupted build, --overwrite replaces a finished one)"
+            )
         if out.remote and out.protocol in ("http", "https"):
-            raise UserError(f"{out.root}: http(s) URLs are read-only here; build to a local folder or object storage "
-                            "(s3://, gs://) and serve that folder over HTTP")
+            raise UserError(
+                f"{out.root}: http(s) URLs are read-only here; build to a local folder or object storage "
+                "(s3://, gs://) and serve that folder over HTTP"
+            )
         self.out, self.overwrite, self.resume = out, overwrite, resume
         self.stats = IOStats()  # uploads, and the reads that check kept shards
         self.uploaded = self.kept = 0
@@ -80,25 +84,37 @@ class Publisher:
         except OSError as e:
             raise UserError(f"{out.root}: cannot list the output folder ({e})") from None
         if present and not (self.overwrite or self.resume):
-            raise UserError(f"{out.root}: directory is not empty (pass --overwrite to replace the shards in it, "
-                            "or --resume to finish an interrupted build)")
+            raise UserError(
+                f"{out.root}: directory is not empty (pass --overwrite to replace the shards in it, "
+                "or --resume to finish an interrupted build)"
+            )
         listed: set[str] = set()
         if MANIFEST_NAME in present:
             if self.resume:
-                raise UserError(f"{out.url(MANIFEST_NAME)}: the build there is complete (nothing to resume); "
-                                "pass --overwrite to build it again")
+                raise UserError(
+                    f"{out.url(MANIFEST_NAME)}: the build there is complete (nothing to resume); "
+                    "pass --overwrite to build it again"
+                )
             try:
                 old = Manifest.load(out)
             except UserError as e:
-                raise UserError(f"--overwrite: {e}; cannot tell which files are its shards, so nothing was removed "
-                                "(remove them yourself or choose another --out)") from None
+                raise UserError(
+                    f"--overwrite: {e}; cannot tell which files are its shards, so nothing was removed "
+                    "(remove them yourself or choose another --out)"
+                ) from None
             listed = {sh.file for name in old.splits for sh in old.split(name).shards}
         if self.overwrite:
             for name in sorted(present):
                 if SHARD_NAME.fullmatch(name) and name not in listed:
-                    why = "not listed by its manifest.json" if listed else "no manifest.json lists it (an interrupted build's shard, or not a shard)"
-                    raise UserError(f"{out.url(name)}: {why}; the new build could overwrite it, so nothing was removed "
-                                    "(move or remove it yourself, --resume an interrupted build, or choose another --out)")
+                    why = (
+                        "not listed by its manifest.json"
+                        if listed
+                        else "no manifest.json lists it (an interrupted build's shard, or not a shard)"
+                    )
+                    raise UserError(
+                        f"{out.url(name)}: {why}; the new build could overwrite it, so nothing was removed "
+                        "(move or remove it yourself, --resume an interrupted build, or choose another --out)"
+                    )
             # the manifest goes first: from here on the folder reads as an unfinished build
             out.remove(MANIFEST_NAME)
             for name in sorted(listed & set(present)):
@@ -130,8 +146,10 @@ class Publisher:
                 try:
                     self.out.upload(path, rec.file, self.stats)
                 except OSError as e:
-                    raise UserError(f"{self.out.url(rec.file)}: upload failed ({e}); the build is incomplete and has no "
-                                    "manifest.json: rerun the same command with --resume to finish it") from None
+                    raise UserError(
+                        f"{self.out.url(rec.file)}: upload failed ({e}); the build is incomplete and has no "
+                        "manifest.json: rerun the same command with --resume to finish it"
+                    ) from None
                 self.uploaded += 1
         finally:
             path.unlink(missing_ok=True)
@@ -160,7 +178,9 @@ class Publisher:
             try:
                 self.out.write_bytes(MANIFEST_NAME, manifest_text.encode("utf-8"), self.stats)
             except OSError as e:
-                raise UserError(f"{self.out.url(MANIFEST_NAME)}: upload failed ({e}); every shard is in place: rerun with --resume") from None
+                raise UserError(
+                    f"{self.out.url(MANIFEST_NAME)}: upload failed ({e}); every shard is in place: rerun with --resume"
+                ) from None
         else:
             write_text(self.out.path / MANIFEST_NAME, manifest_text)
         return Manifest.load(self.out)

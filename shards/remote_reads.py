@@ -108,7 +108,9 @@ class RemoteSource:
             blk.future = self._submit(shard, blk.start, blk.end)
             self._ahead = (shard, blk)
             return blk.future.result()[:size]
-        return b"".join(self._submit(shard, s, e).result() for _, s, e in coalesce([(shard, offset, size)], 0, self._limit))
+        return b"".join(
+            self._submit(shard, s, e).result() for _, s, e in coalesce([(shard, offset, size)], 0, self._limit)
+        )
 
     def close(self) -> None:
         for gen in self._gens:
@@ -209,7 +211,9 @@ class RemoteSource:
                 raise ShortRead(f"{len(data)} bytes for a range of {n}")
 
         async with self._sem:
-            data = await self.loc.call("cat_file", self.loc.url(sh.file), start=start, end=end, stats=self.stats, nbytes=n, check=check)
+            data = await self.loc.call(
+                "cat_file", self.loc.url(sh.file), start=start, end=end, stats=self.stats, nbytes=n, check=check
+            )
         if len(data) != n:
             data = data[start:end]
         self.stats.add("bytes", len(data))

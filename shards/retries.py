@@ -15,13 +15,42 @@ import random
 from collections.abc import Mapping
 
 RETRY_KINDS = ("timeout", "throttled", "server_error", "connection", "truncated")
-_THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
-                   "TooManyRequestsException", "RequestThrottled", "ServiceUnavailable"}
-_TIMEOUT_NAMES = {"TimeoutError", "ReadTimeoutError", "ConnectTimeoutError", "FSTimeoutError", "ServerTimeoutError", "timeout"}
-_CONNECTION_NAMES = {"ConnectionError", "ClientConnectionError", "ServerDisconnectedError", "ClientOSError",
-                     "EndpointConnectionError", "ConnectionClosedError", "HTTPClientError"}
-_TRUNCATED_NAMES = {"ClientPayloadError", "IncompleteRead", "IncompleteReadError", "ResponseStreamingError",
-                    "ContentLengthError", "ShortRead", "TransferEncodingError"}
+_THROTTLE_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequests",
+    "TooManyRequestsException",
+    "RequestThrottled",
+    "ServiceUnavailable",
+}
+_TIMEOUT_NAMES = {
+    "TimeoutError",
+    "ReadTimeoutError",
+    "ConnectTimeoutError",
+    "FSTimeoutError",
+    "ServerTimeoutError",
+    "timeout",
+}
+_CONNECTION_NAMES = {
+    "ConnectionError",
+    "ClientConnectionError",
+    "ServerDisconnectedError",
+    "ClientOSError",
+    "EndpointConnectionError",
+    "ConnectionClosedError",
+    "HTTPClientError",
+}
+_TRUNCATED_NAMES = {
+    "ClientPayloadError",
+    "IncompleteRead",
+    "IncompleteReadError",
+    "ResponseStreamingError",
+    "ContentLengthError",
+    "ShortRead",
+    "TransferEncodingError",
+}
 
 
 class ShortRead(OSError):

@@ -68,7 +68,9 @@ class BatchShape:
         return self.sampler == "pk"
 
 
-def batch_shape(sampler: str, batch_size: int, samples_per_class: int, world_size: int, classes_per_batch: int | None = None) -> BatchShape:
+def batch_shape(
+    sampler: str, batch_size: int, samples_per_class: int, world_size: int, classes_per_batch: int | None = None
+) -> BatchShape:
     """The :class:`BatchShape` of a global batch over ``world_size`` workers, or :class:`ValueError` with the
     one-line message that names the ``data.*`` key at fault (the config check and the stream share it).
 
@@ -89,9 +91,13 @@ def batch_shape(sampler: str, batch_size: int, samples_per_class: int, world_siz
     if k < 1:
         raise ValueError(f"data.samples_per_class: must be >= 1, got {k}")
     if batch_size % k:
-        raise ValueError(f"data.batch_size: {batch_size} is not divisible into P×K with K = data.samples_per_class = {k}")
+        raise ValueError(
+            f"data.batch_size: {batch_size} is not divisible into P×K with K = data.samples_per_class = {k}"
+        )
     if classes_per_batch is not None and classes_per_batch * k != batch_size:
-        raise ValueError(f"data.classes_per_batch: {classes_per_batch} × samples_per_class {k} != data.batch_size {batch_size}")
+        raise ValueError(
+            f"data.classes_per_batch: {classes_per_batch} × samples_per_class {k} != data.batch_size {batch_size}"
+        )
     p = batch_size // k
     if p % w:
         raise ValueError(
@@ -142,7 +148,15 @@ class EpochPlanner:
     """
 
     def __init__(
-        self, table: GroupTable, *, world_size: int, k: int, pieces_per_batch: int, seed: int, class_balanced: bool, window_batches: int
+        self,
+        table: GroupTable,
+        *,
+        world_size: int,
+        k: int,
+        pieces_per_batch: int,
+        seed: int,
+        class_balanced: bool,
+        window_batches: int,
     ):
         if world_size < 1 or k < 1 or pieces_per_batch < 1 or window_batches < 1:
             raise ValueError("world_size, k, pieces_per_batch and window_batches must be >= 1")
@@ -166,7 +180,9 @@ class EpochPlanner:
         offset = int(rng.integers(self.total_pieces)) if self.total_pieces else 0
         return gseq, cum, offset
 
-    def _pieces_at(self, epoch: int, gseq: np.ndarray, cum: np.ndarray, positions: np.ndarray, cache: dict) -> list[Piece]:
+    def _pieces_at(
+        self, epoch: int, gseq: np.ndarray, cum: np.ndarray, positions: np.ndarray, cache: dict
+    ) -> list[Piece]:
         seq_index = np.searchsorted(cum, positions, side="right")
         first = np.where(seq_index > 0, cum[np.maximum(seq_index - 1, 0)], 0)
         out = []

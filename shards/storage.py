@@ -38,12 +38,34 @@ T = TypeVar("T")
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # the package that serves a scheme, and the dmltrain extra that installs it
-PACKAGES = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
-            "http": ("aiohttp", None), "https": ("aiohttp", None), "az": ("adlfs", None), "abfs": ("adlfs", None)}
+PACKAGES = {
+    "s3": ("s3fs", "s3"),
+    "s3a": ("s3fs", "s3"),
+    "gs": ("gcsfs", "gcs"),
+    "gcs": ("gcsfs", "gcs"),
+    "http": ("aiohttp", None),
+    "https": ("aiohttp", None),
+    "az": ("adlfs", None),
+    "abfs": ("adlfs", None),
+}
 READ_ONLY = ("http", "https")
 # option keys that carry secrets; gcsfs's `token` may also name a mode, which is no secret
-SECRET_KEYS = {"key", "secret", "password", "passwd", "session_token", "client_secret", "secret_access_key", "access_key_id",
-               "aws_access_key_id", "aws_secret_access_key", "aws_session_token", "account_key", "sas_token", "connection_string"}
+SECRET_KEYS = {
+    "key",
+    "secret",
+    "password",
+    "passwd",
+    "session_token",
+    "client_secret",
+    "secret_access_key",
+    "access_key_id",
+    "aws_access_key_id",
+    "aws_secret_access_key",
+    "aws_session_token",
+    "account_key",
+    "sas_token",
+    "connection_string",
+}
 TOKEN_MODES = {"anon", "google_default", "cloud", "browser", None}
 
 
@@ -61,9 +83,11 @@ def check_storage_options(options: Mapping[str, Any], where: str = "data.storage
         for k, v in d.items():
             key = f"{prefix}.{k}"
             if str(k).lower() in SECRET_KEYS or (str(k).lower() == "token" and v not in TOKEN_MODES):
-                raise UserError(f"{key}: credentials do not belong in storage options (they are logged with the config); "
-                                "use the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS), "
-                                "~/.aws/credentials or a cloud role")
+                raise UserError(
+                    f"{key}: credentials do not belong in storage options (they are logged with the config); "
+                    "use the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS), "
+                    "~/.aws/credentials or a cloud role"
+                )
             if isinstance(v, Mapping):
                 walk(v, key)
 
@@ -96,7 +120,10 @@ def parse_storage_options(items: list[str] | None, flag: str = "--storage-option
 def add_storage_option(parser: argparse.ArgumentParser) -> None:
     """``--storage-option KEY=VALUE`` (repeatable): fsspec options of a URL, as ``data.storage_options``."""
     parser.add_argument(
-        "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="fsspec option of a URL, repeatable (endpoint_url=http://host:9000, anon=true, client_kwargs.region_name=eu-west-1); "
         "credentials come from the environment or ~/.aws, never from here",
     )
@@ -130,7 +157,13 @@ class RemoteSettings:
 # -- locations ------------------------------------------------------------------------------
 def _missing_package(url: str, protocol: str, e: Exception) -> UserError:
     pkg, extra = PACKAGES.get(protocol, (None, None))
-    how = f"pip install 'dmltrain[{extra}]'" if extra else f"pip install {pkg}" if pkg else "install the fsspec implementation it names"
+    how = (
+        f"pip install 'dmltrain[{extra}]'"
+        if extra
+        else f"pip install {pkg}"
+        if pkg
+        else "install the fsspec implementation it names"
+    )
     return UserError(f"{url}: {protocol}:// URLs need the {pkg or 'matching'} package ({how}); {e}")
 
 
@@ -143,20 +176,24 @@ class Location:
     (the manifest checks this), so nothing is read or written outside the prefix.
     """
 
-    def __init__(self, root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, remote: Any = None):
+    def __init__(
+        self, root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, remote: Any = None
+    ):
         root = os.fspath(root)
         m = _SCHEME.match(root)
         if m and m.group(1).lower() == "file":
-            root = root[len(m.group(0)):] or "/"
+            root = root[len(m.group(0)) :] or "/"
             m = None
         self.remote = m is not None
         self.settings = RemoteSettings.of(remote)
         self.storage_options = check_storage_options(storage_options or {})
         if self.remote:
             self.protocol = m.group(1).lower()
-            rest = root[len(m.group(0)):]
+            rest = root[len(m.group(0)) :]
             if not rest.strip("/") or "?" in rest or "#" in rest:
-                raise UserError(f"{root}: not a folder URL (it needs a bucket or host and path, and no query or fragment)")
+                raise UserError(
+                    f"{root}: not a folder URL (it needs a bucket or host and path, and no query or fragment)"
+                )
             self.root = root.rstrip("/")
         else:
             self.protocol = "file"
@@ -204,7 +241,9 @@ class Location:
             raise _missing_package(self.root, self.protocol, e) from None
         except ValueError as e:
             if "Protocol not known" in str(e):
-                raise UserError(f"{self.root}: unknown URL scheme {self.protocol!r} (fsspec knows s3, gs, https, ...)") from None
+                raise UserError(
+                    f"{self.root}: unknown URL scheme {self.protocol!r} (fsspec knows s3, gs, https, ...)"
+                ) from None
             raise UserError(f"{self.root}: bad storage options ({e})") from None
         except TypeError as e:
             raise UserError(f"{self.root}: bad storage options ({e})") from None
@@ -229,12 +268,24 @@ class Location:
     async def _connect(self) -> None:
         """The SDK's session, made before any request is timed (a botocore client takes a second of CPU to build)."""
         fs = self.fs
-        if getattr(fs, "async_impl", False) and hasattr(fs, "set_session") and getattr(fs, "_dmltrain_ready", None) is None:
+        if (
+            getattr(fs, "async_impl", False)
+            and hasattr(fs, "set_session")
+            and getattr(fs, "_dmltrain_ready", None) is None
+        ):
             await fs.set_session()
             fs._dmltrain_ready = True
 
-    async def call(self, name: str, *args: Any, stats: IOStats, nbytes: int = 0, timeout: bool = True,
-                   check: Callable[[Any], None] | None = None, **kw: Any) -> Any:
+    async def call(
+        self,
+        name: str,
+        *args: Any,
+        stats: IOStats,
+        nbytes: int = 0,
+        timeout: bool = True,
+        check: Callable[[Any], None] | None = None,
+        **kw: Any,
+    ) -> Any:
         """``fs.<name>(*args, **kw)`` with the time limit (unless ``timeout=False``: long uploads) and retries.
 
         ``check`` may raise (:class:`ShortRead`) to reject a result, which is then retried as truncated.
@@ -337,7 +388,9 @@ class Location:
         for e in listed:
             name = str(e["name"]).rstrip("/")
             if name.startswith(prefix) and len(name) > len(prefix):
-                out[name[len(prefix):]] = int(e["size"]) if e.get("type") == "file" and e.get("size") is not None else None
+                out[name[len(prefix) :]] = (
+                    int(e["size"]) if e.get("type") == "file" and e.get("size") is not None else None
+                )
         return out
 
     def remove(self, name: str) -> None:
@@ -353,8 +406,9 @@ class Location:
         return {"root": self.root, "storage_options": self.storage_options, "remote": asdict(self.settings)}
 
 
-def open_location(where: str | os.PathLike[str] | Location, storage_options: Mapping[str, Any] | None = None,
-                  remote: Any = None) -> Location:
+def open_location(
+    where: str | os.PathLike[str] | Location, storage_options: Mapping[str, Any] | None = None, remote: Any = None
+) -> Location:
     """``where`` as a :class:`Location` (returned as is when it already is one)."""
     if isinstance(where, Location):
         return where
@@ -364,7 +418,9 @@ def open_location(where: str | os.PathLike[str] | Location, storage_options: Map
 def location_of(data: Any, where: str | os.PathLike[str] | None = None) -> Location:
     """The shards of a ``DataConfig`` (or its dict): ``where`` (default ``data.shards``) with its storage options and settings."""
     get = data.get if isinstance(data, Mapping) else lambda k, d=None: getattr(data, k, d)
-    return Location(where if where is not None else get("shards"), get("storage_options", None) or {}, get("remote", None))
+    return Location(
+        where if where is not None else get("shards"), get("storage_options", None) or {}, get("remote", None)
+    )
 
 
 def read_chunks(location: Location, name: str, size: int, stats: IOStats | None = None) -> Iterator[bytes]:

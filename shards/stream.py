@@ -71,7 +71,12 @@ def _in_order(dataset: IterableDataset, loader_workers: int, first: int, pin_mem
         yield from dataset
         return
     loader = DataLoader(
-        dataset, batch_size=None, num_workers=loader_workers, pin_memory=pin_memory, worker_init_fn=_worker_init, prefetch_factor=2
+        dataset,
+        batch_size=None,
+        num_workers=loader_workers,
+        pin_memory=pin_memory,
+        worker_init_fn=_worker_init,
+        prefetch_factor=2,
     )
     pending: dict[int, dict[str, Any]] = {}
     expect = first
@@ -92,7 +97,9 @@ class _SkipLog:
     def __init__(self):
         self.count = 0
         self.lines = 0
-        self.io: dict[str, int] = {}  # remote requests, bytes, retries by kind (shards.retries.IOStats), all loader processes
+        self.io: dict[
+            str, int
+        ] = {}  # remote requests, bytes, retries by kind (shards.retries.IOStats), all loader processes
 
     def add(self, batch: dict[str, Any]) -> None:
         self.count += int(batch["skipped"])
@@ -179,7 +186,9 @@ class TrainStream:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
         if decode not in ("cpu", "device") or (decode == "device" and normalize):
-            raise ValueError(f"decode={decode!r}: choose 'cpu', or 'device' with normalize=False (the device decoder normalizes)")
+            raise ValueError(
+                f"decode={decode!r}: choose 'cpu', or 'device' with normalize=False (the device decoder normalizes)"
+            )
         self.decode = decode
         self.manifest = Manifest.load(shard_dir, storage_options, remote)
         self.split = self.manifest.split(split)
@@ -194,8 +203,13 @@ class TrainStream:
         self.table = self.split.group_table()
         window = max(1, shuffle_images // self.local_batch_size)
         self.planner = EpochPlanner(
-            self.table, world_size=world_size, k=shape.k, pieces_per_batch=shape.pieces_per_rank, seed=self.seed,
-            class_balanced=shape.class_balanced, window_batches=window,
+            self.table,
+            world_size=world_size,
+            k=shape.k,
+            pieces_per_batch=shape.pieces_per_rank,
+            seed=self.seed,
+            class_balanced=shape.class_balanced,
+            window_batches=window,
         )
         self.batches_per_epoch = self.planner.batches_per_epoch
         if self.batches_per_epoch == 0:
@@ -230,11 +244,23 @@ class TrainStream:
         """
         d = cfg.data
         return cls(
-            d.shards, d.train_split, rank=rank, world_size=world_size, sampler=d.sampler, batch_size=d.batch_size,
-            samples_per_class=d.samples_per_class, seed=cfg.train.seed, image_size=d.image_size, augment=d.augment,
+            d.shards,
+            d.train_split,
+            rank=rank,
+            world_size=world_size,
+            sampler=d.sampler,
+            batch_size=d.batch_size,
+            samples_per_class=d.samples_per_class,
+            seed=cfg.train.seed,
+            image_size=d.image_size,
+            augment=d.augment,
             loader_workers=d.loader_workers if loader_workers is None else loader_workers,
-            pin_memory=pin_memory, draft=draft, normalize=normalize, decode=decode,
-            storage_options=d.storage_options, remote=d.remote,
+            pin_memory=pin_memory,
+            draft=draft,
+            normalize=normalize,
+            decode=decode,
+            storage_options=d.storage_options,
+            remote=d.remote,
         )
 
     @property
@@ -283,7 +309,9 @@ class TrainStream:
         """The batches' content (group, label, positions) without reading any image."""
         return self.planner.batches(epoch, self.rank, start_batch)
 
-    def epoch(self, epoch: int, start_batch: int = 0, *, with_index: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
+    def epoch(
+        self, epoch: int, start_batch: int = 0, *, with_index: bool = False
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
         """``(images, labels)`` (``+ index`` of each sample in the split with ``with_index``) for batches
         ``start_batch .. batches_per_epoch - 1`` of ``epoch`` on this rank.
 
@@ -291,7 +319,11 @@ class TrainStream:
         :class:`UserError` right here, before any batch: a position saved under another plan
         (see :meth:`plan_signature`) cannot be resumed mid-epoch.
         """
-        if isinstance(start_batch, bool) or not isinstance(start_batch, (int, np.integer)) or not 0 <= start_batch <= self.batches_per_epoch:
+        if (
+            isinstance(start_batch, bool)
+            or not isinstance(start_batch, (int, np.integer))
+            or not 0 <= start_batch <= self.batches_per_epoch
+        ):
             raise UserError(
                 f"start_batch {start_batch!r}: outside 0..{self.batches_per_epoch}, the batches per epoch of split "
                 f"{self.split.name!r} of {self.manifest.root} at world size {self.world_size}, batch size {self.batch_size}; "
@@ -303,7 +335,16 @@ class TrainStream:
         if start_batch == self.batches_per_epoch:
             return
         transform = EncodedTransform(self.transform) if self.decode == "device" else self.transform
-        ds = TrainBatchDataset(self.split, self.table, self.planner, transform, epoch=epoch, start=start_batch, rank=self.rank, seed=self.seed)
+        ds = TrainBatchDataset(
+            self.split,
+            self.table,
+            self.planner,
+            transform,
+            epoch=epoch,
+            start=start_batch,
+            rank=self.rank,
+            seed=self.seed,
+        )
         pin = _pin_available(self.pin_memory) and self.decode == "cpu"
         n, skipped_before = 0, self.skipped
         # the loader pins uint8 batches itself; normalized ones are written straight into pinned memory here
@@ -313,10 +354,14 @@ class TrainStream:
             n += 1
             yield (images, item["labels"], item["index"]) if with_index else (images, item["labels"])
         if n != self.batches_per_epoch - start_batch:
-            raise RuntimeError(f"rank {self.rank}: epoch {epoch} produced {n} batches, expected {self.batches_per_epoch - start_batch}")
+            raise RuntimeError(
+                f"rank {self.rank}: epoch {epoch} produced {n} batches, expected {self.batches_per_epoch - start_batch}"
+            )
         if self.skipped > skipped_before:
             new = self.skipped - skipped_before
-            log.warning("rank %d epoch %d: %d corrupt shard members skipped (%d so far)", self.rank, epoch, new, self.skipped)
+            log.warning(
+                "rank %d epoch %d: %d corrupt shard members skipped (%d so far)", self.rank, epoch, new, self.skipped
+            )
 
 
 class EvalBatches:
@@ -327,8 +372,18 @@ class EvalBatches:
     pass); ``num_samples`` is the size of the whole split (all ranks), ``len()`` the batches per pass.
     """
 
-    def __init__(self, info: SplitInfo, root: Path, ranges: list[tuple[int, int]], transform: EvalTransform, *,
-                 rank: int, loader_workers: int, pin_memory: bool, normalize: bool):
+    def __init__(
+        self,
+        info: SplitInfo,
+        root: Path,
+        ranges: list[tuple[int, int]],
+        transform: EvalTransform,
+        *,
+        rank: int,
+        loader_workers: int,
+        pin_memory: bool,
+        normalize: bool,
+    ):
         self.split, self.root, self.ranges, self.transform = info, root, ranges, transform
         self.rank, self.loader_workers, self.pin_memory, self.normalize = rank, loader_workers, pin_memory, normalize
         self.num_samples = info.num_images
@@ -349,7 +404,11 @@ class EvalBatches:
             yield _deliver(item["images"], self.normalize, pin), item["labels"], item["index"]
         if self.skipped:
             log.warning(
-                "rank %d: %d unreadable samples of split %r (%s) left out of the evaluation", self.rank, self.skipped, self.split.name, self.root
+                "rank %d: %d unreadable samples of split %r (%s) left out of the evaluation",
+                self.rank,
+                self.skipped,
+                self.split.name,
+                self.root,
             )
 
 
@@ -389,7 +448,12 @@ def eval_batches(
     info = manifest.split(split)
     ranges = eval_batch_ranges(info.num_images, world_size, rank, batch_size)
     return EvalBatches(
-        info, manifest.root, ranges, EvalTransform(resize, crop, draft=draft, grayscale=grayscale),
-        rank=rank, loader_workers=loader_workers, pin_memory=pin_memory, normalize=normalize,
+        info,
+        manifest.root,
+        ranges,
+        EvalTransform(resize, crop, draft=draft, grayscale=grayscale),
+        rank=rank,
+        loader_workers=loader_workers,
+        pin_memory=pin_memory,
+        normalize=normalize,
     )
-

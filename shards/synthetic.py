@@ -53,7 +53,23 @@ def _unit_polygon(kind: str) -> np.ndarray:
         return np.stack([r * np.cos(a), r * np.sin(a)], 1)
     if kind == "cross":
         w = 0.33
-        return np.array([[-w, -1], [w, -1], [w, -w], [1, -w], [1, w], [w, w], [w, 1], [-w, 1], [-w, w], [-1, w], [-1, -w], [-w, -w]], float)
+        return np.array(
+            [
+                [-w, -1],
+                [w, -1],
+                [w, -w],
+                [1, -w],
+                [1, w],
+                [w, w],
+                [w, 1],
+                [-w, 1],
+                [-w, w],
+                [-1, w],
+                [-1, -w],
+                [-w, -w],
+            ],
+            float,
+        )
     raise ValueError(kind)
 
 
@@ -88,7 +104,16 @@ def class_parts(seed: int, class_index: int) -> tuple[Part, ...]:
         color = _hsv_to_rgb(rng.random(), rng.uniform(0.55, 1.0), rng.uniform(0.55, 1.0))
         center = rng.uniform(-0.55, 0.55, 2) if k else rng.uniform(-0.15, 0.15, 2)
         shape = SHAPES[int(rng.integers(len(SHAPES)))]
-        parts.append(Part(shape, color, center, float(rng.uniform(0.3, 0.6)), float(rng.uniform(0.6, 1.5)), float(rng.uniform(0, 2 * np.pi))))
+        parts.append(
+            Part(
+                shape,
+                color,
+                center,
+                float(rng.uniform(0.3, 0.6)),
+                float(rng.uniform(0.6, 1.5)),
+                float(rng.uniform(0, 2 * np.pi)),
+            )
+        )
     return tuple(parts)
 
 
@@ -119,14 +144,18 @@ def render(seed: int, class_index: int, image_index: int, size: int) -> Image.Im
     a = rng.uniform(0, 2 * np.pi)
     ramp = _ramp(size)
     ca, sa = np.cos(a), np.sin(a)
-    g = (np.float32(ca) * ramp[None, :] + np.float32(sa) * ramp[:, None]) * np.float32(0.5 / (abs(ca) + abs(sa))) + np.float32(0.5)
+    g = (np.float32(ca) * ramp[None, :] + np.float32(sa) * ramp[:, None]) * np.float32(
+        0.5 / (abs(ca) + abs(sa))
+    ) + np.float32(0.5)
     img = Image.fromarray((c1 + (c2 - c1) * g[..., None]).astype(np.uint8), "RGB")  # in [0, 255] by construction
     draw = ImageDraw.Draw(img)
     width = max(1, round(size * 0.05))
     # distractors: small outlined shapes in random colours, behind the object
     for _ in range(int(rng.integers(0, 3))):
         kind = SHAPES[int(rng.integers(len(SHAPES)))]
-        pts = _transform(_POLYGONS[kind], rng.uniform(0, size, 2), size * rng.uniform(0.05, 0.12), 1.0, rng.uniform(0, 2 * np.pi))
+        pts = _transform(
+            _POLYGONS[kind], rng.uniform(0, size, 2), size * rng.uniform(0.05, 0.12), 1.0, rng.uniform(0, 2 * np.pi)
+        )
         draw.polygon([tuple(p) for p in pts], outline=tuple(int(v) for v in rng.uniform(0, 255, 3)), width=1)
     # the object, with a random similarity transform and per-part jitter
     center = size / 2 + rng.normal(0, 0.07 * size, 2)
@@ -137,7 +166,9 @@ def render(seed: int, class_index: int, image_index: int, size: int) -> Image.Im
     for part in parts:
         pc = (part.center + rng.normal(0, 0.06, 2)) @ R * scale + center
         size_jitter, angle_jitter = rng.uniform(0.9, 1.1), rng.normal(0, 0.1)
-        pts = _transform(_POLYGONS[part.shape], pc, scale * part.size * size_jitter, part.aspect, part.angle + rot + angle_jitter)
+        pts = _transform(
+            _POLYGONS[part.shape], pc, scale * part.size * size_jitter, part.aspect, part.angle + rot + angle_jitter
+        )
         color = tuple(int(v) for v in np.clip(part.color + rng.normal(0, 12, 3), 0, 255))
         xy = [tuple(p) for p in pts]
         if part.shape == "ring":
@@ -160,7 +191,9 @@ def render_jpeg(job: tuple[int, int, int, int]) -> tuple[bytes, str]:
     return out.getvalue(), "jpg"
 
 
-def synthetic_layout(classes: int, per_class: int, image_size: int, seed: int) -> tuple[Layout, dict[str, list[tuple[int, int, int, int]]]]:
+def synthetic_layout(
+    classes: int, per_class: int, image_size: int, seed: int
+) -> tuple[Layout, dict[str, list[tuple[int, int, int, int]]]]:
     """The layout (train classes ``0..C-1``, test ``C..2C-1``) and each entry's render job."""
     splits, jobs = {}, {}
     for split, first in (("train", 0), ("test", classes)):
@@ -198,7 +231,16 @@ def build_synthetic_shards(
             raise UserError(f"{name}: must be at least {low} for --layout synthetic, got {value}")
     layout, jobs = synthetic_layout(classes, per_class, image_size, seed)
     return build_shards(
-        out_dir, layout, load=render_jpeg, args=jobs, shard_size=shard_size, seed=seed, workers=workers,
-        overwrite=overwrite, progress=progress, resume=resume, storage_options=storage_options,
+        out_dir,
+        layout,
+        load=render_jpeg,
+        args=jobs,
+        shard_size=shard_size,
+        seed=seed,
+        workers=workers,
+        overwrite=overwrite,
+        progress=progress,
+        resume=resume,
+        storage_options=storage_options,
         options={"synthetic": {"classes": classes, "per_class": per_class, "image_size": image_size, "seed": seed}},
     )

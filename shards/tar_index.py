@@ -221,7 +221,13 @@ class GroupReader:
         samples: list[Sample | None] = [None] * count
         try:
             members = walk_members(
-                lambda o, n: buf[o - base : o - base + n], base, base + len(buf), start, count, self.shard_name(g), self.notes
+                lambda o, n: buf[o - base : o - base + n],
+                base,
+                base + len(buf),
+                start,
+                count,
+                self.shard_name(g),
+                self.notes,
             )
             for pos, fields in enumerate(members):
                 ext = _image_field(fields)
@@ -247,7 +253,9 @@ class GroupReader:
                 key, _, ext = m["fname"].rpartition("/")[2].partition(".")
                 members.setdefault(key, {})[ext.lower()] = m["data"]
         except Exception as e:  # truncated or garbled: keep the samples before the damage
-            self.notes.append(f"{self.shard_name(g)}: tar stops after {len(members)} of {count} samples ({type(e).__name__}: {e})")
+            self.notes.append(
+                f"{self.shard_name(g)}: tar stops after {len(members)} of {count} samples ({type(e).__name__}: {e})"
+            )
         samples: list[Sample | None] = [None] * count
         for key, fields in members.items():
             ext = _image_field(fields)
@@ -261,7 +269,13 @@ class GroupReader:
             try:
                 off, end = int(t.offset[g]), int(t.offset[g]) + int(t.length[g])
                 members = walk_members(
-                    lambda o, n: self._read(g, o, n), off, end, int(t.start[g]), int(t.count[g]), self.shard_name(g), self.notes
+                    lambda o, n: self._read(g, o, n),
+                    off,
+                    end,
+                    int(t.start[g]),
+                    int(t.count[g]),
+                    self.shard_name(g),
+                    self.notes,
                 )
             except _Unsupported:
                 members = None

@@ -62,13 +62,17 @@ def _draft_scale(img: Image.Image, bw: float, bh: float, out_w: int, out_h: int)
     return img.size[0] / W, img.size[1] / H
 
 
-def _draft(img: Image.Image, box: tuple[float, float, float, float], out_w: int, out_h: int) -> tuple[float, float, float, float]:
+def _draft(
+    img: Image.Image, box: tuple[float, float, float, float], out_w: int, out_h: int
+) -> tuple[float, float, float, float]:
     """:func:`_draft_scale` for ``box``; the box in the new scale."""
     sx, sy = _draft_scale(img, box[2] - box[0], box[3] - box[1], out_w, out_h)
     return (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
 
 
-def _rotated_crop(img: Image.Image, box: tuple[float, float, float, float], angle: float, size: int, draft: bool) -> Image.Image:
+def _rotated_crop(
+    img: Image.Image, box: tuple[float, float, float, float], angle: float, size: int, draft: bool
+) -> Image.Image:
     """The ``box`` window of ``img`` rotated by ``angle`` degrees (counter-clockwise, about the centre, black outside),
     resized to ``size × size``: one affine resample, as PIL's ``rotate`` maps output points to the source."""
     sx0, sy0 = _draft_scale(img, box[2] - box[0], box[3] - box[1], size, size) if draft else (1.0, 1.0)
@@ -201,7 +205,9 @@ def _affine(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return scale.to(device=device, dtype=torch.float32), shift.to(device=device, dtype=torch.float32)
 
 
-def normalize_batch(images: torch.Tensor, dtype: torch.dtype = torch.float32, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def normalize_batch(
+    images: torch.Tensor, dtype: torch.dtype = torch.float32, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``b × 3 × H × W`` pixel values in 0..255 (uint8 as the stream yields them, or any real dtype) ->
     ``(x / 255 - mean) / std`` with the ImageNet mean and std, float32, ``b × 3 × H × W``.
 
@@ -213,15 +219,19 @@ def normalize_batch(images: torch.Tensor, dtype: torch.dtype = torch.float32, *,
     (float32, ``b × 3 × H × W``, same device) receives the result instead of a new tensor, e.g. a pinned buffer.
     """
     if images.dim() != 4 or images.shape[1] not in (1, 3):
-        raise ValueError(f"normalize_batch: expected a b×3×H×W (or b×1×H×W grayscale) batch, got shape {tuple(images.shape)}")
+        raise ValueError(
+            f"normalize_batch: expected a b×3×H×W (or b×1×H×W grayscale) batch, got shape {tuple(images.shape)}"
+        )
     if images.is_complex() or images.dtype == torch.bool:
         raise TypeError(f"normalize_batch: pixel values must be real numbers, got {images.dtype}")
     scale, shift = _affine(images.device)
     if images.device.type == "cpu":
         # the CPU's mixed-dtype addcmul is not vectorized: convert first, then one in-place pass (about 2x faster)
         if out is None:  # empty_like keeps the memory format
-            out = torch.empty_like(images, dtype=torch.float32) if images.shape[1] == 3 else images.new_empty(
-                (images.shape[0], 3, *images.shape[2:]), dtype=torch.float32
+            out = (
+                torch.empty_like(images, dtype=torch.float32)
+                if images.shape[1] == 3
+                else images.new_empty((images.shape[0], 3, *images.shape[2:]), dtype=torch.float32)
             )
         x = out.copy_(images)  # broadcasts a grayscale channel
         torch.addcmul(shift, x, scale, out=x)

@@ -71,7 +71,13 @@ class ShardRecord:
     groups: list[list[int]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256, "groups": self.groups}
+        return {
+            "file": self.file,
+            "samples": self.samples,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+            "groups": self.groups,
+        }
 
 
 class SplitWriter:
@@ -83,7 +89,13 @@ class SplitWriter:
     progress; finished shards stay (the manifest, written last, is what makes a build valid).
     """
 
-    def __init__(self, out_dir: str | Path, prefix: str, shard_size: int, on_shard: Callable[[ShardRecord, Path], None] | None = None):
+    def __init__(
+        self,
+        out_dir: str | Path,
+        prefix: str,
+        shard_size: int,
+        on_shard: Callable[[ShardRecord, Path], None] | None = None,
+    ):
         if shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {shard_size}")
         self.out_dir = Path(out_dir)
@@ -163,7 +175,9 @@ class SplitWriter:
         index = self.num_samples
         key = f"{index:08d}"
         meta = {"label": int(label), **meta, "index": index}
-        self._tar.write({"__key__": key, ext: image, "cls": str(int(label)).encode(), "json": json.dumps(meta).encode()})
+        self._tar.write(
+            {"__key__": key, ext: image, "cls": str(int(label)).encode(), "json": json.dumps(meta).encode()}
+        )
         self._group[1] += 1
         self._current.samples += 1
         self.num_samples += 1

@@ -134,8 +134,17 @@ def make_cars(root: Path) -> Fixture:
                 n += 1
                 rel = f"car_ims/{n:06d}.jpg"
                 save(class_image(c, k, (48, 32)), root / rel)
-                rows.append((np.array([[1]], np.uint8), np.array([[2]], np.uint8), np.array([[40]], np.uint8), np.array([[30]], np.uint8),
-                             np.array([[c]], np.uint8), np.array([[k % 2]], np.uint8), np.array([rel])))
+                rows.append(
+                    (
+                        np.array([[1]], np.uint8),
+                        np.array([[2]], np.uint8),
+                        np.array([[40]], np.uint8),
+                        np.array([[30]], np.uint8),
+                        np.array([[c]], np.uint8),
+                        np.array([[k % 2]], np.uint8),
+                        np.array([rel]),
+                    )
+                )
             fx.classes[split][str(c)] = count
     annotations = np.empty((1, len(rows)), dtype=[(f, "O") for f in fields])
     for i, row in enumerate(rows):
@@ -152,7 +161,11 @@ def make_inshop(root: Path) -> Fixture:
     fx = Fixture(root, classes={"train": {}, "query": {}, "gallery": {}})
     rows = []
     key = 0
-    plan = [("train", i, 3) for i in range(1, 5)] + [(s, i, 2) for i in range(5, 9) for s in ("query", "gallery")] + [("gallery", 9, 2)]
+    plan = (
+        [("train", i, 3) for i in range(1, 5)]
+        + [(s, i, 2) for i in range(5, 9) for s in ("query", "gallery")]
+        + [("gallery", 9, 2)]
+    )
     for split, item, count in plan:
         item_id = f"id_{item:08d}"
         for k in range(count):

@@ -13,7 +13,13 @@ from torch import Tensor
 
 
 def dense_classifier_loss(
-    x: Tensor, labels: Tensor, weight: Tensor, bias: Tensor | None, kind: str, params: dict, active: Tensor | None = None
+    x: Tensor,
+    labels: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    kind: str,
+    params: dict,
+    active: Tensor | None = None,
 ) -> Tensor:
     """Mean softmax loss of the batch over all classes (or the sorted ``active`` class ids)."""
     rows = torch.arange(labels.numel())

@@ -53,7 +53,9 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

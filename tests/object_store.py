@@ -29,13 +29,17 @@ try:
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
     from werkzeug.serving import make_server
 except ImportError as e:  # an error, not a skip: CI must run these tests
-    raise ImportError(f"{e}: the remote-shard tests need the test-s3 extra, which `make test` installs into "
-                      f"{Path(sys.prefix) / 'test-s3'}") from e
+    raise ImportError(
+        f"{e}: the remote-shard tests need the test-s3 extra, which `make test` installs into "
+        f"{Path(sys.prefix) / 'test-s3'}"
+    ) from e
 
 logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
 
-SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-             b"<Message>Please reduce your request rate.</Message></Error>")
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
 
 
 class Faults:
@@ -100,7 +104,10 @@ class _FaultyApp:
     def __call__(self, environ, start_response):
         fault = self.faults.draw(environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""))
         if fault == "503":
-            start_response("503 Service Unavailable", [("Content-Type", "application/xml"), ("Content-Length", str(len(SLOW_DOWN)))])
+            start_response(
+                "503 Service Unavailable",
+                [("Content-Type", "application/xml"), ("Content-Length", str(len(SLOW_DOWN)))],
+            )
             return [SLOW_DOWN]
         if fault == "refuse":
             environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
@@ -223,8 +230,14 @@ class RangeHTTPServer:
 
 
 # credentials for moto only, and nothing read from the user's own AWS files
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-               "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_EC2_METADATA_DISABLED": "true"}
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_CONFIG_FILE": "/nonexistent",
+    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
 
 
 @contextlib.contextmanager

@@ -30,8 +30,11 @@ def _pip(*args: str) -> str:
 
 def install(target: Path) -> list[str]:
     """Replace ``target`` with the extra's packages that this interpreter's environment lacks; their names."""
-    wanted = [req for req in map(Requirement, importlib.metadata.requires("dmltrain") or [])
-              if req.marker is not None and req.marker.evaluate({"extra": EXTRA})]
+    wanted = [
+        req
+        for req in map(Requirement, importlib.metadata.requires("dmltrain") or [])
+        if req.marker is not None and req.marker.evaluate({"extra": EXTRA})
+    ]
     for req in wanted:
         req.marker = None  # as a requirement of its own, not one of the extra
     if not wanted:
@@ -43,15 +46,28 @@ def install(target: Path) -> list[str]:
         pinned = [line for line in _pip("freeze", "--exclude-editable").splitlines() if "==" in line]
         (work / "have.txt").write_text("\n".join(pinned) + "\n")
         # a dry run against the environment: what it would have to add, given that nothing it has may change
-        _pip("install", "-q", "--dry-run", "--report", str(work / "plan.json"), "-c", str(REPO / "constraints.txt"),
-             "-c", str(work / "have.txt"), *(str(req) for req in wanted))
+        _pip(
+            "install",
+            "-q",
+            "--dry-run",
+            "--report",
+            str(work / "plan.json"),
+            "-c",
+            str(REPO / "constraints.txt"),
+            "-c",
+            str(work / "have.txt"),
+            *(str(req) for req in wanted),
+        )
         plan = json.loads((work / "plan.json").read_text())["install"]
         missing = [f"{p['metadata']['name']}=={p['metadata']['version']}" for p in plan]
         have = {canonicalize_name(d.metadata["Name"]) for d in importlib.metadata.distributions()}
         inside = sorted(n for n in (canonicalize_name(req.name) for req in wanted) if n in have)
         if inside:
-            print(f"s3_stack: warning: {', '.join(inside)} installed in the environment itself (an older dev extra?), "
-                  "so in the GPU machine's bundle too; `make clean-venv setup` starts afresh", file=sys.stderr)
+            print(
+                f"s3_stack: warning: {', '.join(inside)} installed in the environment itself (an older dev extra?), "
+                "so in the GPU machine's bundle too; `make clean-venv setup` starts afresh",
+                file=sys.stderr,
+            )
         clash = sorted(m for m in missing if canonicalize_name(m.split("==")[0]) in have)
         if clash:
             sys.exit(f"s3_stack: {', '.join(clash)} would shadow the environment's own version")

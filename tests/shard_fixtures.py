@@ -37,7 +37,16 @@ def make_shards(out: Path, sizes=SIZES, shard_size: int = 10, seed: int = 3) -> 
             jobs.append((c, i))
     test = [Entry(e.path, str(1000 + int(e.class_id)), e.relpath) for e in entries[:37]]
     layout = Layout("folder", "memory", {"train": entries, "test": test})
-    build_shards(out, layout, load=render, args={"train": jobs, "test": jobs[:37]}, shard_size=shard_size, seed=seed, workers=1, progress=False)
+    build_shards(
+        out,
+        layout,
+        load=render,
+        args={"train": jobs, "test": jobs[:37]},
+        shard_size=shard_size,
+        seed=seed,
+        workers=1,
+        progress=False,
+    )
     return out
 
 
@@ -55,6 +64,14 @@ def garble_members(path: Path, group: list[int], positions: list[int]) -> None:
 
 
 def stream(shard_dir, rank=0, world_size=1, **kw) -> TrainStream:
-    args = dict(sampler="pk", batch_size=P * K, samples_per_class=K, seed=11, image_size=IMG, loader_workers=0, shuffle_images=60)
+    args = dict(
+        sampler="pk",
+        batch_size=P * K,
+        samples_per_class=K,
+        seed=11,
+        image_size=IMG,
+        loader_workers=0,
+        shuffle_images=60,
+    )
     args.update(kw)
     return TrainStream(shard_dir, rank=rank, world_size=world_size, **args)

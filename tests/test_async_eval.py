@@ -25,13 +25,31 @@ def _config(root: Path, shards: Path, **over):
     from dmltrain.config import load_config
 
     overrides = {
-        "data.shards": str(shards), "data.synthetic": "null", "data.batch_size": 32, "data.samples_per_class": 4,
-        "data.loader_workers": 0, "data.eval_batch_size": 64, "model.backbone": "small_cnn", "model.embedding_dim": 64,
-        "loss.instance": "null", "train.epochs": 2, "train.checkpoint_every": 100, "train.keep_checkpoints": 10,
-        "train.log_every": 1, "train.output_dir": str(root / "runs"), "train.run_name": "async",
-        "eval.every": 1, "eval.plots": False, "eval.mode": "async", "eval.async_cpus": 0.5, "eval.before_training": False,
-        "tracking.uri": f"sqlite:///{root / 'mlflow.db'}", "tracking.system_metrics": False,
-        "cluster.num_workers": 1, "cluster.cpus_per_worker": 0.5, "cluster.max_failures": 0,
+        "data.shards": str(shards),
+        "data.synthetic": "null",
+        "data.batch_size": 32,
+        "data.samples_per_class": 4,
+        "data.loader_workers": 0,
+        "data.eval_batch_size": 64,
+        "model.backbone": "small_cnn",
+        "model.embedding_dim": 64,
+        "loss.instance": "null",
+        "train.epochs": 2,
+        "train.checkpoint_every": 100,
+        "train.keep_checkpoints": 10,
+        "train.log_every": 1,
+        "train.output_dir": str(root / "runs"),
+        "train.run_name": "async",
+        "eval.every": 1,
+        "eval.plots": False,
+        "eval.mode": "async",
+        "eval.async_cpus": 0.5,
+        "eval.before_training": False,
+        "tracking.uri": f"sqlite:///{root / 'mlflow.db'}",
+        "tracking.system_metrics": False,
+        "cluster.num_workers": 1,
+        "cluster.cpus_per_worker": 0.5,
+        "cluster.max_failures": 0,
     }
     overrides.update(over)
     return load_config(DEMO, [f"{k}={v}" for k, v in overrides.items()])
@@ -43,7 +61,9 @@ def env(tmp_path_factory):
     from shards.synthetic import build_synthetic_shards
 
     root = tmp_path_factory.mktemp("async")
-    build_synthetic_shards(root / "shards", classes=12, per_class=6, image_size=32, seed=0, shard_size=40, progress=False)
+    build_synthetic_shards(
+        root / "shards", classes=12, per_class=6, image_size=32, seed=0, shard_size=40, progress=False
+    )
     return root, root / "shards"
 
 
@@ -140,8 +160,13 @@ def test_the_validation_task_records_logs_and_exports_the_best(env, tmp_path):
     root, shards = env
     cfg = _config(root, shards)
     run = RunHandle.open(cfg.tracking.uri, cfg.tracking.experiment, "direct", {})
-    context = {"run_name": "direct", "storage_dir": str(tmp_path / "direct"), "tracking_uri": cfg.tracking.uri,
-               "mlflow_run_id": run.run_id, "board_name": None}
+    context = {
+        "run_name": "direct",
+        "storage_dir": str(tmp_path / "direct"),
+        "tracking_uri": cfg.tracking.uri,
+        "mlflow_run_id": run.run_id,
+        "board_name": None,
+    }
     want = {}
     for step, phase, seed in ((0, "initial", 0), (3, "eval", 1), (6, "eval", 2), (9, "final", 3)):
         torch.manual_seed(seed)
@@ -149,9 +174,17 @@ def test_the_validation_task_records_logs_and_exports_the_best(env, tmp_path):
         folder = tmp_path / f"checkpoint-step{step:08d}"
         folder.mkdir()
         save_model(folder / "model.pt", model, cfg.to_dict(), extra={"step": step, "metrics": {}})
-        want[step], _ = evaluate_model(model.eval(), cfg.data.shards, cfg.data.eval_splits, cfg.eval, cfg.data, progress=False)
-        got = evaluate_checkpoint(Checkpoint.from_directory(str(folder)), config=cfg.to_dict(), run=context, step=step,
-                                  epoch=step // 3, phase=phase)
+        want[step], _ = evaluate_model(
+            model.eval(), cfg.data.shards, cfg.data.eval_splits, cfg.eval, cfg.data, progress=False
+        )
+        got = evaluate_checkpoint(
+            Checkpoint.from_directory(str(folder)),
+            config=cfg.to_dict(),
+            run=context,
+            step=step,
+            epoch=step // 3,
+            phase=phase,
+        )
         assert got == {f"eval/{k}": v for k, v in want[step].items()}
     client = MlflowClient(tracking_uri=cfg.tracking.uri)
     logged = {m.step: m.value for m in client.get_metric_history(run.run_id, "eval/map_at_r")}

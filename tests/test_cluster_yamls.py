@@ -73,7 +73,9 @@ def test_launcher_yaml_passes_rays_schema(launcher):
 
 def test_launcher_starts_the_job_api_mlflow_and_shared_storage(launcher):
     head_cmds = " ; ".join(launcher["head_start_ray_commands"])
-    assert re.search(r"ray start --head\b", head_cmds) and "mlflow server" in head_cmds and f"{SHARED}/mlflow" in head_cmds
+    assert (
+        re.search(r"ray start --head\b", head_cmds) and "mlflow server" in head_cmds and f"{SHARED}/mlflow" in head_cmds
+    )
     assert any("ray start --address=$RAY_HEAD_IP:" in c for c in launcher["worker_start_ray_commands"])
     assert launcher["file_mounts"]["/home/ray/dmltrain"] == "."
     assert any("pip install" in c and "-e '/home/ray/dmltrain[cluster]'" in c for c in launcher["setup_commands"])
@@ -95,7 +97,11 @@ def test_launcher_is_closed_to_strangers(launcher):
     assert launcher["file_mounts"]["/home/ray/.ray/auth_token"] == "~/.ray/auth_token"  # one token on every node
     (mlflow,) = [c for c in launcher["head_start_ray_commands"] if "mlflow server --" in c]
     if "0.0.0.0" in mlflow or "--host" not in mlflow:
-        assert "--app-name basic-auth" in mlflow and "MLFLOW_AUTH_ADMIN_PASSWORD=" in mlflow and "MLFLOW_FLASK_SERVER_SECRET_KEY=" in mlflow
+        assert (
+            "--app-name basic-auth" in mlflow
+            and "MLFLOW_AUTH_ADMIN_PASSWORD=" in mlflow
+            and "MLFLOW_FLASK_SERVER_SECRET_KEY=" in mlflow
+        )
     setup = " ; ".join(launcher["setup_commands"])
     assert "umask 077" in setup and "~/.mlflow/credentials" in setup  # what MLflow clients on every node read
     assert "mlflow_tracking_password" in setup and f"{SHARED}/mlflow/basic_auth.ini" in setup
@@ -109,7 +115,9 @@ def test_no_hint_to_open_the_dashboard_to_all_hosts():
 # -- KubeRay ------------------------------------------------------------------------------------------------
 def test_rayjob_has_what_kuberay_needs(rayjob, shared):
     assert rayjob["apiVersion"] == "ray.io/v1" and rayjob["kind"] == "RayJob"
-    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,45}[a-z0-9])?", rayjob["metadata"]["name"])  # a DNS label short enough for its pods
+    assert re.fullmatch(
+        r"[a-z0-9]([-a-z0-9]{0,45}[a-z0-9])?", rayjob["metadata"]["name"]
+    )  # a DNS label short enough for its pods
     spec = rayjob["spec"]
     assert spec["entrypoint"] and spec["shutdownAfterJobFinishes"] is True
     env = yaml.safe_load(spec["runtimeEnvYAML"])
@@ -121,7 +129,9 @@ def test_rayjob_has_what_kuberay_needs(rayjob, shared):
     assert rc["authOptions"] == {"mode": "token"}
     assert head["template"]["spec"]["containers"][0]["image"]
     groups = rc["workerGroupSpecs"]
-    assert groups and all(g["groupName"] and g["replicas"] >= 1 and g["template"]["spec"]["containers"][0]["image"] for g in groups)
+    assert groups and all(
+        g["groupName"] and g["replicas"] >= 1 and g["template"]["spec"]["containers"][0]["image"] for g in groups
+    )
     claim = shared["PersistentVolumeClaim"]["metadata"]["name"]
     for pod in [head["template"]["spec"], *(g["template"]["spec"] for g in groups)]:
         vols = {v["name"]: v for v in pod["volumes"]}
@@ -152,7 +162,9 @@ def test_shared_k8s_resources(shared):
 def test_rayjob_pods_log_to_mlflow_with_the_secrets_credentials(rayjob, shared):
     rc = rayjob["spec"]["rayClusterSpec"]
     pods = [rc["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in rc["workerGroupSpecs"])]
-    secret = shared["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"][1]["valueFrom"]["secretKeyRef"]["name"]
+    secret = shared["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"][1]["valueFrom"]["secretKeyRef"][
+        "name"
+    ]
     for pod in pods:
         env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in pod["containers"][0]["env"]}
         assert env["MLFLOW_TRACKING_USERNAME"] == {"name": secret, "key": "username"}

@@ -48,8 +48,10 @@ def test_recipes_carry_paper_values():
 
 
 def test_overrides_apply_with_yaml_values():
-    cfg = load_config(ROOT / "configs/demo.yaml", ["optim.lr=0.5", "loss.instance.kind=ranked_list", "eval.ks=[1,4]",
-                                                   "loss.instance.params={}"])
+    cfg = load_config(
+        ROOT / "configs/demo.yaml",
+        ["optim.lr=0.5", "loss.instance.kind=ranked_list", "eval.ks=[1,4]", "loss.instance.params={}"],
+    )
     assert cfg.optim.lr == 0.5 and cfg.loss.instance.kind == "ranked_list" and cfg.eval.ks == [1, 4]
     cfg = load_config(None, ["loss.instance.kind=ice", "loss.classifier=null"])
     assert cfg.loss.classifier is None and cfg.loss.instance.kind == "ice"
@@ -76,7 +78,10 @@ def test_overrides_apply_with_yaml_values():
         (["train.precision=fp16"], "train.precision"),  # CPU workers
         (["loss.classifier.precision=bf16"], "loss.classifier.precision"),  # fused kernels: CUDA only
         (["loss.classifier.weight_storage=bf16"], "loss.classifier.weight_storage"),
-        (["loss.instance.kind=ranked_list", "loss.instance.params.normalize=anchors"], "loss.instance.params"),  # a bad value
+        (
+            ["loss.instance.kind=ranked_list", "loss.instance.params.normalize=anchors"],
+            "loss.instance.params",
+        ),  # a bad value
         (["eval.metric=recall@3"], "eval.metric"),
         (["train.run_name=it's"], "train.run_name"),
     ],
@@ -120,14 +125,24 @@ def test_extends_files_in_merge_order_and_a_diamond(tmp_path):
     (tmp_path / "a.yaml").write_text("extends: base.yaml\noptim: {momentum: 0.9}\n")
     (tmp_path / "b.yaml").write_text("extends: base.yaml\ndata: {batch_size: 32}\n")
     (tmp_path / "c.yaml").write_text("extends: [a.yaml, b.yaml]\n")
-    assert [p.name for p, _ in config_files(tmp_path / "c.yaml")] == ["base.yaml", "a.yaml", "base.yaml", "b.yaml", "c.yaml"]
+    assert [p.name for p, _ in config_files(tmp_path / "c.yaml")] == [
+        "base.yaml",
+        "a.yaml",
+        "base.yaml",
+        "b.yaml",
+        "c.yaml",
+    ]
     assert read_tree(tmp_path / "c.yaml") == {"optim": {"lr": 0.1, "momentum": 0.5}, "data": {"batch_size": 32}}
 
 
 def test_dotted_setter_replaces_or_merges_and_never_overwrites_a_value():
     from dmltrain.config_tree import set_dotted
 
-    tree = {"loss": {"classifier": {"params": {"temperature": 0.05, "margin": 0.1}}}, "optim": {"lr": 0.1}, "data": None}
+    tree = {
+        "loss": {"classifier": {"params": {"temperature": 0.05, "margin": 0.1}}},
+        "optim": {"lr": 0.1},
+        "data": None,
+    }
     set_dotted(tree, "loss.classifier.params", {"temperature": 0.07})  # an override replaces the section
     assert tree["loss"]["classifier"]["params"] == {"temperature": 0.07}
     set_dotted(tree, "loss.classifier.params", {"margin": 0.2}, merge=True)  # a Tune choice merges into it

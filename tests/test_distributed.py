@@ -89,7 +89,11 @@ def test_class_draw_is_uniform_over_the_other_classes():
     others[batch] = False
     expected = (target_total(C, 5, ratio) - 5) / (C - 5)
     # binomial sd ≈ sqrt(p(1-p)/steps) ≈ 0.0047; allow 5 sd per class
-    assert (counts[others] / steps - expected).abs().max() < 0.024, (counts[others].min(), counts[others].max(), expected)
+    assert (counts[others] / steps - expected).abs().max() < 0.024, (
+        counts[others].min(),
+        counts[others].max(),
+        expected,
+    )
 
 
 # -- row-sparse optimizers -----------------------------------------------------------------------------
@@ -101,12 +105,18 @@ def _grads(shape, steps, seed=0):
 @pytest.mark.parametrize(
     "ours,theirs",
     [
-        (lambda p: RowSparseSGD([p], lr=0.1, momentum=0.9, weight_decay=1e-2), lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=1e-2)),
+        (
+            lambda p: RowSparseSGD([p], lr=0.1, momentum=0.9, weight_decay=1e-2),
+            lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=1e-2),
+        ),
         (
             lambda p: RowSparseSGD([p], lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2),
             lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2),
         ),
-        (lambda p: RowSparseSGD([p], lr=0.1, weight_decay=1e-2), lambda p: torch.optim.SGD([p], lr=0.1, weight_decay=1e-2)),
+        (
+            lambda p: RowSparseSGD([p], lr=0.1, weight_decay=1e-2),
+            lambda p: torch.optim.SGD([p], lr=0.1, weight_decay=1e-2),
+        ),
         (
             lambda p: RowSparseAdamW([p], lr=0.01, betas=(0.8, 0.99), weight_decay=0.1),
             lambda p: torch.optim.AdamW([p], lr=0.01, betas=(0.8, 0.99), weight_decay=0.1),
@@ -227,7 +237,9 @@ def test_gradient_accumulates_without_zero_grad():
         r2 = clf.active_rows
         w = clf.weight.detach().double().requires_grad_(True)
         ref = dense_classifier_loss(x1.double(), y1, w, None, "normsoftmax", clf.params, None if ratio == 1 else r1)
-        ref = ref + dense_classifier_loss(x2.double(), y2, w, None, "normsoftmax", clf.params, None if ratio == 1 else r2)
+        ref = ref + dense_classifier_loss(
+            x2.double(), y2, w, None, "normsoftmax", clf.params, None if ratio == 1 else r2
+        )
         ref.backward()
         assert rel_err(clf.weight.grad, w.grad) < 1e-5
         expected_rows = None if ratio == 1 else torch.unique(torch.cat([r1, r2]))
@@ -377,7 +389,11 @@ def test_argument_errors_name_the_culprit():
 def test_float64_classifier_computes_in_float64(kind, ratio):
     """``.double()`` is honoured: loss, embeddings' and rows' gradients in float64, to float64 accuracy."""
     C, D = 40, 8
-    clf = ShardedClassifier(C, D, kind, sample_ratio=ratio, scale=16.0, margin=0.5) if kind == "arcface" else ShardedClassifier(C, D, kind, sample_ratio=ratio)
+    clf = (
+        ShardedClassifier(C, D, kind, sample_ratio=ratio, scale=16.0, margin=0.5)
+        if kind == "arcface"
+        else ShardedClassifier(C, D, kind, sample_ratio=ratio)
+    )
     clf = clf.double()
     g = torch.Generator().manual_seed(8)
     with torch.no_grad():
@@ -455,7 +471,10 @@ def test_checkpoint_round_trip_and_gaps():
     halves = []
     for s, e in [(0, 17), (17, 40)]:
         piece = dict(state, class_start=s, class_end=e, weight=state["weight"][s:e], bias=state["bias"][s:e])
-        piece["optimizer"] = dict(state["optimizer"], rows={n: {k: v[s:e] for k, v in r.items()} for n, r in state["optimizer"]["rows"].items()})
+        piece["optimizer"] = dict(
+            state["optimizer"],
+            rows={n: {k: v[s:e] for k, v in r.items()} for n, r in state["optimizer"]["rows"].items()},
+        )
         halves.append(piece)
     load_state(other, halves, other_opt)
     assert torch.equal(other.full_weight(), clf.full_weight()) and torch.equal(other.full_bias(), clf.full_bias())

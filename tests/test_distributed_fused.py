@@ -185,7 +185,10 @@ def _kernel_checks(device):
         prec = sk.kernel_precision(precision)
         inv = sk.row_inv_norms(wd, rd, 1e-12) if normalized else None
         if normalized:
-            out[f"case {i} inverse norms"] = ("exact", rel_err(inv.cpu(), 1 / (w if rows is None else w[rows]).double().norm(dim=1)))
+            out[f"case {i} inverse norms"] = (
+                "exact",
+                rel_err(inv.cpu(), 1 / (w if rows is None else w[rows]).double().norm(dim=1)),
+            )
         lse_p, max_p, sum_p = sk.lse_partials(xo, wd, rd, inv, bd, td, scale, prec, True, 3)
         out[f"case {i} lse"] = (precision, rel_err(torch.logsumexp(lse_p, 0).cpu(), ref["lse"]))
         out[f"case {i} max"] = (precision, rel_err(max_p.amax(0).cpu(), ref["max"]))
@@ -211,7 +214,9 @@ def _bf16_storage_case(rank, W, device):
     from dmltrain.distributed import ShardedClassifier, make_classifier_optimizer
 
     backend = "auto" if device == "cuda" else "triton"
-    clf = ShardedClassifier(C, D, "cosface", sample_ratio=0.5, weight_storage="bf16", precision="bf16", backend=backend).to(device)
+    clf = ShardedClassifier(
+        C, D, "cosface", sample_ratio=0.5, weight_storage="bf16", precision="bf16", backend=backend
+    ).to(device)
     opt = make_classifier_optimizer(clf, "sgd", lr=0.5, momentum=0.9)
     before = clf.weight.detach().clone()
     x, y = _global_batch()
@@ -222,7 +227,11 @@ def _bf16_storage_case(rank, W, device):
     moved = (clf.weight.detach() != before).any(1)
     inactive = torch.ones(clf.num_local, dtype=torch.bool, device=device)
     inactive[rows] = False
-    return {"dtypes": ok, "active rows moved": bool(moved[rows].any()), "inactive rows kept": not bool(moved[inactive].any())}
+    return {
+        "dtypes": ok,
+        "active rows moved": bool(moved[rows].any()),
+        "inactive rows kept": not bool(moved[inactive].any()),
+    }
 
 
 def _fused_world(rank, W, device):

@@ -80,7 +80,8 @@ def _classifier_case(rank, W, kind, params, budget, ratio=1.0, step=0):
         "x_grad": all_gather_uneven(x.grad)[0],
         "active": active,
         "local_active": clf.active_rows.clone(),
-        "local_positives": torch.unique(y_full[(y_full >= clf.class_start) & (y_full < clf.class_end)]) - clf.class_start,
+        "local_positives": torch.unique(y_full[(y_full >= clf.class_start) & (y_full < clf.class_end)])
+        - clf.class_start,
         "num_local": clf.num_local,
     }
     if kind == "softmax_ce":
@@ -124,7 +125,13 @@ def _few_classes_case(rank, W):
     xr, wr = x_full.double().requires_grad_(True), w_full.double().requires_grad_(True)
     ref = dense_classifier_loss(xr, y_full, wr, None, "cosface", clf.params)
     ref.backward()
-    return {"err": {"loss": rel_err(float(loss.detach()), float(ref.detach())), "weight grad": rel_err(w_grad, wr.grad), "embedding grad": rel_err(x_grad, xr.grad)}}
+    return {
+        "err": {
+            "loss": rel_err(float(loss.detach()), float(ref.detach())),
+            "weight grad": rel_err(w_grad, wr.grad),
+            "embedding grad": rel_err(x_grad, xr.grad),
+        }
+    }
 
 
 def _singleton_batch(seed: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +148,11 @@ def _instance_checks(rank, W):
 
     # every loss on P×K-like pairs; the normalised ones also on single-image classes, in both normalisations
     cases = [(name, {}, _global_batch(seed=3)) for name in INSTANCE_LOSSES]
-    cases += [(name, {"normalize": n}, _singleton_batch()) for name in ("ice", "ranked_list", "multi_similarity") for n in ("batch", "valid_anchors")]
+    cases += [
+        (name, {"normalize": n}, _singleton_batch())
+        for name in ("ice", "ranked_list", "multi_similarity")
+        for n in ("batch", "valid_anchors")
+    ]
     report = {}
     for name, params, (x_full, y_full) in cases:
         assert name in loss_names(), f"{name} is not registered: its distributed check would be lost"
@@ -166,7 +177,11 @@ def _instance_checks(rank, W):
             stat_err = max((rel_err(stats[k], v) for k, v in ref_stats.stats.items()), default=0.0)
             report[f"{tag}/{mode}"] = {
                 "loss": float(value.detach()),
-                "err": {"loss": rel_err(float(value.detach()), float(ref.detach())), "embedding grad": rel_err(x_grad, xr.grad), "stats": stat_err},
+                "err": {
+                    "loss": rel_err(float(value.detach()), float(ref.detach())),
+                    "embedding grad": rel_err(x_grad, xr.grad),
+                    "stats": stat_err,
+                },
                 "missing_stats": sorted(set(ref_stats.stats) - set(stats)),
             }
     return report
@@ -178,7 +193,11 @@ def _sampling_checks(rank, W):
     from dmltrain.distributed.class_sampling import draw_active_rows, target_total
 
     report = {}
-    for kind, params in [("normsoftmax", {"temperature": 0.1}), ("arcface", {"scale": 16.0, "margin": 0.5}), ("softmax_ce", {"smoothing": 0.1})]:
+    for kind, params in [
+        ("normsoftmax", {"temperature": 0.1}),
+        ("arcface", {"scale": 16.0, "margin": 0.5}),
+        ("softmax_ce", {"smoothing": 0.1}),
+    ]:
         for budget in (64.0, 1e-4):
             out, clf = _classifier_case(rank, W, kind, params, budget, ratio=0.5, step=11)
             local_active = out["local_active"]
@@ -190,7 +209,8 @@ def _sampling_checks(rank, W):
             entry = {
                 "loss": out["loss"],
                 "positives_drawn": bool(torch.isin(out["local_positives"], local_active).all()),
-                "count_ok": local_active.numel() == want and out["active"].numel() == target_total(C, batch_classes.numel(), 0.5),
+                "count_ok": local_active.numel() == want
+                and out["active"].numel() == target_total(C, batch_classes.numel(), 0.5),
                 "inactive_grad_zero": bool((clf.weight.grad[inactive] == 0).all()),
             }
             # the same step draws the same rows again
@@ -212,8 +232,12 @@ def _sampling_checks(rank, W):
         inactive[active] = False
         report[f"optimizer/{name}"] = {
             "undrawn_weight_unchanged": torch.equal(clf.weight.detach()[inactive], before_w[inactive]),
-            "undrawn_state_unchanged": all(torch.equal(v[inactive], before_s[k][inactive]) for k, v in opt.state[clf.weight].items()),
-            "drawn_changed": bool((clf.weight.detach()[active] != before_w[active]).any(dim=1).all()) if active.numel() else True,
+            "undrawn_state_unchanged": all(
+                torch.equal(v[inactive], before_s[k][inactive]) for k, v in opt.state[clf.weight].items()
+            ),
+            "drawn_changed": bool((clf.weight.detach()[active] != before_w[active]).any(dim=1).all())
+            if active.numel()
+            else True,
         }
     return report
 

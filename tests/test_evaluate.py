@@ -199,7 +199,9 @@ def test_query_gallery_matches_reference(name, binary):
     if not binary:
         assert near_tie_free(q, ql, g, gl, S=S)
     want, n, excluded = ref_metrics(q, ql, g, gl, KS, binary, S)
-    got = retrieval_metrics(torch.from_numpy(q), torch.from_numpy(ql), g, gl, ks=KS, nmi=False, binary=binary, block_bytes=4096)
+    got = retrieval_metrics(
+        torch.from_numpy(q), torch.from_numpy(ql), g, gl, ks=KS, nmi=False, binary=binary, block_bytes=4096
+    )
     assert_same(got, want)
     assert got["excluded_queries"] == excluded > 0 and got["num_queries"] == n
     # binary=True also reports the float metrics, identical to a float-only call
@@ -423,7 +425,15 @@ def test_accepts_tensors_and_low_precision():
     want = retrieval_metrics(x, y, ks=[1, 5], nmi=False)
     got = retrieval_metrics(torch.from_numpy(x).double(), torch.from_numpy(y), ks=[5, 1, 1], nmi=False)
     assert got == want
-    assert set(want) == {"recall@1", "recall@5", "map@r", "r_precision", "num_queries", "excluded_queries", "gallery_size"}
+    assert set(want) == {
+        "recall@1",
+        "recall@5",
+        "map@r",
+        "r_precision",
+        "num_queries",
+        "excluded_queries",
+        "gallery_size",
+    }
 
 
 def test_knn_and_retrieval_import_at_module_top_without_a_circle():

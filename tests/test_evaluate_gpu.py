@@ -111,14 +111,20 @@ def _interpreted_kernels(rank, world):
     pairs = [(r, c) for r in range(7) for c in sorted(rng.choice(150, 40 if r == 6 else 1 + 3 * r, replace=False))]
     rows, cols = map(np.array, zip(*pairs))
     for dtype, larger in ((torch.float32, True), (torch.int32, True), (torch.int32, False), (torch.int16, False)):
-        block = torch.from_numpy(S) if dtype == torch.float32 else torch.from_numpy(np.nan_to_num(S * 4, neginf=-9)).to(dtype)
+        block = (
+            torch.from_numpy(S)
+            if dtype == torch.float32
+            else torch.from_numpy(np.nan_to_num(S * 4, neginf=-9)).to(dtype)
+        )
         got = ranks_mod.pair_ranks(block, rows, cols, larger, engine="triton")
         report["ranks"].append(bool(np.array_equal(got, _ref_ranks(block.double().numpy(), rows, cols, larger))))
     for nbytes in (4, 36, 260):
         q = rng.integers(0, 256, (19, nbytes), dtype=np.uint8)
         g = rng.integers(0, 256, (35, nbytes), dtype=np.uint8)
         words = [torch.from_numpy(a.view(np.int32).T.copy()) for a in (q, g)]
-        report["hamming"].append(bool(np.array_equal(gpu_kernels.hamming_block(*words).numpy(), hamming_distances(q, g))))
+        report["hamming"].append(
+            bool(np.array_equal(gpu_kernels.hamming_block(*words).numpy(), hamming_distances(q, g)))
+        )
     # whole metrics: every block's ranks from the kernel, binary scores from the popcount kernel
     ranks_mod.engine_for = lambda block, engine=None: engine or "triton"
     os.environ["DMLTRAIN_HAMMING"] = "popcount"
@@ -223,7 +229,9 @@ def test_embedding_in_channels_last():
     plain, labels, index = embed_batches(model, batches, progress=False)
     assert model.seen_channels_last == [False] * 3
     model.seen_channels_last.clear()
-    cl, labels2, index2 = embed_batches(model.to(memory_format=torch.channels_last), batches, channels_last=True, progress=False)
+    cl, labels2, index2 = embed_batches(
+        model.to(memory_format=torch.channels_last), batches, channels_last=True, progress=False
+    )
     assert model.seen_channels_last == [True] * 3
     assert np.allclose(plain, cl, atol=1e-6) and np.array_equal(labels, labels2) and np.array_equal(index, index2)
 
@@ -239,15 +247,40 @@ def test_kernels_compile_for_an_h100(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     target = GPUTarget("cuda", 90, 32)
-    ranks_sig = {"S": "*fp32", "stride_row": "i32", "n_cols": "i32", "group_rows": "*i32", "group_starts": "*i32",
-                 "cols": "*i32", "out": "*i64", "LARGER": "constexpr", "RB": "constexpr", "BN": "constexpr"}
+    ranks_sig = {
+        "S": "*fp32",
+        "stride_row": "i32",
+        "n_cols": "i32",
+        "group_rows": "*i32",
+        "group_starts": "*i32",
+        "cols": "*i32",
+        "out": "*i64",
+        "LARGER": "constexpr",
+        "RB": "constexpr",
+        "BN": "constexpr",
+    }
     try:
         for dtype, larger, rb in (("fp32", True, 2), ("i32", True, 32), ("i16", False, 16)):
-            src = ASTSource(gpu_kernels._pair_ranks_kernel, {**ranks_sig, "S": f"*{dtype}"},
-                            constexprs={"LARGER": larger, "RB": rb, "BN": gpu_kernels._RANK_TILE // rb})
+            src = ASTSource(
+                gpu_kernels._pair_ranks_kernel,
+                {**ranks_sig, "S": f"*{dtype}"},
+                constexprs={"LARGER": larger, "RB": rb, "BN": gpu_kernels._RANK_TILE // rb},
+            )
             assert "ld.global" in triton.compile(src, target=target).asm["ptx"]
-        hamming_sig = {"Q": "*i32", "G": "*i32", "out": "*i32", "nq": "i32", "ng": "i32", "n_words": "i32", "stride_qw": "i32",
-                       "stride_gw": "i32", "stride_o": "i32", "BM": "constexpr", "BN": "constexpr", "HW": "constexpr"}
+        hamming_sig = {
+            "Q": "*i32",
+            "G": "*i32",
+            "out": "*i32",
+            "nq": "i32",
+            "ng": "i32",
+            "n_words": "i32",
+            "stride_qw": "i32",
+            "stride_gw": "i32",
+            "stride_o": "i32",
+            "BM": "constexpr",
+            "BN": "constexpr",
+            "HW": "constexpr",
+        }
         src = ASTSource(gpu_kernels._hamming_kernel, hamming_sig, constexprs={"BM": 64, "BN": 64, "HW": True})
         ptx = triton.compile(src, target=target).asm["ptx"]
     except RuntimeError as e:  # a Triton without the NVIDIA backend's tools

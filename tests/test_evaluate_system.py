@@ -40,7 +40,17 @@ def setup(tmp_path_factory):
     torch.manual_seed(0)
     cfg = ModelConfig(backbone="small_cnn", embedding_dim=64, pretrained="none")
     model = build_model(cfg)
-    run_config = {"model": cfg.model_dump(mode="json"), "data": {"shards": str(root / "shards"), "eval_resize": 32, "eval_crop": 32, "eval_batch_size": 7, "loader_workers": 0}, "eval": {"ks": [1, 2, 4]}}
+    run_config = {
+        "model": cfg.model_dump(mode="json"),
+        "data": {
+            "shards": str(root / "shards"),
+            "eval_resize": 32,
+            "eval_crop": 32,
+            "eval_batch_size": 7,
+            "loader_workers": 0,
+        },
+        "eval": {"ks": [1, 2, 4]},
+    }
     save_model(root / "model.pt", model, run_config)
     model.train()
     metrics, embeddings = evaluate_model(model, str(root / "shards"), ["test"], EVAL, DATA)
@@ -54,7 +64,9 @@ def _worker(rank, world, model_path, shard_dir):
 
     out = {}
     if rank == 0:  # rank 1 holds nothing at all (no batches: a 0 × 0 array)
-        out["empty_rank"] = gather_to_rank0(np.arange(10, dtype=np.float32).reshape(5, 2), [1, 2, 3, 4, 5], [8, 6, 4, 2, 0])
+        out["empty_rank"] = gather_to_rank0(
+            np.arange(10, dtype=np.float32).reshape(5, 2), [1, 2, 3, 4, 5], [8, 6, 4, 2, 0]
+        )
     else:
         out["empty_rank"] = gather_to_rank0(np.zeros((0, 0), np.float32), np.zeros(0), np.zeros(0))
     idx = np.array([0, 3, 5]) if rank == 0 else np.array([1, 2, 4, 6, 7, 8, 3])  # uneven, interleaved, 3 twice
@@ -98,7 +110,11 @@ def test_embed_batches_contract(setup):
     _, _, _, embeddings = setup
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3), torch.nn.Dropout(0.9))
     model.train()
-    batches = [(torch.ones(2, 2, 2), torch.tensor([1, 2]), torch.tensor([5, 6])), (torch.zeros(0, 2, 2), [], []), (torch.ones(1, 2, 2), [3], [7])]
+    batches = [
+        (torch.ones(2, 2, 2), torch.tensor([1, 2]), torch.tensor([5, 6])),
+        (torch.zeros(0, 2, 2), [], []),
+        (torch.ones(1, 2, 2), [3], [7]),
+    ]
     emb, lab, idx = embed_batches(model, batches, progress=False)
     assert emb.dtype == np.float32 and emb.shape == (3, 3) and lab.tolist() == [1, 2, 3] and idx.tolist() == [5, 6, 7]
     np.testing.assert_array_equal(emb[0], emb[2])  # eval mode: dropout off
@@ -132,7 +148,24 @@ def test_cli_with_saved_embeddings(tmp_path, capsys):
     save_embeddings(tmp_path / "emb", "query", x[:20], y[:20])
     save_embeddings(tmp_path / "emb", "gallery", x[20:], y[20:])
     save_embeddings(tmp_path / "emb", "test", x, y)
-    assert main(["eval", "-", "--embeddings", str(tmp_path / "emb"), "--split", "query,gallery", "--ks", "1,5", "--binary", "--out", str(tmp_path / "m.json")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "-",
+                "--embeddings",
+                str(tmp_path / "emb"),
+                "--split",
+                "query,gallery",
+                "--ks",
+                "1,5",
+                "--binary",
+                "--out",
+                str(tmp_path / "m.json"),
+            ]
+        )
+        == 0
+    )
     record = json.loads((tmp_path / "m.json").read_text())
     assert record["metrics"] == retrieval_metrics(x[:20], y[:20], x[20:], y[20:], ks=[1, 5], binary=True)
     assert record["splits"] == ["query", "gallery"] and record["ks"] == [1, 5]
@@ -169,7 +202,19 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, argv, message):
 def test_cli_end_to_end_with_checkpoint(setup, tmp_path, capsys):
     shard_dir, model_path, _, embeddings = setup
     # ks, shards, batch size and crop come from the checkpoint's run config
-    rc = main(["eval", str(model_path), "--binary", "--device", "cpu", "--save-embeddings", str(tmp_path / "emb"), "--out", str(tmp_path / "m.json")])
+    rc = main(
+        [
+            "eval",
+            str(model_path),
+            "--binary",
+            "--device",
+            "cpu",
+            "--save-embeddings",
+            str(tmp_path / "emb"),
+            "--out",
+            str(tmp_path / "m.json"),
+        ]
+    )
     assert rc == 0
     record = json.loads((tmp_path / "m.json").read_text())
     emb, lab = load_embeddings(tmp_path / "emb", "test")
@@ -195,7 +240,17 @@ def _shards_with(tmp_path, damage):
 def test_cli_refuses_missing_shards_unless_allowed(setup, tmp_path, capsys):
     _, model_path, _, _ = setup
     shards = _shards_with(tmp_path, lambda out, sh: (out / sh[0]["file"]).unlink())
-    argv = ["eval", str(model_path), "--shards", str(shards), "--device", "cpu", "--no-nmi", "--out", str(tmp_path / "m.json")]
+    argv = [
+        "eval",
+        str(model_path),
+        "--shards",
+        str(shards),
+        "--device",
+        "cpu",
+        "--no-nmi",
+        "--out",
+        str(tmp_path / "m.json"),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "shard missing" in err and "--allow-missing" in err, err
@@ -203,8 +258,13 @@ def test_cli_refuses_missing_shards_unless_allowed(setup, tmp_path, capsys):
 
     assert main([*argv, "--allow-missing"]) == 0
     record = json.loads((tmp_path / "m.json").read_text())
-    assert record["eval/unreadable_samples"] > 0 and record["unreadable_by_split"] == {"test": record["eval/unreadable_samples"]}
-    assert record["metrics"]["num_queries"] + record["metrics"]["excluded_queries"] + record["eval/unreadable_samples"] == 24
+    assert record["eval/unreadable_samples"] > 0 and record["unreadable_by_split"] == {
+        "test": record["eval/unreadable_samples"]
+    }
+    assert (
+        record["metrics"]["num_queries"] + record["metrics"]["excluded_queries"] + record["eval/unreadable_samples"]
+        == 24
+    )
     assert "warning" in capsys.readouterr().err
 
 
@@ -216,10 +276,24 @@ def test_cli_exits_nonzero_on_unreadable_samples(setup, tmp_path, capsys):
         path.write_bytes(path.read_bytes()[: shards[-1]["groups"][-1][2] + 100])
 
     shards = _shards_with(tmp_path, truncate)
-    argv = ["eval", str(model_path), "--shards", str(shards), "--device", "cpu", "--no-nmi", "--out", str(tmp_path / "m.json")]
+    argv = [
+        "eval",
+        str(model_path),
+        "--shards",
+        str(shards),
+        "--device",
+        "cpu",
+        "--no-nmi",
+        "--out",
+        str(tmp_path / "m.json"),
+    ]
     assert main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"dmltrain: error: {shards}: ") and "could not be read" in err[-1] and "--allow-missing" in err[-1]
+    assert (
+        err[-1].startswith(f"dmltrain: error: {shards}: ")
+        and "could not be read" in err[-1]
+        and "--allow-missing" in err[-1]
+    )
     record = json.loads((tmp_path / "m.json").read_text())  # written, with the count, before the failure
     assert record["eval/unreadable_samples"] > 0
     assert main([*argv, "--allow-missing"]) == 0
@@ -239,8 +313,17 @@ def _png_size(path):
 
 
 def test_plots_write_valid_pngs(tmp_path):
-    curves = {"run-a": {"recall@1": 0.5, "recall@10": 0.8, "recall@100": 0.95, "map@r": 0.3, "binary/recall@1": 0.45, "binary/recall@10": 0.7},
-              "run-b": {1: 0.6, 10: 0.85}}
+    curves = {
+        "run-a": {
+            "recall@1": 0.5,
+            "recall@10": 0.8,
+            "recall@100": 0.95,
+            "map@r": 0.3,
+            "binary/recall@1": 0.45,
+            "binary/recall@10": 0.7,
+        },
+        "run-b": {1: 0.6, 10: 0.85},
+    }
     w, h = _png_size(plot_recall_at_k(curves, tmp_path / "r.png"))
     assert w > 300 and h > 200
     with pytest.raises(ValueError, match="no recall@K values"):

@@ -36,7 +36,9 @@ def read_only_dir(tmp_path):
     if os.geteuid() == 0:
         made = subprocess.run(["chattr", "+i", str(d)], capture_output=True)
         if made.returncode:
-            pytest.skip(f"running as root and chattr +i failed ({made.stderr.decode().strip()}): cannot make a read-only folder")
+            pytest.skip(
+                f"running as root and chattr +i failed ({made.stderr.decode().strip()}): cannot make a read-only folder"
+            )
         yield d
         subprocess.run(["chattr", "-i", str(d)], check=True)
     else:
@@ -46,9 +48,19 @@ def read_only_dir(tmp_path):
 
 
 def _train_args(tmp_path: Path, shards: Path, *extra: str) -> list[str]:
-    return ["train", str(REPO / "configs/demo.yaml"), "--no-progress", f"data.shards={shards}", "data.synthetic=null",
-            "data.batch_size=32", "data.samples_per_class=4", "model.backbone=small_cnn", f"train.output_dir={tmp_path / 'runs'}",
-            f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", *extra]
+    return [
+        "train",
+        str(REPO / "configs/demo.yaml"),
+        "--no-progress",
+        f"data.shards={shards}",
+        "data.synthetic=null",
+        "data.batch_size=32",
+        "data.samples_per_class=4",
+        "model.backbone=small_cnn",
+        f"train.output_dir={tmp_path / 'runs'}",
+        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        *extra,
+    ]
 
 
 def _one_line_error(capsys, argv: list[str], code: int = 2) -> str:
@@ -98,15 +110,38 @@ def test_bad_pretrained_weights_are_refused_on_the_driver(tmp_path, shards, caps
 def test_read_only_output_folders_are_refused_before_the_work(tmp_path, shards, read_only_dir, capsys):
     err = _one_line_error(capsys, _train_args(tmp_path, shards, f"train.output_dir={read_only_dir / 'runs'}"))
     assert f"train.output_dir: cannot write to {read_only_dir}" in err
-    err = _one_line_error(capsys, ["shards", "build", "--layout", "synthetic", "--classes", "4", "--per-class", "2", "--quiet",
-                                   "--out", str(read_only_dir / "s")])
+    err = _one_line_error(
+        capsys,
+        [
+            "shards",
+            "build",
+            "--layout",
+            "synthetic",
+            "--classes",
+            "4",
+            "--per-class",
+            "2",
+            "--quiet",
+            "--out",
+            str(read_only_dir / "s"),
+        ],
+    )
     assert f"--out: cannot write to {read_only_dir}" in err
     from dmltrain.evaluate.store import save_embeddings
 
     emb = tmp_path / "emb"
     g = torch.Generator().manual_seed(0)
-    save_embeddings(emb, "test", torch.nn.functional.normalize(torch.randn(12, 8, generator=g), dim=1).numpy(), (torch.arange(12) % 4).numpy())
-    for option, target in (("--out", read_only_dir / "m.json"), ("--save-embeddings", read_only_dir / "again"), ("--plots", read_only_dir)):
+    save_embeddings(
+        emb,
+        "test",
+        torch.nn.functional.normalize(torch.randn(12, 8, generator=g), dim=1).numpy(),
+        (torch.arange(12) % 4).numpy(),
+    )
+    for option, target in (
+        ("--out", read_only_dir / "m.json"),
+        ("--save-embeddings", read_only_dir / "again"),
+        ("--plots", read_only_dir),
+    ):
         err = _one_line_error(capsys, ["eval", "-", "--embeddings", str(emb), "--no-nmi", option, str(target)])
         assert f"{option}: cannot write to {read_only_dir}" in err, err
     assert list(read_only_dir.iterdir()) == []
@@ -115,8 +150,22 @@ def test_read_only_output_folders_are_refused_before_the_work(tmp_path, shards, 
 def test_a_full_file_system_is_refused(tmp_path, monkeypatch, capsys):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr("dmltrain.fileio.shutil.disk_usage", lambda path: usage(10 * 2**30, 10 * 2**30 - 2**20, 2**20))
-    err = _one_line_error(capsys, ["shards", "build", "--layout", "synthetic", "--classes", "4", "--per-class", "2", "--quiet",
-                                   "--out", str(tmp_path / "s")])
+    err = _one_line_error(
+        capsys,
+        [
+            "shards",
+            "build",
+            "--layout",
+            "synthetic",
+            "--classes",
+            "4",
+            "--per-class",
+            "2",
+            "--quiet",
+            "--out",
+            str(tmp_path / "s"),
+        ],
+    )
     assert f"--out: {tmp_path} is full (1 MB free" in err
     assert not (tmp_path / "s").exists()
 
@@ -134,7 +183,12 @@ def test_overrides_may_follow_options_and_a_bare_resume():
     from dmltrain.cli import parse
 
     args = parse(["train", "cfg.yaml", "a.b=1", "--no-progress", "c.d=2", "--resume", "e.f=3"])
-    assert (args.config, args.overrides, args.resume, args.no_progress) == ("cfg.yaml", ["a.b=1", "c.d=2"], "e.f=3", True)
+    assert (args.config, args.overrides, args.resume, args.no_progress) == (
+        "cfg.yaml",
+        ["a.b=1", "c.d=2"],
+        "e.f=3",
+        True,
+    )
     args = parse(["train", "cfg.yaml", "--resume", "my-run", "x.y=4"])
     assert (args.resume, args.overrides) == ("my-run", ["x.y=4"])
     with pytest.raises(SystemExit):
@@ -156,7 +210,9 @@ def test_the_summary_lists_only_models_that_were_written(tmp_path):
 def _record(tmp_path: Path, name: str, **over):
     from cluster.run_records import RunRecord
 
-    record = RunRecord.for_this_driver(name, over.pop("config", "/cfg/a.yaml"), over.pop("run_id", None), over.pop("uri", "sqlite:///x.db"))
+    record = RunRecord.for_this_driver(
+        name, over.pop("config", "/cfg/a.yaml"), over.pop("run_id", None), over.pop("uri", "sqlite:///x.db")
+    )
     for k, v in over.items():
         setattr(record, k, v)
     run_dir = tmp_path / name
@@ -175,7 +231,9 @@ def test_run_records_tell_a_dead_driver_from_a_live_one(tmp_path):
         started = psutil.Process(sleeper.pid).create_time()
         run_dir, _ = _record(tmp_path, "live", pid=sleeper.pid, pid_started=started)
         assert RunRecord.read(run_dir).driver_alive(run_dir)
-        _, reused = _record(tmp_path, "reused", pid=sleeper.pid, pid_started=started - 100)  # the pid, reused by another process
+        _, reused = _record(
+            tmp_path, "reused", pid=sleeper.pid, pid_started=started - 100
+        )  # the pid, reused by another process
         assert not reused.driver_alive(tmp_path / "reused")
     finally:
         sleeper.kill()
@@ -187,7 +245,9 @@ def test_run_records_tell_a_dead_driver_from_a_live_one(tmp_path):
     os.utime(far_dir / "driver.json", (old, old))
     assert not far.driver_alive(far_dir)
     _, mine = _record(tmp_path, "mine")
-    assert not mine.driver_alive(tmp_path / "mine")  # this process trains one run at a time: its earlier record has ended
+    assert not mine.driver_alive(
+        tmp_path / "mine"
+    )  # this process trains one run at a time: its earlier record has ended
 
 
 def test_a_crashed_run_is_marked_failed_and_a_live_one_left_alone(tmp_path, capsys):
@@ -205,7 +265,14 @@ def test_a_crashed_run_is_marked_failed_and_a_live_one_left_alone(tmp_path, caps
         import psutil
 
         _record(tmp_path, "crashed", pid=2**22 + 7, host=os.uname().nodename, run_id=crashed, uri=uri)  # no such pid
-        _record(tmp_path, "live", pid=sleeper.pid, pid_started=psutil.Process(sleeper.pid).create_time(), run_id=live, uri=uri)
+        _record(
+            tmp_path,
+            "live",
+            pid=sleeper.pid,
+            pid_started=psutil.Process(sleeper.pid).create_time(),
+            run_id=live,
+            uri=uri,
+        )
         _record(tmp_path, "resumed-now", pid=2**22 + 9, host=os.uname().nodename, run_id=None, uri=uri)
         close_crashed_runs(tmp_path, keep="resumed-now")
         with pytest.raises(UserError, match=r"run live is being trained by another driver \(pid \d+ on "):
@@ -217,10 +284,17 @@ def test_a_crashed_run_is_marked_failed_and_a_live_one_left_alone(tmp_path, caps
     assert run.info.status == "FAILED" and "died without ending the run" in run.data.tags[ERROR_TAG]
     assert client.get_run(live).info.status == "RUNNING"
     err = capsys.readouterr().err
-    assert "run crashed: the driver (pid" in err and "dmltrain train /cfg/a.yaml --resume crashed" in err and "resumed-now" not in err
+    assert (
+        "run crashed: the driver (pid" in err
+        and "dmltrain train /cfg/a.yaml --resume crashed" in err
+        and "resumed-now" not in err
+    )
     from cluster.run_records import RunRecord
 
-    assert RunRecord.read(tmp_path / "crashed").status == "FAILED" and RunRecord.read(tmp_path / "resumed-now").status == "RUNNING"
+    assert (
+        RunRecord.read(tmp_path / "crashed").status == "FAILED"
+        and RunRecord.read(tmp_path / "resumed-now").status == "RUNNING"
+    )
 
 
 def test_resume_picks_the_latest_run_of_the_config(tmp_path):

@@ -53,10 +53,19 @@ print("RESULT " + json.dumps(result))
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_local_ray_listens_on_loopback_only_with_token_auth(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")}
-    env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]), HOME=str(tmp_path),
-               RAY_USAGE_STATS_ENABLED="0")  # HOME: the token Ray makes for a local instance goes to tmp_path/.ray
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
+    }
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        HOME=str(tmp_path),
+        RAY_USAGE_STATS_ENABLED="0",
+    )  # HOME: the token Ray makes for a local instance goes to tmp_path/.ray
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=280, cwd=tmp_path
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     sockets = [tuple(s) for s in result["sockets"]]

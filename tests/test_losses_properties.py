@@ -69,7 +69,9 @@ def test_ice_gradients_equal_eq15(labels):
     x, y = batch(labels, dim=5, seed=1, spread=0.7, dtype=F64)
     f = unit_rows(x)
     w = ice_eq15_weights(f, labels, s)
-    sign = torch.tensor([[(1.0 if labels[j] != labels[a] else -1.0) for j in range(len(labels))] for a in range(len(labels))], dtype=F64)
+    sign = torch.tensor(
+        [[(1.0 if labels[j] != labels[a] else -1.0) for j in range(len(labels))] for a in range(len(labels))], dtype=F64
+    )
     project = lambda k, g: g - (f[k] @ g) * f[k]  # noqa: E731  (Jacobian of the L2 normalisation at a unit vector)
     loss = build_loss("ice", scale=s)
     idx = torch.arange(len(labels))
@@ -357,7 +359,9 @@ def test_decomposition_over_three_anchor_sets_is_exact(name):
     for key in terms[0].means:
         c = sum(float(t.means[key][1]) for t in terms)
         if c:
-            assert sum(float(t.means[key][0]) for t in terms) / c == pytest.approx(whole_stats[key], rel=1e-9, abs=1e-12)
+            assert sum(float(t.means[key][0]) for t in terms) / c == pytest.approx(
+                whole_stats[key], rel=1e-9, abs=1e-12
+            )
 
 
 # -- statistics ----------------------------------------------------------------------------------
@@ -427,7 +431,9 @@ def test_smoothed_nll_gradient_is_softmax_minus_smoothed_target(num_classes, smo
     torch.testing.assert_close(z.grad, torch.softmax(z.detach(), 1) - q, rtol=1e-12, atol=1e-12)
     if smoothing and num_classes > 1:  # and the loss is CE against that distribution
         ce = -(q * torch.log_softmax(z.detach(), 1)).sum(1)
-        torch.testing.assert_close(smoothed_nll(torch.logsumexp(z, 1), target, z.sum(1), num_classes, smoothing).detach(), ce)
+        torch.testing.assert_close(
+            smoothed_nll(torch.logsumexp(z, 1), target, z.sum(1), num_classes, smoothing).detach(), ce
+        )
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
@@ -509,7 +515,12 @@ def test_bench_runs_and_prints_its_summary(capsys):
     bench.add_arguments(parser)
     threads = torch.get_num_threads()
     try:
-        assert bench.run(parser.parse_args(["--batch", "12", "--dim", "8", "--repeat", "1", "--warmup", "0", "--threads", "1"])) == 0
+        assert (
+            bench.run(
+                parser.parse_args(["--batch", "12", "--dim", "8", "--repeat", "1", "--warmup", "0", "--threads", "1"])
+            )
+            == 0
+        )
     finally:
         torch.set_num_threads(threads)
     lines = capsys.readouterr().out.strip().splitlines()

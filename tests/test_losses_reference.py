@@ -115,7 +115,9 @@ def ref_ice(x, y, scale, normalize="batch"):
             continue
         nll, miss = 0.0, 0.0
         for i in positives(y, a):
-            p = torch.exp(scale * f[a] @ f[i]) / (torch.exp(scale * f[a] @ f[i]) + sum(torch.exp(scale * f[a] @ f[j]) for j in negs))
+            p = torch.exp(scale * f[a] @ f[i]) / (
+                torch.exp(scale * f[a] @ f[i]) + sum(torch.exp(scale * f[a] @ f[j]) for j in negs)
+            )
             nll = nll - torch.log(p)
             miss = miss + (1 - p)
         total = total + nll / (2 * scale * miss.detach())
@@ -169,7 +171,11 @@ def ref_triplet(x, y, margin, squared):
                 continue
             d_ap = d(a, p)
             farther = [n for n in negs if d(a, n) > d_ap]
-            n = min(farther, key=lambda n: float(d(a, n).detach())) if farther else max(negs, key=lambda n: float(d(a, n).detach()))
+            n = (
+                min(farther, key=lambda n: float(d(a, n).detach()))
+                if farther
+                else max(negs, key=lambda n: float(d(a, n).detach()))
+            )
             total = total + torch.clamp(d_ap - d(a, n) + margin, min=0)
     return total / max(pairs, 1)
 
@@ -251,8 +257,14 @@ B, D, C = len(LABELS), 6, 5
 
 PROXY_CASES = {
     "normsoftmax": ({"temperature": 0.1}, lambda x, y, p, h: ref_normsoftmax(x, y, p["weight"], h["temperature"])),
-    "cosface": ({"scale": 8.0, "margin": 0.35}, lambda x, y, p, h: ref_cosface(x, y, p["weight"], h["scale"], h["margin"])),
-    "arcface": ({"scale": 8.0, "margin": 0.5}, lambda x, y, p, h: ref_arcface(x, y, p["weight"], h["scale"], h["margin"])),
+    "cosface": (
+        {"scale": 8.0, "margin": 0.35},
+        lambda x, y, p, h: ref_cosface(x, y, p["weight"], h["scale"], h["margin"]),
+    ),
+    "arcface": (
+        {"scale": 8.0, "margin": 0.5},
+        lambda x, y, p, h: ref_arcface(x, y, p["weight"], h["scale"], h["margin"]),
+    ),
     "softmax_ce": ({"smoothing": 0.1}, lambda x, y, p, h: ref_softmax_ce(x, y, p["weight"], p["bias"], h["smoothing"])),
     "proxy_nca": ({"scale": 3.0}, lambda x, y, p, h: ref_proxy_nca(x, y, p["weight"], h["scale"], True)),
     "center": ({}, lambda x, y, p, h: ref_center(x, y, p["weight"])),
@@ -266,7 +278,10 @@ INSTANCE_CASES = {
     ),
     "contrastive": ({"pos_margin": 0.2, "neg_margin": 1.3}, lambda x, y, h: ref_contrastive(x, y, 0.2, 1.3)),
     "triplet": ({"margin": 0.2}, lambda x, y, h: ref_triplet(x, y, 0.2, True)),
-    "multi_similarity": ({}, lambda x, y, h: ref_multi_similarity(x, y, 2.0, 50.0, 0.5, 0.1, h.get("normalize", "batch"))),
+    "multi_similarity": (
+        {},
+        lambda x, y, h: ref_multi_similarity(x, y, 2.0, 50.0, 0.5, 0.1, h.get("normalize", "batch")),
+    ),
     "snca": ({"temperature": 0.5}, lambda x, y, h: ref_snca(x, y, 0.5)),
     "lifted_structure": ({"margin": 1.0}, lambda x, y, h: ref_lifted_structure(x, y, 1.0)),
     "npair": ({"l2_reg": 0.002}, lambda x, y, h: ref_npair(x, y, 0.002)),
@@ -485,7 +500,9 @@ def test_triplet_with_many_exact_ties_matches_reference(squared):
     """Embeddings drawn from a few lattice directions: many distances tie exactly, so the
     strict "farther than the positive" rule and run handling of the mining are exercised."""
     g = torch.Generator().manual_seed(8)
-    dirs = torch.tensor([[1, 0, 0, 0], [0, 1, 0, 0], [1, 1, 0, 0], [-1, 0, 0, 0], [0, 0, 1, 1], [1, 0, 1, 0]], dtype=F64)
+    dirs = torch.tensor(
+        [[1, 0, 0, 0], [0, 1, 0, 0], [1, 1, 0, 0], [-1, 0, 0, 0], [0, 0, 1, 1], [1, 0, 1, 0]], dtype=F64
+    )
     labels = [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4]
     x = dirs[torch.randint(len(dirs), (len(labels),), generator=g)]
     y = torch.tensor(labels)

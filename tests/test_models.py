@@ -513,7 +513,9 @@ def test_imagenet_partial_download_one_line_error_and_no_file(monkeypatch, tmp_p
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(pretrained_mod, "imagenet_weights", lambda name: _FakeWeights("http://example.invalid/resnet18-f37072fd.pth"))
+    monkeypatch.setattr(
+        pretrained_mod, "imagenet_weights", lambda name: _FakeWeights("http://example.invalid/resnet18-f37072fd.pth")
+    )
     monkeypatch.setattr(pretrained_mod.urllib.request, "urlopen", lambda *a, **k: Broken())
     with pytest.raises(UserError) as e:
         build_model(ModelConfig(backbone="resnet18", pretrained="imagenet"))
@@ -524,7 +526,9 @@ def test_imagenet_partial_download_one_line_error_and_no_file(monkeypatch, tmp_p
 # -- saving and loading -------------------------------------------------------------------------------------
 def test_save_load_round_trip(tmp_path, images32):
     torch.manual_seed(0)
-    cfg = Config(model=ModelConfig(backbone="small_cnn", embedding_dim=80, head="batchnorm", multilevel=["stage3", "stage4"]))
+    cfg = Config(
+        model=ModelConfig(backbone="small_cnn", embedding_dim=80, head="batchnorm", multilevel=["stage3", "stage4"])
+    )
     model = build_model(cfg.model)
     model(images32 * 3).sum().backward()  # move the BN statistics away from their initial values
     model.eval()
@@ -575,7 +579,11 @@ def test_load_model_errors(tmp_path):
     good = tmp_path / "good.pt"
     save_model(good, small(), {})
     payload = torch.load(good, weights_only=True)
-    for change, key in (({"pooling": "gem"}, "model.pooling"), ({"removed_option": 1}, "model.removed_option"), ({"backbone": "vit"}, "model.backbone")):
+    for change, key in (
+        ({"pooling": "gem"}, "model.pooling"),
+        ({"removed_option": 1}, "model.removed_option"),
+        ({"backbone": "vit"}, "model.backbone"),
+    ):
         torch.save({**payload, "model_config": {**payload["model_config"], **change}}, tmp_path / "stale.pt")
         with pytest.raises(UserError) as e:
             load_model(tmp_path / "stale.pt")

@@ -22,7 +22,12 @@ SIZES = (3, 5)  # uneven local batches: the statistics weigh each worker by its 
 def _net() -> nn.Module:
     torch.manual_seed(0)
     net = nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 5 * 5, 6), nn.BatchNorm1d(6, affine=False)
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 5 * 5, 6),
+        nn.BatchNorm1d(6, affine=False),
     )
     with torch.no_grad():  # non-trivial affine parameters and running statistics
         net[1].weight.uniform_(0.5, 1.5)
@@ -65,7 +70,13 @@ def _worker(rank: int, world_size: int) -> dict:
 @pytest.mark.multiprocess
 def test_sync_batchnorm_equals_one_process_over_the_global_batch():
     ranks = run_workers(_worker, len(SIZES), timeout=120)
-    ranks = [{k: ({n: torch.from_numpy(a) for n, a in v.items()} if isinstance(v, dict) else torch.from_numpy(v)) for k, v in r.items()} for r in ranks]
+    ranks = [
+        {
+            k: ({n: torch.from_numpy(a) for n, a in v.items()} if isinstance(v, dict) else torch.from_numpy(v))
+            for k, v in r.items()
+        }
+        for r in ranks
+    ]
     x, weights = _data()
     ref_net = _net()
     ref = _step(ref_net, x, weights)
@@ -96,7 +107,9 @@ def test_alone_it_is_plain_batchnorm_and_keeps_names():
     converted = convert_sync_batchnorm(model)
     assert converted is model and list(model.state_dict()) == plain_keys
     n_sync = sum(isinstance(m, SyncBatchNorm) for m in model.modules())
-    assert n_sync == sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) > 8  # backbone and head
+    assert (
+        n_sync == sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) > 8
+    )  # backbone and head
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -115,7 +128,9 @@ def test_the_synchronized_function_in_every_precision(dtype, affine):
     inputs = [x, *params] if affine else [x]
     grads = torch.autograd.grad(out, inputs, dy)
     ref_inputs = [t.detach().double().requires_grad_(True) for t in inputs]
-    ref = nn.functional.batch_norm(ref_inputs[0], None, None, *(ref_inputs[1:] if affine else [None, None]), True, 0.0, 1e-5)
+    ref = nn.functional.batch_norm(
+        ref_inputs[0], None, None, *(ref_inputs[1:] if affine else [None, None]), True, 0.0, 1e-5
+    )
     ref_grads = torch.autograd.grad(ref, ref_inputs, dy.double())
     tol = {torch.bfloat16: 3e-2, torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
     assert out.dtype == dtype and all(gr.dtype == dtype for gr in grads)

@@ -45,7 +45,9 @@ def evil_so(tmp_path_factory) -> Path:
         pytest.skip(f"no C compiler ({cc}): the native kernels are not built here at all")
     d = tmp_path_factory.mktemp("evil")
     (d / "evil.c").write_text(EVIL_C)
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(d / "evil.so"), str(d / "evil.c")], check=True, capture_output=True)
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-o", str(d / "evil.so"), str(d / "evil.c")], check=True, capture_output=True
+    )
     return d / "evil.so"
 
 
@@ -70,8 +72,14 @@ def _load_in_child(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
         "assert (np.asarray(got) == ref).all()\n"
         "print('WARN', ' '.join(str(x.message) for x in w))\n"
     )
-    full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "DMLTRAIN_NATIVE": "1",
-                "DMLTRAIN_HAMMING": "native", "DMLT_PLANTED_MARK": str(tmp_path / "planted-ran"), **env}
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "DMLTRAIN_NATIVE": "1",
+        "DMLTRAIN_HAMMING": "native",
+        "DMLT_PLANTED_MARK": str(tmp_path / "planted-ran"),
+        **env,
+    }
     return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=300)
 
 
@@ -85,7 +93,11 @@ def test_library_in_the_old_predictable_temp_folder_is_not_loaded(evil_so, tmp_p
     assert not (tmp_path / "planted-ran").exists(), "a planted shared object was loaded"
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "private temporary folder" in proc.stdout
-    leftovers = [p.name for p in tmp.iterdir() if p.name.startswith("dmltrain-native-") and p.name != f"dmltrain-native-{os.getuid()}"]
+    leftovers = [
+        p.name
+        for p in tmp.iterdir()
+        if p.name.startswith("dmltrain-native-") and p.name != f"dmltrain-native-{os.getuid()}"
+    ]
     assert leftovers == [], "the private build folder is removed once the library is loaded"
 
 

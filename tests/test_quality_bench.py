@@ -24,8 +24,22 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_quality_bench_runs_both_trainings(tmp_path, capsys):
     threads = torch.get_num_threads()
     try:
-        args = _args("--synthetic", "8,6,16", "--steps", "3", "--batch", "8", "--k", "2", "--dim", "64", "--loader-workers", "0",
-                     "--keep", str(tmp_path / "work"))
+        args = _args(
+            "--synthetic",
+            "8,6,16",
+            "--steps",
+            "3",
+            "--batch",
+            "8",
+            "--k",
+            "2",
+            "--dim",
+            "64",
+            "--loader-workers",
+            "0",
+            "--keep",
+            str(tmp_path / "work"),
+        )
         assert quality_bench.run(args) == 0
     finally:
         torch.set_num_threads(threads)
@@ -34,11 +48,21 @@ def test_quality_bench_runs_both_trainings(tmp_path, capsys):
     number = r"Recall@1 (\d\.\d{4}) +wall +\d+\.\d s"
     assert lines[1].startswith("plain PyTorch loop") and re.search(number, lines[1])
     assert lines[2].startswith("dmltrain train (Ray + DeepSpeed + shards, 2 workers)") and re.search(number, lines[2])
-    assert re.fullmatch(r"dmltrain - plain: [+-]\d+\.\d\d points Recall@1 at 3 steps; wall time dmltrain / plain: \d+\.\d\dx", lines[3])
+    assert re.fullmatch(
+        r"dmltrain - plain: [+-]\d+\.\d\d points Recall@1 at 3 steps; wall time dmltrain / plain: \d+\.\d\dx", lines[3]
+    )
     ms = r"(\d+\.\d|nan) ms"  # a 3-step run logs no step time (its log point is step 50)
-    assert re.fullmatch(rf"per step: plain {ms}, dmltrain {ms} \((\d+\.\d\d|nan)x\); dmltrain outside its steps .*: (-?\d+\.\d|nan) s", lines[4])
+    assert re.fullmatch(
+        rf"per step: plain {ms}, dmltrain {ms} \((\d+\.\d\d|nan)x\); dmltrain outside its steps .*: (-?\d+\.\d|nan) s",
+        lines[4],
+    )
     written = (tmp_path / "work" / "dmltrain.yaml").read_text()
-    assert "sync_bn: false" in written and "zero_stage: 0" in written and "max_steps: 3" in written and "init_std: 1.0" in written  # what the command ran
+    assert (
+        "sync_bn: false" in written
+        and "zero_stage: 0" in written
+        and "max_steps: 3" in written
+        and "init_std: 1.0" in written
+    )  # what the command ran
     assert "class weights N(0, 1²)" in lines[0]
 
 
@@ -58,7 +82,9 @@ def test_quality_bench_bad_input_is_one_line(tmp_path):
 def test_plain_loop_is_reproducible_from_its_seed(tmp_path):
     """The plain arm's P×K sampler draws from numpy's global generator: the bench seeds it, so one
     seed gives one set of weights (otherwise its Recall@1 moved by points between identical runs)."""
-    args = _args("--synthetic", "8,6,16", "--steps", "4", "--batch", "8", "--k", "2", "--dim", "64", "--loader-workers", "0")
+    args = _args(
+        "--synthetic", "8,6,16", "--steps", "4", "--batch", "8", "--k", "2", "--dim", "64", "--loader-workers", "0"
+    )
     shard_dir, _, size = quality_bench._data(args, tmp_path)
     cfg = quality_bench._config(args, shard_dir, tmp_path, size, size, (0.5, 1.0))
     trained = []

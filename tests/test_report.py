@@ -19,16 +19,27 @@ from dmltrain.errors import UserError
 UI = "http://ui.test:5000"
 PNG = b"\x89PNG\r\n\x1a\n"
 
-BASE = {"model.backbone": "small_cnn", "optim.lr": "0.01", "loss.classifier.sample_ratio": "1.0", "data.batch_size": "64"}
+BASE = {
+    "model.backbone": "small_cnn",
+    "optim.lr": "0.01",
+    "loss.classifier.sample_ratio": "1.0",
+    "data.batch_size": "64",
+}
 RUNS = {
     # name: (parent?, params, loss curve, (step, recall@1) evaluations, initial recall@1)
     "trial-a": ("tune", {**BASE}, [4.0, 3.0, 2.5, 2.2, 2.0], [(2, 0.40), (4, 0.55)], 0.10),
     "trial-b": ("tune", {**BASE, "optim.lr": "0.1"}, [4.0, 3.5, 3.4, 3.6, 3.9], [(2, 0.30), (4, 0.25)], 0.10),
-    "solo": (None, {**BASE, "loss.classifier.sample_ratio": "0.5", "loss.instance.kind": "ice"}, [5.0, 4.0, 3.0, 2.0, 1.5],
-             [(2, 0.45), (4, 0.50)], 0.12),
+    "solo": (
+        None,
+        {**BASE, "loss.classifier.sample_ratio": "0.5", "loss.instance.kind": "ice"},
+        [5.0, 4.0, 3.0, 2.0, 1.5],
+        [(2, 0.45), (4, 0.50)],
+        0.12,
+    ),
 }
-EXPECTED_DIFF = sorted(k for k in {k for _, p, *_ in RUNS.values() for k in p}
-                       if len({RUNS[n][1].get(k) for n in RUNS}) > 1)
+EXPECTED_DIFF = sorted(
+    k for k in {k for _, p, *_ in RUNS.values() for k in p} if len({RUNS[n][1].get(k) for n in RUNS}) > 1
+)
 
 
 def _png(path: Path, color: str) -> Path:
@@ -54,7 +65,9 @@ def store(tmp_path_factory):
     client = MlflowClient(tracking_uri=uri)
     exp_id = client.create_experiment("dml-exp", artifact_location=(tmp / "artifacts").as_uri())
     client.create_experiment("empty-exp")
-    parent = client.create_run(exp_id, run_name="tune-parent", tags={"dmltrain.run_name": "tune-parent"}, start_time=1_000)
+    parent = client.create_run(
+        exp_id, run_name="tune-parent", tags={"dmltrain.run_name": "tune-parent"}, start_time=1_000
+    )
     ids = {"tune-parent": parent.info.run_id}
     plots = tmp / "plots-src"
     plots.mkdir()
@@ -71,9 +84,15 @@ def store(tmp_path_factory):
         metrics += [Metric("eval/binary/recall_at_1", v - 0.05, 0, s) for s, v in evals]
         metrics += [Metric("eval/binary/recall_at_2", v, 0, s) for s, v in evals]  # in the CSV only
         metrics += [Metric("eval/num_queries", 160.0, 0, s) for s, _ in evals]  # bookkeeping, not a metric
-        metrics += [Metric("initial/recall_at_1", initial, 0, 0), Metric("images_per_s", 1000.0 + i, 0, 4),
-                    Metric("system/cpu_utilization_percentage", 50.0, 0, 4), Metric("lr", 0.01, 0, 4)]
-        client.log_batch(rid, metrics=metrics, params=[Param(k, v) for k, v in {**params, "train.run_name": name}.items()])
+        metrics += [
+            Metric("initial/recall_at_1", initial, 0, 0),
+            Metric("images_per_s", 1000.0 + i, 0, 4),
+            Metric("system/cpu_utilization_percentage", 50.0, 0, 4),
+            Metric("lr", 0.01, 0, 4),
+        ]
+        client.log_batch(
+            rid, metrics=metrics, params=[Param(k, v) for k, v in {**params, "train.run_name": name}.items()]
+        )
         if name != "solo":  # solo logged no plots
             for step in (2, 4):
                 client.log_artifact(rid, str(_png(plots / f"recall_at_k-step{step:07d}.png", "red")), "plots")
@@ -118,8 +137,17 @@ def test_runs_table_shows_exactly_the_params_that_differ(full_report, store):
 def test_final_metrics_best_values_and_best_step(full_report):
     rep, _ = full_report
     head, rows = md_table(rep.markdown.read_text(), "Final metrics")
-    assert head == ["run", "eval/recall@1", "eval/recall@2", "eval/map@r", "eval/binary/recall@1", "initial/recall@1",
-                    "loss", "images_per_s", "best recall@1 (step)"]
+    assert head == [
+        "run",
+        "eval/recall@1",
+        "eval/recall@2",
+        "eval/map@r",
+        "eval/binary/recall@1",
+        "initial/recall@1",
+        "loss",
+        "images_per_s",
+        "best recall@1 (step)",
+    ]
     by_name = {r[0].split("]")[0][1:]: r for r in rows}
     finals = {n: RUNS[n][3][-1][1] for n in RUNS}
     winner = max(finals, key=finals.get)
@@ -128,7 +156,9 @@ def test_final_metrics_best_values_and_best_step(full_report):
         r1 = f"{evals[-1][1]:.4f}"
         assert row[1] == (f"**{r1}**" if name == winner else r1)
         assert row[5] == (f"**{initial:.4f}**" if initial == max(r[4] for r in RUNS.values()) else f"{initial:.4f}")
-        assert row[6].strip("*") == f"{loss[-1]:.4f}" and row[6].startswith("**") == (loss[-1] == min(r[2][-1] for r in RUNS.values()))
+        assert row[6].strip("*") == f"{loss[-1]:.4f}" and row[6].startswith("**") == (
+            loss[-1] == min(r[2][-1] for r in RUNS.values())
+        )
         best_step, best = max(evals, key=lambda sv: sv[1])
         assert row[-1] == f"{best:.4f} ({best_step})"  # trial-b: best 0.30 at step 2, final 0.25
     md = rep.markdown.read_text()
@@ -190,7 +220,10 @@ def test_choosing_runs_by_parent_name_and_id(store, tmp_path, capsys):
     assert main([*args, "--runs", f"solo,{store['ids']['trial-a']}", "--out", str(tmp_path / "b")]) == 0
     _, rows = md_table((tmp_path / "b" / "report.md").read_text(), "Runs")
     assert [r[0].split("]")[0][1:] for r in rows] == ["solo", "trial-a"]
-    assert md_table((tmp_path / "b" / "report.md").read_text(), "Runs")[0][4:] == ["loss.classifier.sample_ratio", "loss.instance.kind"]
+    assert md_table((tmp_path / "b" / "report.md").read_text(), "Runs")[0][4:] == [
+        "loss.classifier.sample_ratio",
+        "loss.instance.kind",
+    ]
 
 
 def test_unknown_input_is_one_line_and_nonzero(store, tmp_path, monkeypatch, capsys):
@@ -214,7 +247,12 @@ def test_single_run_report(store, tmp_path):
 
     rep = build_report("dml-exp", ["solo"], tmp_path, store["uri"], UI, progress=False)
     md = rep.markdown.read_text()
-    assert "One run: no params to compare." in md and md_table(md, "Runs")[0] == ["run", "status", "started", "duration"]
+    assert "One run: no params to compare." in md and md_table(md, "Runs")[0] == [
+        "run",
+        "status",
+        "started",
+        "duration",
+    ]
     assert "**" not in md_table(md, "Final metrics")[1][0][1]  # nothing to be best against
     with pytest.raises(UserError, match="--max-runs"):
         from argparse import Namespace

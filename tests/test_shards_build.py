@@ -40,7 +40,23 @@ def built(tmp_path_factory):
     for name, make in MAKERS.items():
         fx = make(base / "src" / name)
         dest = base / "shards" / name
-        assert cli("build", "--layout", name, "--root", str(fx.root), "--out", str(dest), "--shard-size", "5", "--quiet", "--workers", "1") == 0
+        assert (
+            cli(
+                "build",
+                "--layout",
+                name,
+                "--root",
+                str(fx.root),
+                "--out",
+                str(dest),
+                "--shard-size",
+                "5",
+                "--quiet",
+                "--workers",
+                "1",
+            )
+            == 0
+        )
         out[name] = (fx, dest)
     dest = base / "shards" / "synthetic"
     synthetic = ("--classes", "6", "--per-class", "4", "--image-size", "24")
@@ -178,12 +194,20 @@ def test_bad_input_is_one_line(built, tmp_path, capsys):
     shutil.rmtree(cub / "images")
     assert cli("build", "--layout", "cub", "--root", str(cub), "--out", str(tmp_path / "o2"), "--quiet") == 2
     assert str(cub / "images") in _error_line(capsys)
-    assert cli("build", "--layout", "folder", "--root", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o3"), "--quiet") == 2
+    assert (
+        cli(
+            "build", "--layout", "folder", "--root", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o3"), "--quiet"
+        )
+        == 2
+    )
     assert "nowhere" in _error_line(capsys)
     assert cli("build", "--layout", "synthetic", "--per-class", "3", "--out", str(tmp_path / "o4"), "--quiet") == 2
     assert "--classes" in _error_line(capsys)
     # --strict stops at the truncated JPEG and names it; nothing that looks like a manifest remains
-    assert cli("build", "--layout", "sop", "--root", str(fx.root), "--out", str(tmp_path / "o5"), "--strict", "--quiet") == 2
+    assert (
+        cli("build", "--layout", "sop", "--root", str(fx.root), "--out", str(tmp_path / "o5"), "--strict", "--quiet")
+        == 2
+    )
     assert "000002_broken.JPG" in _error_line(capsys)
     assert not (tmp_path / "o5" / "manifest.json").exists()
     with pytest.raises(UserError, match="manifest.json: not found"):
@@ -202,7 +226,13 @@ def test_unreadable_cars_annotations_are_one_line(built, tmp_path, capsys):
     # a v7.3 file is HDF5 behind a MATLAB header whose version field is 0x0200
     v73 = b"MATLAB 7.3 MAT-file, Platform: GLNXA64, Created on: Mon Jan  1 00:00:00 2024 HDF5 schema 1.00 .".ljust(116)
     v73 += b"\0" * 8 + b"\x00\x02IM" + b"\x89HDF\r\n\x1a\n" + b"\0" * 500
-    cases = {"empty": b"", "truncated": good[: len(good) // 2], "header only": good[:100], "v7.3": v73, "no annotations": None}
+    cases = {
+        "empty": b"",
+        "truncated": good[: len(good) // 2],
+        "header only": good[:100],
+        "v7.3": v73,
+        "no annotations": None,
+    }
     for i, (what, data) in enumerate(cases.items()):
         if data is None:
             import scipy.io
@@ -210,7 +240,9 @@ def test_unreadable_cars_annotations_are_one_line(built, tmp_path, capsys):
             scipy.io.savemat(str(mat), {"class_names": np.array(["a", "b"], dtype=object)})
         else:
             mat.write_bytes(data)
-        assert cli("build", "--layout", "cars", "--root", str(root), "--out", str(tmp_path / f"o{i}"), "--quiet") == 2, what
+        assert (
+            cli("build", "--layout", "cars", "--root", str(root), "--out", str(tmp_path / f"o{i}"), "--quiet") == 2
+        ), what
         line = _error_line(capsys)
         assert str(mat) in line, (what, line)
         if what == "v7.3":
@@ -228,7 +260,11 @@ def test_manifest_keeps_strings_verbatim(tmp_path):
     assert json.dumps(name) in text and '"other [ 5 ]"' in text
     assert json.loads(text)["splits"]["train"]["class_counts"] == [1, 2]  # sorted as strings: "[3,4]" < "lot [1, 2]"
     assert '"class_counts": [1,2]' in text  # numeric lists stay on one line
-    rows = [line.strip().rstrip(",") for line in text.splitlines() if line.strip().startswith("[") and line.strip()[1:2].isdigit()]
+    rows = [
+        line.strip().rstrip(",")
+        for line in text.splitlines()
+        if line.strip().startswith("[") and line.strip()[1:2].isdigit()
+    ]
     assert rows and all(",".join(map(str, json.loads(r))) == r[1:-1] for r in rows)  # group rows: one compact line each
     for sh in m.split("train").shards:  # and the shards agree with the manifest about the ids
         for s in wds.WebDataset([str(sh.path)], shardshuffle=False, empty_check=False, nodesplitter=None):
@@ -242,9 +278,28 @@ def test_shared_train_and_test_class_is_refused(tmp_path, capsys):
     out = tmp_path / "out"
     assert cli("build", "--layout", "folder", "--root", str(fx.root), "--out", str(out), "--quiet") == 2
     line = _error_line(capsys)
-    assert "'banana'" in line and "--layout folder" in line and "train" in line and "test" in line and "--allow-shared-classes" in line
+    assert (
+        "'banana'" in line
+        and "--layout folder" in line
+        and "train" in line
+        and "test" in line
+        and "--allow-shared-classes" in line
+    )
     assert not out.exists(), "refused before anything is written"
-    assert cli("build", "--layout", "folder", "--root", str(fx.root), "--out", str(out), "--quiet", "--allow-shared-classes") == 0
+    assert (
+        cli(
+            "build",
+            "--layout",
+            "folder",
+            "--root",
+            str(fx.root),
+            "--out",
+            str(out),
+            "--quiet",
+            "--allow-shared-classes",
+        )
+        == 0
+    )
     assert "WARNING" in capsys.readouterr().err
     m = Manifest.load(out)
     assert "banana" in m.split("train").classes and "banana" in m.split("test").classes
@@ -258,11 +313,44 @@ def test_existing_output_refused_unless_overwrite(built, tmp_path, capsys):
     (out / "keep.txt").write_text("x")
     assert cli("build", "--layout", "cub", "--root", str(fx.root), "--out", str(out), "--quiet") == 2
     assert "--overwrite" in _error_line(capsys)
-    assert cli("build", "--layout", "cub", "--root", str(fx.root), "--out", str(out), "--quiet", "--overwrite", "--shard-size", "100") == 0
-    assert (out / "keep.txt").exists() and sorted(p.name for p in out.glob("*.tar")) == ["test-000000.tar", "train-000000.tar"]
+    assert (
+        cli(
+            "build",
+            "--layout",
+            "cub",
+            "--root",
+            str(fx.root),
+            "--out",
+            str(out),
+            "--quiet",
+            "--overwrite",
+            "--shard-size",
+            "100",
+        )
+        == 0
+    )
+    assert (out / "keep.txt").exists() and sorted(p.name for p in out.glob("*.tar")) == [
+        "test-000000.tar",
+        "train-000000.tar",
+    ]
     # same input and seed: byte-identical shards
     first = {sh.file: sh.sha256 for s in Manifest.load(out).splits for sh in Manifest.load(out).split(s).shards}
-    assert cli("build", "--layout", "cub", "--root", str(fx.root), "--out", str(out), "--quiet", "--overwrite", "--shard-size", "100") == 0
+    assert (
+        cli(
+            "build",
+            "--layout",
+            "cub",
+            "--root",
+            str(fx.root),
+            "--out",
+            str(out),
+            "--quiet",
+            "--overwrite",
+            "--shard-size",
+            "100",
+        )
+        == 0
+    )
     assert first == {sh.file: sh.sha256 for s in Manifest.load(out).splits for sh in Manifest.load(out).split(s).shards}
 
 
@@ -273,7 +361,12 @@ def test_overwrite_removes_only_what_the_old_manifest_lists(built, tmp_path, cap
     out = tmp_path / "out"
     build = ("build", "--layout", "cub", "--root", str(fx.root), "--out", str(out), "--quiet", "--shard-size", "100")
     assert cli(*build) == 0
-    mine = {"my-photos.tar": b"holiday", "backup-2024-01.tar": b"backup", "notes-v2.txt": b"notes", "archive/old-000001.tar": b"old"}
+    mine = {
+        "my-photos.tar": b"holiday",
+        "backup-2024-01.tar": b"backup",
+        "notes-v2.txt": b"notes",
+        "archive/old-000001.tar": b"old",
+    }
     for name, data in mine.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_bytes(data)
@@ -290,7 +383,9 @@ def test_overwrite_removes_only_what_the_old_manifest_lists(built, tmp_path, cap
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train-000007.tar"} == before
     (out / "train-000007.tar").unlink()
 
-    (out / "manifest.json").write_text('{"format": "dmltrain-shards", "splits": {"test": {"shards": [{"file": "../x.tar"}]}}}')
+    (out / "manifest.json").write_text(
+        '{"format": "dmltrain-shards", "splits": {"test": {"shards": [{"file": "../x.tar"}]}}}'
+    )
     assert cli(*build, "--overwrite") == 2
     assert "cannot tell which files are its shards" in _error_line(capsys)
     assert {p.name for p in out.iterdir()} >= {"train-000000.tar", "test-000000.tar", "my-photos.tar"}
@@ -311,9 +406,14 @@ def test_interrupted_build_leaves_no_half_shard(built, tmp_path, monkeypatch):
 
     monkeypatch.setattr(shards.writer.SplitWriter, "write", dying_write)
     out = tmp_path / "out"
-    assert cli("build", "--layout", "sop", "--root", str(fx.root), "--out", str(out), "--shard-size", "5", "--quiet") == 130
+    assert (
+        cli("build", "--layout", "sop", "--root", str(fx.root), "--out", str(out), "--shard-size", "5", "--quiet")
+        == 130
+    )
     names = sorted(p.name for p in out.iterdir())
-    assert names and all(n.startswith("train-") and n.endswith(".tar") for n in names), names  # no temporaries, no manifest
+    assert names and all(n.startswith("train-") and n.endswith(".tar") for n in names), (
+        names
+    )  # no temporaries, no manifest
     for p in out.iterdir():  # every shard that exists is whole: a complete tar with its end-of-archive blocks
         with tarfile.open(p) as tf:
             assert len(tf.getmembers()) % 3 == 0
@@ -326,7 +426,9 @@ def test_resize_reencodes(built, tmp_path):
     out = tmp_path / "resized"
     assert cli("build", "--layout", "cars", "--root", str(fx.root), "--out", str(out), "--resize", "16", "--quiet") == 0
     info = Manifest.load(out).split("train")
-    for s in wds.WebDataset([str(sh.path) for sh in info.shards], shardshuffle=False, empty_check=False, nodesplitter=None):
+    for s in wds.WebDataset(
+        [str(sh.path) for sh in info.shards], shardshuffle=False, empty_check=False, nodesplitter=None
+    ):
         img = Image.open(io.BytesIO(s["jpg"]))
         assert img.format == "JPEG" and min(img.size) == 16 and img.size == (24, 16)
 
@@ -341,9 +443,39 @@ def test_pool_build_matches_in_process(built, tmp_path, monkeypatch):
     out = tmp_path / "pool"
     write_truncated_jpeg(broken)
     try:
-        assert cli("build", "--layout", "folder", "--root", str(fx.root), "--out", str(out), "--shard-size", "5", "--workers", "2", "--quiet") == 0
+        assert (
+            cli(
+                "build",
+                "--layout",
+                "folder",
+                "--root",
+                str(fx.root),
+                "--out",
+                str(out),
+                "--shard-size",
+                "5",
+                "--workers",
+                "2",
+                "--quiet",
+            )
+            == 0
+        )
         monkeypatch.setattr(shards.build, "POOL_MIN_IMAGES", 10**9)
-        assert cli("build", "--layout", "folder", "--root", str(fx.root), "--out", str(tmp_path / "seq"), "--shard-size", "5", "--quiet") == 0
+        assert (
+            cli(
+                "build",
+                "--layout",
+                "folder",
+                "--root",
+                str(fx.root),
+                "--out",
+                str(tmp_path / "seq"),
+                "--shard-size",
+                "5",
+                "--quiet",
+            )
+            == 0
+        )
     finally:
         broken.unlink()
     a, b = Manifest.load(out), Manifest.load(tmp_path / "seq")

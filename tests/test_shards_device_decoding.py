@@ -29,7 +29,15 @@ from dataset_fixtures import class_image
 from dmltrain.config import AugmentConfig, load_config
 from dmltrain.errors import ConfigError
 from shard_fixtures import IMG, K, P, make_shards, stream
-from shards.device_decoding import DeviceDecoder, DeviceInput, Encoded, EncodedImages, EncodedTransform, _runs, resolve_decode
+from shards.device_decoding import (
+    DeviceDecoder,
+    DeviceInput,
+    Encoded,
+    EncodedImages,
+    EncodedTransform,
+    _runs,
+    resolve_decode,
+)
 from shards.pixel_ops import adjust, blend, luma, shift_hue
 from shards.transforms import IMAGENET_STD, TrainTransform, _hue, normalize_batch
 
@@ -54,7 +62,8 @@ def _jpeg(key: int, size: tuple[int, int], mode: str = "RGB") -> bytes:
 
 
 IMAGES = [_jpeg(k, (60 + 17 * k, 45 + 11 * k), mode="L" if k == 3 else "RGB") for k in range(10)] + [
-    _jpeg(10 + k, size) for k, size in enumerate([(45, 80), (50, 97), (70, 120), (33, 61)])  # taller than wide
+    _jpeg(10 + k, size)
+    for k, size in enumerate([(45, 80), (50, 97), (70, 120), (33, 61)])  # taller than wide
 ]
 
 
@@ -94,7 +103,10 @@ def test_device_pixels_match_the_cpu_path(name):
     levels = (got - want).abs() * (255 * torch.tensor(IMAGENET_STD).view(1, 3, 1, 1))  # back to 8-bit levels
     jitter = aug.color_jitter
     worst = 14.01 if jitter.hue else 5.01 if jitter.brightness + jitter.contrast + jitter.saturation else 1.01
-    assert levels.max() <= worst and levels.mean() < 0.2 and (levels < 0.5).float().mean() > 0.8, (name, float(levels.max()))
+    assert levels.max() <= worst and levels.mean() < 0.2 and (levels < 0.5).float().mean() > 0.8, (
+        name,
+        float(levels.max()),
+    )
     wide = [i for i, data in enumerate(IMAGES) if np.subtract(*Image.open(io.BytesIO(data)).size) > 0]
     assert (levels[wide] < 0.5).float().mean() > 0.99  # the same pass order as the reference: (nearly) exact
 
@@ -184,11 +196,17 @@ def test_noise_is_drawn_from_the_record_seed():
     again, _ = DeviceDecoder(aug, "cpu")(batch, torch.arange(len(IMAGES)))
     assert torch.equal(noisy, again)
     clean_items = [dataclasses.replace(e, params=dataclasses.replace(e.params, noise_seed=None)) for e in items]
-    clean, _ = DeviceDecoder(plain, "cpu")(EncodedTransform(TrainTransform(S, plain)).collate(clean_items), torch.arange(len(IMAGES)))
+    clean, _ = DeviceDecoder(plain, "cpu")(
+        EncodedTransform(TrainTransform(S, plain)).collate(clean_items), torch.arange(len(IMAGES))
+    )
     diff = noisy - clean
     assert abs(float(diff.std()) - 0.2) < 0.01 and abs(float(diff.mean())) < 0.01
-    reseeded = [dataclasses.replace(e, params=dataclasses.replace(e.params, noise_seed=e.params.noise_seed + 1)) for e in items]
-    other, _ = DeviceDecoder(aug, "cpu")(EncodedTransform(TrainTransform(S, aug)).collate(reseeded), torch.arange(len(IMAGES)))
+    reseeded = [
+        dataclasses.replace(e, params=dataclasses.replace(e.params, noise_seed=e.params.noise_seed + 1)) for e in items
+    ]
+    other, _ = DeviceDecoder(aug, "cpu")(
+        EncodedTransform(TrainTransform(S, aug)).collate(reseeded), torch.arange(len(IMAGES))
+    )
     assert not torch.allclose(other, noisy)
 
 
@@ -207,7 +225,11 @@ def test_cpu_fallback_slots_and_undecodable_images():
     dec = DeviceDecoder(aug, "cpu", dtype=torch.bfloat16, channels_last=True)
     out, labels = dec(batch, torch.tensor([10, 11, 12, 13]))
     assert out.dtype == torch.bfloat16 and out.is_contiguous(memory_format=torch.channels_last)
-    assert dec.skipped == 1 and labels[2] != 12 and torch.equal(out[2], out[int((labels[:2] == labels[2]).nonzero()[0]) if labels[2] in labels[:2] else 3])
+    assert (
+        dec.skipped == 1
+        and labels[2] != 12
+        and torch.equal(out[2], out[int((labels[:2] == labels[2]).nonzero()[0]) if labels[2] in labels[:2] else 3])
+    )
     ref = TrainTransform(S, aug)(png.getvalue(), random.Random(101))
     want = normalize_batch(torch.from_numpy(np.ascontiguousarray(ref.transpose(2, 0, 1)))[None]).to(torch.bfloat16)
     assert torch.equal(out[1:2], want)
@@ -231,7 +253,10 @@ def test_pixel_ops_are_pils():
     want = np.stack([np.asarray(_hue(Image.fromarray(a), float(s))) for a, s in zip(arr, shifts)])
     assert np.array_equal(got, want)
     assert np.array_equal(luma(x)[:, 0].numpy(), np.stack([np.asarray(Image.fromarray(a).convert("L")) for a in arr]))
-    assert torch.equal(blend(torch.zeros(1, 1, 1, 2), torch.tensor([[[[100.0, 200.0]]]]), torch.tensor([2.0])), torch.tensor([[[[200.0, 255.0]]]]))
+    assert torch.equal(
+        blend(torch.zeros(1, 1, 1, 2), torch.tensor([[[[100.0, 200.0]]]]), torch.tensor([2.0])),
+        torch.tensor([[[[200.0, 255.0]]]]),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +277,9 @@ def test_stream_hands_over_encoded_batches(shard_dir):
         assert torch.equal(got_labels, want_labels) and images.shape == (P * K, 3, IMG, IMG)
         levels = (images - want).abs() * (255 * torch.tensor(IMAGENET_STD).view(1, 3, 1, 1))
         assert levels.max() <= 5.01 and levels.mean() < 0.2  # see the module docstring
-    par = list(stream(shard_dir, augment=aug, decode="device", normalize=False, loader_workers=2).epoch(1, start_batch=2))
+    par = list(
+        stream(shard_dir, augment=aug, decode="device", normalize=False, loader_workers=2).epoch(1, start_batch=2)
+    )
     for (a, la), (b, lb) in zip(dev[2:], par):
         assert torch.equal(la, lb) and torch.equal(a.data, b.data) and a.params == b.params
     with pytest.raises(ValueError, match="normalize=False"):

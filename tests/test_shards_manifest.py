@@ -59,9 +59,15 @@ CASES = {
     "negative length": (_set_group(3, -5), r"splits\.test\.shards\[0\]\.groups\[0\]: negative offset or length"),
     "label outside the label space": (_set_group(0, 99), r"groups\[0\]: label outside \[0, 4\)"),
     "zero count": (_set_group(1, 0), r"groups\[0\]: count below 1"),
-    "path escaping the folder": (_set_file("../../../../etc/passwd"), r"splits\.test\.shards\[0\]\.file: '\.\./\.\./\.\./\.\./etc/passwd' is not a plain file name"),
+    "path escaping the folder": (
+        _set_file("../../../../etc/passwd"),
+        r"splits\.test\.shards\[0\]\.file: '\.\./\.\./\.\./\.\./etc/passwd' is not a plain file name",
+    ),
     "absolute path": (_set_file("/etc/passwd"), r"\.file: '/etc/passwd' is not a plain file name"),
-    "file listed twice": (lambda d: _first_shard(d).update(file=_first_shard(d, "train")["file"]), r"is also listed at splits\.train\.shards\[0\]"),
+    "file listed twice": (
+        lambda d: _first_shard(d).update(file=_first_shard(d, "train")["file"]),
+        r"is also listed at splits\.train\.shards\[0\]",
+    ),
     "bad checksum field": (lambda d: _first_shard(d).update(sha256="x"), r"\.sha256: expected 64"),
 }
 
@@ -83,11 +89,23 @@ def test_streams_refuse_a_corrupt_manifest_before_reading(built, tmp_path, case)
     with pytest.raises(UserError, match=pattern):
         list(eval_batches(out, "test", rank=0, world_size=1, batch_size=4, resize=16, crop=16, loader_workers=0))
     with pytest.raises(UserError, match=pattern):
-        TrainStream(out, split="train", rank=0, world_size=1, sampler="random", batch_size=4, samples_per_class=2, seed=0, loader_workers=0)
+        TrainStream(
+            out,
+            split="train",
+            rank=0,
+            world_size=1,
+            sampler="random",
+            batch_size=4,
+            samples_per_class=2,
+            seed=0,
+            loader_workers=0,
+        )
 
 
 def test_a_valid_manifest_still_loads_and_reads(built):
     m = Manifest.load(built)
     assert m.verify() == []
-    batches = list(eval_batches(built, "test", rank=0, world_size=1, batch_size=5, resize=16, crop=16, loader_workers=0))
+    batches = list(
+        eval_batches(built, "test", rank=0, world_size=1, batch_size=5, resize=16, crop=16, loader_workers=0)
+    )
     assert sum(len(b[1]) for b in batches) == m.split("test").num_images

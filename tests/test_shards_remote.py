@@ -84,7 +84,10 @@ def test_coalesce_merges_neighbours_and_cuts_long_ranges():
     ranges = [(1, 100, 50), (0, 0, 10), (0, 15, 5), (0, 5000, 10), (1, 160, 40), (2, 0, 25)]
     assert coalesce(ranges, gap=10, limit=1000) == [(0, 0, 20), (0, 5000, 5010), (1, 100, 200), (2, 0, 25)]
     assert coalesce([(0, 0, 2500)], gap=0, limit=1000) == [(0, 0, 1000), (0, 1000, 2000), (0, 2000, 2500)]
-    assert coalesce([(0, 0, 600), (0, 600, 600)], gap=0, limit=1000) == [(0, 0, 600), (0, 600, 1200)]  # merged would exceed
+    assert coalesce([(0, 0, 600), (0, 600, 600)], gap=0, limit=1000) == [
+        (0, 0, 600),
+        (0, 600, 1200),
+    ]  # merged would exceed
 
 
 def test_transient_failures_are_told_from_permanent_ones():
@@ -117,8 +120,9 @@ def test_urls_are_never_paths_and_credentials_stay_out_of_options(tmp_path, caps
         Location("https://host/shards?sig=1")
     with pytest.raises(UserError, match="credentials do not belong"):
         parse_storage_options(["client_kwargs.aws_secret_access_key=abc"])
-    assert parse_storage_options(["anon=true", "client_kwargs.region_name=eu-west-1", "endpoint_url=http://127.0.0.1:9"]) == {
-        "anon": True, "client_kwargs": {"region_name": "eu-west-1"}, "endpoint_url": "http://127.0.0.1:9"}
+    assert parse_storage_options(
+        ["anon=true", "client_kwargs.region_name=eu-west-1", "endpoint_url=http://127.0.0.1:9"]
+    ) == {"anon": True, "client_kwargs": {"region_name": "eu-west-1"}, "endpoint_url": "http://127.0.0.1:9"}
     assert _cli("shards", "inspect", "nosuchscheme://bucket/x") == 2
     assert "unknown URL scheme 'nosuchscheme'" in capsys.readouterr().err
     assert _cli("shards", "inspect", "s3://b/x", "--storage-option", "secret=abc") == 2
@@ -140,8 +144,21 @@ def test_a_missing_sdk_is_one_line_naming_the_package(capsys):
 # -- build and inspect ----------------------------------------------------------------------------
 def test_build_to_s3_writes_objects_not_a_local_folder(s3, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    args = ("shards", "build", "--layout", "synthetic", "--classes", "6", "--per-class", "4", "--image-size", "16",
-            "--shard-size", "10", "--quiet")
+    args = (
+        "shards",
+        "build",
+        "--layout",
+        "synthetic",
+        "--classes",
+        "6",
+        "--per-class",
+        "4",
+        "--image-size",
+        "16",
+        "--shard-size",
+        "10",
+        "--quiet",
+    )
     assert _cli(*args, "--out", "s3://shards/built", *_opts(s3)) == 0
     assert "uploaded 6 shards to s3://shards/built" in capsys.readouterr().out
     assert not (tmp_path / "s3:").exists() and list(tmp_path.iterdir()) == []
@@ -163,8 +180,24 @@ def test_build_to_s3_writes_objects_not_a_local_folder(s3, tmp_path, monkeypatch
 
 def test_interrupted_upload_leaves_no_manifest_and_resume_finishes_it(s3, tmp_path, capsys):
     out = "s3://shards/resumed"
-    args = ("shards", "build", "--layout", "synthetic", "--classes", "6", "--per-class", "4", "--image-size", "16",
-            "--shard-size", "5", "--quiet", "--out", out, *_opts(s3))
+    args = (
+        "shards",
+        "build",
+        "--layout",
+        "synthetic",
+        "--classes",
+        "6",
+        "--per-class",
+        "4",
+        "--image-size",
+        "16",
+        "--shard-size",
+        "5",
+        "--quiet",
+        "--out",
+        out,
+        *_opts(s3),
+    )
     s3.faults.set(fail_puts=r"/train-000002\.tar$")
     assert _cli(*args) == 2
     err = capsys.readouterr().err
@@ -182,7 +215,11 @@ def test_interrupted_upload_leaves_no_manifest_and_resume_finishes_it(s3, tmp_pa
     new_puts = s3.faults.puts()[puts_before:]
     m = Manifest.load(loc)
     total = sum(len(m.split(s).shards) for s in m.splits)
-    assert total == 12 and len(new_puts) == total - len(present) + 1 and not any(p.rsplit("/", 1)[1] in present for p in new_puts)
+    assert (
+        total == 12
+        and len(new_puts) == total - len(present) + 1
+        and not any(p.rsplit("/", 1)[1] in present for p in new_puts)
+    )
     assert new_puts[-1].endswith("/manifest.json")  # the manifest last
     assert m.verify() == []
     assert _cli(*args, "--resume") == 2 and "complete (nothing to resume)" in capsys.readouterr().err
@@ -195,25 +232,40 @@ def test_interrupted_upload_leaves_no_manifest_and_resume_finishes_it(s3, tmp_pa
 # -- reading --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("loader_workers", [0, 2])
 def test_stream_from_s3_equals_local_disk_through_faults(s3, local, uploaded, loader_workers):
-    remote = stream(uploaded, loader_workers=loader_workers, storage_options=s3.opts, remote={**FAST, "requests_in_flight": 3})
+    remote = stream(
+        uploaded, loader_workers=loader_workers, storage_options=s3.opts, remote={**FAST, "requests_in_flight": 3}
+    )
     before = dict(s3.faults.injected)
     s3.faults.set(p_503=0.15, truncate=1, **HANG)  # after the manifest was read
     assert _same_epoch(stream(local, loader_workers=loader_workers), remote) > 3
     io = remote.io_counts()
     assert io["retries/throttled"] > 0 and io["failed"] == 0 and remote.skipped == 0
     assert s3.faults.injected["truncated"] == before["truncated"] + 1
-    assert io["retries"] == sum(io[f"retries/{k}"] for k in ("timeout", "throttled", "server_error", "connection", "truncated"))
+    assert io["retries"] == sum(
+        io[f"retries/{k}"] for k in ("timeout", "throttled", "server_error", "connection", "truncated")
+    )
 
 
 @pytest.mark.parametrize("fault", ["truncate", "hang", "503"])
 def test_each_fault_is_retried_and_counted_by_kind(s3, uploaded, fault):
     loc = Location(uploaded, s3.opts, FAST)
     expected = loc.read_bytes("train-000000.tar")[100:-7]
-    s3.faults.set(**{"truncate": {"truncate": 1}, "hang": {"p_hang": 1.0, "hang_s": 3.0, "limit": 1}, "503": {"p_503": 1.0, "limit": 1}}[fault])
+    s3.faults.set(
+        **{
+            "truncate": {"truncate": 1},
+            "hang": {"p_hang": 1.0, "hang_s": 3.0, "limit": 1},
+            "503": {"p_503": 1.0, "limit": 1},
+        }[fault]
+    )
     stats = IOStats()
     got = loc.run(loc.call("cat_file", loc.url("train-000000.tar"), start=100, end=100 + len(expected), stats=stats))
     kind = {"truncate": "truncated", "hang": "timeout", "503": "throttled"}[fault]
-    assert got == expected and stats.counts[f"retries/{kind}"] == 1 and stats.retries == 1 and stats.counts["requests"] == 2
+    assert (
+        got == expected
+        and stats.counts[f"retries/{kind}"] == 1
+        and stats.retries == 1
+        and stats.counts["requests"] == 2
+    )
 
 
 def test_eval_batches_from_s3_equal_local_disk(s3, local, uploaded):
@@ -249,7 +301,9 @@ def test_shard_cache_downloads_each_shard_once_and_stays_bounded(s3, local, uplo
     # bounded: the least recently used shards make room; the batches do not change
     small = tmp_path / "small"
     limit = 3 * max(sh.bytes for sh in Manifest.load(local).split("train").shards)
-    bounded = stream(uploaded, storage_options=s3.opts, remote={**settings, "cache_dir": str(small), "cache_gb": limit / 2**30})
+    bounded = stream(
+        uploaded, storage_options=s3.opts, remote={**settings, "cache_dir": str(small), "cache_gb": limit / 2**30}
+    )
     _same_epoch(stream(local), bounded)
     assert 0 < sum(p.stat().st_size for p in small.glob("*.tar")) <= limit
 
@@ -297,7 +351,22 @@ def test_http_shards_stream_inspect_and_refuse_writes(http, local, capsys):
     io = remote.io_counts()
     assert io["retries/throttled"] > 0 and io["failed"] == 0
     http.faults.clear()
-    assert _cli("shards", "build", "--layout", "synthetic", "--classes", "2", "--per-class", "2", "--out", f"{http.url}/new", "--quiet") == 2
+    assert (
+        _cli(
+            "shards",
+            "build",
+            "--layout",
+            "synthetic",
+            "--classes",
+            "2",
+            "--per-class",
+            "2",
+            "--out",
+            f"{http.url}/new",
+            "--quiet",
+        )
+        == 2
+    )
     assert "read-only" in capsys.readouterr().err
 
 
@@ -309,21 +378,44 @@ def test_eval_cli_reads_a_url(http, local, tmp_path, capsys):
     torch.manual_seed(0)
     cfg = ModelConfig(backbone="small_cnn", embedding_dim=64, pretrained="none")
     ckpt = tmp_path / "model.pt"
-    data = {"eval_resize": 20, "eval_crop": 16, "loader_workers": 0, "eval_batch_size": 16, "remote": {"cache_dir": str(tmp_path / "cache")}}
+    data = {
+        "eval_resize": 20,
+        "eval_crop": 16,
+        "loader_workers": 0,
+        "eval_batch_size": 16,
+        "remote": {"cache_dir": str(tmp_path / "cache")},
+    }
     save_model(ckpt, build_model(cfg), {"model": cfg.model_dump(mode="json"), "data": data})
     outs = {}
     for name, where in (("local", str(local)), ("http", f"{http.url}/{local.name}")):
         http.faults.set(p_503=0.2)
-        assert _cli("eval", str(ckpt), "--shards", where, "--out", str(tmp_path / f"{name}.json"), "--no-nmi", "--device", "cpu") == 0
+        assert (
+            _cli(
+                "eval",
+                str(ckpt),
+                "--shards",
+                where,
+                "--out",
+                str(tmp_path / f"{name}.json"),
+                "--no-nmi",
+                "--device",
+                "cpu",
+            )
+            == 0
+        )
         outs[name] = json.loads((tmp_path / f"{name}.json").read_text())["metrics"]
     assert outs["http"] == outs["local"]
-    assert "remote requests" in capsys.readouterr().err and list((tmp_path / "cache").glob("*.tar"))  # cached on the way
+    assert "remote requests" in capsys.readouterr().err and list(
+        (tmp_path / "cache").glob("*.tar")
+    )  # cached on the way
 
 
 def test_file_urls_are_local_paths(local):
     m = Manifest.load("file://" + str(local))
     assert not m.location.remote and m.split("train").shards[0].path.is_file()
-    assert np.array_equal(m.split("train").group_table().offset, Manifest.load(local).split("train").group_table().offset)
+    assert np.array_equal(
+        m.split("train").group_table().offset, Manifest.load(local).split("train").group_table().offset
+    )
     assert os.fspath(m.root) == str(local.resolve())
 
 
@@ -334,8 +426,12 @@ def test_drivers_take_a_url_for_data_shards(s3, local, uploaded, tmp_path, monke
     from dmltrain.config import load_config
 
     monkeypatch.chdir(tmp_path)
-    over = [f"data.shards={uploaded}", f"data.storage_options.endpoint_url={s3.endpoint}", f"train.output_dir={tmp_path / 'runs'}",
-            "data.eval_splits=[test]"]
+    over = [
+        f"data.shards={uploaded}",
+        f"data.storage_options.endpoint_url={s3.endpoint}",
+        f"train.output_dir={tmp_path / 'runs'}",
+        "data.eval_splits=[test]",
+    ]
     cfg = load_config(None, [*over, "data.synthetic=null"])
     check_outputs(cfg)
     assert prepare_shards(cfg, None, progress=False) == {Manifest.load(local).split("train").num_classes: uploaded}

@@ -32,8 +32,16 @@ def env(tmp_path_factory):
         opts = {"endpoint_url": s3.endpoint}
         Location(URL, opts).fs.mkdir("train")
         for where in (root / "shards", URL):
-            build_synthetic_shards(where, classes=8, per_class=6, image_size=32, seed=0, shard_size=16, progress=False,
-                                   storage_options=opts if where == URL else None)
+            build_synthetic_shards(
+                where,
+                classes=8,
+                per_class=6,
+                image_size=32,
+                seed=0,
+                shard_size=16,
+                progress=False,
+                storage_options=opts if where == URL else None,
+            )
         start_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
         try:
             yield root, s3, opts
@@ -45,14 +53,28 @@ def _config(root: Path, name: str, shards: str, **over):
     from dmltrain.config import load_config
 
     overrides = {
-        "data.shards": shards, "data.synthetic": "null", "data.batch_size": 16, "data.samples_per_class": 4,
-        "data.loader_workers": 1, "data.eval_batch_size": 16, "train.epochs": 1, "train.log_every": 1,
-        "train.run_name": name, "train.output_dir": str(root / "runs"), "eval.every": 0, "eval.plots": False,
-        "tracking.uri": f"sqlite:///{root / 'mlflow.db'}", "tracking.system_metrics": False, "tracking.log_models": False,
-        "cluster.num_workers": 2, "cluster.cpus_per_worker": 0.5,
+        "data.shards": shards,
+        "data.synthetic": "null",
+        "data.batch_size": 16,
+        "data.samples_per_class": 4,
+        "data.loader_workers": 1,
+        "data.eval_batch_size": 16,
+        "train.epochs": 1,
+        "train.log_every": 1,
+        "train.run_name": name,
+        "train.output_dir": str(root / "runs"),
+        "eval.every": 0,
+        "eval.plots": False,
+        "tracking.uri": f"sqlite:///{root / 'mlflow.db'}",
+        "tracking.system_metrics": False,
+        "tracking.log_models": False,
+        "cluster.num_workers": 2,
+        "cluster.cpus_per_worker": 0.5,
     }
     overrides.update(over)
-    return load_config(Path(__file__).resolve().parents[1] / "configs/demo.yaml", [f"{k}={v}" for k, v in overrides.items()])
+    return load_config(
+        Path(__file__).resolve().parents[1] / "configs/demo.yaml", [f"{k}={v}" for k, v in overrides.items()]
+    )
 
 
 def _weights(summary) -> dict[str, torch.Tensor]:
@@ -67,7 +89,10 @@ def runs(env):
     local = train(_config(root, "local", str(root / "shards")), progress=False)
     assert local.ok, local.error
     s3.faults.set(p_503=0.25, p_hang=0.03, hang_s=2.5, truncate=1)
-    remote_over = {"data.storage_options.endpoint_url": opts["endpoint_url"], **{f"data.remote.{k}": v for k, v in REMOTE.items()}}
+    remote_over = {
+        "data.storage_options.endpoint_url": opts["endpoint_url"],
+        **{f"data.remote.{k}": v for k, v in REMOTE.items()},
+    }
     remote = train(_config(root, "s3", URL, **remote_over), progress=False)
     injected = dict(s3.faults.injected)
     s3.faults.clear()
@@ -90,7 +115,11 @@ def test_training_from_s3_through_faults_matches_local_disk(env, runs):
     exp = client.get_experiment_by_name("dmltrain-demo")
     (run,) = client.search_runs([exp.experiment_id], filter_string="tags.`dmltrain.run_name` = 's3'")
     m = run.data.metrics
-    assert m[names.REMOTE_RETRIES] > 0 and m[names.REMOTE_PREFIX + "retries/throttled"] > 0 and m[names.REMOTE_PREFIX + "failed"] == 0
+    assert (
+        m[names.REMOTE_RETRIES] > 0
+        and m[names.REMOTE_PREFIX + "retries/throttled"] > 0
+        and m[names.REMOTE_PREFIX + "failed"] == 0
+    )
     assert m[names.REMOTE_PREFIX + "requests"] > m[names.REMOTE_RETRIES]
     (plain,) = client.search_runs([exp.experiment_id], filter_string="tags.`dmltrain.run_name` = 'local'")
     assert not any(k.startswith(names.REMOTE_PREFIX) for k in plain.data.metrics)
@@ -105,7 +134,17 @@ def test_eval_cli_from_s3_matches_local_disk(env, runs, tmp_path):
     out = {}
     for name, shards in (("local", str(root / "shards")), ("s3", URL)):
         s3.faults.set(p_503=0.2)
-        args = ["eval", str(model), "--shards", shards, "--out", str(tmp_path / f"{name}.json"), "--no-nmi", "--device", "cpu"]
+        args = [
+            "eval",
+            str(model),
+            "--shards",
+            shards,
+            "--out",
+            str(tmp_path / f"{name}.json"),
+            "--no-nmi",
+            "--device",
+            "cpu",
+        ]
         assert main(args) == 0  # the s3 run's config carries the endpoint in data.storage_options
         out[name] = json.loads((tmp_path / f"{name}.json").read_text())["metrics"]
     assert out["s3"] == out["local"]

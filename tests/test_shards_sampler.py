@@ -37,7 +37,9 @@ def test_pk_plan_properties(shard_dir, world_size):
     info = Manifest.load(shard_dir).split("train")
     table = info.group_table()
     per = P // world_size
-    planner = EpochPlanner(table, world_size=world_size, k=K, pieces_per_batch=per, seed=5, class_balanced=True, window_batches=3)
+    planner = EpochPlanner(
+        table, world_size=world_size, k=K, pieces_per_batch=per, seed=5, class_balanced=True, window_batches=3
+    )
     windows = max(1, planner.batches_per_epoch // 3)
     total = int(pieces_per_group(table.count, K).sum())
     assert planner.batches_per_epoch == total // P
@@ -46,7 +48,7 @@ def test_pk_plan_properties(shard_dir, world_size):
         batches = list(planner.batches(0, rank))
         assert [b for b, _ in batches] == list(range(planner.batches_per_epoch))
         window_of = [min(b // 3, windows - 1) for b, _ in batches]
-        for (b, pieces) in batches:
+        for b, pieces in batches:
             assert len(pieces) == per and all(len(p.positions) == K for p in pieces)
             # distinct classes, unless a class has more pieces in the window than the window has batches
             in_window = Counter(p.label for (c, ps) in batches if window_of[c] == window_of[b] for p in ps)
@@ -86,7 +88,10 @@ def test_batch_shape_is_the_config_check():
     cases = [
         (("pk", 30, 4, 1, None), "data.batch_size: 30 is not divisible into P×K with K = data.samples_per_class = 4"),
         (("pk", 64, 4, 1, 10), "data.classes_per_batch: 10 × samples_per_class 4 != data.batch_size 64"),
-        (("pk", 64, 4, 3, None), "data.classes_per_batch: P = 16 classes cannot be split evenly over cluster.num_workers = 3"),
+        (
+            ("pk", 64, 4, 3, None),
+            "data.classes_per_batch: P = 16 classes cannot be split evenly over cluster.num_workers = 3",
+        ),
         (("random", 64, 4, 3, None), "data.batch_size: 64 is not divisible by cluster.num_workers = 3"),
         (("other", 64, 4, 1, None), "data.sampler: 'other' is not 'pk' or 'random'"),
     ]

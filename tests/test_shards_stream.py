@@ -39,8 +39,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # every augmentation option on: all of them must be functions of (seed, epoch, rank, batch)
 ALL_OPTIONS = AugmentConfig(
-    resize=[24, 24], scale=(0.3, 1.0), ratio=(0.5, 2.0), flip=0.5, rotation=20, color_jitter=[0.3, 0.3, 0.3, 0.1],
-    grayscale=3, noise=0.05, erase=0.5,
+    resize=[24, 24],
+    scale=(0.3, 1.0),
+    ratio=(0.5, 2.0),
+    flip=0.5,
+    rotation=20,
+    color_jitter=[0.3, 0.3, 0.3, 0.1],
+    grayscale=3,
+    noise=0.05,
+    erase=0.5,
 )
 
 
@@ -62,7 +69,12 @@ def test_stream_follows_plan_and_manifest(shard_dir):
         assert labels.tolist() == [p.label for p in pieces for _ in p.positions]
         assert index.tolist() == [int(table.start[p.group]) + q for p in pieces for q in p.positions]
     # labels agree with what the shards themselves say about those samples (read with plain WebDataset)
-    cls = {int(x["__key__"]): int(x["cls"]) for x in wds.WebDataset([str(sh.path) for sh in info.shards], shardshuffle=False, empty_check=False, nodesplitter=None)}
+    cls = {
+        int(x["__key__"]): int(x["cls"])
+        for x in wds.WebDataset(
+            [str(sh.path) for sh in info.shards], shardshuffle=False, empty_check=False, nodesplitter=None
+        )
+    }
     for _, labels, index in got:
         assert labels.tolist() == [cls[i] for i in index.tolist()]
     # normalized ImageNet-style: roughly zero-centred, unit-scale values
@@ -83,7 +95,9 @@ def test_stream_follows_plan_and_manifest(shard_dir):
     channels_last = normalize_batch(u8.contiguous(memory_format=torch.channels_last), torch.bfloat16)
     assert channels_last.dtype == torch.bfloat16 and channels_last.is_contiguous(memory_format=torch.channels_last)
     assert torch.allclose(channels_last.float(), got[0][0], atol=0.02)
-    assert torch.equal(normalize_batch(u8.float()), got[0][0]), "float pixel values work too, and the input is left alone"
+    assert torch.equal(normalize_batch(u8.float()), got[0][0]), (
+        "float pixel values work too, and the input is left alone"
+    )
     with pytest.raises(ValueError, match="b×3×H×W"):
         normalize_batch(u8.permute(0, 2, 3, 1))
 
@@ -96,7 +110,9 @@ def test_loader_processes_resume_and_determinism(shard_dir):
     for a, b in zip(ref, par):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), "the same batches whatever the number of loader processes"
     start = 3
-    resumed = list(stream(shard_dir, augment=ALL_OPTIONS, loader_workers=2).epoch(1, start_batch=start, with_index=True))
+    resumed = list(
+        stream(shard_dir, augment=ALL_OPTIONS, loader_workers=2).epoch(1, start_batch=start, with_index=True)
+    )
     assert len(resumed) == len(ref) - start
     for a, b in zip(ref[start:], resumed):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), "resume replays the same images and augmentation"
@@ -119,7 +135,18 @@ def test_grayscale_batches(shard_dir):
     assert torch.equal(g.expand(-1, 3, -1, -1), t) and torch.equal(normalize_batch(g), normalize_batch(t))
     normalized = next(stream(shard_dir, augment=AugmentConfig(grayscale=1)).epoch(0))[0]
     assert normalized.shape == (P * K, 3, IMG, IMG) and torch.equal(normalized, normalize_batch(t))
-    evals = eval_batches(shard_dir, "test", rank=0, world_size=1, batch_size=8, resize=18, crop=IMG, grayscale=1, loader_workers=0, normalize=False)
+    evals = eval_batches(
+        shard_dir,
+        "test",
+        rank=0,
+        world_size=1,
+        batch_size=8,
+        resize=18,
+        crop=IMG,
+        grayscale=1,
+        loader_workers=0,
+        normalize=False,
+    )
     assert next(iter(evals))[0].shape[1:] == (1, IMG, IMG)
 
 
@@ -127,12 +154,27 @@ def test_from_config(shard_dir):
     """The stream a run config describes: the same batches as the keyword constructor."""
     from dmltrain.config import build_config
 
-    cfg = build_config({
-        "data": {"shards": str(shard_dir), "batch_size": P * K, "samples_per_class": K, "image_size": IMG, "augment": {"rotation": 10}},
-        "train": {"seed": 11}, "cluster": {"num_workers": 2},
-    })
+    cfg = build_config(
+        {
+            "data": {
+                "shards": str(shard_dir),
+                "batch_size": P * K,
+                "samples_per_class": K,
+                "image_size": IMG,
+                "augment": {"rotation": 10},
+            },
+            "train": {"seed": 11},
+            "cluster": {"num_workers": 2},
+        }
+    )
     ts = TrainStream.from_config(cfg, 1, 2, loader_workers=0)
-    ref = stream(shard_dir, rank=1, world_size=2, augment=AugmentConfig(rotation=10), shuffle_images=TrainStream.__init__.__kwdefaults__["shuffle_images"])
+    ref = stream(
+        shard_dir,
+        rank=1,
+        world_size=2,
+        augment=AugmentConfig(rotation=10),
+        shuffle_images=TrainStream.__init__.__kwdefaults__["shuffle_images"],
+    )
     assert ts.plan_signature() == ref.plan_signature() and ts.transform.augment == ref.transform.augment
     for a, b in zip(ts.epoch(0, with_index=True), ref.epoch(0, with_index=True)):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -143,11 +185,27 @@ def test_plan_signature_and_resume_position(shard_dir, tmp_path):
     sig = base.plan_signature()
     assert json.loads(json.dumps(sig)) == sig, "JSON-ready, to store in a checkpoint"
     assert set(sig) == {
-        "plan_version", "split", "world_size", "sampler", "batch_size", "samples_per_class", "seed", "shuffle_window_batches", "manifest_digest",
+        "plan_version",
+        "split",
+        "world_size",
+        "sampler",
+        "batch_size",
+        "samples_per_class",
+        "seed",
+        "shuffle_window_batches",
+        "manifest_digest",
     }
     # what does not change the plan does not change the signature; every plan input does
-    assert stream(shard_dir, loader_workers=2, augment=AugmentConfig(color_jitter=0.4), image_size=IMG + 8, normalize=False).plan_signature() == sig
-    assert stream(shard_dir, rank=1, world_size=2).plan_signature() == stream(shard_dir, rank=0, world_size=2).plan_signature(), "same on all ranks"
+    assert (
+        stream(
+            shard_dir, loader_workers=2, augment=AugmentConfig(color_jitter=0.4), image_size=IMG + 8, normalize=False
+        ).plan_signature()
+        == sig
+    )
+    assert (
+        stream(shard_dir, rank=1, world_size=2).plan_signature()
+        == stream(shard_dir, rank=0, world_size=2).plan_signature()
+    ), "same on all ranks"
     changed = {
         "world_size": stream(shard_dir, world_size=3),
         "batch_size": stream(shard_dir, batch_size=2 * P * K),
@@ -264,7 +322,16 @@ def test_eval_drops_unreadable_samples(shard_dir, tmp_path, caplog):
     for world_size, bs, workers in ((1, 8, 0), (2, 3, 1)):
         seen, skipped, n_batches = [], 0, set()
         for rank in range(world_size):
-            batches = eval_batches(bad, "test", rank=rank, world_size=world_size, batch_size=bs, resize=18, crop=IMG, loader_workers=workers)
+            batches = eval_batches(
+                bad,
+                "test",
+                rank=rank,
+                world_size=world_size,
+                batch_size=bs,
+                resize=18,
+                crop=IMG,
+                loader_workers=workers,
+            )
             assert batches.skipped == 0 and batches.num_samples == info.num_images
             got = list(batches)
             n_batches.add(len(got))
@@ -274,7 +341,9 @@ def test_eval_drops_unreadable_samples(shard_dir, tmp_path, caplog):
                 assert labels.tolist() == label_of[index.numpy()].tolist(), "every label is the sample's own"
                 seen += index.tolist()
             skipped += batches.skipped
-        assert sorted(seen) == sorted(set(range(info.num_images)) - dropped), "readable samples once each, unreadable ones never"
+        assert sorted(seen) == sorted(set(range(info.num_images)) - dropped), (
+            "readable samples once each, unreadable ones never"
+        )
         assert skipped == len(dropped) and len(n_batches) == 1
         assert int(table.label[whole]) not in label_of[np.array(seen)].tolist()
     assert any("left out of the evaluation" in r.getMessage() for r in caplog.records)
@@ -287,7 +356,9 @@ def test_eval_drops_unreadable_samples(shard_dir, tmp_path, caplog):
     keep = np.array([i not in dropped for i in range(info.num_images)])
     emb, lab = clean_gathered["test"]
     assert np.allclose(gathered["test"][0], emb[keep], atol=1e-6) and np.array_equal(gathered["test"][1], lab[keep])
-    ref = retrieval_metrics(emb[keep], lab[keep], ks=ev.ks, nmi=ev.nmi, map_at_r=ev.map_at_r, device="cpu", progress=False)
+    ref = retrieval_metrics(
+        emb[keep], lab[keep], ks=ev.ks, nmi=ev.nmi, map_at_r=ev.map_at_r, device="cpu", progress=False
+    )
     assert {k: v for k, v in metrics.items() if k != "unreadable_samples"} == pytest.approx(ref)
 
 
@@ -299,7 +370,16 @@ def test_eval_batches_partition_the_split(shard_dir):
         all_index, counts = [], []
         for rank in range(world_size):
             batches = list(
-                eval_batches(shard_dir, "test", rank=rank, world_size=world_size, batch_size=bs, resize=18, crop=IMG, loader_workers=workers)
+                eval_batches(
+                    shard_dir,
+                    "test",
+                    rank=rank,
+                    world_size=world_size,
+                    batch_size=bs,
+                    resize=18,
+                    crop=IMG,
+                    loader_workers=workers,
+                )
             )
             counts.append(len(batches))
             for images, labels, index in batches:
@@ -316,7 +396,9 @@ def test_eval_inshop_shares_labels(tmp_path):
     by_split = {}
     for split in ("query", "gallery"):
         ids = m.split(split).original_ids()
-        batches = eval_batches(tmp_path / "out", split, rank=0, world_size=1, batch_size=4, resize=40, crop=32, loader_workers=0)
+        batches = eval_batches(
+            tmp_path / "out", split, rank=0, world_size=1, batch_size=4, resize=40, crop=32, loader_workers=0
+        )
         by_split[split] = Counter(ids[int(lab)] for _, labels, _ in batches for lab in labels)
     assert by_split["query"] == Counter({f"id_{i:08d}": 2 for i in range(5, 9)})
     assert by_split["gallery"] == Counter({f"id_{i:08d}": 2 for i in range(5, 10)})
@@ -336,11 +418,15 @@ def _one_world(rank: int, world_size: int, shard_dir: str, group) -> dict:
         dist.all_gather_object(gathered, (labels.tolist(), index.tolist()), group=group)
         batches.append((labels.tolist(), index.tolist(), float(images.double().sum())))
     out["epoch0"] = batches
-    out["epoch0_again"] = [(l.tolist(), i.tolist(), float(im.double().sum())) for im, l, i in ts.epoch(0, with_index=True)]
+    out["epoch0_again"] = [
+        (l.tolist(), i.tolist(), float(im.double().sum())) for im, l, i in ts.epoch(0, with_index=True)
+    ]
     resumed = stream(shard_dir, rank=rank, world_size=world_size).epoch(0, start_batch=2, with_index=True)
     out["resume"] = [(l.tolist(), i.tolist(), float(im.double().sum())) for im, l, i in resumed]
     out["epoch1"] = [i.tolist() for _, _, i in ts.epoch(1, with_index=True)]
-    evals = eval_batches(shard_dir, "test", rank=rank, world_size=world_size, batch_size=4, resize=18, crop=IMG, loader_workers=0)
+    evals = eval_batches(
+        shard_dir, "test", rank=rank, world_size=world_size, batch_size=4, resize=18, crop=IMG, loader_workers=0
+    )
     out["eval"] = [i.tolist() for _, _, i in evals]
     return out
 

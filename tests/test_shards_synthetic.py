@@ -38,7 +38,9 @@ def recall_at_1(model: nn.Module, shard_dir) -> float:
     model.eval()
     embs, labels = [], []
     with torch.no_grad():
-        for images, y, _ in eval_batches(shard_dir, "test", rank=0, world_size=1, batch_size=200, resize=36, crop=SIZE, loader_workers=0):
+        for images, y, _ in eval_batches(
+            shard_dir, "test", rank=0, world_size=1, batch_size=200, resize=36, crop=SIZE, loader_workers=0
+        ):
             embs.append(F.normalize(model(images), dim=1))
             labels.append(y)
     e, y = torch.cat(embs), torch.cat(labels)
@@ -65,7 +67,16 @@ def test_synthetic_is_learnable(tmp_path):
     classifier = nn.Linear(64, CLASSES)
     opt = torch.optim.Adam([*model.parameters(), *classifier.parameters()], lr=3e-3)
     ts = TrainStream(
-        out, rank=0, world_size=1, sampler="pk", batch_size=64, samples_per_class=4, seed=0, image_size=SIZE, augment=AugmentConfig(scale=(0.5, 1.0)), loader_workers=1
+        out,
+        rank=0,
+        world_size=1,
+        sampler="pk",
+        batch_size=64,
+        samples_per_class=4,
+        seed=0,
+        image_size=SIZE,
+        augment=AugmentConfig(scale=(0.5, 1.0)),
+        loader_workers=1,
     )
     steps, t0, epoch = 0, time.perf_counter(), 0
     while steps < 80:
@@ -78,5 +89,7 @@ def test_synthetic_is_learnable(tmp_path):
             steps += 1
         epoch += 1
     trained = recall_at_1(model, out)
-    print(f"synthetic R@1: untrained {untrained:.3f}, trained {trained:.3f} after {steps} steps ({time.perf_counter() - t0:.1f}s)")
+    print(
+        f"synthetic R@1: untrained {untrained:.3f}, trained {trained:.3f} after {steps} steps ({time.perf_counter() - t0:.1f}s)"
+    )
     assert trained > untrained + 0.2 and trained > 2 * untrained, (untrained, trained)

@@ -156,7 +156,14 @@ def test_config_defaults_are_crop_and_flip():
     """A config that names no augmentation gets the defaults above; options are off unless set."""
     assert load_config(None, []).data.augment == AugmentConfig()
     a = load_config(None, ["data.augment.rotation=15"]).data.augment
-    assert (a.rotation_range, a.flip, a.scale, a.noise, a.erase.p, a.grayscale) == ((-15, 15), 0.5, (0.08, 1.0), 0.0, 0.0, 0)
+    assert (a.rotation_range, a.flip, a.scale, a.noise, a.erase.p, a.grayscale) == (
+        (-15, 15),
+        0.5,
+        (0.08, 1.0),
+        0.0,
+        0.0,
+        0,
+    )
     assert a.color_jitter == AugmentConfig().color_jitter
 
 
@@ -180,7 +187,9 @@ def test_resize_frame_gives_random_crop_of_resized_image():
         p = t.draw(W, H, random.Random(seed))
         left, top = p.box[0] * 64 / W, p.box[1] * 64 / H
         assert p.box[2] - p.box[0] == pytest.approx(56 * W / 64) and p.box[3] - p.box[1] == pytest.approx(56 * H / 64)
-        assert left == pytest.approx(round(left)) and top == pytest.approx(round(top)) and 0 <= left <= 8 and 0 <= top <= 8
+        assert (
+            left == pytest.approx(round(left)) and top == pytest.approx(round(top)) and 0 <= left <= 8 and 0 <= top <= 8
+        )
         ref = np.asarray(F.crop(F.resize(img, [64, 64]), round(top), round(left), 56, 56)).astype(float)
         ours = t(png, random.Random(seed)).astype(float)
         assert np.abs(ours[2:-2, 2:-2] - ref[2:-2, 2:-2]).mean() < 3  # one resample here, two there
@@ -198,9 +207,13 @@ def test_rotation_as_torchvision_rotate_then_crop():
     p = t.draw(96, 96, random.Random(3))
     assert p.angle == 25
     top, left, h, w = _box_params(p)
-    ref = np.asarray(F.resized_crop(F.rotate(img, 25, F.InterpolationMode.BILINEAR), top, left, h, w, [S, S])).astype(float)
+    ref = np.asarray(F.resized_crop(F.rotate(img, 25, F.InterpolationMode.BILINEAR), top, left, h, w, [S, S])).astype(
+        float
+    )
     ours = t(png, random.Random(3)).astype(float)
-    unrotated = TrainTransform(S, aug.model_copy(update={"rotation": 0.0}), draft=False).apply(Image.open(io.BytesIO(png)), dataclasses.replace(p, angle=0.0))
+    unrotated = TrainTransform(S, aug.model_copy(update={"rotation": 0.0}), draft=False).apply(
+        Image.open(io.BytesIO(png)), dataclasses.replace(p, angle=0.0)
+    )
     assert np.abs(ours - ref).mean() < 6 < np.abs(unrotated.astype(float) - ref).mean()
     lo, hi = AugmentConfig(rotation=10).rotation_range
     angles = [draw_params(AugmentConfig(rotation=10), W, H, S, random.Random(s)).angle for s in range(50)]
@@ -212,7 +225,12 @@ def test_color_jitter_and_grayscale_as_torchvision():
     aug = AugmentConfig(color_jitter=[0.4, 0.4, 0.4, 0.2], flip=0)
     t = TrainTransform(S, aug, draft=False)
     plain = TrainTransform(S, AugmentConfig(flip=0), draft=False)
-    adjust = {"brightness": F.adjust_brightness, "contrast": F.adjust_contrast, "saturation": F.adjust_saturation, "hue": F.adjust_hue}
+    adjust = {
+        "brightness": F.adjust_brightness,
+        "contrast": F.adjust_contrast,
+        "saturation": F.adjust_saturation,
+        "hue": F.adjust_hue,
+    }
     for seed in range(4):
         p = t.draw(W, H, random.Random(seed))
         ref = Image.fromarray(plain.apply(Image.open(io.BytesIO(png)), dataclasses.replace(p, jitter=())))
@@ -241,14 +259,19 @@ def test_erase_as_torchvision_random_erasing():
         top, left, h, w = p.erase
         assert 0.1 * S * S - 2 * S <= h * w <= 0.2 * S * S + 2 * S and 0.4 <= h / w <= 2.5
         assert 0 <= top <= S - h and 0 <= left <= S - w
-        ours, clean = t(png, random.Random(seed)), plain.apply(Image.open(io.BytesIO(png)), dataclasses.replace(p, erase=None))
+        ours, clean = (
+            t(png, random.Random(seed)),
+            plain.apply(Image.open(io.BytesIO(png)), dataclasses.replace(p, erase=None)),
+        )
         mask = np.zeros((S, S), bool)
         mask[top : top + h, left : left + w] = True
         assert (ours[mask] == ERASE_RGB).all() and np.array_equal(ours[~mask], clean[~mask])
     # value 0 after normalization: the mean colour, to within half a grey level
     filled = normalize_batch(torch.from_numpy(np.broadcast_to(ERASE_RGB, (1, 1, 1, 3)).transpose(0, 3, 1, 2).copy()))
     assert filled.abs().max() < 0.5 / 255 / min(IMAGENET_STD) + 1e-6
-    assert sum(TrainTransform(S, AugmentConfig(erase=0.5)).draw(W, H, random.Random(s)).erase is not None for s in range(60)) in range(15, 46)
+    assert sum(
+        TrainTransform(S, AugmentConfig(erase=0.5)).draw(W, H, random.Random(s)).erase is not None for s in range(60)
+    ) in range(15, 46)
 
 
 def test_noise_is_gaussian_on_normalized_pixels():
@@ -267,9 +290,17 @@ def test_noise_is_gaussian_on_normalized_pixels():
 
 
 def test_augment_config_keys():
-    cfg = load_config(None, ["data.augment.color_jitter=0.4", "data.augment.erase=0.25", "data.augment.rotation=[-5, 10]"])
+    cfg = load_config(
+        None, ["data.augment.color_jitter=0.4", "data.augment.erase=0.25", "data.augment.rotation=[-5, 10]"]
+    )
     a = cfg.data.augment
-    assert (a.color_jitter.brightness, a.color_jitter.saturation, a.color_jitter.hue, a.erase.p, a.rotation_range) == (0.4, 0.4, 0.0, 0.25, (-5, 10))
+    assert (a.color_jitter.brightness, a.color_jitter.saturation, a.color_jitter.hue, a.erase.p, a.rotation_range) == (
+        0.4,
+        0.4,
+        0.0,
+        0.25,
+        (-5, 10),
+    )
     for override, text in (
         ("data.crop_scale=[0.5, 1]", "data.crop_scale: moved to data.augment.scale"),
         ("data.color_jitter=0.4", "data.color_jitter: moved to data.augment.color_jitter"),

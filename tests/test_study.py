@@ -33,8 +33,12 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def test_ratios_and_classes_parse_or_name_the_flag():
     assert st.parse_ratios("1, 0.01,0.1,1") == [1.0, 0.1, 0.01]
     assert st.parse_classes("11318,1000") == [1000, 11318] and st.parse_classes(None) is None
-    for text, words in (("1,x", "'x' is not a number"), ("0", "0 is not a share of classes in (0, 1]"),
-                        ("1.5", "1.5 is not a share"), (",", "give at least one value, e.g. --ratios")):
+    for text, words in (
+        ("1,x", "'x' is not a number"),
+        ("0", "0 is not a share of classes in (0, 1]"),
+        ("1.5", "1.5 is not a share"),
+        (",", "give at least one value, e.g. --ratios"),
+    ):
         with pytest.raises(UserError) as e:
             st.parse_ratios(text)
         assert str(e.value).startswith(f"--ratios: {words}")
@@ -45,7 +49,11 @@ def test_ratios_and_classes_parse_or_name_the_flag():
 
 def test_synthetic_shards_of_other_class_counts_sit_beside_the_configs():
     cfg = load_config(ROOT / "configs/study/sop_synthetic.yaml")
-    assert cfg.data.synthetic.classes == 11318 and cfg.data.synthetic.per_class == 5 and cfg.loss.classifier.kind == "normsoftmax"
+    assert (
+        cfg.data.synthetic.classes == 11318
+        and cfg.data.synthetic.per_class == 5
+        and cfg.loss.classifier.kind == "normsoftmax"
+    )
     assert st.synthetic_shards_dir(cfg, 11318) == Path("data/synthetic-sop")
     assert st.synthetic_shards_dir(cfg, 1000) == Path("data/synthetic-sop-1000c")
 
@@ -53,14 +61,28 @@ def test_synthetic_shards_of_other_class_counts_sit_beside_the_configs():
 def test_cli_refuses_a_study_without_a_classifier_or_classes_of_a_real_dataset(tmp_path, capsys):
     rc = main(["study", "subsampling", str(DEMO), "loss.classifier=null", "--ratios", "1,0.1"])
     assert rc == 2 and capsys.readouterr().err.strip() == (
-        "dmltrain: error: loss.classifier: a class-subsampling study needs a classifier loss (it is null in this config)")
+        "dmltrain: error: loss.classifier: a class-subsampling study needs a classifier loss (it is null in this config)"
+    )
     from shards.synthetic import build_synthetic_shards
 
     build_synthetic_shards(tmp_path / "real", classes=4, per_class=2, image_size=16, seed=0, progress=False)
-    rc = main(["study", "subsampling", str(DEMO), f"data.shards={tmp_path / 'real'}", "data.synthetic=null", "--ratios", "1",
-               "--classes", "8"])
+    rc = main(
+        [
+            "study",
+            "subsampling",
+            str(DEMO),
+            f"data.shards={tmp_path / 'real'}",
+            "data.synthetic=null",
+            "--ratios",
+            "1",
+            "--classes",
+            "8",
+        ]
+    )
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and err.startswith(f"dmltrain: error: --classes: {tmp_path / 'real'} is a dataset with 4 train classes")
+    assert rc == 2 and err.startswith(
+        f"dmltrain: error: --classes: {tmp_path / 'real'} is a dataset with 4 train classes"
+    )
     rc = main(["study", "subsampling", str(DEMO), "--ratios", "2"])
     assert rc == 2 and "--ratios: 2 is not a share" in capsys.readouterr().err
 
@@ -79,8 +101,14 @@ def test_outputs_from_points(tmp_path):
         for r in (1.0, 0.1, 0.01):
             p = st.Point(r, n, "/s", st.point_run_name("s", r, n), status="finished")
             p.recalls = {1: 0.5 + 0.2 * r, 10: 0.9}
-            p.stats = {"images/s": 1000 / (1 + r), "step ms": 10 * (1 + r), "classifier MB": n / 100, "RSS MB": 900.0,
-                       "active rows": n * r, "active classes": n * r}
+            p.stats = {
+                "images/s": 1000 / (1 + r),
+                "step ms": 10 * (1 + r),
+                "classifier MB": n / 100,
+                "RSS MB": 900.0,
+                "active rows": n * r,
+                "active classes": n * r,
+            }
             points.append(p)
     points.append(st.Point(0.001, 1000, "/s", "s-c1000-r0.001", status="failed", error="boom"))
     summary = st.StudySummary("s", [1, 10], points, tmp_path / "out", {}, None, "", 1.0)
@@ -89,7 +117,10 @@ def test_outputs_from_points(tmp_path):
     for name in ("recall_vs_ratio.png", "cost_vs_ratio.png", "vs_classes.png"):
         assert files[name].read_bytes()[:8] == PNG
     rows = list(csv.DictReader(files["study.csv"].open()))
-    assert [(float(r["ratio"]), int(r["classes"]), r["status"]) for r in rows][:2] == [(1.0, 100, "finished"), (0.1, 100, "finished")]
+    assert [(float(r["ratio"]), int(r["classes"]), r["status"]) for r in rows][:2] == [
+        (1.0, 100, "finished"),
+        (0.1, 100, "finished"),
+    ]
     assert rows[-1]["status"] == "failed" and rows[-1]["recall@1"] == "" and rows[-1]["run"] == "s-c1000-r0.001"
     assert float(rows[1]["recall@1"]) == pytest.approx(0.52) and float(rows[4]["active rows"]) == pytest.approx(100.0)
     md = files["study.md"].read_text()
@@ -109,24 +140,60 @@ def study(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("study")
     overrides = {
-        "data.shards": str(root / "syn"), "data.synthetic": "{classes: 16, per_class: 6, image_size: 32, shard_size: 40}",
-        "data.batch_size": 24, "data.samples_per_class": 4, "data.loader_workers": 0, "data.eval_batch_size": 96,
-        "model.embedding_dim": 64, "loss.instance": "null", "train.epochs": 1, "train.log_every": 1,
-        "train.output_dir": str(root / "runs"), "eval.before_training": False, "eval.plots": False, "eval.binary": False,
-        "eval.nmi": False, "tracking.uri": f"sqlite:///{root / 'mlflow.db'}", "tracking.experiment": "study-test",
-        "tracking.system_metrics": False, "tracking.log_models": False, "cluster.num_workers": 1, "cluster.cpus_per_worker": 0.5,
+        "data.shards": str(root / "syn"),
+        "data.synthetic": "{classes: 16, per_class: 6, image_size: 32, shard_size: 40}",
+        "data.batch_size": 24,
+        "data.samples_per_class": 4,
+        "data.loader_workers": 0,
+        "data.eval_batch_size": 96,
+        "model.embedding_dim": 64,
+        "loss.instance": "null",
+        "train.epochs": 1,
+        "train.log_every": 1,
+        "train.output_dir": str(root / "runs"),
+        "eval.before_training": False,
+        "eval.plots": False,
+        "eval.binary": False,
+        "eval.nmi": False,
+        "tracking.uri": f"sqlite:///{root / 'mlflow.db'}",
+        "tracking.experiment": "study-test",
+        "tracking.system_metrics": False,
+        "tracking.log_models": False,
+        "cluster.num_workers": 1,
+        "cluster.cpus_per_worker": 0.5,
     }
     start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
-            rc = main(["study", "subsampling", str(DEMO), *(f"{k}={v}" for k, v in overrides.items()), "--ratios", "1,0.75",
-                       "--classes", "12", "--name", "sub", "--parallel", "2", "--no-progress"])
+            rc = main(
+                [
+                    "study",
+                    "subsampling",
+                    str(DEMO),
+                    *(f"{k}={v}" for k, v in overrides.items()),
+                    "--ratios",
+                    "1,0.75",
+                    "--classes",
+                    "12",
+                    "--name",
+                    "sub",
+                    "--parallel",
+                    "2",
+                    "--no-progress",
+                ]
+            )
     finally:
         ray.shutdown()
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
-    return {"rc": rc, "printed": printed.getvalue(), "root": root, "client": client,
-            "exp": client.get_experiment_by_name("study-test"), "out": root / "runs" / "sub"}
+    return {
+        "rc": rc,
+        "printed": printed.getvalue(),
+        "root": root,
+        "client": client,
+        "exp": client.get_experiment_by_name("study-test"),
+        "out": root / "runs" / "sub",
+    }
 
 
 @pytest.mark.ray
@@ -141,15 +208,24 @@ def test_two_point_study_writes_its_table_and_plots_under_one_parent_run(study, 
     assert not (root / "syn").exists()  # --classes named every class count: the config's own were not needed
 
     parents = client.search_runs([exp.experiment_id], filter_string="tags.`dmltrain.run_name` = 'sub'")
-    assert len(parents) == 1 and parents[0].info.status == "FINISHED" and parents[0].data.tags["dmltrain.kind"] == "study"
+    assert (
+        len(parents) == 1 and parents[0].info.status == "FINISHED" and parents[0].data.tags["dmltrain.kind"] == "study"
+    )
     parent = parents[0]
     assert parent.data.params["study.ratios"] == "1,0.75" and parent.data.params["study.classes"] == "12"
-    kids = {k.data.tags["dmltrain.run_name"]: k for k in
-            client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
+    kids = {
+        k.data.tags["dmltrain.run_name"]: k
+        for k in client.search_runs(
+            [exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+        )
+    }
     assert set(kids) == {"sub-c12-r1", "sub-c12-r0.75"}
 
     rows = list(csv.DictReader((out / "study.csv").open()))
-    assert [(r["ratio"], r["classes"], r["status"]) for r in rows] == [("1.0", "12", "finished"), ("0.75", "12", "finished")]
+    assert [(r["ratio"], r["classes"], r["status"]) for r in rows] == [
+        ("1.0", "12", "finished"),
+        ("0.75", "12", "finished"),
+    ]
     for row in rows:
         kid = kids[row["run"]]
         assert kid.info.status == "FINISHED"
@@ -158,11 +234,16 @@ def test_two_point_study_writes_its_table_and_plots_under_one_parent_run(study, 
         for k in (1, 2, 4, 8):  # the final evaluation, as logged by the run
             last = max(client.get_metric_history(kid.info.run_id, f"eval/recall_at_{k}"), key=lambda m: m.step)
             assert float(row[f"recall@{k}"]) == pytest.approx(last.value, rel=1e-12)
-        speeds = [m.value for m in sorted(client.get_metric_history(kid.info.run_id, "images_per_s"), key=lambda m: m.step)]
+        speeds = [
+            m.value for m in sorted(client.get_metric_history(kid.info.run_id, "images_per_s"), key=lambda m: m.step)
+        ]
         assert float(row["images/s"]) == pytest.approx(statistics.median(speeds[1:] if len(speeds) > 1 else speeds))
         assert float(row["step ms"]) > 0 and float(row["classifier MB"]) > 0
     # one worker holds all 12 rows: every class at ratio 1, round(0.75 x 12) = 9 (> the 6 classes of a batch) at 0.75
-    assert [float(r["active rows"]) for r in rows] == [12.0, 9.0] and [float(r["active classes"]) for r in rows] == [12.0, 9.0]
+    assert [float(r["active rows"]) for r in rows] == [12.0, 9.0] and [float(r["active classes"]) for r in rows] == [
+        12.0,
+        9.0,
+    ]
 
     for name in ("recall_vs_ratio.png", "cost_vs_ratio.png"):
         assert (out / name).read_bytes()[:8] == PNG
@@ -172,7 +253,9 @@ def test_two_point_study_writes_its_table_and_plots_under_one_parent_run(study, 
     arts = {a.path for a in client.list_artifacts(parent.info.run_id, "study")}
     assert {"study/study.md", "study/study.csv", "study/plots"} <= arts
     assert {a.path for a in client.list_artifacts(parent.info.run_id, "study/plots")} == {
-        "study/plots/recall_vs_ratio.png", "study/plots/cost_vs_ratio.png"}
+        "study/plots/recall_vs_ratio.png",
+        "study/plots/cost_vs_ratio.png",
+    }
     printed = study["printed"]
     assert "| ratio | classes | status |" in printed and "2/2 points finished" in printed
 
@@ -182,8 +265,13 @@ def test_two_point_study_writes_its_table_and_plots_under_one_parent_run(study, 
 def test_report_over_the_study_compares_its_points(study, tmp_path):
     from dmltrain.report.cli import build_report
 
-    rep = build_report("study-test", runs=["sub"], out=tmp_path / "report", tracking_uri=f"sqlite:///{study['root'] / 'mlflow.db'}",
-                       progress=False)
+    rep = build_report(
+        "study-test",
+        runs=["sub"],
+        out=tmp_path / "report",
+        tracking_uri=f"sqlite:///{study['root'] / 'mlflow.db'}",
+        progress=False,
+    )
     assert sorted(r.name for r in rep.records) == ["sub-c12-r0.75", "sub-c12-r1"]
     text = rep.markdown.read_text()
     assert "loss.classifier.sample_ratio" in text and rep.html.is_file()

@@ -54,7 +54,12 @@ def test_plan_job_entrypoint_is_a_valid_train_command(in_repo):
     assert re.fullmatch(r"dmltrain-demo-\d{8}-\d{6}-[0-9a-f]{4}", spec.submission_id)
     args = parse_entrypoint(spec.entrypoint)
     assert args.command == "train" and args.config == DEMO
-    assert args.overrides == ["optim.lr=0.02", "eval.ks=[1, 2]", "cluster.address=auto", f"train.run_name={spec.submission_id}"]
+    assert args.overrides == [
+        "optim.lr=0.02",
+        "eval.ks=[1, 2]",
+        "cluster.address=auto",
+        f"train.run_name={spec.submission_id}",
+    ]
     cfg = load_config(args.config, args.overrides)  # what the job will load
     assert cfg.train.run_name == spec.submission_id and cfg.cluster.address == "auto"
     assert cfg.optim.lr == 0.02 and cfg.eval.ks == [1, 2]
@@ -71,8 +76,14 @@ def test_plan_job_entrypoint_is_a_valid_train_command(in_repo):
 def test_plan_job_respects_explicit_run_name_address_and_options(in_repo, tmp_path):
     req = tmp_path / "requirements.txt"
     req.write_text("# extras\nfaiss-gpu-cu12>=1.8\n\nsome-pkg==1.0  # pinned\n")
-    spec = sub.plan_job(DEMO, ["train.run_name=resume-me", "cluster.address=ray://h:10001"], requirements=req,
-                        excludes=["notebooks/"], env={"NCCL_DEBUG": "INFO"}, submission_id="my-job.1")
+    spec = sub.plan_job(
+        DEMO,
+        ["train.run_name=resume-me", "cluster.address=ray://h:10001"],
+        requirements=req,
+        excludes=["notebooks/"],
+        env={"NCCL_DEBUG": "INFO"},
+        submission_id="my-job.1",
+    )
     args = parse_entrypoint(spec.entrypoint)
     assert args.overrides == ["train.run_name=resume-me", "cluster.address=ray://h:10001"]
     assert spec.submission_id == "my-job.1" and spec.metadata["dmltrain.run_name"] == "resume-me"
@@ -106,7 +117,11 @@ def test_placement_warnings_name_the_paths_a_cluster_would_lose(in_repo):
     warns = " ".join(sub.plan_job(DEMO).warnings)
     for key in ("tracking.uri", "train.output_dir", "data.shards"):
         assert key in warns
-    shared = ["tracking.uri=http://mlflow:5000", "cluster.storage_path=/mnt/shared/runs", "data.shards=/mnt/shared/shards/demo"]
+    shared = [
+        "tracking.uri=http://mlflow:5000",
+        "cluster.storage_path=/mnt/shared/runs",
+        "data.shards=/mnt/shared/shards/demo",
+    ]
     assert sub.plan_job(DEMO, shared).warnings == []
 
 
@@ -118,18 +133,42 @@ def _project(root, files):
 
 
 def _minimal_project(root):
-    return _project(root, {"configs/demo.yaml": (REPO / DEMO).read_text(), "configs/base.yaml": "train: {epochs: 2}\n",
-                           "configs/child.yaml": "extends: base.yaml\n", "dmltrain/cli.py": "x = 1\n",
-                           "cluster/submit.py": "x = 2\n", "pyproject.toml": "[project]\n", "README.md": "hi\n"})
+    return _project(
+        root,
+        {
+            "configs/demo.yaml": (REPO / DEMO).read_text(),
+            "configs/base.yaml": "train: {epochs: 2}\n",
+            "configs/child.yaml": "extends: base.yaml\n",
+            "dmltrain/cli.py": "x = 1\n",
+            "cluster/submit.py": "x = 2\n",
+            "pyproject.toml": "[project]\n",
+            "README.md": "hi\n",
+        },
+    )
 
 
 # what a home folder or a busy project folder holds beside the code: none of it may travel with a job
 PLANTED = {
-    ".env": "MLFLOW_TRACKING_PASSWORD=hunter2\n", ".aws/credentials": "[default]\n", ".ssh/id_rsa": "key\n",
-    ".netrc": "machine x\n", ".ray/auth_token": "tok\n", "credentials.json": "{}\n", "secrets.yaml": "a: b\n",
-    "server.pem": "pem\n", "mlflow.db": "", "mlflow.db-wal": "", "mlflow.db-journal": "", "runs.sqlite": "",
-    "env/pyvenv.cfg": "home = /usr\n", "env/lib/site.py": "", ".venv/bin/python": "", "data/sop/train-000000.tar": "",
-    "shards-out/manifest.json": "{}\n", "shards-out/train-000000.tar": "", "runs/r1/model.pt": "", "notebooks/x.ipynb": "{}",
+    ".env": "MLFLOW_TRACKING_PASSWORD=hunter2\n",
+    ".aws/credentials": "[default]\n",
+    ".ssh/id_rsa": "key\n",
+    ".netrc": "machine x\n",
+    ".ray/auth_token": "tok\n",
+    "credentials.json": "{}\n",
+    "secrets.yaml": "a: b\n",
+    "server.pem": "pem\n",
+    "mlflow.db": "",
+    "mlflow.db-wal": "",
+    "mlflow.db-journal": "",
+    "runs.sqlite": "",
+    "env/pyvenv.cfg": "home = /usr\n",
+    "env/lib/site.py": "",
+    ".venv/bin/python": "",
+    "data/sop/train-000000.tar": "",
+    "shards-out/manifest.json": "{}\n",
+    "shards-out/train-000000.tar": "",
+    "runs/r1/model.pt": "",
+    "notebooks/x.ipynb": "{}",
     ".git/HEAD": "ref\n",
 }
 
@@ -144,7 +183,14 @@ def test_dry_run_uploads_the_allow_list_only(tmp_path, monkeypatch, capsys):
     out, err = capsys.readouterr()
     printed = json.loads(out)
     listed = printed["upload"]["list"]
-    assert set(listed) == {"configs/demo.yaml", "configs/base.yaml", "configs/child.yaml", "dmltrain/cli.py", "cluster/submit.py", "pyproject.toml"}
+    assert set(listed) == {
+        "configs/demo.yaml",
+        "configs/base.yaml",
+        "configs/child.yaml",
+        "dmltrain/cli.py",
+        "cluster/submit.py",
+        "pyproject.toml",
+    }
     assert listed["dmltrain/cli.py"] == 6 and printed["upload"]["bytes"] == sum(listed.values())
     assert printed["upload"]["files"] == 6 and printed["upload"]["from"] == str(wd)
     assert "would upload 6 files" in err and "working_dir" in printed["runtime_env"]
@@ -158,7 +204,10 @@ def test_dry_run_uploads_the_allow_list_only(tmp_path, monkeypatch, capsys):
 ])  # fmt: skip
 def test_a_credential_that_would_go_is_refused_with_one_line(tmp_path, monkeypatch, capsys, planted, why):
     wd = _minimal_project(tmp_path / "proj")
-    secret = {"configs/notes.txt": "-----BEGIN OPENSSH " + "PRIVATE KEY-----\nb3Blbn\n", "configs/aws.yaml": "key: AKIA" + "ABCDEFGHIJKLMNOP\n"}
+    secret = {
+        "configs/notes.txt": "-----BEGIN OPENSSH " + "PRIVATE KEY-----\nb3Blbn\n",
+        "configs/aws.yaml": "key: AKIA" + "ABCDEFGHIJKLMNOP\n",
+    }
     _project(wd, {planted: secret.get(planted, "x\n")})
     monkeypatch.chdir(wd)
     monkeypatch.setattr(sub, "connect", lambda address: pytest.fail("refused before contacting the cluster"))
@@ -172,8 +221,18 @@ def test_a_credential_that_would_go_is_refused_with_one_line(tmp_path, monkeypat
 
 def test_upload_honours_ignore_files_includes_and_links(tmp_path):
     wd = _minimal_project(tmp_path / "proj")
-    _project(wd, {".gitignore": "*.log\nconfigs/scratch/\n", "configs/.rayignore": "draft.yaml\n", "configs/run.log": "",
-                  "configs/scratch/a.yaml": "", "configs/draft.yaml": "", "tools/plot.py": "", "tools/cache.db": ""})
+    _project(
+        wd,
+        {
+            ".gitignore": "*.log\nconfigs/scratch/\n",
+            "configs/.rayignore": "draft.yaml\n",
+            "configs/run.log": "",
+            "configs/scratch/a.yaml": "",
+            "configs/draft.yaml": "",
+            "tools/plot.py": "",
+            "tools/cache.db": "",
+        },
+    )
     files = dict(sub.plan_job(wd / "configs/child.yaml", working_dir=wd).upload.files)
     assert not {"configs/run.log", "configs/scratch/a.yaml", "configs/draft.yaml", "README.md"} & set(files)
     files = dict(sub.plan_job(wd / "configs/child.yaml", working_dir=wd, includes=["tools", "README.md"]).upload.files)
@@ -197,7 +256,11 @@ def test_the_zip_sent_is_the_list_shown(tmp_path):
     z1, z2 = upload.write_zip(tmp_path / "a.zip"), upload.write_zip(tmp_path / "b.zip")
     assert get_uri_for_package(z1) == get_uri_for_package(z2)
     unzip_package(str(z1), str(tmp_path / "unpacked"), remove_top_level_directory=False, unlink_zip=False)
-    got = {p.relative_to(tmp_path / "unpacked").as_posix(): p.read_bytes() for p in (tmp_path / "unpacked").rglob("*") if p.is_file()}
+    got = {
+        p.relative_to(tmp_path / "unpacked").as_posix(): p.read_bytes()
+        for p in (tmp_path / "unpacked").rglob("*")
+        if p.is_file()
+    }
     assert got == {rel: (wd / rel).read_bytes() for rel, _ in upload.files}
 
 
@@ -221,8 +284,15 @@ class ScriptedJobs:
         if job_id == "nope":
             raise RuntimeError("Request failed with status code 404: Job nope does not exist.")
         meta = {"dmltrain.run_name": job_id, "dmltrain.experiment": "dmltrain-demo"}
-        return SimpleNamespace(status=self.final, message=self.message, entrypoint="python -m dmltrain train x.yaml",
-                               start_time=1_700_000_000_000, end_time=1_700_000_095_000, metadata=meta, submission_id=job_id)
+        return SimpleNamespace(
+            status=self.final,
+            message=self.message,
+            entrypoint="python -m dmltrain train x.yaml",
+            start_time=1_700_000_000_000,
+            end_time=1_700_000_095_000,
+            metadata=meta,
+            submission_id=job_id,
+        )
 
     async def tail_job_logs(self, job_id):
         for c in self.chunks:
@@ -280,7 +350,10 @@ def test_no_wait_status_logs_stop_list(in_repo, scripted, capsys):
     assert main(["submit", "--list", "--address", "h:1"]) == 0
     assert re.search(r"^b\s+SUCCEEDED", capsys.readouterr().out, re.M)
     assert main(["submit", "--status", "nope", "--address", "h:1"]) == 1
-    assert capsys.readouterr().err.strip() == "dmltrain: error: job nope: no such job on this cluster (dmltrain submit --list shows them)"
+    assert (
+        capsys.readouterr().err.strip()
+        == "dmltrain: error: job nope: no such job on this cluster (dmltrain submit --list shows them)"
+    )
 
 
 def test_user_errors_are_one_line(in_repo, monkeypatch, capsys):
@@ -302,7 +375,9 @@ def test_unreachable_address_is_one_line(in_repo, capsys):
         port = s.getsockname()[1]  # closed once the block ends: nothing listens there
     assert main(["submit", "--status", "x", "--address", f"127.0.0.1:{port}"]) == 1
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith(f"dmltrain: error: --address http://127.0.0.1:{port}: cannot reach the Ray Job API")
+    assert "\n" not in err and err.startswith(
+        f"dmltrain: error: --address http://127.0.0.1:{port}: cannot reach the Ray Job API"
+    )
 
 
 # -- real jobs on a local Ray head --------------------------------------------------------------------------
@@ -354,13 +429,33 @@ def ray_head(tmp_path_factory):
     # process agree whatever that file holds (a loopback-only head).
     saved_mode = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0", **local_ray_env()}
-    cmd = [str(bin_dir / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-           "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-           f"--dashboard-agent-listen-port={agent}", "--num-cpus=2", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
-    if importlib.util.find_spec("grpc") is not None:  # with ray[client] the head also serves Ray Client, on 10001 unless told
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        **local_ray_env(),
+    }
+    cmd = [
+        str(bin_dir / "ray"),
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={gcs}",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash}",
+        f"--dashboard-agent-listen-port={agent}",
+        "--num-cpus=2",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+    ]
+    if (
+        importlib.util.find_spec("grpc") is not None
+    ):  # with ray[client] the head also serves Ray Client, on 10001 unless told
         cmd.append(f"--ray-client-server-port={_free_port()}")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=180)
         if proc.returncode != 0:
@@ -387,10 +482,21 @@ def test_tiny_training_submitted_as_a_ray_job(ray_head, in_repo, capsys):
 
     tmp = ray_head.tmp
     uri = f"sqlite:///{tmp}/mlflow.db"
-    overrides = ["train.epochs=1", "eval.before_training=false", "eval.plots=false", "data.synthetic.classes=20",
-                 "data.synthetic.per_class=8", f"data.shards={tmp}/shards", "cluster.num_workers=2", "data.loader_workers=0",
-                 f"tracking.uri={uri}", "tracking.experiment=submit-test", "tracking.system_metrics=false", "tracking.log_models=false",
-                 f"train.output_dir={tmp}/runs"]
+    overrides = [
+        "train.epochs=1",
+        "eval.before_training=false",
+        "eval.plots=false",
+        "data.synthetic.classes=20",
+        "data.synthetic.per_class=8",
+        f"data.shards={tmp}/shards",
+        "cluster.num_workers=2",
+        "data.loader_workers=0",
+        f"tracking.uri={uri}",
+        "tracking.experiment=submit-test",
+        "tracking.system_metrics=false",
+        "tracking.log_models=false",
+        f"train.output_dir={tmp}/runs",
+    ]
     rc = main(["submit", DEMO, *overrides, "--address", ray_head.dashboard])
     out, err = capsys.readouterr()
     sid = re.search(r"submitted job (\S+)", err).group(1)
@@ -402,7 +508,11 @@ def test_tiny_training_submitted_as_a_ray_job(ray_head, in_repo, capsys):
     assert run.info.status == "FINISHED" and run.data.params["train.run_name"] == sid
     assert any(k.startswith("eval/recall") for k in run.data.metrics)
     # the job ran in the uploaded copy of the project: code and configs, no environment, data or VCS
-    (pkg,) = {p.resolve() for p in ray_head.temp_dir.glob("session_*/runtime_resources/working_dir_files/_ray_pkg_*") if p.is_dir()}
+    (pkg,) = {
+        p.resolve()
+        for p in ray_head.temp_dir.glob("session_*/runtime_resources/working_dir_files/_ray_pkg_*")
+        if p.is_dir()
+    }
     uploaded = {p.name for p in pkg.iterdir()}
     assert {"dmltrain", "cluster", "shards", "configs", "pyproject.toml"} <= uploaded
     assert not {".venv", ".git", ".pytest_cache", "dmltrain.egg-info", "data", "runs", "mlflow.db"} & uploaded

@@ -16,14 +16,36 @@ def test_names_are_file_safe():
 
 
 def test_durations():
-    assert [format_duration(s) for s in (0, 4.9, 64, 3599, 3600 + 125, -3)] == ["0m00s", "0m04s", "1m04s", "59m59s", "1h02m", "0m00s"]
+    assert [format_duration(s) for s in (0, 4.9, 64, 3599, 3600 + 125, -3)] == [
+        "0m00s",
+        "0m04s",
+        "1m04s",
+        "59m59s",
+        "1h02m",
+        "0m00s",
+    ]
     assert [format_duration(s, exact=True) for s in (4.9, 64, 3600 + 125)] == ["4s", "1m04s", "1h02m05s"]
     assert format_duration(None) == "—"
 
 
 def test_cells_numbers_and_errors():
-    assert [cell(x) for x in (None, float("nan"), float("inf"), 0.123456, 3, "a")] == ["—", "—", "—", "0.1235", "3", "a"]
-    assert [finite_number(x) for x in (1, 0.5, True, float("nan"), float("inf"), "1", None)] == [True, True, False, False, False, False, False]
+    assert [cell(x) for x in (None, float("nan"), float("inf"), 0.123456, 3, "a")] == [
+        "—",
+        "—",
+        "—",
+        "0.1235",
+        "3",
+        "a",
+    ]
+    assert [finite_number(x) for x in (1, 0.5, True, float("nan"), float("inf"), "1", None)] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+    ]
     assert clip("abcdef", 4) == "abc…" and clip("abc", 4) == "abc"
     assert one_line(ValueError("first\nsecond")) == "ValueError: first" and one_line("x" * 10, 5) == "xxxx…"
 
@@ -31,7 +53,12 @@ def test_cells_numbers_and_errors():
 def test_tables():
     head, rows = ["run", "a|b", "value"], [["r1", "x|y", 0.5], ["r2", "two\nlines", None]]
     md = markdown_table(head, rows, bold={2: {0}}, links=["http://u/1", "http://u/2"]).splitlines()
-    assert md == ["| run | a\\|b | value |", "|---|---|---|", "| [r1](http://u/1) | x\\|y | **0.5** |", "| [r2](http://u/2) | two lines | — |"]
+    assert md == [
+        "| run | a\\|b | value |",
+        "|---|---|---|",
+        "| [r1](http://u/1) | x\\|y | **0.5** |",
+        "| [r2](http://u/2) | two lines | — |",
+    ]
     parsed = list(csv.reader(io.StringIO(csv_text(head, [["r1", "x|y", 1 / 3], ["r2", None, math.pi]]))))
     assert parsed == [head, ["r1", "x|y", repr(1 / 3)], ["r2", "", repr(math.pi)]]
     assert float(parsed[1][2]) == 1 / 3  # every digit kept

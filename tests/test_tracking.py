@@ -52,8 +52,15 @@ def test_sqlite_runs_resume_by_name_and_keep_artifacts_beside_the_db(store):
     again, resumed = reopened.run_id, reopened.resumed
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(again)
-    assert again == first and resumed and run.data.tags["resumed.optim.lr"] == "0.2" and run.data.params["optim.lr"] == "0.1"
-    assert client.get_experiment_by_name("exp").artifact_location == str(Path(store[len("sqlite:///"):]).parent / "mlartifacts")
+    assert (
+        again == first
+        and resumed
+        and run.data.tags["resumed.optim.lr"] == "0.2"
+        and run.data.params["optim.lr"] == "0.1"
+    )
+    assert client.get_experiment_by_name("exp").artifact_location == str(
+        Path(store[len("sqlite:///") :]).parent / "mlartifacts"
+    )
     assert metric_key("eval/recall@10") == "eval/recall_at_10" and metric_key("eval/map@r") == "eval/map_at_r"
 
 
@@ -85,12 +92,22 @@ def test_log_model_is_an_mlflow3_logged_model_linked_to_its_evaluation(store, ca
     logged = {m.model_id: m for m in client.search_logged_models([exp_id])}
     assert set(logged) == {better, worse}
     m = logged[better]
-    assert (m.name, m.source_run_id, m.status, m.params["optim.lr"]) == ("best_model", run.run_id, LoggedModelStatus.READY, "0.1")
-    assert {(x.key, x.step): x.value for x in m.metrics} == {("eval/recall_at_1", 4): 0.6, ("loss", 4): 0.25}  # its step's only
+    assert (m.name, m.source_run_id, m.status, m.params["optim.lr"]) == (
+        "best_model",
+        run.run_id,
+        LoggedModelStatus.READY,
+        "0.1",
+    )
+    assert {(x.key, x.step): x.value for x in m.metrics} == {
+        ("eval/recall_at_1", 4): 0.6,
+        ("loss", 4): 0.25,
+    }  # its step's only
     outputs = client.get_run(run.run_id).outputs.model_outputs
     assert sorted((o.step, o.model_id) for o in outputs) == [(2, worse), (4, better)]
     assert [s for s, _ in history(client, run.run_id, "eval/recall_at_1")] == [2, 4]  # linking logs no metric twice
-    ranked = client.search_logged_models([exp_id], order_by=[{"field_name": "metrics.eval/recall_at_1", "ascending": False}])
+    ranked = client.search_logged_models(
+        [exp_id], order_by=[{"field_name": "metrics.eval/recall_at_1", "ascending": False}]
+    )
     assert [r.model_id for r in ranked] == [better, worse]
 
     # pt2: loads back without the model's code and computes the same embeddings at any batch size
@@ -115,7 +132,9 @@ def test_a_model_that_cannot_be_logged_warns_once_and_tracking_goes_on(store, ca
     assert run.log_model(_DataDependent(), "model", step=1, input_example=example) is None
     assert run.log_model(_DataDependent(), "model", step=1, input_example=example) is None  # model logging is off now
     run.log_metrics({"eval/recall@1": 0.7}, step=2)  # the rest of tracking is not
-    ours = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dmltrain:")]  # not torch.export's own
+    ours = [
+        line for line in capsys.readouterr().err.splitlines() if line.startswith("dmltrain:")
+    ]  # not torch.export's own
     assert len(ours) == 1 and "could not log model model" in ours[0] and "still logged as artifacts" in ours[0]
     client = MlflowClient(tracking_uri=store)
     assert [v for _, v in history(client, run.run_id, "eval/recall_at_1")] == [0.5, 0.7]
@@ -135,7 +154,10 @@ def test_queries_find_runs_children_histories_and_the_best_point(store):
         assert find_run(client, exp_id, token).info.run_id == expected.run_id, token
     assert find_run(client, exp_id, "nobody") is None
     # a resumed run logs steps again: the later value comes last
-    client.log_batch(kids[0].run_id, metrics=[Metric("m", v, ts, s) for s, v, ts in ((2, 0.5, 10), (1, 0.1, 5), (2, 0.7, 20), (3, 0.7, 30))])
+    client.log_batch(
+        kids[0].run_id,
+        metrics=[Metric("m", v, ts, s) for s, v, ts in ((2, 0.5, 10), (1, 0.1, 5), (2, 0.7, 20), (3, 0.7, 30))],
+    )
     points = history(client, kids[0].run_id, "m")
     assert points == [(1, 0.1), (2, 0.5), (2, 0.7), (3, 0.7)]
     assert best_point(points) == (2, 0.7) and best_point(points, "min") == (1, 0.1) and best_point([]) is None

@@ -21,9 +21,33 @@ def one_torch_thread():
 def test_bench_train_smoke_on_cpu(capsys, monkeypatch):
     """Small CNN, tiny synthetic shards, device decoding run on the CPU (the GPU path's code, in-process)."""
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    args = ["bench", "train", "--device", "cpu", "--backbone", "small_cnn", "--batch", "8", "--image-size", "24", "--precision", "fp32",
-            "--channels-last", "--decode", "device", "--steps", "2", "--warmup", "1", "--synthetic", "8,4,32", "--loader-workers", "0",
-            "--set", "model.embedding_dim=64"]
+    args = [
+        "bench",
+        "train",
+        "--device",
+        "cpu",
+        "--backbone",
+        "small_cnn",
+        "--batch",
+        "8",
+        "--image-size",
+        "24",
+        "--precision",
+        "fp32",
+        "--channels-last",
+        "--decode",
+        "device",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--synthetic",
+        "8,4,32",
+        "--loader-workers",
+        "0",
+        "--set",
+        "model.embedding_dim=64",
+    ]
     try:
         assert main(args) == 0
     finally:
@@ -33,14 +57,25 @@ def test_bench_train_smoke_on_cpu(capsys, monkeypatch):
             import_deepspeed().comm.destroy_process_group()
     out = capsys.readouterr().out
     assert "small_cnn, batch 8 (2x4), 24 px, fp32, channels_last, cpu" in out
-    assert re.search(r"bare backbone .* [\d.]+ images/s", out) and re.search(r"full pipeline \(shards, decode=device.* [\d.]+ images/s", out)
+    assert re.search(r"bare backbone .* [\d.]+ images/s", out) and re.search(
+        r"full pipeline \(shards, decode=device.* [\d.]+ images/s", out
+    )
     assert re.search(r"step split: data [\d.]+ ms, forward [\d.]+ ms, backward [\d.]+ ms, optimizer [\d.]+ ms", out)
     last = out.strip().splitlines()[-1]
-    assert re.match(r"ratio full pipeline / bare backbone: [\d.]+x \([\d.]+ vs [\d.]+ images/s\), data wait [\d.]+%$", last), last
+    assert re.match(
+        r"ratio full pipeline / bare backbone: [\d.]+x \([\d.]+ vs [\d.]+ images/s\), data wait [\d.]+%$", last
+    ), last
 
 
 def test_bench_train_bad_input_is_one_line(capsys):
     assert main(["bench", "train", "--batch", "10"]) == 2
-    assert capsys.readouterr().err.strip() == "dmltrain: error: --batch: 10 is not a positive multiple of 4 (P x K batches with K = 4)"
+    assert (
+        capsys.readouterr().err.strip()
+        == "dmltrain: error: --batch: 10 is not a positive multiple of 4 (P x K batches with K = 4)"
+    )
     assert main(["bench", "train", "--synthetic", "4,x"]) == 2
-    assert capsys.readouterr().err.strip().startswith("dmltrain: error: --synthetic: expected classes,images per class,pixels")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .startswith("dmltrain: error: --synthetic: expected classes,images per class,pixels")
+    )

@@ -117,17 +117,38 @@ def test_trains_evaluates_logs_and_checkpoints(env, plain_run):
     ckpts = sorted(Path(s.storage_dir).glob("checkpoint-step*"))
     assert len(ckpts) == 2 and ckpts[-1].name == f"checkpoint-step{steps:08d}"
     names = {p.name for p in ckpts[-1].iterdir()}
-    assert {"model.pt", "classifier", "dp_optimizer.pt", "train_state.json", "rng-rank0.pt", "rng-rank1.pt", "engine"} <= names
+    assert {
+        "model.pt",
+        "classifier",
+        "dp_optimizer.pt",
+        "train_state.json",
+        "rng-rank0.pt",
+        "rng-rank1.pt",
+        "engine",
+    } <= names
     assert len(list((ckpts[-1] / "engine").glob("*optim_states.pt"))) == 2  # one ZeRO partition per rank
     assert len(list((ckpts[-1] / "classifier").glob("classifier-*.pt"))) == 2  # one row piece per rank
     # MLflow: one run with params, metric curves and artifacts
     client, runs = _runs(root, "plain")
     assert len(runs) == 1
     run = runs[0]
-    assert run.info.status == "FINISHED" and run.data.params["optim.lr"] == "0.003" and run.data.params["cluster.num_workers"] == "2"
+    assert (
+        run.info.status == "FINISHED"
+        and run.data.params["optim.lr"] == "0.003"
+        and run.data.params["cluster.num_workers"] == "2"
+    )
     losses = client.get_metric_history(run.info.run_id, "loss")
     assert len(losses) == steps and all(m.value == m.value for m in losses)
-    for key in ("eval/recall_at_1", "initial/recall_at_1", "eval/map_at_r", "classifier/loss", "instance/loss", "images_per_s", "time/forward_ms", "lr"):
+    for key in (
+        "eval/recall_at_1",
+        "initial/recall_at_1",
+        "eval/map_at_r",
+        "classifier/loss",
+        "instance/loss",
+        "images_per_s",
+        "time/forward_ms",
+        "lr",
+    ):
         assert key in run.data.metrics, key
     assert any(k.startswith("classifier/") and "active" in k for k in run.data.metrics)
     # what tune, study and report read back is what the trainer logs
@@ -135,12 +156,23 @@ def test_trains_evaluates_logs_and_checkpoints(env, plain_run):
 
     from dmltrain.tracking import names
 
-    read_back = {names.LOSS, names.IMAGES_PER_S, names.STEP_MS, names.RSS_MB, names.CLASSIFIER_MB, names.ACTIVE_ROWS,
-                 names.ACTIVE_CLASSES, names.eval_key("recall@1"), names.initial_key("recall@1")}
+    read_back = {
+        names.LOSS,
+        names.IMAGES_PER_S,
+        names.STEP_MS,
+        names.RSS_MB,
+        names.CLASSIFIER_MB,
+        names.ACTIVE_ROWS,
+        names.ACTIVE_CLASSES,
+        names.eval_key("recall@1"),
+        names.initial_key("recall@1"),
+    }
     assert read_back <= set(run.data.metrics), read_back - set(run.data.metrics)
     # MLflow 3 logged models: the final model and each new best, each linked to the metrics of its step
     models = [m for m in client.search_logged_models([run.info.experiment_id]) if m.source_run_id == run.info.run_id]
-    assert {m.name for m in models} == {"model", "best_model"} and all(m.status == LoggedModelStatus.READY for m in models)
+    assert {m.name for m in models} == {"model", "best_model"} and all(
+        m.status == LoggedModelStatus.READY for m in models
+    )
     (final,) = [m for m in models if m.name == "model"]
     linked = {x.key: x.value for x in final.metrics if x.step == steps}
     assert linked["eval/recall_at_1"] == pytest.approx(s.metrics["final"]["recall@1"])
@@ -203,7 +235,9 @@ def test_worker_killed_mid_run_resumes_to_the_same_weights(env, plain_run):
     cfg = _config(root, shards, **{"train.run_name": "killed"})
     killed: list[int] = []
     earlier = _train_worker_pids()
-    watcher = threading.Thread(target=_kill_a_worker_after_first_checkpoint, args=(root / "runs" / "killed", killed, earlier), daemon=True)
+    watcher = threading.Thread(
+        target=_kill_a_worker_after_first_checkpoint, args=(root / "runs" / "killed", killed, earlier), daemon=True
+    )
     watcher.start()
     summary = train(cfg, progress=False)
     watcher.join(5)
@@ -261,7 +295,9 @@ def test_a_tampered_checkpoint_is_refused_before_any_worker_starts(env, plain_ru
     states = latest / "engine" / "mp_rank_00_model_states.pt"  # DeepSpeed's module states, read by every worker
     marker = root / "code-ran"
     torch.save({**torch.load(states, weights_only=False), "module": _Planted(marker)}, states)
-    with pytest.raises(UserError, match=r"mp_rank_00_model_states\.pt: refused to load a checkpoint file that holds .*open"):
+    with pytest.raises(
+        UserError, match=r"mp_rank_00_model_states\.pt: refused to load a checkpoint file that holds .*open"
+    ):
         train(_config(root, shards, **{"train.run_name": "tampered"}), progress=False)
     assert not marker.exists()
     assert _runs(root, "tampered")[1] == []  # refused before its MLflow run was opened
@@ -277,13 +313,22 @@ def test_a_diverged_loss_stops_the_run_failed_keeping_the_last_good_checkpoint(e
     over = {"train.run_name": "diverged", "train.checkpoint_every": 1, "eval.before_training": "false", "eval.every": 0}
     summary = train(_config(root, shards, **over), progress=False)
     assert not summary.ok
-    assert summary.error == "loss diverged: the classifier loss is nan at step 3; training stopped, the last checkpoint is step 2"
+    assert (
+        summary.error
+        == "loss diverged: the classifier loss is nan at step 3; training stopped, the last checkpoint is step 2"
+    )
     run_dir = Path(summary.storage_dir)
-    assert [p.name for p in sorted(run_dir.glob("checkpoint-step*"))] == ["checkpoint-step00000001", "checkpoint-step00000002"]
+    assert [p.name for p in sorted(run_dir.glob("checkpoint-step*"))] == [
+        "checkpoint-step00000001",
+        "checkpoint-step00000002",
+    ]
     assert not (run_dir / "model" / "model.pt").exists() and "models:" not in summary.render()
     client, runs = _runs(root, "diverged")
     assert len(runs) == 1 and runs[0].info.status == "FAILED" and runs[0].data.tags[ERROR_TAG] == summary.error
-    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] == [1, 2]  # nothing logged from step 3
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] == [
+        1,
+        2,
+    ]  # nothing logged from step 3
 
 
 def _wait_for(predicate, what: str, timeout: float = 600):
@@ -306,20 +351,41 @@ def test_a_killed_driver_is_resumed_by_config_in_the_same_mlflow_run(env, tmp_pa
 
     root, shards = env
     short = {"train.epochs": 1, "train.checkpoint_every": 1, "eval.before_training": "false", "eval.every": 0}
-    args = ["train", str(DEMO), "--no-progress", *_overrides(root, shards, **short),
-            f"cluster.address={ray.get_runtime_context().gcs_address}"]
+    args = [
+        "train",
+        str(DEMO),
+        "--no-progress",
+        *_overrides(root, shards, **short),
+        f"cluster.address={ray.get_runtime_context().gcs_address}",
+    ]
     earlier = _train_worker_pids()
     log = tmp_path / "driver.log"
     with open(log, "w") as out:
-        driver = subprocess.Popen([sys.executable, "-m", "dmltrain", *args], stdout=out, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "dmltrain", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
+        )
     try:
+
         def running(found):
             assert driver.poll() is None, "the driver ended before it was killed:\n" + log.read_text()[-3000:]
             return found
 
-        run_dir = _wait_for(lambda: running(next((p.parent for p in (root / "runs").glob("*/driver.json")
-                                                   if RunRecord.read(p.parent).pid == driver.pid), None)), "the driver's run record")
+        run_dir = _wait_for(
+            lambda: running(
+                next(
+                    (
+                        p.parent
+                        for p in (root / "runs").glob("*/driver.json")
+                        if RunRecord.read(p.parent).pid == driver.pid
+                    ),
+                    None,
+                )
+            ),
+            "the driver's run record",
+        )
         _wait_for(lambda: running(_registered_checkpoints(run_dir)), "the first checkpoint")
     finally:
         driver.kill()

@@ -15,11 +15,21 @@ def _engine(precision: str, stage: int, channels_last: bool):
     from dmltrain.models import build_model, param_groups
     from dmltrain.training.engine import build_engine
 
-    cfg = load_config(None, [
-        "model.backbone=small_cnn", "model.embedding_dim=64", "data.batch_size=4", "cluster.num_workers=1",
-        f"train.zero_stage={stage}", f"train.precision={precision}", f"model.channels_last={str(channels_last).lower()}",
-        "optim.lr=0.05", "optim.momentum=0.9", "optim.weight_decay=0",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "model.backbone=small_cnn",
+            "model.embedding_dim=64",
+            "data.batch_size=4",
+            "cluster.num_workers=1",
+            f"train.zero_stage={stage}",
+            f"train.precision={precision}",
+            f"model.channels_last={str(channels_last).lower()}",
+            "optim.lr=0.05",
+            "optim.momentum=0.9",
+            "optim.weight_decay=0",
+        ],
+    )
     torch.manual_seed(0)
     model = build_model(cfg.model)
     engine, _ = build_engine(model, param_groups(model, cfg.optim), cfg, 1)
@@ -72,4 +82,9 @@ def test_channels_last_engine_starts_and_steps_like_the_default_layout(precision
         for name, ref in runs[False].items():
             got = runs[True][name]
             assert ref.norm() > 0, (stage, name)  # every parameter moved, so an update lost would show
-            assert (got - ref).norm() <= 1e-5 * ref.norm(), (precision, stage, name, float((got - ref).norm() / ref.norm()))
+            assert (got - ref).norm() <= 1e-5 * ref.norm(), (
+                precision,
+                stage,
+                name,
+                float((got - ref).norm() / ref.norm()),
+            )

@@ -51,7 +51,13 @@ def test_prefetched_batches_are_the_streams(shard_dir, decode):
     direct = [prep(*b) for b in stream(shard_dir, augment=aug, decode=decode, normalize=False).epoch(0)]
     fetch = Prefetcher(prep, torch.device("cpu"))
     for workers, start in ((0, 0), (2, 0), (2, 3)):
-        got = list(fetch(stream(shard_dir, augment=aug, decode=decode, normalize=False, loader_workers=workers).epoch(0, start_batch=start)))
+        got = list(
+            fetch(
+                stream(shard_dir, augment=aug, decode=decode, normalize=False, loader_workers=workers).epoch(
+                    0, start_batch=start
+                )
+            )
+        )
         assert len(got) == len(direct) - start
         for (x, y), (wx, wy) in zip(got, direct[start:]):
             assert torch.equal(y, wy) and torch.equal(x, wx) and x.dtype == torch.bfloat16
@@ -125,7 +131,14 @@ def test_step_timer_parts_and_aside():
     with timer.aside():
         sum(range(10000))
     out = timer.summary(global_batch=8)
-    assert set(out) == {"time/data_ms", "time/forward_ms", "time/backward_ms", "time/optimizer_ms", "time/step_ms", "images_per_s"}
+    assert set(out) == {
+        "time/data_ms",
+        "time/forward_ms",
+        "time/backward_ms",
+        "time/optimizer_ms",
+        "time/step_ms",
+        "images_per_s",
+    }
     assert all(v >= 0 for v in out.values()) and timer.steps == 0
 
 
@@ -152,6 +165,13 @@ def test_statistics_stay_on_the_device_until_the_summary():
         summary = metrics.summary()
         for k in host[0]:
             assert summary[k] == pytest.approx(sum(h[k] for h in host) / 3, rel=1e-6), k
-        assert set(obj.classifier.stats) >= {"loss", "accuracy", "active_rows", "active_classes", "active_share", "target_cos"}
+        assert set(obj.classifier.stats) >= {
+            "loss",
+            "accuracy",
+            "active_rows",
+            "active_classes",
+            "active_share",
+            "target_cos",
+        }
     finally:
         torch.distributed.destroy_process_group()

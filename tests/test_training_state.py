@@ -25,10 +25,19 @@ def _engine(stage: int, precision: str, opt_name: str):
     deepspeed = import_deepspeed()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
-    groups = [{"params": list(model[0].parameters()), "weight_decay": 1e-3}, {"params": list(model[2].parameters()), "weight_decay": 0.0}]
+    groups = [
+        {"params": list(model[0].parameters()), "weight_decay": 1e-3},
+        {"params": list(model[2].parameters()), "weight_decay": 0.0},
+    ]
     opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9) if opt_name == "sgd" else torch.optim.AdamW(groups, lr=0.01)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage},
-           "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1, "bf16": {"enabled": precision == "bf16"}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "bf16": {"enabled": precision == "bf16"},
+    }
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, dist_init_required=False)
     return engine
 
@@ -90,7 +99,14 @@ def test_schedule_shapes():
     from dmltrain.training.schedule import LRSchedule
 
     step = LRSchedule(ScheduleConfig(kind="step", unit="epoch", milestones=[2, 3], gamma=0.1, head_only=1), 10, 50)
-    assert [step.factor(s) for s in (0, 19, 20, 29, 30, 49)] == [1, 1, pytest.approx(0.1), pytest.approx(0.1), pytest.approx(0.01), pytest.approx(0.01)]
+    assert [step.factor(s) for s in (0, 19, 20, 29, 30, 49)] == [
+        1,
+        1,
+        pytest.approx(0.1),
+        pytest.approx(0.1),
+        pytest.approx(0.01),
+        pytest.approx(0.01),
+    ]
     assert step.head_only(9) and not step.head_only(10)
     cos = LRSchedule(ScheduleConfig(kind="cosine", unit="step", warmup=4, min_lr_ratio=0.1), 10, 104)
     assert [cos.factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -113,11 +129,22 @@ def test_scheduled_lr_freezes_the_backbone_during_the_head_only_start():
             self.factor = factor
 
     w = [torch.nn.Parameter(torch.zeros(1)) for _ in range(3)]
-    opt = torch.optim.SGD([{"params": [w[0]], "lr": 0.1, "weight_decay": 1e-4, "name": "backbone"},
-                           {"params": [w[1]], "lr": 0.1, "weight_decay": 0.0, "name": "backbone_no_decay"},
-                           {"params": [w[2]], "lr": 1.0, "weight_decay": 1e-4, "name": "head"}], lr=0.1)
+    opt = torch.optim.SGD(
+        [
+            {"params": [w[0]], "lr": 0.1, "weight_decay": 1e-4, "name": "backbone"},
+            {"params": [w[1]], "lr": 0.1, "weight_decay": 0.0, "name": "backbone_no_decay"},
+            {"params": [w[2]], "lr": 1.0, "weight_decay": 1e-4, "name": "head"},
+        ],
+        lr=0.1,
+    )
     model, head = Model(), Head()
-    lr = ScheduledLR(LRSchedule(ScheduleConfig(kind="step", unit="step", milestones=[3], gamma=0.5, head_only=2), 10, 10), opt, model, head, 0.1)
+    lr = ScheduledLR(
+        LRSchedule(ScheduleConfig(kind="step", unit="step", milestones=[3], gamma=0.5, head_only=2), 10, 10),
+        opt,
+        model,
+        head,
+        0.1,
+    )
     assert lr.apply(0) == 0.1 and not model.backbone_trainable and head.factor == 1.0
     assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(0.0, 0.0), (0.0, 0.0), (1.0, 1e-4)]
     assert lr.apply(3) == pytest.approx(0.05) and model.backbone_trainable and head.factor == pytest.approx(0.5)

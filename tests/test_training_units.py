@@ -15,7 +15,16 @@ from multiproc import end_process_group
 def test_deepspeed_config_generated_and_overridden(tmp_path):
     from dmltrain.training.engine import deepspeed_config
 
-    cfg = load_config(None, ["train.precision=bf16", "train.zero_stage=2", "train.grad_clip=1.5", "data.batch_size=64", "cluster.num_workers=2"])
+    cfg = load_config(
+        None,
+        [
+            "train.precision=bf16",
+            "train.zero_stage=2",
+            "train.grad_clip=1.5",
+            "data.batch_size=64",
+            "cluster.num_workers=2",
+        ],
+    )
     ds = deepspeed_config(cfg, world_size=2)
     assert ds["train_micro_batch_size_per_gpu"] == 32 and ds["train_batch_size"] == 64
     assert ds["zero_optimization"] == {"stage": 2} and ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
@@ -37,8 +46,16 @@ def test_objective_single_worker_is_the_plain_weighted_sum():
     from dmltrain.losses import build_loss
     from dmltrain.training.objective import Objective
 
-    cfg = load_config(None, ["loss.classifier.weight=0.7", "loss.instance.kind=ice", "loss.instance.weight=0.3",
-                             "loss.classifier.params={temperature: 0.1}", "cluster.num_workers=1"])
+    cfg = load_config(
+        None,
+        [
+            "loss.classifier.weight=0.7",
+            "loss.instance.kind=ice",
+            "loss.instance.weight=0.3",
+            "loss.classifier.params={temperature: 0.1}",
+            "cluster.num_workers=1",
+        ],
+    )
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
     try:
@@ -67,8 +84,16 @@ def _proxy_objective_worker(rank, world, kind):
     from dmltrain.losses import make_loss
     from dmltrain.training.objective import Objective
 
-    cfg = load_config(None, ["loss.classifier=null", f"loss.instance.kind={kind}", "loss.instance.params={}", f"cluster.num_workers={world}",
-                             "data.batch_size=48"])
+    cfg = load_config(
+        None,
+        [
+            "loss.classifier=null",
+            f"loss.instance.kind={kind}",
+            "loss.instance.params={}",
+            f"cluster.num_workers={world}",
+            "data.batch_size=48",
+        ],
+    )
     torch.manual_seed(100 + rank)  # different RNG per rank: the replicas must still start equal
     obj = Objective(cfg, num_classes=7, dim=6, world_size=world)
     g = torch.Generator().manual_seed(0)
@@ -87,9 +112,13 @@ def _proxy_objective_worker(rank, world, kind):
     ref_loss = ref(xr, y_all)
     ref_loss.backward()
     # the objective scales embedding grads by W for DeepSpeed's averaging: undo it to compare
-    return (float(loss.detach()), float(ref_loss.detach()), torch.allclose(x.grad / world, xr.grad[lo:hi], atol=1e-6),
-            all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(obj.replicated_parameters(), ref.parameters())),
-            [p.detach().tolist() for p in obj.replicated_parameters()])
+    return (
+        float(loss.detach()),
+        float(ref_loss.detach()),
+        torch.allclose(x.grad / world, xr.grad[lo:hi], atol=1e-6),
+        all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(obj.replicated_parameters(), ref.parameters())),
+        [p.detach().tolist() for p in obj.replicated_parameters()],
+    )
 
 
 @pytest.mark.multiprocess
@@ -143,7 +172,9 @@ def _cadence_events(cadence, steps_per_epoch):
     events, step, epoch, batch = [], 0, 0, 0
 
     def act(due, at):
-        events.extend((name, at) for name, on in (("log", due.log), ("eval", due.evaluate), ("ckpt", due.checkpoint)) if on)
+        events.extend(
+            (name, at) for name, on in (("log", due.log), ("eval", due.evaluate), ("ckpt", due.checkpoint)) if on
+        )
 
     while step < cadence.total_steps:
         for _ in range(min(steps_per_epoch - batch, cadence.total_steps - step)):
@@ -179,9 +210,13 @@ def test_cadence_keeps_the_event_order_of_the_original_loop(total, spe, eval_eve
 def test_cadence_by_hand():
     from dmltrain.training.cadence import Cadence, Due
 
-    c = Cadence.from_config(load_config(None, ["train.max_steps=10", "train.log_every=4", "train.checkpoint_every=0", "eval.every=2"]), 10)
+    c = Cadence.from_config(
+        load_config(None, ["train.max_steps=10", "train.log_every=4", "train.checkpoint_every=0", "eval.every=2"]), 10
+    )
     assert c.due(4) == Due(log=True) and c.due(3) == Due() and c.due(10) == Due(log=True)
-    assert c.due(6, epoch_end=2) == Due(evaluate=True, checkpoint=True) and c.due(3, epoch_end=1) == Due(checkpoint=True)
+    assert c.due(6, epoch_end=2) == Due(evaluate=True, checkpoint=True) and c.due(3, epoch_end=1) == Due(
+        checkpoint=True
+    )
     assert c.due(10, epoch_end=4) == Due()  # the end of the run checkpoints and evaluates itself
     assert Due(log=True, checkpoint=True) | Due(evaluate=True, checkpoint=True) == Due(True, True, True)
 
@@ -190,15 +225,23 @@ def test_best_evaluation_tracking():
     from dmltrain.training.state import TrainState
 
     st = TrainState()
-    assert not st.record_evaluation({"recall@1": 0.9}, step=0, key="recall@1", initial=True)  # the untrained model never counts
+    assert not st.record_evaluation(
+        {"recall@1": 0.9}, step=0, key="recall@1", initial=True
+    )  # the untrained model never counts
     assert st.best_metric is None and st.last_metrics == {"recall@1": 0.9}
     assert st.record_evaluation({"recall@1": 0.5}, step=3, key="recall@1")
     assert not st.record_evaluation({"recall@1": 0.5}, step=6, key="recall@1")  # a tie is not an improvement
     assert not st.record_evaluation({"nmi": 0.7}, step=7, key="recall@1") and st.last_metrics == {"nmi": 0.7}
     assert st.record_evaluation({"recall@1": 0.6, "nmi": 0.1}, step=9, key="recall@1")
     assert (st.best_metric, st.best_step, st.best_metrics) == (0.6, 9, {"recall@1": 0.6, "nmi": 0.1})
-    assert st.summary("recall@1") == {"step": 0, "initial": {}, "final": {"recall@1": 0.6, "nmi": 0.1},
-                                      "best": {"recall@1": 0.6, "nmi": 0.1}, "best_step": 9, "metric": "recall@1"}
+    assert st.summary("recall@1") == {
+        "step": 0,
+        "initial": {},
+        "final": {"recall@1": 0.6, "nmi": 0.1},
+        "best": {"recall@1": 0.6, "nmi": 0.1},
+        "best_step": 9,
+        "metric": "recall@1",
+    }
 
 
 def test_train_metrics_average_and_mlflow_names():
@@ -209,15 +252,31 @@ def test_train_metrics_average_and_mlflow_names():
     m.add({"loss": 3.0, "classifier/loss": torch.tensor(4.0), "active_pairs": 5.0})
     assert m.summary() == {"loss": 2.0, "classifier/loss": 3.0, "active_pairs": 4.0} and m.summary() == {}
     assert mlflow_names({"loss": 1, "lr": 2, "epoch": 3, "images_per_s": 4, "time/step_ms": 5, "active_pairs": 6}) == {
-        "loss": 1, "lr": 2, "epoch": 3, "images_per_s": 4, "time/step_ms": 5, "train/active_pairs": 6}
+        "loss": 1,
+        "lr": 2,
+        "epoch": 3,
+        "images_per_s": 4,
+        "time/step_ms": 5,
+        "train/active_pairs": 6,
+    }
 
 
 def _head(overrides, seed=0, dim=6):
     from dmltrain.training.head import LossHead
     from dmltrain.training.objective import Objective
 
-    cfg = load_config(None, ["cluster.num_workers=1", "loss.instance.kind=proxy_nca", "loss.instance.params={}",
-                             "optim.name=sgd", "optim.momentum=0.9", "optim.new_param_lr_mult=2", *overrides])
+    cfg = load_config(
+        None,
+        [
+            "cluster.num_workers=1",
+            "loss.instance.kind=proxy_nca",
+            "loss.instance.params={}",
+            "optim.name=sgd",
+            "optim.momentum=0.9",
+            "optim.new_param_lr_mult=2",
+            *overrides,
+        ],
+    )
     torch.manual_seed(seed)
     return LossHead(Objective(cfg, num_classes=9, dim=dim, world_size=1), cfg.optim)
 
@@ -256,15 +315,33 @@ def _checkpointed_engine(tmp_path, stage: int, seed: int, precision: str = "fp32
     from dmltrain.training.engine import build_engine
     from dmltrain.training.reporting import Reporter, RunContext
 
-    cfg = load_config(None, ["model.backbone=small_cnn", "model.embedding_dim=64", "model.pretrained=none", "data.batch_size=4",
-                             "cluster.num_workers=1", f"train.zero_stage={stage}", f"train.precision={precision}",
-                             "loss.instance.kind=proxy_nca", "loss.instance.params={}", "optim.name=adamw"])
+    cfg = load_config(
+        None,
+        [
+            "model.backbone=small_cnn",
+            "model.embedding_dim=64",
+            "model.pretrained=none",
+            "data.batch_size=4",
+            "cluster.num_workers=1",
+            f"train.zero_stage={stage}",
+            f"train.precision={precision}",
+            "loss.instance.kind=proxy_nca",
+            "loss.instance.params={}",
+            "optim.name=adamw",
+        ],
+    )
     torch.manual_seed(seed)
     model = build_model(cfg.model)
     engine, _ = build_engine(model, param_groups(model, cfg.optim), cfg, 1)
     head = _head(["optim.name=adamw"], seed=seed, dim=64)
     reporter = Reporter(RunContext("r", str(tmp_path), "", None, report_to_ray=False), 0, 10, 1)
-    return engine, head, Checkpointer(engine, head, reporter, rank=0, world_size=1, zero_stage=stage, seed=0, model_config=cfg.to_dict())
+    return (
+        engine,
+        head,
+        Checkpointer(
+            engine, head, reporter, rank=0, world_size=1, zero_stage=stage, seed=0, model_config=cfg.to_dict()
+        ),
+    )
 
 
 def _train_two_steps(engine, head) -> None:
@@ -296,8 +373,15 @@ def test_checkpointer_restores_engine_head_rngs_and_position(tmp_path, one_proce
     _train_two_steps(engine, head)
     state = TrainState(step=2, epoch=0, batch=2, zero_stage=1, last_metrics={"recall@1": 0.5}, plan={"seed": 0})
     ckpt.save_to(tmp_path / "c", state)
-    assert {"engine", "model.pt", "dp_optimizer.pt", "instance_loss.pt", "classifier", "rng-rank0.pt", "train_state.json"} <= {
-        p.name for p in (tmp_path / "c").iterdir()}
+    assert {
+        "engine",
+        "model.pt",
+        "dp_optimizer.pt",
+        "instance_loss.pt",
+        "classifier",
+        "rng-rank0.pt",
+        "train_state.json",
+    } <= {p.name for p in (tmp_path / "c").iterdir()}
     want_rand = torch.rand(3)
     for stage in (1, 0):  # the same layout (DeepSpeed's checkpoint), then another ZeRO stage (the portable files)
         engine2, head2, ckpt2 = _checkpointed_engine(tmp_path, stage, seed=7)
@@ -309,8 +393,10 @@ def test_checkpointer_restores_engine_head_rngs_and_position(tmp_path, one_proce
             assert torch.equal(p, q)
         if stage == 1:
             assert torch.equal(torch.rand(3), want_rand)  # the RNG streams continue where they were saved
-        assert all(torch.equal(s["exp_avg"], t["exp_avg"]) for s, t in zip(
-            head.classifier_optimizer.state.values(), head2.classifier_optimizer.state.values()))
+        assert all(
+            torch.equal(s["exp_avg"], t["exp_avg"])
+            for s, t in zip(head.classifier_optimizer.state.values(), head2.classifier_optimizer.state.values())
+        )
 
 
 class _Planted:
@@ -378,7 +464,9 @@ def test_resume_loads_data_only_zero_2_and_3_and_refuses_planted_pickles(tmp_pat
     for victim in ("engine/mp_rank_00_model_states.pt", "rng-rank0.pt"):
         messages, ran_before, ran_unrestricted = out[victim]
         for m in messages:
-            assert m is not None and "\n" not in m and victim.rsplit("/", 1)[-1] in m and "refused" in m and "open" in m, m
+            assert (
+                m is not None and "\n" not in m and victim.rsplit("/", 1)[-1] in m and "refused" in m and "open" in m
+            ), m
         assert not ran_before and ran_unrestricted, victim
 
 

@@ -49,11 +49,17 @@ def _space(tmp_path: Path, doc) -> Path:
         ({"optim.lr": {"choice": []}}, "space.optim.lr", "non-empty list"),
         ({"optim.lr": 0.1}, "space.optim.lr", "one distribution"),
         ({"optim.lrr": {"choice": [0.1]}}, "space.optim.lrr", "optim.lrr is not a config key"),
-        ({"loss.classifier.params.temprature": {"choice": [0.05]}}, "space.loss.classifier.params.temprature",
-         "not a parameter of normsoftmax"),
+        (
+            {"loss.classifier.params.temprature": {"choice": [0.05]}},
+            "space.loss.classifier.params.temprature",
+            "not a parameter of normsoftmax",
+        ),
         ({"loss.classifier.sample_ratio": {"choice": [1.0, 1.5]}}, "space.loss.classifier.sample_ratio", "1.5"),
-        ({"loss.classifier.params.temperature": {"uniform": [-0.1, 0.1]}}, "space.loss.classifier.params.temperature",
-         "temperature must be positive"),
+        (
+            {"loss.classifier.params.temperature": {"uniform": [-0.1, 0.1]}},
+            "space.loss.classifier.params.temperature",
+            "temperature must be positive",
+        ),
         ({"data.samples_per_class": {"uniform": [2, 8]}}, "space.data.samples_per_class", "integer"),
         ({"optim.lr.value": {"choice": [0.1]}}, "space.optim.lr.value", "optim.lr is a value"),
     ],
@@ -71,11 +77,13 @@ def test_space_keys_under_a_null_section_and_bad_metric(tmp_path):
     path = _space(tmp_path, {"space": {"loss.instance.params.scale": {"uniform": [16, 64]}}})
     with pytest.raises(UserError, match=r"space\.loss\.instance\.params\.scale: loss\.instance is null"):
         load_space(path, base)
-    for doc, words in (({"metric": "recall@3", "space": {"optim.lr": {"choice": [0.1]}}}, "metric: 'recall@3' is not reported"),
-                       ({"metric": "recall@1", "mode": "up", "space": {"optim.lr": {"choice": [0.1]}}}, "mode: 'up'"),
-                       ({"metric": "recall@1", "spaces": {}}, "spaces: unknown key"),
-                       ({"metric": "recall@1", "space": {}}, "space: give a mapping"),
-                       ("space: [unclosed", "invalid YAML")):
+    for doc, words in (
+        ({"metric": "recall@3", "space": {"optim.lr": {"choice": [0.1]}}}, "metric: 'recall@3' is not reported"),
+        ({"metric": "recall@1", "mode": "up", "space": {"optim.lr": {"choice": [0.1]}}}, "mode: 'up'"),
+        ({"metric": "recall@1", "spaces": {}}, "spaces: unknown key"),
+        ({"metric": "recall@1", "space": {}}, "space: give a mapping"),
+        ("space: [unclosed", "invalid YAML"),
+    ):
         with pytest.raises(UserError, match=words.replace("[", r"\[").replace("(", r"\(")):
             load_space(_space(tmp_path, doc), base)
 
@@ -83,12 +91,25 @@ def test_space_keys_under_a_null_section_and_bad_metric(tmp_path):
 def test_combinations_all_refused_stop_some_refused_warn(tmp_path, capsys):
     base = load_config(DEMO).to_dict()  # batch 64 = 16 x 4 over 2 workers
     # each value is valid alone (48 = 12 x 4, 64 = 4 x 16) but together P = 48 / 16 = 3 cannot split over 2 workers
-    none = _space(tmp_path, {"space": {"data.batch_size": {"choice": [48]}, "data.samples_per_class": {"choice": [16]}}})
-    with pytest.raises(UserError, match=r"space: no combination of the values is a valid config, e\.g\. data\.batch_size=48, "
-                                        r"data\.samples_per_class=16: .*cannot be split evenly"):
+    none = _space(
+        tmp_path, {"space": {"data.batch_size": {"choice": [48]}, "data.samples_per_class": {"choice": [16]}}}
+    )
+    with pytest.raises(
+        UserError,
+        match=r"space: no combination of the values is a valid config, e\.g\. data\.batch_size=48, "
+        r"data\.samples_per_class=16: .*cannot be split evenly",
+    ):
         load_space(none, base)
-    partly = _space(tmp_path, {"space": {"data.batch_size": {"choice": [64, 48]}, "data.samples_per_class": {"choice": [4, 16]},
-                                         "optim.lr": {"loguniform": [0.01, 0.1]}}})
+    partly = _space(
+        tmp_path,
+        {
+            "space": {
+                "data.batch_size": {"choice": [64, 48]},
+                "data.samples_per_class": {"choice": [4, 16]},
+                "optim.lr": {"loguniform": [0.01, 0.1]},
+            }
+        },
+    )
     space = load_space(partly, base)
     assert [d.key for d in space.dims] == ["data.batch_size", "data.samples_per_class", "optim.lr"]
     err = capsys.readouterr().err
@@ -97,8 +118,14 @@ def test_combinations_all_refused_stop_some_refused_warn(tmp_path, capsys):
 
 def test_dotted_keys_and_section_choices_merge(tmp_path):
     base = load_config(DEMO).to_dict()
-    tree = apply_params(base, {"optim.lr": 0.3, "data": {"batch_size": 32, "samples_per_class": 2},
-                                  "loss.classifier.params.temperature": 0.07})
+    tree = apply_params(
+        base,
+        {
+            "optim.lr": 0.3,
+            "data": {"batch_size": 32, "samples_per_class": 2},
+            "loss.classifier.params.temperature": 0.07,
+        },
+    )
     cfg = build_config(tree, "t")
     assert cfg.optim.lr == 0.3 and (cfg.data.batch_size, cfg.data.P) == (32, 16)
     assert cfg.data.shards == base["data"]["shards"]  # merged into the section, not replacing it
@@ -123,7 +150,9 @@ def test_shipped_spaces_load_against_their_recipes():
     tuned = set()
     for name, bases in SHIPPED.items():
         for config, overrides in bases:
-            space = load_space(ROOT / "configs/tune" / f"{name}.yaml", load_config(ROOT / "configs" / config, overrides).to_dict())
+            space = load_space(
+                ROOT / "configs/tune" / f"{name}.yaml", load_config(ROOT / "configs" / config, overrides).to_dict()
+            )
             assert space.metric == "recall@1" and space.mode == "max"
             tuned |= {d.key.rsplit(".", 1)[-1] for d in space.dims}
     # the list: temperature, s, margins, lr, sample_ratio, P×K
@@ -135,7 +164,9 @@ def test_cli_refuses_a_bad_space_before_starting_anything(tmp_path, capsys):
     rc = main(["tune", str(DEMO), f"data.shards={tmp_path / 'missing'}", "--space", str(path), "--trials", "2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
-    assert err[0].startswith(f"dmltrain: error: {path}: space.optim.lrr: optim.lrr is not a config key (optim has: name, lr,")
+    assert err[0].startswith(
+        f"dmltrain: error: {path}: space.optim.lrr: optim.lrr is not a config key (optim has: name, lr,"
+    )
     assert not (tmp_path / "missing").exists()  # nothing was built
 
 
@@ -147,9 +178,15 @@ def test_only_new_evaluations_reach_tune(monkeypatch):
     # what the trainer reports over a run: the untrained model, each evaluation, then the checkpoint repeating it
     # (eval.before_training, then checkpoints at steps 2 and 6 that repeat the latest metrics)
     ev = {"evaluation": 1}
-    reports = [{"eval/recall@1": 0.1, "step": 0, **ev}, {"eval/recall@1": 0.1, "step": 2}, {"eval/recall@1": 0.3, "step": 4, **ev},
-               {"eval/recall@1": 0.3, "step": 4}, {"eval/recall@1": 0.3, "step": 6}, {"eval/recall@1": 0.4, "step": 8, **ev},
-               {"eval/recall@1": 0.4, "step": 8}]
+    reports = [
+        {"eval/recall@1": 0.1, "step": 0, **ev},
+        {"eval/recall@1": 0.1, "step": 2},
+        {"eval/recall@1": 0.3, "step": 4, **ev},
+        {"eval/recall@1": 0.3, "step": 4},
+        {"eval/recall@1": 0.3, "step": 6},
+        {"eval/recall@1": 0.4, "step": 8, **ev},
+        {"eval/recall@1": 0.4, "step": 8},
+    ]
     forwarded = []
 
     def outside_tune(self):  # Ray's __init__ needs a Tune session for its queue; this one records what it would carry
@@ -185,13 +222,20 @@ def test_a_trial_whose_draw_the_config_refuses_fails_as_a_child_run(store, tmp_p
     uri, cfg, client = _store(store, "refused")
     parent = RunHandle.for_config(cfg, "srch", {"optim.lr": 0.05}, tags={"dmltrain.kind": "tune"})
     monkeypatch.setattr(ray.tune, "get_context", lambda: SimpleNamespace(get_trial_id=lambda: "abcde_00003"))
-    setup = {"base": cfg.to_dict(), "name": "srch", "parent_run_id": parent.run_id, "runs_root": str(tmp_path / "runs"),
-             "result_key": "eval/recall@1"}
+    setup = {
+        "base": cfg.to_dict(),
+        "name": "srch",
+        "parent_run_id": parent.run_id,
+        "runs_root": str(tmp_path / "runs"),
+        "result_key": "eval/recall@1",
+    }
     with pytest.raises(UserError) as e:
         run_trial({"data.batch_size": 30}, setup)  # 30 is not P x K with K = 4
     assert str(e.value).startswith("trial 3 (data.batch_size=30): data.batch_size: 30 is not divisible into P×K")
-    (kid,) = client.search_runs([client.get_run(parent.run_id).info.experiment_id],
-                                filter_string=f"tags.`mlflow.parentRunId` = '{parent.run_id}'")
+    (kid,) = client.search_runs(
+        [client.get_run(parent.run_id).info.experiment_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent.run_id}'",
+    )
     assert kid.data.tags["dmltrain.run_name"] == "srch-t003" and kid.info.status == "FAILED"
     assert kid.data.tags["dmltrain.error"] == str(e.value) and kid.data.params == {"data.batch_size": "30"}
 
@@ -207,7 +251,9 @@ def test_trials_the_scheduler_stopped_end_killed_and_tagged(store):
     }
     rows = []
     for name, (left, err, tune_status, _, _) in ends.items():
-        rid = RunHandle.open(uri, "stopped", name, {}, tags={"dmltrain.error": err} if err else None, parent_run_id=parent.run_id).run_id
+        rid = RunHandle.open(
+            uri, "stopped", name, {}, tags={"dmltrain.error": err} if err else None, parent_run_id=parent.run_id
+        ).run_id
         if left != "RUNNING":
             RunHandle(uri, rid).finish(left)
         rows.append(TrialRow(trial_index(name), "", name, tune_status, {}, None, None, None, 0, None, None))
@@ -232,28 +278,73 @@ def search(tmp_path_factory):
     root = tmp_path_factory.mktemp("tune")
     shards = root / "shards"
     build_synthetic_shards(shards, classes=16, per_class=6, image_size=32, seed=0, shard_size=40, progress=False)
-    space = _space(root, {"metric": "recall@1", "space": {"optim.lr": {"grid": [0.05, 0.002]},
-                                                          "loss.classifier.params.temperature": {"uniform": [0.04, 0.08]}}})
+    space = _space(
+        root,
+        {
+            "metric": "recall@1",
+            "space": {
+                "optim.lr": {"grid": [0.05, 0.002]},
+                "loss.classifier.params.temperature": {"uniform": [0.04, 0.08]},
+            },
+        },
+    )
     overrides = {
-        "data.shards": str(shards), "data.synthetic": "null", "data.batch_size": 32, "data.samples_per_class": 4,
-        "data.loader_workers": 0, "data.eval_batch_size": 96, "model.embedding_dim": 64, "loss.instance": "null",
-        "train.epochs": 1, "train.log_every": 1, "train.output_dir": str(root / "runs"),
-        "eval.unit": "step", "eval.every": 2, "eval.before_training": False, "eval.plots": False, "eval.binary": False, "eval.nmi": False,
-        "tracking.uri": f"sqlite:///{root / 'mlflow.db'}", "tracking.experiment": "tune-test", "tracking.system_metrics": False, "tracking.log_models": False,
-        "cluster.num_workers": 1, "cluster.cpus_per_worker": 0.5,
+        "data.shards": str(shards),
+        "data.synthetic": "null",
+        "data.batch_size": 32,
+        "data.samples_per_class": 4,
+        "data.loader_workers": 0,
+        "data.eval_batch_size": 96,
+        "model.embedding_dim": 64,
+        "loss.instance": "null",
+        "train.epochs": 1,
+        "train.log_every": 1,
+        "train.output_dir": str(root / "runs"),
+        "eval.unit": "step",
+        "eval.every": 2,
+        "eval.before_training": False,
+        "eval.plots": False,
+        "eval.binary": False,
+        "eval.nmi": False,
+        "tracking.uri": f"sqlite:///{root / 'mlflow.db'}",
+        "tracking.experiment": "tune-test",
+        "tracking.system_metrics": False,
+        "tracking.log_models": False,
+        "cluster.num_workers": 1,
+        "cluster.cpus_per_worker": 0.5,
     }
     start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        argv = ["tune", str(DEMO), *(f"{k}={v}" for k, v in overrides.items()), "--space", str(space), "--trials", "1",
-                "--scheduler", "asha", "--name", "search", "--max-concurrent", "2", "--no-progress"]
+        argv = [
+            "tune",
+            str(DEMO),
+            *(f"{k}={v}" for k, v in overrides.items()),
+            "--space",
+            str(space),
+            "--trials",
+            "1",
+            "--scheduler",
+            "asha",
+            "--name",
+            "search",
+            "--max-concurrent",
+            "2",
+            "--no-progress",
+        ]
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             rc = main(argv)
     finally:
         ray.shutdown()
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
-    return {"rc": rc, "printed": printed.getvalue(), "root": root, "client": client,
-            "exp": client.get_experiment_by_name("tune-test"), "out": root / "runs" / "search"}
+    return {
+        "rc": rc,
+        "printed": printed.getvalue(),
+        "root": root,
+        "client": client,
+        "exp": client.get_experiment_by_name("tune-test"),
+        "out": root / "runs" / "search",
+    }
 
 
 @pytest.mark.ray
@@ -293,15 +384,22 @@ def test_search_runs_trials_as_mlflow_children_and_writes_the_best_config(search
     for name, (value, kid) in best_of.items():
         assert math.isclose(float(by_trial[name]["best recall@1"]), value, rel_tol=1e-9)
         assert by_trial[name]["MLflow run"] == kid.info.run_id
-        assert by_trial[name]["status"].split(" (")[0] == ("stopped early" if kid.info.status == "KILLED" else "finished")
+        assert by_trial[name]["status"].split(" (")[0] == (
+            "stopped early" if kid.info.status == "KILLED" else "finished"
+        )
     assert by_trial[best_name]["status"].endswith("(best)")
     # the tuned keys in the space file's order (yaml.safe_dump sorted them)
-    assert "| trial | status | loss.classifier.params.temperature | optim.lr | best recall@1 |" in (out / "results.md").read_text()
+    assert (
+        "| trial | status | loss.classifier.params.temperature | optim.lr | best recall@1 |"
+        in (out / "results.md").read_text()
+    )
 
     # the best config re-loads as a run config with the best trial's values
     cfg = load_config(out / "best_config.yaml")
     assert cfg.optim.lr == float(best_run.data.params["optim.lr"])
-    assert cfg.loss.classifier.params == {"temperature": float(best_run.data.params["loss.classifier.params.temperature"])}
+    assert cfg.loss.classifier.params == {
+        "temperature": float(best_run.data.params["loss.classifier.params.temperature"])
+    }
     assert cfg.train.run_name is None and cfg.cluster.storage_path is None and cfg.train.epochs == 1
 
     # the parent: the space, the results and the best config as artifacts; the best trial's metrics and tags
@@ -320,8 +418,13 @@ def test_search_runs_trials_as_mlflow_children_and_writes_the_best_config(search
 def test_report_over_the_search_compares_its_trials(search, tmp_path):
     from dmltrain.report.cli import build_report
 
-    rep = build_report("tune-test", runs=["search"], out=tmp_path / "report", tracking_uri=f"sqlite:///{search['root'] / 'mlflow.db'}",
-                       progress=False)
+    rep = build_report(
+        "tune-test",
+        runs=["search"],
+        out=tmp_path / "report",
+        tracking_uri=f"sqlite:///{search['root'] / 'mlflow.db'}",
+        progress=False,
+    )
     assert sorted(r.name for r in rep.records) == ["search-t000", "search-t001"]
     text = rep.markdown.read_text()
     assert "optim.lr" in text and rep.html.is_file() and (tmp_path / "report" / "recall_at_1.png").is_file()
@@ -334,11 +437,26 @@ def test_a_stopped_trial_is_scored_by_every_evaluation_its_run_logged(store):
     uri, cfg, client = _store(store, "rescored")
     parent = RunHandle.for_config(cfg, "srch", {}, tags={})
     rid = RunHandle.open(uri, "rescored", "srch-t000", {}, parent_run_id=parent.run_id).run_id
-    history = [(0, 0.9, 0.5), (2, 0.30, 0.6), (4, 0.45, 0.7), (6, 0.45, 0.8)]  # step, recall@1, map@r; step 0: untrained
-    client.log_batch(rid, metrics=[Metric(k, v, 0, s) for s, r, m in history for k, v in (("eval/recall_at_1", r), ("eval/map_at_r", m))])
+    history = [
+        (0, 0.9, 0.5),
+        (2, 0.30, 0.6),
+        (4, 0.45, 0.7),
+        (6, 0.45, 0.8),
+    ]  # step, recall@1, map@r; step 0: untrained
+    client.log_batch(
+        rid,
+        metrics=[Metric(k, v, 0, s) for s, r, m in history for k, v in (("eval/recall_at_1", r), ("eval/map_at_r", m))],
+    )
     row = TrialRow(0, "", "srch-t000", "finished", {}, 0.30, 2, 0.30, 1, 2, rid, {"eval/recall@1": 0.30})
     reconcile_with_mlflow([row], parent, "eval/recall@1", "max")
-    assert (row.status, row.best, row.best_step, row.last, row.evaluations, row.steps) == ("stopped early", 0.45, 4, 0.45, 3, 6)
+    assert (row.status, row.best, row.best_step, row.last, row.evaluations, row.steps) == (
+        "stopped early",
+        0.45,
+        4,
+        0.45,
+        3,
+        6,
+    )
     assert row.best_metrics == {"eval/recall@1": 0.45, "eval/map@r": 0.7}
     # mode min picks the lowest, and a row Tune already saw complete is left alone
     row_min = TrialRow(0, "", "srch-t000", "finished", {}, 0.30, 2, 0.30, 1, 2, rid)

@@ -55,12 +55,31 @@ class TuneSummary:
 
 def results_table(summary: TuneSummary) -> tuple[list[str], list[list[Any]]]:
     keys = list(dict.fromkeys([*summary.keys, *(k for r in summary.rows for k in r.params)]))
-    head = ["trial", "status", *keys, f"best {summary.metric}", "at step", f"last {summary.metric}", "evaluations", "MLflow run"]
+    head = [
+        "trial",
+        "status",
+        *keys,
+        f"best {summary.metric}",
+        "at step",
+        f"last {summary.metric}",
+        "evaluations",
+        "MLflow run",
+    ]
     rows = []
     for r in summary.rows:
         status = r.status + (" (best)" if summary.best is r else "")
-        rows.append([r.run_name, status, *(r.params.get(k) for k in keys), r.best, r.best_step, r.last, r.evaluations,
-                     r.mlflow_run_id])
+        rows.append(
+            [
+                r.run_name,
+                status,
+                *(r.params.get(k) for k in keys),
+                r.best,
+                r.best_step,
+                r.last,
+                r.evaluations,
+                r.mlflow_run_id,
+            ]
+        )
     return head, rows
 
 
@@ -83,15 +102,36 @@ def rows_from_results(results, space: SearchSpace, name: str) -> list[TrialRow]:
                 i = (vals * sign).idxmax()
                 best, last = float(vals.loc[i]), float(vals.iloc[-1])
                 best_step = int(df.loc[i, REPORT_STEP]) if REPORT_STEP in df.columns else None
-                best_metrics = {c: float(df.loc[i, c]) for c in df.columns if c.startswith(EVAL_PREFIX) and finite_number(df.loc[i, c])}
+                best_metrics = {
+                    c: float(df.loc[i, c])
+                    for c in df.columns
+                    if c.startswith(EVAL_PREFIX) and finite_number(df.loc[i, c])
+                }
                 steps = int(df[REPORT_STEP].max()) if REPORT_STEP in df.columns else None
         run_id = (res.metrics or {}).get("mlflow_run_id") or None
         error = None
         if res.error is not None:
-            error = str(res.error).strip().splitlines()[-1][:300] if str(res.error).strip() else type(res.error).__name__
+            error = (
+                str(res.error).strip().splitlines()[-1][:300] if str(res.error).strip() else type(res.error).__name__
+            )
         status = "failed" if res.error is not None else "finished"
-        rows.append(TrialRow(0, trial_id, "", status, dict(res.config or {}), best, best_step, last, evaluations, steps, run_id,
-                             best_metrics, error))
+        rows.append(
+            TrialRow(
+                0,
+                trial_id,
+                "",
+                status,
+                dict(res.config or {}),
+                best,
+                best_step,
+                last,
+                evaluations,
+                steps,
+                run_id,
+                best_metrics,
+                error,
+            )
+        )
     for r in rows:
         r.index = trial_index(r.trial_id)
         r.run_name = trial_run_name(name, r.index)
@@ -104,7 +144,9 @@ def _scores_from_mlflow(row: TrialRow, run, parent: RunHandle, result_key: str, 
     A trial the scheduler stops keeps training until its process is killed, so it may evaluate
     (and keep that model as ``best_model``) after its last Tune result; the run is the full record.
     """
-    points = parent.query("read a trial's evaluations", lambda c: history(c, run.info.run_id, metric_key(result_key)), [])
+    points = parent.query(
+        "read a trial's evaluations", lambda c: history(c, run.info.run_id, metric_key(result_key)), []
+    )
     by_step = {s: v for s, v in points if s > 0}  # step 0: the untrained model, not an evaluation of the trial
     if len(by_step) <= row.evaluations:
         return
@@ -112,11 +154,15 @@ def _scores_from_mlflow(row: TrialRow, run, parent: RunHandle, result_key: str, 
     best_step, row.best = best_point(by_step.items(), mode)  # the first of equal bests, as Tune's idxmax
     row.best_step, row.last, row.evaluations = best_step, by_step[steps[-1]], len(steps)
     row.steps = max(row.steps or 0, steps[-1])
-    metrics = parent.query("read a trial's evaluation metrics", lambda c: values_at_step(c, run, best_step, EVAL_PREFIX), {})
+    metrics = parent.query(
+        "read a trial's evaluation metrics", lambda c: values_at_step(c, run, best_step, EVAL_PREFIX), {}
+    )
     row.best_metrics = metrics or row.best_metrics
 
 
-def reconcile_with_mlflow(rows: list[TrialRow], parent: RunHandle, result_key: str | None = None, mode: str = "max") -> None:
+def reconcile_with_mlflow(
+    rows: list[TrialRow], parent: RunHandle, result_key: str | None = None, mode: str = "max"
+) -> None:
     """Set the child runs' final status from how Tune saw each trial (and, given ``result_key``,
     complete their scores from the runs: :func:`_scores_from_mlflow`).
 
@@ -147,15 +193,19 @@ def reconcile_with_mlflow(rows: list[TrialRow], parent: RunHandle, result_key: s
                     child.delete_tag(ERROR_TAG)
 
 
-def best_config_yaml(base_tree: dict[str, Any], best: TrialRow, summary_name: str, space: SearchSpace, base_storage: str | None) -> str:
+def best_config_yaml(
+    base_tree: dict[str, Any], best: TrialRow, summary_name: str, space: SearchSpace, base_storage: str | None
+) -> str:
     """The best trial's full config as YAML, ready for ``dmltrain train``, with a header saying where it came from."""
     tree = apply_params(base_tree, {**best.params, "train.run_name": None, "cluster.storage_path": base_storage})
     cfg = build_config(tree, source="best trial")
     sampled = "\n".join(f"#   {k}: {v!r}" for k, v in best.params.items())
-    header = (f"# Best trial of Ray Tune search {summary_name}: {best.run_name}, {space.metric} {best.best:.4f} "
-              f"at step {best.best_step} (MLflow run {best.mlflow_run_id or '-'}).\n"
-              f"# Sampled values:\n{sampled}\n"
-              f"# Train it: dmltrain train <this file>\n")
+    header = (
+        f"# Best trial of Ray Tune search {summary_name}: {best.run_name}, {space.metric} {best.best:.4f} "
+        f"at step {best.best_step} (MLflow run {best.mlflow_run_id or '-'}).\n"
+        f"# Sampled values:\n{sampled}\n"
+        f"# Train it: dmltrain train <this file>\n"
+    )
     return header + cfg.to_yaml()
 
 
@@ -178,8 +228,11 @@ def render(summary: TuneSummary) -> str:
         lines.append(summary.best_config.read_text().rstrip())
     lines.append("")
     counts = {s: sum(r.status == s for r in summary.rows) for s in ("finished", "stopped early", "failed")}
-    lines.append(f"search {summary.name}: {len(summary.rows)} trials in {summary.seconds:.0f}s ("
-                 + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + ")")
+    lines.append(
+        f"search {summary.name}: {len(summary.rows)} trials in {summary.seconds:.0f}s ("
+        + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+        + ")"
+    )
     lines.append(f"results: {summary.out_dir / 'results.md'}, {summary.out_dir / 'results.csv'}")
     if summary.parent_run_id:
         lines.append(f"MLflow parent run: {summary.parent_run_id} ({len(summary.rows)} child runs)")

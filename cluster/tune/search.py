@@ -22,7 +22,13 @@ from cluster.tune.trial import run_trial, trial_index
 from dmltrain.errors import UserError
 from dmltrain.fileio import write_text
 from dmltrain.text import csv_text, markdown_table
-from dmltrain.tracking.names import KIND_TAG, STORAGE_DIR_TAG, TUNE_BEST_RUN_TAG, TUNE_BEST_TRIAL_TAG, TUNE_BEST_VALUE_PREFIX
+from dmltrain.tracking.names import (
+    KIND_TAG,
+    STORAGE_DIR_TAG,
+    TUNE_BEST_RUN_TAG,
+    TUNE_BEST_TRIAL_TAG,
+    TUNE_BEST_VALUE_PREFIX,
+)
 from dmltrain.tracking.run import RunHandle
 
 
@@ -74,33 +80,61 @@ def tune_search(
     cfg = absolutize(cfg)
     base_tree = cfg.to_dict()
     if scheduler == "asha" and cfg.eval.every == 0:
-        print("dmltrain: warning: eval.every is 0, so trials evaluate only at the end and ASHA cannot stop any early",
-              file=sys.stderr)
+        print(
+            "dmltrain: warning: eval.every is 0, so trials evaluate only at the end and ASHA cannot stop any early",
+            file=sys.stderr,
+        )
 
     name = name or default_run_name(f"tune-{config_name or 'run'}")
     root = storage_root(cfg).rstrip("/")
     experiment_dir = f"{root}/{name}"
     # the tables and the YAML are local files: beside the trials, or under ./runs when the storage is remote (s3://...)
-    out_dir = Path(out) if out else (Path(experiment_dir) if "://" not in experiment_dir else Path.cwd() / "runs" / name)
+    out_dir = (
+        Path(out) if out else (Path(experiment_dir) if "://" not in experiment_dir else Path.cwd() / "runs" / name)
+    )
     runs_root = f"{experiment_dir}/runs"
-    parent = RunHandle.for_config(cfg, name, {**cfg.flat(), "tune.space": str(space_path), "tune.trials": trials,
-                                              "tune.scheduler": scheduler, "tune.metric": space.metric, "tune.mode": space.mode},
-                                  tags={KIND_TAG: "tune", STORAGE_DIR_TAG: experiment_dir}, owner="the search")
+    parent = RunHandle.for_config(
+        cfg,
+        name,
+        {
+            **cfg.flat(),
+            "tune.space": str(space_path),
+            "tune.trials": trials,
+            "tune.scheduler": scheduler,
+            "tune.metric": space.metric,
+            "tune.mode": space.mode,
+        },
+        tags={KIND_TAG: "tune", STORAGE_DIR_TAG: experiment_dir},
+        owner="the search",
+    )
     parent.log_text(space.text, "tune/space.yaml")
 
     init_ray(cfg)
     concurrent = max_concurrent or default_max_concurrent(cfg, trial_cpus)
     total = trials * space.grid_size
-    print(f"tune {name}: {total} trial{'s' * (total != 1)}"
-          + (f" ({space.grid_size} grid points x {trials})" if space.grid_size > 1 else "")
-          + f", up to {concurrent} at once, {scheduler.upper()} on {space.metric} ({space.mode})"
-          + (f"; MLflow parent run {parent.run_id}" if parent.run_id else ""), file=sys.stderr)
+    print(
+        f"tune {name}: {total} trial{'s' * (total != 1)}"
+        + (f" ({space.grid_size} grid points x {trials})" if space.grid_size > 1 else "")
+        + f", up to {concurrent} at once, {scheduler.upper()} on {space.metric} ({space.mode})"
+        + (f"; MLflow parent run {parent.run_id}" if parent.run_id else ""),
+        file=sys.stderr,
+    )
 
-    setup = {"base": base_tree, "name": name, "parent_run_id": parent.run_id, "runs_root": runs_root, "result_key": space.result_key}
+    setup = {
+        "base": base_tree,
+        "name": name,
+        "parent_run_id": parent.run_id,
+        "runs_root": runs_root,
+        "result_key": space.result_key,
+    }
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), {"CPU": trial_cpus})
     if scheduler == "asha":
-        sched = ASHAScheduler(time_attr="training_iteration", grace_period=grace_period, reduction_factor=reduction_factor,
-                              max_t=max(grace_period, 100_000))
+        sched = ASHAScheduler(
+            time_attr="training_iteration",
+            grace_period=grace_period,
+            reduction_factor=reduction_factor,
+            max_t=max(grace_period, 100_000),
+        )
     else:
         sched = FIFOScheduler()
 
@@ -108,21 +142,30 @@ def tune_search(
         return f"t{trial_index(trial.trial_id):03d}"
 
     run_config = tune.RunConfig(
-        name=name, storage_path=root, verbose=1 if progress else 0,
+        name=name,
+        storage_path=root,
+        verbose=1 if progress else 0,
         failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
     )
     if tune.Tuner.can_restore(experiment_dir):
         print(f"tune {name}: resuming the search found in {experiment_dir}", file=sys.stderr)
-        tuner = tune.Tuner.restore(experiment_dir, trainable, resume_unfinished=True, resume_errored=True,
-                                   param_space=space.param_space())
+        tuner = tune.Tuner.restore(
+            experiment_dir, trainable, resume_unfinished=True, resume_errored=True, param_space=space.param_space()
+        )
     else:
         tuner = tune.Tuner(
             trainable,
             param_space=space.param_space(),
             tune_config=tune.TuneConfig(
-                metric=space.result_key, mode=space.mode, scheduler=sched, num_samples=trials,
-                search_alg=BasicVariantGenerator(max_concurrent=concurrent, random_state=cfg.train.seed if seed is None else seed),
-                trial_name_creator=short_name, trial_dirname_creator=short_name,
+                metric=space.result_key,
+                mode=space.mode,
+                scheduler=sched,
+                num_samples=trials,
+                search_alg=BasicVariantGenerator(
+                    max_concurrent=concurrent, random_state=cfg.train.seed if seed is None else seed
+                ),
+                trial_name_creator=short_name,
+                trial_dirname_creator=short_name,
             ),
             run_config=run_config,
         )
@@ -137,8 +180,19 @@ def tune_search(
     sign = 1 if space.mode == "max" else -1
     scored = [r for r in rows if r.best is not None]
     best = max(scored, key=lambda r: sign * r.best) if scored else None
-    summary = TuneSummary(name, space.metric, space.mode, rows, best, out_dir, None, parent.run_id, parent.uri, time.time() - started,
-                          [d.key for d in space.dims])
+    summary = TuneSummary(
+        name,
+        space.metric,
+        space.mode,
+        rows,
+        best,
+        out_dir,
+        None,
+        parent.run_id,
+        parent.uri,
+        time.time() - started,
+        [d.key for d in space.dims],
+    )
 
     head, body = results_table(summary)
     write_text(out_dir / "results.md", markdown_table(head, body) + "\n")
@@ -151,7 +205,12 @@ def tune_search(
         summary.best_config = path
         parent.log_artifact(path, "tune")
         parent.log_metrics(best.best_metrics, step=best.best_step or 0)
-        parent.set_tags({TUNE_BEST_TRIAL_TAG: best.run_name, TUNE_BEST_RUN_TAG: best.mlflow_run_id or "",
-                         **{TUNE_BEST_VALUE_PREFIX + k: repr(v) for k, v in best.params.items()}})
+        parent.set_tags(
+            {
+                TUNE_BEST_TRIAL_TAG: best.run_name,
+                TUNE_BEST_RUN_TAG: best.mlflow_run_id or "",
+                **{TUNE_BEST_VALUE_PREFIX + k: repr(v) for k, v in best.params.items()},
+            }
+        )
     parent.finish("FINISHED" if best is not None else "FAILED")
     return summary

@@ -129,7 +129,9 @@ def check_key(key: str, base_tree: dict[str, Any], where: str) -> Any:
         section = _unwrap_model(annotation)
         if section is not None:
             if node.get(part) is None:
-                raise UserError(f"{where}: {here} is null in the config, so {key} cannot be tuned; set {here} in the config first")
+                raise UserError(
+                    f"{where}: {here} is null in the config, so {key} cannot be tuned; set {here} in the config first"
+                )
             model, node = section, node[part]
         elif _is_mapping(annotation):
             model, node = None, node.get(part) or {}
@@ -158,14 +160,16 @@ def refusal(tree: dict[str, Any]) -> str | None:
         build_config(tree, source="config")
     except UserError as e:
         msg = str(e)
-        return msg[len("config: "):] if msg.startswith("config: ") else msg
+        return msg[len("config: ") :] if msg.startswith("config: ") else msg
     return None
 
 
 def _parse_dimension(key: str, spec: Any, where: str) -> Dimension:
     if not isinstance(spec, dict) or len(spec) != 1:
-        raise UserError(f"{where}: give one distribution as a mapping, e.g. {{uniform: [0.03, 0.1]}} "
-                        f"({', '.join(DISTRIBUTIONS)}), got {spec!r}")
+        raise UserError(
+            f"{where}: give one distribution as a mapping, e.g. {{uniform: [0.03, 0.1]}} "
+            f"({', '.join(DISTRIBUTIONS)}), got {spec!r}"
+        )
     kind, values = next(iter(spec.items()))
     if kind not in DISTRIBUTIONS:
         raise UserError(f"{where}: unknown distribution '{kind}' (use {', '.join(DISTRIBUTIONS)})")
@@ -203,9 +207,13 @@ def load_space(path: str | Path, base_tree: dict[str, Any]) -> SearchSpace:
     metric = str(doc.get("metric", base.eval.metric))
     metrics = base.eval.metric_names()
     if metric not in metrics:
-        raise UserError(f"{path}: metric: '{metric}' is not reported by the evaluation of this config (it reports: {', '.join(metrics)})")
+        raise UserError(
+            f"{path}: metric: '{metric}' is not reported by the evaluation of this config (it reports: {', '.join(metrics)})"
+        )
     if base.eval.mode == "async":  # asynchronous evaluations arrive after the scheduler has to decide on them
-        raise UserError(f"{path}: eval.mode: async evaluations do not reach Tune's scheduler; tune with eval.mode=inline")
+        raise UserError(
+            f"{path}: eval.mode: async evaluations do not reach Tune's scheduler; tune with eval.mode=inline"
+        )
     mode = str(doc.get("mode", "max"))
     if mode not in ("max", "min"):
         raise UserError(f"{path}: mode: '{mode}' must be max or min")
@@ -247,6 +255,11 @@ def _check_combinations(space: SearchSpace, base_tree: dict[str, Any]) -> None:
         return
     shown = ", ".join(f"{k}={v!r}" for k, v in bad[0][0].items())
     if len(bad) == len(combos):
-        raise UserError(f"{space.path}: space: no combination of the values is a valid config, e.g. {shown}: {bad[0][1]}")
-    print(f"dmltrain: warning: {space.path}: {len(bad)} of {len(combos)} value combinations are refused by the config "
-          f"(e.g. {shown}: {bad[0][1]}); trials drawing them will fail", file=sys.stderr)
+        raise UserError(
+            f"{space.path}: space: no combination of the values is a valid config, e.g. {shown}: {bad[0][1]}"
+        )
+    print(
+        f"dmltrain: warning: {space.path}: {len(bad)} of {len(combos)} value combinations are refused by the config "
+        f"(e.g. {shown}: {bad[0][1]}); trials drawing them will fail",
+        file=sys.stderr,
+    )

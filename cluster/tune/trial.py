@@ -69,7 +69,9 @@ def run_trial(params: dict[str, Any], setup: dict[str, Any]) -> None:
     trial_id = tune.get_context().get_trial_id()
     index = trial_index(trial_id)
     run_name = trial_run_name(setup["name"], index)
-    tree = apply_params(setup["base"], {**params, "train.run_name": run_name, "cluster.storage_path": setup["runs_root"]})
+    tree = apply_params(
+        setup["base"], {**params, "train.run_name": run_name, "cluster.storage_path": setup["runs_root"]}
+    )
     tracking = tree.get("tracking") or {}
     storage_dir = f"{setup['runs_root'].rstrip('/')}/{run_name}"
     tags = {KIND_TAG: "tune-trial", TUNE_TRIAL_TAG: trial_id, STORAGE_DIR_TAG: storage_dir}
@@ -78,12 +80,24 @@ def run_trial(params: dict[str, Any], setup: dict[str, Any]) -> None:
         cfg = build_config(tree, source=f"trial {index} ({shown})")
     except UserError as e:
         if tracking.get("enabled", True):
-            failed = RunHandle.open(tracking.get("uri"), tracking.get("experiment", "dmltrain"), run_name, params,
-                                    tags={**tags, ERROR_TAG: str(e)[:TAG_CHARS]}, parent_run_id=setup["parent_run_id"])
+            failed = RunHandle.open(
+                tracking.get("uri"),
+                tracking.get("experiment", "dmltrain"),
+                run_name,
+                params,
+                tags={**tags, ERROR_TAG: str(e)[:TAG_CHARS]},
+                parent_run_id=setup["parent_run_id"],
+            )
             failed.finish("FAILED")
         raise
     run = RunHandle.for_config(cfg, run_name, cfg.flat(), tags=tags, parent_run_id=setup["parent_run_id"])
-    context = {"run_name": run_name, "storage_dir": storage_dir, "tracking_uri": run.uri, "mlflow_run_id": run.run_id, "board_name": None}
+    context = {
+        "run_name": run_name,
+        "storage_dir": storage_dir,
+        "tracking_uri": run.uri,
+        "mlflow_run_id": run.run_id,
+        "board_name": None,
+    }
     callback = EvaluationsToTune(setup["result_key"], {"mlflow_run_id": run.run_id or "", "run_name": run_name})
     trainer = build_trainer(cfg, run_name, context, callbacks=[callback])
     try:

@@ -52,16 +52,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dim", type=int, default=512, metavar="D", help="embedding dimension (default 512)")
     parser.add_argument("--batch", type=int, default=256, metavar="B", help="global batch (default 256)")
     parser.add_argument(
-        "--sample-ratio", type=float, nargs="+", default=[1.0], metavar="R", help="share of classes per step; several values compare them"
+        "--sample-ratio",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        metavar="R",
+        help="share of classes per step; several values compare them",
     )
-    parser.add_argument("--workers", type=int, default=1, metavar="W", help="processes sharing the classes (default 1; one GPU each on CUDA)")
-    parser.add_argument("--steps", type=int, default=3, metavar="S", help="timed steps after one warm-up step (default 3)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="W",
+        help="processes sharing the classes (default 1; one GPU each on CUDA)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=3, metavar="S", help="timed steps after one warm-up step (default 3)"
+    )
     parser.add_argument("--kind", default="normsoftmax", choices=["normsoftmax", "cosface", "arcface", "softmax_ce"])
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu: the torch path; cuda: the fused kernels")
-    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16"], help="CUDA: the kernels' products (auto: bf16)")
-    parser.add_argument("--weight-storage", default="fp32", choices=["fp32", "bf16"], help="CUDA: the weight's dtype (default fp32)")
-    parser.add_argument("--logits-budget-mb", type=float, default=256.0, metavar="MB", help="CPU: the classifier's logits budget (default 256, as the config)")
+    parser.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="cpu: the torch path; cuda: the fused kernels"
+    )
+    parser.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "fp32", "tf32", "bf16"],
+        help="CUDA: the kernels' products (auto: bf16)",
+    )
+    parser.add_argument(
+        "--weight-storage", default="fp32", choices=["fp32", "bf16"], help="CUDA: the weight's dtype (default fp32)"
+    )
+    parser.add_argument(
+        "--logits-budget-mb",
+        type=float,
+        default=256.0,
+        metavar="MB",
+        help="CPU: the classifier's logits budget (default 256, as the config)",
+    )
     parser.add_argument("--no-peer", action="store_true", help="skip the peers")
 
 
@@ -74,7 +102,9 @@ def _check(args: argparse.Namespace) -> None:
         if not 0 < r <= 1:
             raise UserError(f"bench classifier: --sample-ratio {r} is not in (0, 1]")
     if args.device == "cpu" and (args.precision in ("tf32", "bf16") or args.weight_storage != "fp32"):
-        raise UserError("bench classifier: --precision tf32/bf16 and --weight-storage bf16 need --device cuda (the CPU path computes in fp32)")
+        raise UserError(
+            "bench classifier: --precision tf32/bf16 and --weight-storage bf16 need --device cuda (the CPU path computes in fp32)"
+        )
 
 
 def _mem_available() -> int:
@@ -94,7 +124,10 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"error": f"exit code {proc.returncode}" + (" (killed: out of memory?)" if proc.returncode in (-9, 137) else "")}
+        return {
+            "error": f"exit code {proc.returncode}"
+            + (" (killed: out of memory?)" if proc.returncode in (-9, 137) else "")
+        }
     return json.loads(lines[-1])
 
 
@@ -114,7 +147,9 @@ def run(args: argparse.Namespace) -> int:
     return _run_cuda(args) if args.device == "cuda" else _run_cpu(args)
 
 
-def _measure(args: argparse.Namespace, header: str, report: Callable[[float, dict[str, Any]], None]) -> dict[float, dict[str, Any]]:
+def _measure(
+    args: argparse.Namespace, header: str, report: Callable[[float, dict[str, Any]], None]
+) -> dict[float, dict[str, Any]]:
     """Run every sample ratio in its own process; ``report`` prints each one's lines."""
     print(header, flush=True)
     done: dict[float, dict[str, Any]] = {}
@@ -141,8 +176,14 @@ def _run_cpu(args: argparse.Namespace) -> int:
     def report(R: float, res: dict[str, Any]) -> None:
         K = res["gemm_classes"]
         state = res["param_bytes"] + res["opt_bytes"]
-        print(f"R={R:g}: step {_fmt_step(res)}; logits {'kept' if res['kept'] else 'recomputed in class blocks'}", flush=True)
-        print(f"R={R:g}: peak RSS {_size(res['rss'])} per worker; weight + optimizer state {_size(state)}; ratio {res['rss'] / state:.2f}", flush=True)
+        print(
+            f"R={R:g}: step {_fmt_step(res)}; logits {'kept' if res['kept'] else 'recomputed in class blocks'}",
+            flush=True,
+        )
+        print(
+            f"R={R:g}: peak RSS {_size(res['rss'])} per worker; weight + optimizer state {_size(state)}; ratio {res['rss'] / state:.2f}",
+            flush=True,
+        )
         print(
             f"R={R:g}: bare GEMMs (3 × {B}×{D} by {D}×{K:,}) {res['gemm']:.3f} s; step / GEMMs = {res['step'] / res['gemm']:.2f} "
             f"(in process CPU time: {res['step_cpu']:.3f} / {res['gemm_cpu']:.3f} s = {res['step_cpu'] / res['gemm_cpu']:.2f})",
@@ -220,7 +261,9 @@ def _print_cuda_peer(name: str, args: argparse.Namespace, ours: dict[str, Any] |
     if not _installed(module):
         print(f"peer {label}: skipped, {module} is not installed", flush=True)
         return
-    res = _child(dict(role="peer", device="cuda", peer=name, N=args.classes, D=args.dim, B=args.batch, steps=args.steps))
+    res = _child(
+        dict(role="peer", device="cuda", peer=name, N=args.classes, D=args.dim, B=args.batch, steps=args.steps)
+    )
     if "error" in res:
         print(f"peer {label}: {res['error']}", flush=True)
         return

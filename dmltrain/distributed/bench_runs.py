@@ -121,7 +121,9 @@ def _ours_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     device = torch.device("cuda", rank) if job["device"] == "cuda" else torch.device("cpu")
     b = B // W
     kwargs = {"precision": job["precision"], "weight_storage": job["storage"]} if device.type == "cuda" else {}
-    clf = ShardedClassifier(N, D, job["kind"], sample_ratio=R, seed=0, logits_budget_mb=job["budget"], **kwargs).to(device)
+    clf = ShardedClassifier(N, D, job["kind"], sample_ratio=R, seed=0, logits_budget_mb=job["budget"], **kwargs).to(
+        device
+    )
     opt = make_classifier_optimizer(clf, job["optimizer"], lr=0.01, momentum=0.9, weight_decay=1e-4, seed=rank)
     gen = torch.Generator().manual_seed(rank)
     if device.type == "cuda":
@@ -163,7 +165,9 @@ def _dist_entry(rank: int, job: dict[str, Any], port: int, queue) -> None:
 
 def _ours(job: dict[str, Any]) -> dict[str, Any]:
     if job["device"] == "cuda" and torch.cuda.device_count() < job["W"]:
-        return {"error": f"--device cuda with --workers {job['W']} needs {job['W']} GPUs, found {torch.cuda.device_count()}"}
+        return {
+            "error": f"--device cuda with --workers {job['W']} needs {job['W']} GPUs, found {torch.cuda.device_count()}"
+        }
     if job["W"] == 1:
         return _ours_rank(0, job)
     with socket.socket() as s:
@@ -209,7 +213,9 @@ def _peer_cpu(job: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
-def _cuda_peer_loss(name: str, N: int, D: int, device: torch.device) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], list]:
+def _cuda_peer_loss(
+    name: str, N: int, D: int, device: torch.device
+) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], list]:
     """The peer's loss of (embeddings, labels) with NormSoftmax's logits ``x̂·ŵ / T``, and its parameters."""
     if name == "pml":
         from pytorch_metric_learning.losses import NormalizedSoftmaxLoss

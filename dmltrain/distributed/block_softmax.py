@@ -140,13 +140,17 @@ class BlockSoftmax(ShardCall):
     # -- backward ---------------------------------------------------------------------------------
     def backward(self, grad_out: Tensor, need_x: bool) -> Tensor | None:
         if self.consumed and self.keep:
-            raise RuntimeError("ShardedClassifier: backward through the same call twice is not supported (kept logits are consumed)")
+            raise RuntimeError(
+                "ShardedClassifier: backward through the same call twice is not supported (kept logits are consumed)"
+            )
         x, N = self.x, self.x.shape[0]
         a = self.grad_scale(grad_out)
         grad_x = torch.zeros_like(x) if need_x else None
         writer = self.clf.grad_writer(self.rows)
         on, off = self.on, self.off
-        G_t = torch.zeros(self.t_idx.numel(), device=x.device, dtype=self.dtype)  # dL/d(target logit), for the pair path
+        G_t = torch.zeros(
+            self.t_idx.numel(), device=x.device, dtype=self.dtype
+        )  # dL/d(target logit), for the pair path
         neg_lse = self.lse.neg()[:, None]
         for c0, c1 in self.blocks():
             nb = c1 - c0

@@ -52,7 +52,9 @@ def _optimizer_groups(optimizer: Any) -> list[dict[str, Any]]:
 
 def _check_optimizer(optimizer: Any) -> None:
     if not hasattr(optimizer, "row_state"):
-        raise TypeError(f"classifier checkpoint: {type(optimizer).__name__} is not a row-sparse optimizer (make_classifier_optimizer)")
+        raise TypeError(
+            f"classifier checkpoint: {type(optimizer).__name__} is not a row-sparse optimizer (make_classifier_optimizer)"
+        )
 
 
 def local_state(clf: ShardedClassifier, optimizer: Any = None) -> dict[str, Any]:
@@ -71,8 +73,15 @@ def local_state(clf: ShardedClassifier, optimizer: Any = None) -> dict[str, Any]
     }
     if optimizer is not None:
         _check_optimizer(optimizer)
-        rows = {name: {k: optimizer.state[p][k].detach().cpu() for k in optimizer.row_state} for name, p in _param_items(clf)}
-        piece["optimizer"] = {"type": type(optimizer).__name__, "param_groups": _optimizer_groups(optimizer), "rows": rows}
+        rows = {
+            name: {k: optimizer.state[p][k].detach().cpu() for k in optimizer.row_state}
+            for name, p in _param_items(clf)
+        }
+        piece["optimizer"] = {
+            "type": type(optimizer).__name__,
+            "param_groups": _optimizer_groups(optimizer),
+            "rows": rows,
+        }
     return piece
 
 
@@ -125,7 +134,11 @@ def gather_state(clf: ShardedClassifier, optimizer: Any = None, dst: int | None 
         rows: dict[str, dict[str, Any]] = {}
         for name, p in _param_items(clf):
             rows[name] = {k: gather(optimizer.state[p][k]) for k in optimizer.row_state}
-        state["optimizer"] = {"type": type(optimizer).__name__, "param_groups": _optimizer_groups(optimizer), "rows": rows}
+        state["optimizer"] = {
+            "type": type(optimizer).__name__,
+            "param_groups": _optimizer_groups(optimizer),
+            "rows": rows,
+        }
     return state if mine else None
 
 
@@ -134,7 +147,9 @@ def _check_piece(clf: ShardedClassifier, piece: dict[str, Any]) -> None:
         raise ValueError(f"classifier checkpoint: unknown format {piece.get('format')!r} (expected {FORMAT})")
     for key in ("num_classes", "dim", "kind"):
         if piece[key] != getattr(clf, key):
-            raise ValueError(f"classifier checkpoint: saved {key} = {piece[key]!r} but this classifier has {getattr(clf, key)!r}")
+            raise ValueError(
+                f"classifier checkpoint: saved {key} = {piece[key]!r} but this classifier has {getattr(clf, key)!r}"
+            )
 
 
 @torch.no_grad()
@@ -153,9 +168,13 @@ def load_state(clf: ShardedClassifier, state: dict[str, Any] | list[dict[str, An
         if optimizer is not None:
             opt = piece.get("optimizer")
             if opt is None:
-                raise ValueError("classifier checkpoint: it holds no optimizer state, but an optimizer was given to load into")
+                raise ValueError(
+                    "classifier checkpoint: it holds no optimizer state, but an optimizer was given to load into"
+                )
             if opt["type"] != type(optimizer).__name__:
-                raise ValueError(f"classifier checkpoint: optimizer state is {opt['type']}, cannot load it into {type(optimizer).__name__}")
+                raise ValueError(
+                    f"classifier checkpoint: optimizer state is {opt['type']}, cannot load it into {type(optimizer).__name__}"
+                )
             hyper = opt["param_groups"]
         if lo >= hi:
             continue
@@ -173,7 +192,9 @@ def load_state(clf: ShardedClassifier, state: dict[str, Any] | list[dict[str, An
     if not bool(covered.all()):
         missing = (~covered).nonzero().squeeze(1)
         first = int(missing[0]) + clf.class_start
-        raise ValueError(f"classifier checkpoint: {missing.numel()} of this worker's classes are missing (first: class {first})")
+        raise ValueError(
+            f"classifier checkpoint: {missing.numel()} of this worker's classes are missing (first: class {first})"
+        )
     if optimizer is not None and hyper is not None:
         by_name = {h.get("name"): h for h in hyper}
         for i, g in enumerate(optimizer.param_groups):
@@ -209,7 +230,10 @@ def save_by_class(clf: ShardedClassifier, directory: str | os.PathLike[str], opt
             "num_classes": clf.num_classes,
             "dim": clf.dim,
             "kind": clf.kind,
-            "pieces": [{"file": _piece_name(r, world), "class_start": s, "class_end": e} for r, (s, e) in enumerate(clf.partition.bounds())],
+            "pieces": [
+                {"file": _piece_name(r, world), "class_start": s, "class_end": e}
+                for r, (s, e) in enumerate(clf.partition.bounds())
+            ],
         }
         write_json(directory / INDEX_NAME, index)
     if world > 1:

@@ -62,7 +62,9 @@ class FusedSoftmax(ShardCall):
         self.xo = (x.to(torch.bfloat16) if precision == "bf16" else x).contiguous()
         self.tcol = torch.full((N,), -1, dtype=torch.int32, device=x.device)
         self.tcol[self.t_idx] = self.t_col.to(torch.int32)
-        self.inv = softmax_kernels.row_inv_norms(self.weight, rows, NORM_EPS) if self.normalized and self.k_local else None
+        self.inv = (
+            softmax_kernels.row_inv_norms(self.weight, rows, NORM_EPS) if self.normalized and self.k_local else None
+        )
         self.splits = softmax_kernels.num_splits(N, self.k_local, x.device)
 
     def _kernel_args(self) -> tuple:
@@ -71,7 +73,9 @@ class FusedSoftmax(ShardCall):
     def forward(self) -> Tensor:
         N, dev = self.x.shape[0], self.x.device
         if self.k_local:
-            lse_p, max_p, sum_p = softmax_kernels.lse_partials(*self._kernel_args(), self.scale, self.prec, bool(self.eps), self.splits)
+            lse_p, max_p, sum_p = softmax_kernels.lse_partials(
+                *self._kernel_args(), self.scale, self.prec, bool(self.eps), self.splits
+            )
             lse_local, m = torch.logsumexp(lse_p, 0), max_p.amax(0)
             sz = sum_p.sum(0) if sum_p is not None else torch.zeros(N, device=dev)
         else:
@@ -92,7 +96,9 @@ class FusedSoftmax(ShardCall):
         if need_x:
             grad_x = torch.zeros_like(self.x)
             if self.k_local:
-                grad_x = softmax_kernels.grad_embeddings(*self._kernel_args(), self.lse, self.scale, self.off, alpha, self.prec, self.splits)
+                grad_x = softmax_kernels.grad_embeddings(
+                    *self._kernel_args(), self.lse, self.scale, self.off, alpha, self.prec, self.splits
+                )
         if self.k_local:
             self._write_rows(writer, alpha)
         G_t = (torch.exp(self.z_t - self.lse[self.t_idx]) - self.on) * a  # dL/d(target logit)
@@ -122,7 +128,13 @@ class FusedSoftmax(ShardCall):
             gw = ws.get("fused_gw", (c1 - c0, D), dev)
             gb = None if bias is None else ws.get("fused_gb", (c1 - c0,), dev)
             if rows is None:  # the chunk's rows are a slice of the weight
-                args = (x, weight[c0:c1], None, None if inv is None else inv[c0:c1], None if bias is None else bias[c0:c1])
+                args = (
+                    x,
+                    weight[c0:c1],
+                    None,
+                    None if inv is None else inv[c0:c1],
+                    None if bias is None else bias[c0:c1],
+                )
             else:
                 args = (x, weight, rows[c0:c1], None if inv is None else inv[c0:c1], bias)
             softmax_kernels.grad_rows(*args, tcol - c0, *common, gw, gb, None)

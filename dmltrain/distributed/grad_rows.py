@@ -114,7 +114,9 @@ class GradWriter:
                 return p, overwrite
         return None
 
-    def write(self, c0: int, c1: int, G: Tensor, x: Tensor, wb: Tensor | None, coef: Tensor | None, gb: Tensor | None, ws) -> None:
+    def write(
+        self, c0: int, c1: int, G: Tensor, x: Tensor, wb: Tensor | None, coef: Tensor | None, gb: Tensor | None, ws
+    ) -> None:
         """Active rows ``c0:c1``: weight gradient ``Gᵀx − coef·wb`` (coef None: no such term), bias ``gb``."""
         for name, p, overwrite in self.targets:
             if name == "bias":

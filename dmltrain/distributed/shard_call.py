@@ -172,7 +172,9 @@ class ShardCall:
 
         packed = torch.cat(
             [
-                torch.stack([lse_local.double(), m.double(), sz.double(), per_sample(z_t), per_sample(cos_t)]).flatten(),
+                torch.stack(
+                    [lse_local.double(), m.double(), sz.double(), per_sample(z_t), per_sample(cos_t)]
+                ).flatten(),
                 torch.tensor([float(self.k_local)], dtype=torch.float64, device=dev),
             ]
         )
@@ -184,11 +186,15 @@ class ShardCall:
         k_total = allp[:, -1].sum()
         # the active classes of all shards: read to the host only when label smoothing needs the number
         self.K = int(k_total) if self.eps else k_total
-        self.on, self.off = smoothing_weights(self.K, self.eps) if self.eps else (1.0, 0.0)  # the smoothed target distribution
+        self.on, self.off = (
+            smoothing_weights(self.K, self.eps) if self.eps else (1.0, 0.0)
+        )  # the smoothed target distribution
         per = smoothed_nll(lse, tgt, sum_z, self.K, self.eps)
         self.lse = lse.to(self.dtype)
         loss = per.mean().to(self.dtype)
-        self.stats_tensor = torch.stack([loss.double(), (tgt >= zmax).double().mean(), tgt.mean(), cos_tgt.mean(), k_total])
+        self.stats_tensor = torch.stack(
+            [loss.double(), (tgt >= zmax).double().mean(), tgt.mean(), cos_tgt.mean(), k_total]
+        )
         return loss
 
     def grad_scale(self, grad_out: Tensor) -> Tensor:

@@ -228,7 +228,9 @@ class ShardedClassifier(nn.Module):
         if embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
             raise ValueError(f"ShardedClassifier: expected embeddings B×{self.dim}, got {tuple(embeddings.shape)}")
         if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
-            raise ValueError(f"ShardedClassifier: expected {embeddings.shape[0]} labels, got shape {tuple(labels.shape)}")
+            raise ValueError(
+                f"ShardedClassifier: expected {embeddings.shape[0]} labels, got shape {tuple(labels.shape)}"
+            )
         fused, precision = self._path()
         if step is None:
             step = self._calls
@@ -241,9 +243,13 @@ class ShardedClassifier(nn.Module):
         if N:
             lo, hi = torch.aminmax(labels_g)
             if dev.type != "cpu":  # checked without a host read: it fails at a later kernel, not here
-                torch._assert_async((lo >= 0) & (hi < self.num_classes), f"ShardedClassifier: labels must be in [0, {self.num_classes})")
+                torch._assert_async(
+                    (lo >= 0) & (hi < self.num_classes), f"ShardedClassifier: labels must be in [0, {self.num_classes})"
+                )
             elif int(lo) < 0 or int(hi) >= self.num_classes:
-                raise ValueError(f"ShardedClassifier: labels must be in [0, {self.num_classes}), got [{int(lo)}, {int(hi)}]")
+                raise ValueError(
+                    f"ShardedClassifier: labels must be in [0, {self.num_classes}), got [{int(lo)}, {int(hi)}]"
+                )
         if self.spec.normalized:
             x = F.normalize(x, dim=1)
         x_g = gather_with_grad(x, self.group, sizes)
@@ -260,10 +266,18 @@ class ShardedClassifier(nn.Module):
             call = BlockSoftmax(self, x_g.detach(), labels_g, rows, need_grad)
         loss = _ShardedSoftmaxFn.apply(x_g, self.weight, self.bias, call)
         st = call.stats_tensor  # stays on the device until someone reads self.stats
-        on_device = {"loss": st[0], "accuracy": st[1], "target_logit": st[2], "active_classes": st[4], "active_share": st[4] / self.num_classes}
+        on_device = {
+            "loss": st[0],
+            "accuracy": st[1],
+            "target_logit": st[2],
+            "active_classes": st[4],
+            "active_share": st[4] / self.num_classes,
+        }
         if self.spec.normalized:
             on_device["target_cos"] = st[3]
-        self.stats = CallStats(on_device, {"active_rows": float(call.k_local), "logits_kept": float(getattr(call, "keep", False))})
+        self.stats = CallStats(
+            on_device, {"active_rows": float(call.k_local), "logits_kept": float(getattr(call, "keep", False))}
+        )
         return loss
 
     def _path(self) -> tuple[bool, str]:
@@ -272,7 +286,9 @@ class ShardedClassifier(nn.Module):
         dev, dt = self.weight.device, self.weight.dtype
         fused = self.backend == "triton" or (self.backend == "auto" and dev.type == "cuda" and dt != torch.float64)
         if dt not in (torch.float32, torch.bfloat16, torch.float64):
-            raise ValueError(f"ShardedClassifier: a {str(dt)[6:]} weight is not supported (fp32, bf16 on the fused path, or float64)")
+            raise ValueError(
+                f"ShardedClassifier: a {str(dt)[6:]} weight is not supported (fp32, bf16 on the fused path, or float64)"
+            )
         if fused:
             why = fused_unavailable(dev)
             if why is None and dt == torch.float64:
@@ -291,7 +307,9 @@ class ShardedClassifier(nn.Module):
     def _draw(self, labels_g: Tensor, step: int) -> Tensor | None:
         if self.sample_ratio >= 1.0:
             return None
-        rows = draw_active_rows(torch.unique(labels_g.cpu()), self.partition.bounds(), self.rank, self.sample_ratio, self.seed, step)
+        rows = draw_active_rows(
+            torch.unique(labels_g.cpu()), self.partition.bounds(), self.rank, self.sample_ratio, self.seed, step
+        )
         return rows.to(self.weight.device)
 
     def _num_active(self) -> int:
@@ -366,7 +384,9 @@ class ShardedClassifier(nn.Module):
     def load_full_weight(self, weight: Tensor, bias: Tensor | None = None) -> None:
         """Keep this worker's rows of a whole ``C × D`` weight (and ``C`` bias)."""
         if tuple(weight.shape) != (self.num_classes, self.dim):
-            raise ValueError(f"load_full_weight: expected a {self.num_classes}×{self.dim} weight, got {tuple(weight.shape)}")
+            raise ValueError(
+                f"load_full_weight: expected a {self.num_classes}×{self.dim} weight, got {tuple(weight.shape)}"
+            )
         self.weight.copy_(weight[self.class_start : self.class_end])
         if bias is not None:
             if self.bias is None:

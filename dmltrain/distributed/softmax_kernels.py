@@ -96,8 +96,21 @@ def _class_tile(rows_ptr, inv_ptr, b_ptr, offs_c, K, scale, HAS_ROWS: tl.constex
 
 
 @triton.jit
-def _logits(x_ptr, w_ptr, offs_b, mask_b, r, mask_c, col, D,
-            NORMALIZED: tl.constexpr, PREC: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+def _logits(
+    x_ptr,
+    w_ptr,
+    offs_b,
+    mask_b,
+    r,
+    mask_c,
+    col,
+    D,
+    NORMALIZED: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """The ``BLOCK_B × BLOCK_C`` logit tile (finite everywhere; masked entries are 0 or the bias)."""
     acc = tl.zeros((BLOCK_B, BLOCK_C), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
@@ -124,7 +137,9 @@ def _split_range(K, BLOCK_C: tl.constexpr):
 
 # -- kernels ----------------------------------------------------------------------------------------
 @triton.jit
-def _inv_norm_kernel(w_ptr, rows_ptr, inv_ptr, K, D, eps, HAS_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _inv_norm_kernel(
+    w_ptr, rows_ptr, inv_ptr, K, D, eps, HAS_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr
+):
     offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask = offs < K
     if HAS_ROWS:
@@ -134,16 +149,37 @@ def _inv_norm_kernel(w_ptr, rows_ptr, inv_ptr, K, D, eps, HAS_ROWS: tl.constexpr
     ss = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        v = tl.load(w_ptr + r[:, None] * D + offs_k[None, :], mask=mask[:, None] & (offs_k[None, :] < D), other=0.0).to(tl.float32)
+        v = tl.load(w_ptr + r[:, None] * D + offs_k[None, :], mask=mask[:, None] & (offs_k[None, :] < D), other=0.0).to(
+            tl.float32
+        )
         ss += tl.sum(v * v, 1)
     tl.store(inv_ptr + offs, 1.0 / tl.maximum(tl.sqrt(ss), eps), mask=mask)
 
 
 @triton.jit
-def _lse_kernel(x_ptr, w_ptr, rows_ptr, inv_ptr, b_ptr, tcol_ptr, lse_ptr, max_ptr, sum_ptr,
-                N, K, D, scale, N_KEY,
-                HAS_ROWS: tl.constexpr, NORMALIZED: tl.constexpr, SUM_LOGITS: tl.constexpr, PREC: tl.constexpr,
-                BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+def _lse_kernel(
+    x_ptr,
+    w_ptr,
+    rows_ptr,
+    inv_ptr,
+    b_ptr,
+    tcol_ptr,
+    lse_ptr,
+    max_ptr,
+    sum_ptr,
+    N,
+    K,
+    D,
+    scale,
+    N_KEY,
+    HAS_ROWS: tl.constexpr,
+    NORMALIZED: tl.constexpr,
+    SUM_LOGITS: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     mask_b = offs_b < N
     tcol = tl.load(tcol_ptr + offs_b, mask=mask_b, other=-1)
@@ -171,10 +207,30 @@ def _lse_kernel(x_ptr, w_ptr, rows_ptr, inv_ptr, b_ptr, tcol_ptr, lse_ptr, max_p
 
 
 @triton.jit
-def _grad_x_kernel(x_ptr, w_ptr, rows_ptr, inv_ptr, b_ptr, tcol_ptr, lse_ptr, part_ptr,
-                   N, K, D, scale, off, alpha, N_KEY,
-                   HAS_ROWS: tl.constexpr, NORMALIZED: tl.constexpr, PREC: tl.constexpr,
-                   BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr):
+def _grad_x_kernel(
+    x_ptr,
+    w_ptr,
+    rows_ptr,
+    inv_ptr,
+    b_ptr,
+    tcol_ptr,
+    lse_ptr,
+    part_ptr,
+    N,
+    K,
+    D,
+    scale,
+    off,
+    alpha,
+    N_KEY,
+    HAS_ROWS: tl.constexpr,
+    NORMALIZED: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_DO: tl.constexpr,
+):
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     mask_b = offs_b < N
     tcol = tl.load(tcol_ptr + offs_b, mask=mask_b, other=-1)
@@ -198,10 +254,33 @@ def _grad_x_kernel(x_ptr, w_ptr, rows_ptr, inv_ptr, b_ptr, tcol_ptr, lse_ptr, pa
 
 
 @triton.jit
-def _grad_w_kernel(x_ptr, w_ptr, rows_ptr, inv_ptr, b_ptr, tcol_ptr, lse_ptr, gw_ptr, gb_ptr, out_rows_ptr,
-                   N, K, D, scale, off, alpha, N_KEY,
-                   HAS_ROWS: tl.constexpr, OUT_ROWS: tl.constexpr, NORMALIZED: tl.constexpr, PREC: tl.constexpr,
-                   BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr):
+def _grad_w_kernel(
+    x_ptr,
+    w_ptr,
+    rows_ptr,
+    inv_ptr,
+    b_ptr,
+    tcol_ptr,
+    lse_ptr,
+    gw_ptr,
+    gb_ptr,
+    out_rows_ptr,
+    N,
+    K,
+    D,
+    scale,
+    off,
+    alpha,
+    N_KEY,
+    HAS_ROWS: tl.constexpr,
+    OUT_ROWS: tl.constexpr,
+    NORMALIZED: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_DO: tl.constexpr,
+):
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     r, col, mask_c = _class_tile(rows_ptr, inv_ptr, b_ptr, offs_c, K, scale, HAS_ROWS, NORMALIZED)
     offs_d = tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
@@ -247,10 +326,20 @@ def _config(bb: int, bc: int, bk: int, warps: int, stages: int) -> triton.Config
     return triton.Config({"BLOCK_B": bb, "BLOCK_C": bc, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
 
 
-_LSE_CONFIGS = [_config(128, 128, 64, 8, 3), _config(128, 64, 64, 4, 4), _config(64, 128, 64, 4, 4), _config(128, 256, 64, 8, 3)]
+_LSE_CONFIGS = [
+    _config(128, 128, 64, 8, 3),
+    _config(128, 64, 64, 4, 4),
+    _config(64, 128, 64, 4, 4),
+    _config(128, 256, 64, 8, 3),
+]
 #: gradient kernels: the register accumulator is (BLOCK_B or BLOCK_C) × BLOCK_DO, so wide rows take short tiles
 _GRAD_CONFIGS = {
-    128: [_config(128, 128, 64, 8, 3), _config(64, 128, 64, 4, 3), _config(128, 64, 64, 4, 3), _config(64, 64, 64, 4, 4)],
+    128: [
+        _config(128, 128, 64, 8, 3),
+        _config(64, 128, 64, 4, 3),
+        _config(128, 64, 64, 4, 3),
+        _config(64, 64, 64, 4, 4),
+    ],
     256: [_config(128, 64, 64, 8, 3), _config(64, 128, 64, 8, 3), _config(64, 64, 64, 4, 3)],
     512: [_config(64, 32, 64, 8, 2), _config(32, 64, 64, 8, 2), _config(32, 32, 64, 4, 2)],
 }
@@ -299,19 +388,45 @@ def row_inv_norms(weight: Tensor, rows: Tensor | None, eps: float) -> Tensor:
     block = _SMALL if INTERPRET else 64
     with _device(weight):
         _inv_norm_kernel[(triton.cdiv(K, block),)](
-            weight, weight if rows is None else rows, inv, K, weight.shape[1], eps,
-            HAS_ROWS=rows is not None, BLOCK_R=block, BLOCK_K=_SMALL if INTERPRET else 128,
+            weight,
+            weight if rows is None else rows,
+            inv,
+            K,
+            weight.shape[1],
+            eps,
+            HAS_ROWS=rows is not None,
+            BLOCK_R=block,
+            BLOCK_K=_SMALL if INTERPRET else 128,
         )
     return inv
 
 
-def _common(x: Tensor, weight: Tensor, rows: Tensor | None, inv: Tensor | None, bias: Tensor | None, tcol: Tensor) -> tuple:
+def _common(
+    x: Tensor, weight: Tensor, rows: Tensor | None, inv: Tensor | None, bias: Tensor | None, tcol: Tensor
+) -> tuple:
     """Pointer arguments shared by the three softmax kernels (absent ones replaced by a dummy)."""
-    return (x, weight, weight if rows is None else rows, weight if inv is None else inv, weight if bias is None else bias, tcol)
+    return (
+        x,
+        weight,
+        weight if rows is None else rows,
+        weight if inv is None else inv,
+        weight if bias is None else bias,
+        tcol,
+    )
 
 
-def lse_partials(x: Tensor, weight: Tensor, rows: Tensor | None, inv: Tensor | None, bias: Tensor | None, tcol: Tensor,
-                 scale: float, prec: int, sum_logits: bool, splits: int) -> tuple[Tensor, Tensor, Tensor | None]:
+def lse_partials(
+    x: Tensor,
+    weight: Tensor,
+    rows: Tensor | None,
+    inv: Tensor | None,
+    bias: Tensor | None,
+    tcol: Tensor,
+    scale: float,
+    prec: int,
+    sum_logits: bool,
+    splits: int,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """Per split and sample: log-sum-exp, max and (``sum_logits``) sum of the non-target logits,
     each ``splits × N`` fp32 (−inf / −inf / 0 where a split holds nothing for a sample)."""
     N, D = x.shape
@@ -323,15 +438,39 @@ def lse_partials(x: Tensor, weight: Tensor, rows: Tensor | None, inv: Tensor | N
     normalized = inv is not None
     with _device(x):
         kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_B"]), splits)](
-            *_common(x, weight, rows, inv, bias, tcol), lse, mx, sm, N, K, D, float(scale), triton.next_power_of_2(N),
-            HAS_ROWS=rows is not None, NORMALIZED=normalized, SUM_LOGITS=sum_logits, PREC=prec, **tiles,
+            *_common(x, weight, rows, inv, bias, tcol),
+            lse,
+            mx,
+            sm,
+            N,
+            K,
+            D,
+            float(scale),
+            triton.next_power_of_2(N),
+            HAS_ROWS=rows is not None,
+            NORMALIZED=normalized,
+            SUM_LOGITS=sum_logits,
+            PREC=prec,
+            **tiles,
         )
     return lse, mx, (sm if sum_logits else None)
 
 
-def grad_embeddings(x: Tensor, weight: Tensor, rows: Tensor | None, inv: Tensor | None, bias: Tensor | None, tcol: Tensor,
-                    lse: Tensor, scale: float, off: float, alpha: float, prec: int, splits: int,
-                    max_width: int = MAX_OUT_WIDTH) -> Tensor:
+def grad_embeddings(
+    x: Tensor,
+    weight: Tensor,
+    rows: Tensor | None,
+    inv: Tensor | None,
+    bias: Tensor | None,
+    tcol: Tensor,
+    lse: Tensor,
+    scale: float,
+    off: float,
+    alpha: float,
+    prec: int,
+    splits: int,
+    max_width: int = MAX_OUT_WIDTH,
+) -> Tensor:
     """``Σ_j G_ij c_j w_j`` over the non-target active columns (``N × D`` fp32)."""
     N, D = x.shape
     K = weight.shape[0] if rows is None else rows.numel()
@@ -340,15 +479,42 @@ def grad_embeddings(x: Tensor, weight: Tensor, rows: Tensor | None, inv: Tensor 
     kernel, tiles = _launcher("grad_x", _grad_x_kernel, width)
     with _device(x):
         kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_B"]), splits, chunks)](
-            *_common(x, weight, rows, inv, bias, tcol), lse, part, N, K, D, float(scale), float(off), float(alpha),
-            triton.next_power_of_2(N), HAS_ROWS=rows is not None, NORMALIZED=inv is not None, PREC=prec, BLOCK_DO=width, **tiles,
+            *_common(x, weight, rows, inv, bias, tcol),
+            lse,
+            part,
+            N,
+            K,
+            D,
+            float(scale),
+            float(off),
+            float(alpha),
+            triton.next_power_of_2(N),
+            HAS_ROWS=rows is not None,
+            NORMALIZED=inv is not None,
+            PREC=prec,
+            BLOCK_DO=width,
+            **tiles,
         )
     return part[0] if splits == 1 else part.sum(0)
 
 
-def grad_rows(x: Tensor, weight: Tensor, rows: Tensor | None, inv: Tensor | None, bias: Tensor | None, tcol: Tensor,
-              lse: Tensor, scale: float, off: float, alpha: float, prec: int, gw: Tensor, gb: Tensor | None,
-              out_rows: Tensor | None, max_width: int = MAX_OUT_WIDTH) -> None:
+def grad_rows(
+    x: Tensor,
+    weight: Tensor,
+    rows: Tensor | None,
+    inv: Tensor | None,
+    bias: Tensor | None,
+    tcol: Tensor,
+    lse: Tensor,
+    scale: float,
+    off: float,
+    alpha: float,
+    prec: int,
+    gw: Tensor,
+    gb: Tensor | None,
+    out_rows: Tensor | None,
+    max_width: int = MAX_OUT_WIDTH,
+) -> None:
     """Write each active column's row gradient (non-target entries) into ``gw[out_rows[j]]``
     (``gw[j]`` when ``out_rows`` is None), and its bias gradient into ``gb`` (softmax_ce)."""
     N, D = x.shape
@@ -359,10 +525,24 @@ def grad_rows(x: Tensor, weight: Tensor, rows: Tensor | None, inv: Tensor | None
     kernel, tiles = _launcher("grad_w", _grad_w_kernel, width)
     with _device(x):
         kernel[lambda meta: (triton.cdiv(K, meta["BLOCK_C"]), chunks)](
-            *_common(x, weight, rows, inv, bias, tcol), lse, gw, gw if gb is None else gb, gw if out_rows is None else out_rows,
-            N, K, D, float(scale), float(off), float(alpha), triton.next_power_of_2(N),
-            HAS_ROWS=rows is not None, OUT_ROWS=out_rows is not None, NORMALIZED=inv is not None, PREC=prec,
-            BLOCK_DO=width, **tiles,
+            *_common(x, weight, rows, inv, bias, tcol),
+            lse,
+            gw,
+            gw if gb is None else gb,
+            gw if out_rows is None else out_rows,
+            N,
+            K,
+            D,
+            float(scale),
+            float(off),
+            float(alpha),
+            triton.next_power_of_2(N),
+            HAS_ROWS=rows is not None,
+            OUT_ROWS=out_rows is not None,
+            NORMALIZED=inv is not None,
+            PREC=prec,
+            BLOCK_DO=width,
+            **tiles,
         )
 
 
@@ -370,5 +550,3 @@ def kernel_precision(precision: str) -> int:
     """The kernels' ``prec`` code of ``fp32``, ``tf32`` or ``bf16`` (emulated under the interpreter)."""
     code = PRECISIONS[precision]
     return _BF16_EMULATED if INTERPRET and code == PRECISIONS["bf16"] else code
-
-

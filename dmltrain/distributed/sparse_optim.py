@@ -90,7 +90,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     #: names of the per-row state tensors (same leading dim as the parameter)
     row_state: tuple[str, ...] = ()
 
-    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], rows: RowSource | None = None, seed: int = 0) -> None:
+    def __init__(
+        self, params: Iterable[Any], defaults: dict[str, Any], rows: RowSource | None = None, seed: int = 0
+    ) -> None:
         super().__init__(params, defaults)
         self.row_source = rows
         self.seed = int(seed)
@@ -98,7 +100,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         self._workspace = Workspace()  # gathered rows of a block (reused: no page faults per step)
         n_rows = {p.shape[0] for g in self.param_groups for p in g["params"]}
         if len(n_rows) > 1:
-            raise ValueError(f"{type(self).__name__}: all parameters must have the same number of rows, got {sorted(n_rows)}")
+            raise ValueError(
+                f"{type(self).__name__}: all parameters must have the same number of rows, got {sorted(n_rows)}"
+            )
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dim() == 0:
@@ -147,7 +151,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__}: sparse .grad tensors are not supported; gradients are dense row blocks")
+                    raise RuntimeError(
+                        f"{type(self).__name__}: sparse .grad tensors are not supported; gradients are dense row blocks"
+                    )
                 self._step_param(group, p, rows)
         return loss
 
@@ -215,10 +221,14 @@ class RowSparseSGD(RowSparseOptimizer):
         seed: int = 0,
     ) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
-            raise ValueError(f"RowSparseSGD: lr, momentum and weight_decay must be >= 0, got {lr}, {momentum}, {weight_decay}")
+            raise ValueError(
+                f"RowSparseSGD: lr, momentum and weight_decay must be >= 0, got {lr}, {momentum}, {weight_decay}"
+            )
         if nesterov and momentum <= 0:
             raise ValueError("RowSparseSGD: nesterov needs momentum > 0")
-        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay), rows, seed)
+        super().__init__(
+            params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay), rows, seed
+        )
 
     row_state = ("momentum_buffer",)
 
@@ -232,8 +242,18 @@ class RowSparseSGD(RowSparseOptimizer):
             # torch's own fused kernel (what SGD(fused=True) runs): one pass instead of four.
             # Zero-initialised buffers make every step a "not first" step, as torch's first
             # step (buf = g + λw) equals μ·0 + g + λw.
-            _FUSED_SGD([p], [g], [state["momentum_buffer"]], weight_decay=wd, momentum=mu, lr=lr, dampening=0.0,
-                       nesterov=group["nesterov"], maximize=False, is_first_step=False)
+            _FUSED_SGD(
+                [p],
+                [g],
+                [state["momentum_buffer"]],
+                weight_decay=wd,
+                momentum=mu,
+                lr=lr,
+                dampening=0.0,
+                nesterov=group["nesterov"],
+                maximize=False,
+                is_first_step=False,
+            )
             return
         if mu > 0:
             buf = state["momentum_buffer"]
@@ -273,7 +293,9 @@ class RowSparseAdamW(RowSparseOptimizer):
         seed: int = 0,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"RowSparseAdamW: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}")
+            raise ValueError(
+                f"RowSparseAdamW: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}"
+            )
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), rows, seed)
 
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
@@ -331,7 +353,9 @@ def make_classifier_optimizer(
         bwd = weight_decay if bias_weight_decay is None else bias_weight_decay
         groups.append({"params": [clf.bias], "weight_decay": bwd, "name": "classifier.bias"})
     if name == "sgd":
-        return RowSparseSGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, rows=clf, seed=seed)
+        return RowSparseSGD(
+            groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, rows=clf, seed=seed
+        )
     if name == "adamw":
         return RowSparseAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rows=clf, seed=seed)
     raise ValueError(f"classifier optimizer: unknown name {name!r} (choose sgd or adamw)")

@@ -21,7 +21,9 @@ class Workspace:
     def __init__(self) -> None:
         self._bufs: dict[str, Tensor] = {}
 
-    def get(self, name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    def get(
+        self, name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> Tensor:
         """A contiguous tensor of ``shape`` in the buffer ``name`` (grown, never shrunk)."""
         n = math.prod(shape)
         buf = self._bufs.get(name)

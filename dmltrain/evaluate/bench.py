@@ -35,17 +35,25 @@ import time
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=60502, help="images (default: 60502, the SOP test set)")
-    parser.add_argument("--dim", type=int, default=512, help="float embedding dim of the Recall/NMI timings (default: 512)")
+    parser.add_argument(
+        "--dim", type=int, default=512, help="float embedding dim of the Recall/NMI timings (default: 512)"
+    )
     parser.add_argument("--classes", type=int, help="classes (default: n × 11316 / 60502, SOP's ratio)")
     parser.add_argument("--ks", default="1,10,100,1000", help="Recall@K cut-offs (default: 1,10,100,1000)")
-    parser.add_argument("--binary-dim", type=int, default=2048, help="dim of the float-vs-binary comparison (default: 2048)")
+    parser.add_argument(
+        "--binary-dim", type=int, default=2048, help="dim of the float-vs-binary comparison (default: 2048)"
+    )
     parser.add_argument("--nmi-iters", type=int, default=20, help="k-means iterations for NMI (default: 20)")
     parser.add_argument("--skip-nmi", action="store_true", help="skip the NMI timing")
-    parser.add_argument("--skip-binary", action="store_true", help="skip the float-vs-binary comparison at --binary-dim")
+    parser.add_argument(
+        "--skip-binary", action="store_true", help="skip the float-vs-binary comparison at --binary-dim"
+    )
     parser.add_argument("--faiss-peer", action="store_true", help="also time faiss IndexFlatIP.search with k = max K")
     parser.add_argument("--device", default="cpu", help="where the float GEMMs run: cpu, cuda, auto (default: cpu)")
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
-    parser.add_argument("--chunks", type=int, help="query chunks the contenders alternate over (default: 8 on the CPU, 1 on a GPU)")
+    parser.add_argument(
+        "--chunks", type=int, help="query chunks the contenders alternate over (default: 8 on the CPU, 1 on a GPU)"
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -55,7 +63,9 @@ def _data(n: int, dim: int, classes: int, seed: int):
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    labels = np.concatenate([np.arange(classes), np.arange(classes), rng.integers(0, classes, max(n - 2 * classes, 0))])[:n]
+    labels = np.concatenate(
+        [np.arange(classes), np.arange(classes), rng.integers(0, classes, max(n - 2 * classes, 0))]
+    )[:n]
     rng.shuffle(labels)
     centers = rng.standard_normal((classes, dim), dtype=np.float32)
     emb = centers[labels]
@@ -162,7 +172,10 @@ def run(args: argparse.Namespace) -> int:
 
     def metrics_of(kind: str, x, labels_: _Labels, with_map: bool, engine: str | None = None):
         def fn(part):
-            return path_metrics(x, None, labels_, np.sort(part), ks, with_map, kind, device, block_bytes, binary_engine=engine)
+            return path_metrics(
+                x, None, labels_, np.sort(part), ks, with_map, kind, device, block_bytes, binary_engine=engine
+            )
+
         return fn
 
     def mean_of(results: list[dict], key: str, parts) -> float:
@@ -178,11 +191,17 @@ def run(args: argparse.Namespace) -> int:
     )
     sec = timer.seconds
     gemm = sum(res["gemm"])  # the GEMM loops alone, without their setup
-    say(f"  similarity GEMM (N²×D, blocked)    {gemm:8.3f} s   {flops * args.dim / gemm / 1e9:6.1f} GFLOP/s   (the bound)")
+    say(
+        f"  similarity GEMM (N²×D, blocked)    {gemm:8.3f} s   {flops * args.dim / gemm / 1e9:6.1f} GFLOP/s   (the bound)"
+    )
     recall_text = ", ".join(f"R@{k} {100 * mean_of(res['recall'], f'recall@{k}', timer.parts):.1f}" for k in ks)
-    say(f"  Recall@{{{','.join(map(str, ks))}}}          {sec['recall']:8.3f} s   {sec['recall'] / gemm:5.2f}× GEMM   ({recall_text})")
+    say(
+        f"  Recall@{{{','.join(map(str, ks))}}}          {sec['recall']:8.3f} s   {sec['recall'] / gemm:5.2f}× GEMM   ({recall_text})"
+    )
     map_r = mean_of(res["recall+map"], "map@r", timer.parts)
-    say(f"  Recall@K + MAP@R + R-precision    {sec['recall+map']:8.3f} s   {sec['recall+map'] / gemm:5.2f}× GEMM   (MAP@R {100 * map_r:.1f})")
+    say(
+        f"  Recall@K + MAP@R + R-precision    {sec['recall+map']:8.3f} s   {sec['recall+map'] / gemm:5.2f}× GEMM   (MAP@R {100 * map_r:.1f})"
+    )
     if args.faiss_peer:
         import faiss
 
@@ -191,7 +210,9 @@ def run(args: argparse.Namespace) -> int:
         index.add(x)
         faiss.omp_set_num_threads(torch.get_num_threads())
         t_faiss, _ = _timed(lambda: index.search(x, min(ks[-1] + 1, n)))
-        say(f"  faiss IndexFlatIP.search k={min(ks[-1] + 1, n):<5}    {t_faiss:8.2f} s   {t_faiss / gemm:5.2f}× GEMM   (peer, CPU, not interleaved)")
+        say(
+            f"  faiss IndexFlatIP.search k={min(ks[-1] + 1, n):<5}    {t_faiss:8.2f} s   {t_faiss / gemm:5.2f}× GEMM   (peer, CPU, not interleaved)"
+        )
         del x, index
     summary = f"recall: {sec['recall'] / gemm:.2f}× the GEMM bound (target <= {2.0 if on_gpu else 1.5}×)"
     if not args.skip_nmi:
@@ -213,12 +234,18 @@ def run(args: argparse.Namespace) -> int:
         res2 = timer2.run(contenders)
         t_float = timer2.seconds["float"]
         r1f = mean_of(res2["float"], "recall@1", timer2.parts)
-        say(f"  float path, {args.binary_dim} dims                {t_float:8.3f} s   (Recall@K + MAP@R; R@1 {100 * r1f:.1f})")
+        say(
+            f"  float path, {args.binary_dim} dims                {t_float:8.3f} s   (Recall@K + MAP@R; R@1 {100 * r1f:.1f})"
+        )
         for e in engines:
             t_bin = timer2.seconds[f"binary {e}"]
             r1b = mean_of(res2[f"binary {e}"], "binary/recall@1", timer2.parts)
-            say(f"  binary path, {args.binary_dim} bits ({e:<8})   {t_bin:8.3f} s   {t_float / t_bin:5.1f}× faster than float   (R@1 {100 * r1b:.1f})")
+            say(
+                f"  binary path, {args.binary_dim} bits ({e:<8})   {t_bin:8.3f} s   {t_float / t_bin:5.1f}× faster than float   (R@1 {100 * r1b:.1f})"
+            )
         t_bin = timer2.seconds[f"binary {engines[0]}"]
-        summary += f"; binary ({engines[0]}) {t_float / t_bin:.1f}× faster than float at {args.binary_dim} dims (target >= 4×)"
+        summary += (
+            f"; binary ({engines[0]}) {t_float / t_bin:.1f}× faster than float at {args.binary_dim} dims (target >= 4×)"
+        )
     say(summary)
     return 0

@@ -32,24 +32,64 @@ DEFAULT_KS = [1, 2, 4, 8]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", nargs="?", default=None, help="model file from save_model, or a folder holding model.pt ('-' or omitted with --embeddings)")
-    parser.add_argument("--shards", metavar="DIR|URL", help="shard folder, a path or a URL such as s3://bucket/sop (default: the checkpoint config's data.shards)")
-    parser.add_argument("--split", metavar="SPLITS", help="'test' (self-retrieval) or 'query,gallery' (default: the config's data.eval_splits, else test)")
-    parser.add_argument("--binary", action="store_true", help="also evaluate the sign bits by Hamming distance (binary/ metrics)")
-    parser.add_argument("--ks", metavar="K,K,...", help="Recall@K cut-offs (default: the config's eval.ks, else 1,2,4,8)")
-    parser.add_argument("--no-nmi", action="store_true", help="skip NMI (k-means with one cluster per class can be slow)")
+    parser.add_argument(
+        "checkpoint",
+        nargs="?",
+        default=None,
+        help="model file from save_model, or a folder holding model.pt ('-' or omitted with --embeddings)",
+    )
+    parser.add_argument(
+        "--shards",
+        metavar="DIR|URL",
+        help="shard folder, a path or a URL such as s3://bucket/sop (default: the checkpoint config's data.shards)",
+    )
+    parser.add_argument(
+        "--split",
+        metavar="SPLITS",
+        help="'test' (self-retrieval) or 'query,gallery' (default: the config's data.eval_splits, else test)",
+    )
+    parser.add_argument(
+        "--binary", action="store_true", help="also evaluate the sign bits by Hamming distance (binary/ metrics)"
+    )
+    parser.add_argument(
+        "--ks", metavar="K,K,...", help="Recall@K cut-offs (default: the config's eval.ks, else 1,2,4,8)"
+    )
+    parser.add_argument(
+        "--no-nmi", action="store_true", help="skip NMI (k-means with one cluster per class can be slow)"
+    )
     parser.add_argument("--no-map", action="store_true", help="skip MAP@R and R-precision")
-    parser.add_argument("--out", metavar="JSON", help="metrics file (default: eval_metrics.json beside the checkpoint or in the embeddings folder)")
+    parser.add_argument(
+        "--out",
+        metavar="JSON",
+        help="metrics file (default: eval_metrics.json beside the checkpoint or in the embeddings folder)",
+    )
     parser.add_argument("--save-embeddings", metavar="DIR", help="write <split>.npy and <split>_labels.npy here")
-    parser.add_argument("--embeddings", metavar="DIR", help="evaluate embeddings saved by --save-embeddings instead of running a model")
+    parser.add_argument(
+        "--embeddings", metavar="DIR", help="evaluate embeddings saved by --save-embeddings instead of running a model"
+    )
     parser.add_argument("--plots", metavar="DIR", help="also write recall_at_k.png and embedding_map.png here")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="forward-pass autocast precision")
-    parser.add_argument("--batch-size", type=int, metavar="N", help="images per forward pass (default: the config's data.eval_batch_size, else 128)")
-    parser.add_argument("--loader-workers", type=int, metavar="N", help="decoding processes (default: the config's data.loader_workers, else 2)")
+    parser.add_argument(
+        "--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="forward-pass autocast precision"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        metavar="N",
+        help="images per forward pass (default: the config's data.eval_batch_size, else 128)",
+    )
+    parser.add_argument(
+        "--loader-workers",
+        type=int,
+        metavar="N",
+        help="decoding processes (default: the config's data.loader_workers, else 2)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="k-means seed for NMI")
-    parser.add_argument("--allow-missing", action="store_true",
-                        help="evaluate even when shard files are missing or samples unreadable (left out and counted; exit 0)")
+    parser.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help="evaluate even when shard files are missing or samples unreadable (left out and counted; exit 0)",
+    )
     add_storage_option(parser)  # added to the checkpoint config's data.storage_options
 
 
@@ -120,7 +160,9 @@ def _check_shard_files(shards: Location, splits: list[str], allow_missing: bool)
         print(f"dmltrain: warning: {what}; evaluating without them (--allow-missing)", file=sys.stderr)
 
 
-def _embed_splits(args: argparse.Namespace, splits: list[str], model: Any, config: Any, device: str) -> tuple[dict[str, tuple[Any, Any]], dict[str, int]]:
+def _embed_splits(
+    args: argparse.Namespace, splits: list[str], model: Any, config: Any, device: str
+) -> tuple[dict[str, tuple[Any, Any]], dict[str, int]]:
     """Each split's gathered ``(embeddings, labels)`` and its count of unreadable samples (left out)."""
     import torch
 
@@ -143,20 +185,37 @@ def _embed_splits(args: argparse.Namespace, splits: list[str], model: Any, confi
     for split in splits:
         print(f"embedding split '{split}' of {shards} on {device}", file=sys.stderr)
         batches = eval_batches(
-            shards, split, rank=0, world_size=1, batch_size=batch_size,
-            resize=int(data.get("eval_resize", 256)), crop=int(data.get("eval_crop", 224)),
-            grayscale=int((data.get("augment") or {}).get("grayscale", 0)), loader_workers=workers,
+            shards,
+            split,
+            rank=0,
+            world_size=1,
+            batch_size=batch_size,
+            resize=int(data.get("eval_resize", 256)),
+            crop=int(data.get("eval_crop", 224)),
+            grayscale=int((data.get("augment") or {}).get("grayscale", 0)),
+            loader_workers=workers,
         )
-        layout = bool(_section(config, "model").get("channels_last")) and device.startswith("cuda")  # the run's layout, on a GPU
-        emb, labels, index = embed_batches(model.to(memory_format=torch.channels_last) if layout else model, batches, device=device,
-                                           precision=args.precision, progress=True, channels_last=layout)
+        layout = bool(_section(config, "model").get("channels_last")) and device.startswith(
+            "cuda"
+        )  # the run's layout, on a GPU
+        emb, labels, index = embed_batches(
+            model.to(memory_format=torch.channels_last) if layout else model,
+            batches,
+            device=device,
+            precision=args.precision,
+            progress=True,
+            channels_last=layout,
+        )
         if len(emb) == 0:
             raise UserError(f"{shards}: split '{split}' has no readable images")
         out[split] = gather_to_rank0(emb, labels, index)
         unreadable[split] = batches.num_samples - len(out[split][1])
         if batches.io.get("requests"):
             retries = sum(v for k, v in batches.io.items() if k.startswith("retries/"))
-            print(f"split '{split}': {batches.io['requests']} remote requests, {retries} retried after transient errors", file=sys.stderr)
+            print(
+                f"split '{split}': {batches.io['requests']} remote requests, {retries} retried after transient errors",
+                file=sys.stderr,
+            )
     args.shards = shards
     return out, unreadable
 
@@ -170,7 +229,9 @@ def format_table(metrics: dict[str, Any]) -> str:
     lines = [f"{'metric':<{width}}  {'float %':>8}" + (f"  {'binary %':>8}" if has_binary else "")]
     for n in names:
         cells = [metrics.get(n), metrics.get(f"binary/{n}")] if has_binary else [metrics.get(n)]
-        lines.append(f"{n:<{width}}  " + "  ".join(f"{100 * v:8.2f}" if isinstance(v, float) else f"{'-':>8}" for v in cells))
+        lines.append(
+            f"{n:<{width}}  " + "  ".join(f"{100 * v:8.2f}" if isinstance(v, float) else f"{'-':>8}" for v in cells)
+        )
     lines.append(
         f"{metrics['num_queries']} queries evaluated, {metrics['excluded_queries']} excluded (no relevant item), "
         f"gallery of {metrics['gallery_size']}"
@@ -184,7 +245,9 @@ def _check_outputs(args: argparse.Namespace, ckpt: str | None) -> None:
         check_output_dir(Path(args.out).parent, "--out")
     elif args.embeddings or ckpt is not None:  # the default: beside the checkpoint or in the embeddings folder
         default = Path(args.embeddings) if args.embeddings else Path(ckpt) if Path(ckpt).is_dir() else Path(ckpt).parent
-        check_output_dir(default, "--out (default: beside the checkpoint)" if ckpt else "--out (default: the --embeddings folder)")
+        check_output_dir(
+            default, "--out (default: beside the checkpoint)" if ckpt else "--out (default: the --embeddings folder)"
+        )
     for option, folder in (("--save-embeddings", args.save_embeddings), ("--plots", args.plots)):
         if folder:
             check_output_dir(folder, option)
@@ -233,16 +296,31 @@ def run(args: argparse.Namespace) -> int:
     g, gl = gathered[splits[1]] if len(splits) == 2 else (None, None)
     try:
         metrics = retrieval_metrics(
-            q, ql, g, gl, ks=ks, nmi=not args.no_nmi, map_at_r=not args.no_map, binary=binary, seed=args.seed,
-            device=device, progress=True,
+            q,
+            ql,
+            g,
+            gl,
+            ks=ks,
+            nmi=not args.no_nmi,
+            map_at_r=not args.no_map,
+            binary=binary,
+            seed=args.seed,
+            device=device,
+            progress=True,
         )
     except ValueError as e:
         raise UserError(f"{args.embeddings or ckpt_path}: {e}") from None
     print(format_table(metrics))
     if lost:
-        print(f"{lost} unreadable samples left out of these metrics ({', '.join(f'{k}: {v}' for k, v in unreadable.items())})")
+        print(
+            f"{lost} unreadable samples left out of these metrics ({', '.join(f'{k}: {v}' for k, v in unreadable.items())})"
+        )
 
-    out = Path(args.out) if args.out else (Path(args.embeddings) if args.embeddings else ckpt_path.parent) / "eval_metrics.json"  # type: ignore[union-attr]
+    out = (
+        Path(args.out)
+        if args.out
+        else (Path(args.embeddings) if args.embeddings else ckpt_path.parent) / "eval_metrics.json"
+    )  # type: ignore[union-attr]
     record = {
         "metrics": metrics,
         "splits": splits,
@@ -261,9 +339,15 @@ def run(args: argparse.Namespace) -> int:
 
         name = ckpt_path.stem if ckpt_path else Path(args.embeddings).name
         print(f"wrote {plot_recall_at_k({name: metrics}, Path(args.plots) / 'recall_at_k.png')}", file=sys.stderr)
-        print(f"wrote {plot_embedding_map(q, ql, Path(args.plots) / 'embedding_map.png', seed=args.seed)}", file=sys.stderr)
+        print(
+            f"wrote {plot_embedding_map(q, ql, Path(args.plots) / 'embedding_map.png', seed=args.seed)}",
+            file=sys.stderr,
+        )
     if lost and not args.allow_missing:
         total = sum(len(labels) for _, labels in gathered.values()) + lost
-        raise UserError(f"{args.shards}: {lost} of {total} samples could not be read and are left out of the metrics in {out} "
-                        "(pass --allow-missing to accept partial data)", exit_code=1)
+        raise UserError(
+            f"{args.shards}: {lost} of {total} samples could not be read and are left out of the metrics in {out} "
+            "(pass --allow-missing to accept partial data)",
+            exit_code=1,
+        )
     return 0

@@ -39,8 +39,15 @@ def kmeans_engine(device: str | torch.device = "cpu") -> str:
 
 
 def kmeans_assignments(
-    x: np.ndarray, k: int, *, seed: int = 0, niter: int = 20, init: str = "auto", threads: int | None = None,
-    device: str | torch.device = "cpu", engine: str | None = None,
+    x: np.ndarray,
+    k: int,
+    *,
+    seed: int = 0,
+    niter: int = 20,
+    init: str = "auto",
+    threads: int | None = None,
+    device: str | torch.device = "cpu",
+    engine: str | None = None,
 ) -> np.ndarray:
     """Cluster index (int64) of every row of ``x`` after ``niter`` k-means iterations.
 
@@ -74,7 +81,12 @@ def kmeans_assignments(
     faiss.omp_set_num_threads(max(1, int(threads)))
     try:
         km = faiss.Kmeans(
-            d, k, niter=niter, seed=seed, verbose=False, gpu=use_gpu,
+            d,
+            k,
+            niter=niter,
+            seed=seed,
+            verbose=False,
+            gpu=use_gpu,
             min_points_per_centroid=1,  # few points per class is the norm here (SOP: ~5); no warning
             max_points_per_centroid=n,  # train on every point
             init_method=methods[init],
@@ -92,8 +104,15 @@ def nmi_score(labels: np.ndarray, assignments: np.ndarray) -> float:
     return float(normalized_mutual_info_score(np.asarray(labels), np.asarray(assignments)))
 
 
-def clustering_nmi(emb: np.ndarray, labels: np.ndarray, *, seed: int = 0, niter: int = 20,
-                   device: str | torch.device = "cpu", engine: str | None = None) -> float:
+def clustering_nmi(
+    emb: np.ndarray,
+    labels: np.ndarray,
+    *,
+    seed: int = 0,
+    niter: int = 20,
+    device: str | torch.device = "cpu",
+    engine: str | None = None,
+) -> float:
     """NMI of k-means (k = distinct labels) on the L2-normalized ``emb`` against ``labels``;
     ``device`` and ``engine`` as in :func:`kmeans_assignments`."""
     x = np.asarray(emb, dtype=np.float32)

@@ -72,12 +72,18 @@ def embed_batches(
             for images, y, idx in batches:
                 if len(images) == 0:
                     continue
-                images = images.to(dev, non_blocking=True) if isinstance(images, Tensor) else torch.as_tensor(images, device=dev)
+                images = (
+                    images.to(dev, non_blocking=True)
+                    if isinstance(images, Tensor)
+                    else torch.as_tensor(images, device=dev)
+                )
                 if channels_last:
                     images = to_channels_last(images)
                 emb = _embedding_of(model(images)).float()
                 if emb.ndim != 2 or emb.shape[0] != len(images):
-                    raise ValueError(f"embed_batches: expected {len(images)} × D embeddings, got shape {tuple(emb.shape)}")
+                    raise ValueError(
+                        f"embed_batches: expected {len(images)} × D embeddings, got shape {tuple(emb.shape)}"
+                    )
                 embs.append(emb)
                 labels.append(_as_numpy(y, np.int64))
                 index.append(_as_numpy(idx, np.int64))
@@ -98,7 +104,9 @@ def _sort_by_index(emb: np.ndarray, labels: np.ndarray, index: np.ndarray) -> tu
     keep = np.ones(len(index), dtype=bool)
     keep[1:] = index[1:] != index[:-1]
     if not keep.all():
-        warnings.warn(f"gather_to_rank0: {int((~keep).sum())} duplicated sample indices dropped", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"gather_to_rank0: {int((~keep).sum())} duplicated sample indices dropped", RuntimeWarning, stacklevel=3
+        )
     order = order[keep]
     return emb[order], labels[order]
 
@@ -117,13 +125,17 @@ def gather_to_rank0(
     labels = np.asarray(labels).astype(np.int64, copy=False).reshape(-1)
     index = np.asarray(index).astype(np.int64, copy=False).reshape(-1)
     if emb.ndim != 2 or not len(emb) == len(labels) == len(index):
-        raise ValueError(f"gather_to_rank0: {emb.shape} embeddings, {len(labels)} labels and {len(index)} indices do not match")
+        raise ValueError(
+            f"gather_to_rank0: {emb.shape} embeddings, {len(labels)} labels and {len(index)} indices do not match"
+        )
     if not (dist.is_available() and dist.is_initialized()):
         return _sort_by_index(emb, labels, index)
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     dst = dist.get_global_rank(group, 0) if group is not None else 0
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    dev = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    )
 
     meta = torch.tensor([len(emb), emb.shape[1] if len(emb) else 0], dtype=torch.int64, device=dev)
     metas = [torch.zeros_like(meta) for _ in range(world)]
@@ -182,18 +194,33 @@ def evaluate_model(
     if len(splits) not in (1, 2):
         raise ValueError(f"evaluate_model: splits must be ['test'] or ['query', 'gallery'], got {splits}")
     if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"evaluate_model: world_size={world_size} needs an initialized torch.distributed process group")
+        raise RuntimeError(
+            f"evaluate_model: world_size={world_size} needs an initialized torch.distributed process group"
+        )
     gathered: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     unreadable = 0
     for split in splits:
         batches = eval_batches(
-            shard_dir, split, rank=rank, world_size=world_size, batch_size=data_cfg.eval_batch_size,
-            resize=data_cfg.eval_resize, crop=data_cfg.eval_crop, grayscale=data_cfg.augment.grayscale,
+            shard_dir,
+            split,
+            rank=rank,
+            world_size=world_size,
+            batch_size=data_cfg.eval_batch_size,
+            resize=data_cfg.eval_resize,
+            crop=data_cfg.eval_crop,
+            grayscale=data_cfg.augment.grayscale,
             loader_workers=data_cfg.loader_workers,
-            storage_options=getattr(data_cfg, "storage_options", None), remote=getattr(data_cfg, "remote", None),
+            storage_options=getattr(data_cfg, "storage_options", None),
+            remote=getattr(data_cfg, "remote", None),
         )
-        emb, labels, index = embed_batches(model, batches, device=device, precision=precision, progress=progress and rank == 0,
-                                           channels_last=channels_last)
+        emb, labels, index = embed_batches(
+            model,
+            batches,
+            device=device,
+            precision=precision,
+            progress=progress and rank == 0,
+            channels_last=channels_last,
+        )
         out = gather_to_rank0(emb, labels, index)
         if out[0] is not None:
             gathered[split] = out  # type: ignore[assignment]
@@ -206,8 +233,16 @@ def evaluate_model(
     g_emb, g_lab = gathered[splits[1]] if len(splits) == 2 else (None, None)
     metric_device = device if torch.device(device).type == "cuda" else "cpu"
     metrics = retrieval_metrics(
-        q_emb, q_lab, g_emb, g_lab, ks=eval_cfg.ks, nmi=eval_cfg.nmi, map_at_r=eval_cfg.map_at_r,
-        binary=eval_cfg.binary, device=metric_device, progress=progress,
+        q_emb,
+        q_lab,
+        g_emb,
+        g_lab,
+        ks=eval_cfg.ks,
+        nmi=eval_cfg.nmi,
+        map_at_r=eval_cfg.map_at_r,
+        binary=eval_cfg.binary,
+        device=metric_device,
+        progress=progress,
     )
     if unreadable > 0:  # left out of the metrics, never replaced by another image
         metrics["unreadable_samples"] = float(unreadable)

@@ -144,7 +144,9 @@ class Gallery:
     engine: str  # "gemm" (float), or a binary engine: "native", "faiss", "mma", "popcount"
     size: int
     device: torch.device
-    data: Tensor | np.ndarray  # float: unique normalized rows; native/faiss: padded codes; mma: ±1 int8; popcount: words
+    data: (
+        Tensor | np.ndarray
+    )  # float: unique normalized rows; native/faiss: padded codes; mma: ±1 int8; popcount: words
     inverse: Tensor | None = None  # float: gallery row -> unique row, None when all rows are distinct
     bits: int = 0  # binary: code length in bits
 
@@ -235,7 +237,9 @@ def hamming_engine(device: torch.device) -> str:
     if choice == "mma" and not int8_mm_available(device):
         raise RuntimeError(f"DMLTRAIN_HAMMING=mma: torch._int_mm does not run on {device}")
     if choice == "popcount" and (gpu_kernels is None or (device.type != "cuda" and not gpu_kernels.INTERPRET)):
-        raise RuntimeError(f"DMLTRAIN_HAMMING=popcount: the Triton kernel needs CUDA (or TRITON_INTERPRET=1), not {device}")
+        raise RuntimeError(
+            f"DMLTRAIN_HAMMING=popcount: the Triton kernel needs CUDA (or TRITON_INTERPRET=1), not {device}"
+        )
     if choice in ("mma", "popcount"):
         return choice
     if choice == "auto" and device.type == "cuda":

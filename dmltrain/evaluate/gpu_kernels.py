@@ -34,8 +34,9 @@ _BM, _BN = (32, 32) if INTERPRET else (64, 64)
 
 
 @triton.jit
-def _pair_ranks_kernel(S, stride_row, n_cols, group_rows, group_starts, cols, out,
-                       LARGER: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr):
+def _pair_ranks_kernel(
+    S, stride_row, n_cols, group_rows, group_starts, cols, out, LARGER: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr
+):
     g = tl.program_id(0)
     start = tl.load(group_starts + g)
     end = tl.load(group_starts + g + 1)
@@ -73,8 +74,16 @@ def pair_ranks(block: Tensor, group_rows: Tensor, group_starts: Tensor, cols: Te
     most = int((group_starts[1:] - group_starts[:-1]).max())
     rb = min(_MAX_RB, triton.next_power_of_2(max(most, 2)))
     _pair_ranks_kernel[(len(group_rows),)](
-        block, block.stride(0), block.shape[1], group_rows, group_starts, cols, out,
-        LARGER=bool(larger_is_better), RB=rb, BN=_RANK_TILE // rb,
+        block,
+        block.stride(0),
+        block.shape[1],
+        group_rows,
+        group_starts,
+        cols,
+        out,
+        LARGER=bool(larger_is_better),
+        RB=rb,
+        BN=_RANK_TILE // rb,
     )
     return out
 
@@ -94,8 +103,9 @@ def _popcount(x, HW: tl.constexpr):
 
 
 @triton.jit
-def _hamming_kernel(Q, G, out, nq, ng, n_words, stride_qw, stride_gw, stride_o,
-                    BM: tl.constexpr, BN: tl.constexpr, HW: tl.constexpr):
+def _hamming_kernel(
+    Q, G, out, nq, ng, n_words, stride_qw, stride_gw, stride_o, BM: tl.constexpr, BN: tl.constexpr, HW: tl.constexpr
+):
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mmask, nmask = offs_m < nq, offs_n < ng
@@ -120,7 +130,17 @@ def hamming_block(q_words: Tensor, g_words: Tensor) -> Tensor:
         return out
     grid = (triton.cdiv(nq, _BM), triton.cdiv(ng, _BN))
     _hamming_kernel[grid](
-        q_words, g_words, out, nq, ng, n_words, q_words.stride(0), g_words.stride(0), out.stride(0),
-        BM=_BM, BN=_BN, HW=q_words.device.type == "cuda" and not INTERPRET,
+        q_words,
+        g_words,
+        out,
+        nq,
+        ng,
+        n_words,
+        q_words.stride(0),
+        g_words.stride(0),
+        out.stride(0),
+        BM=_BM,
+        BN=_BN,
+        HW=q_words.device.type == "cuda" and not INTERPRET,
     )
     return out

@@ -40,7 +40,11 @@ def engine_name() -> str:
         raise RuntimeError(f"DMLTRAIN_HAMMING=native: {native.unavailable_reason()}")
     if not _warned:
         _warned = True
-        warnings.warn(f"native Hamming kernel unavailable ({native.unavailable_reason()}); using faiss.hammings", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"native Hamming kernel unavailable ({native.unavailable_reason()}); using faiss.hammings",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return "faiss"
 
 
@@ -53,7 +57,9 @@ def pad_codes(codes: np.ndarray) -> np.ndarray:
     return codes
 
 
-def hamming_block(query: np.ndarray, gallery: np.ndarray, threads: int | None = None, engine: str | None = None) -> np.ndarray:
+def hamming_block(
+    query: np.ndarray, gallery: np.ndarray, threads: int | None = None, engine: str | None = None
+) -> np.ndarray:
     """``nq × ng`` Hamming distances between packed codes (both padded by :func:`pad_codes`).
 
     int16 from the native engine, int32 from faiss. ``threads`` defaults to
@@ -62,7 +68,9 @@ def hamming_block(query: np.ndarray, gallery: np.ndarray, threads: int | None = 
     if query.dtype != np.uint8 or gallery.dtype != np.uint8 or query.ndim != 2 or gallery.ndim != 2:
         raise ValueError("hamming_block: expected 2-D uint8 code arrays")
     if query.shape[1] != gallery.shape[1] or query.shape[1] % ALIGN_BYTES:
-        raise ValueError(f"hamming_block: code widths {query.shape[1]} and {gallery.shape[1]} must be equal multiples of {ALIGN_BYTES}")
+        raise ValueError(
+            f"hamming_block: code widths {query.shape[1]} and {gallery.shape[1]} must be equal multiples of {ALIGN_BYTES}"
+        )
     if not (query.flags.c_contiguous and gallery.flags.c_contiguous):
         raise ValueError("hamming_block: codes must be C-contiguous (use pad_codes)")
     nq, ng, nbytes = query.shape[0], gallery.shape[0], query.shape[1]
@@ -87,7 +95,9 @@ def hamming_block(query: np.ndarray, gallery: np.ndarray, threads: int | None = 
         raise RuntimeError(f"native Hamming kernel unavailable: {native.unavailable_reason()}")
 
     def run(lo: int, hi: int) -> None:  # ctypes releases the GIL for the call
-        lib.dml_hamming_all_pairs(query[lo:].ctypes.data, hi - lo, gallery.ctypes.data, ng, nbytes, out[lo:].ctypes.data, ng)
+        lib.dml_hamming_all_pairs(
+            query[lo:].ctypes.data, hi - lo, gallery.ctypes.data, ng, nbytes, out[lo:].ctypes.data, ng
+        )
 
     parallel_ranges(run, np.linspace(0, nq, max(1, min(threads or _threads(), nq)) + 1).astype(np.int64))
     return out

@@ -49,15 +49,29 @@ def _kmeans_pp(x: Tensor, k: int, gen: torch.Generator) -> Tensor:
             nxt = int(torch.nonzero(~taken)[0])
         else:
             target = float(torch.rand(1, generator=gen, dtype=torch.float64)) * total
-            nxt = min(int(torch.searchsorted(torch.cumsum(d2.double(), 0), torch.tensor([target], dtype=torch.float64,
-                                                                                        device=x.device))), n - 1)
+            nxt = min(
+                int(
+                    torch.searchsorted(
+                        torch.cumsum(d2.double(), 0), torch.tensor([target], dtype=torch.float64, device=x.device)
+                    )
+                ),
+                n - 1,
+            )
         chosen.append(nxt)
         d2 = torch.minimum(d2, ((x - x[nxt]) ** 2).sum(1))
     return x[torch.tensor(chosen, device=x.device)].clone()
 
 
-def torch_kmeans(x: Tensor, k: int, *, seed: int = 0, niter: int = 20, init: str = "random",
-                 centroids: Tensor | None = None, block_bytes: int = _BLOCK_BYTES) -> Tensor:
+def torch_kmeans(
+    x: Tensor,
+    k: int,
+    *,
+    seed: int = 0,
+    niter: int = 20,
+    init: str = "random",
+    centroids: Tensor | None = None,
+    block_bytes: int = _BLOCK_BYTES,
+) -> Tensor:
     """Cluster index (int64, on ``x``'s device) of every row of ``x`` (float32 ``n × d``).
 
     ``k`` between 1 and ``n``; ``init``: ``random`` or ``kmeans++``; ``centroids``: start

@@ -250,7 +250,13 @@ def _compile(lib_path: Path) -> None:
     try:
         src.write_text(_SOURCE)
         cc = os.environ.get("CC", "cc")
-        subprocess.run([cc, "-O3", "-std=gnu99", "-shared", "-fPIC", "-o", tmp, str(src)], check=True, capture_output=True, text=True, timeout=180)
+        subprocess.run(
+            [cc, "-O3", "-std=gnu99", "-shared", "-fPIC", "-o", tmp, str(src)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         os.replace(tmp, lib_path)
     finally:
         src.unlink(missing_ok=True)
@@ -278,8 +284,11 @@ def _build() -> ctypes.CDLL:
             if why is None:
                 return _load(lib_path)
         # no trustworthy cache: a fresh private folder, removed once the library is mapped
-        warnings.warn(f"dmltrain native kernels: not using the cache ({why}); building them in a private temporary folder",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"dmltrain native kernels: not using the cache ({why}); building them in a private temporary folder",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         scratch = Path(tempfile.mkdtemp(prefix="dmltrain-native-"))
         try:
             _compile(scratch / name)

@@ -81,7 +81,15 @@ def plot_recall_at_k(curves: Mapping[str, Mapping[Any, float]], path: str | os.P
             label = f"{name} (binary)" if prefix else str(name)
             ys = [100 * points[k] for k in ks]
             lowest = min(lowest, *ys)
-            ax.plot(ks, ys, marker="o", mfc="white" if prefix else color, color=color, linestyle="--" if prefix else "-", label=label)
+            ax.plot(
+                ks,
+                ys,
+                marker="o",
+                mfc="white" if prefix else color,
+                color=color,
+                linestyle="--" if prefix else "-",
+                label=label,
+            )
     if not all_k:
         raise ValueError("plot_recall_at_k: no recall@K values to plot")
     ax.set_xscale("log")
@@ -168,8 +176,13 @@ def run_colors(names: Sequence[str]) -> dict[str, Any]:
     return {name: cmap(i % cmap.N) for i, name in enumerate(names)}
 
 
-def plot_curves(data: Mapping[str, tuple[Sequence[int], Sequence[float]]], path: str | os.PathLike[str], ylabel: str, title: str,
-                colors: Mapping[str, Any]) -> Path | None:
+def plot_curves(
+    data: Mapping[str, tuple[Sequence[int], Sequence[float]]],
+    path: str | os.PathLike[str],
+    ylabel: str,
+    title: str,
+    colors: Mapping[str, Any],
+) -> Path | None:
     """Each run's ``(steps, values)`` overlaid against the step in one PNG; None (and no file) when ``data`` is empty.
 
     Points are marked on curves of at most 30 points; beyond 12 runs the legend moves outside.
@@ -180,7 +193,15 @@ def plot_curves(data: Mapping[str, tuple[Sequence[int], Sequence[float]]], path:
     ax = fig.add_subplot()
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for name, (steps, values) in data.items():
-        ax.plot(steps, values, label=name, color=colors[name], linewidth=1.4, marker="o" if len(steps) <= 30 else None, markersize=3)
+        ax.plot(
+            steps,
+            values,
+            label=name,
+            color=colors[name],
+            linewidth=1.4,
+            marker="o" if len(steps) <= 30 else None,
+            markersize=3,
+        )
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -213,8 +234,15 @@ def _log_x(ax: Any, values: Sequence[float]) -> None:
         ax.set_xlim(ticks[0] / 2, ticks[0] * 2)
 
 
-def plot_panels(panels: Sequence[Panel], path: str | os.PathLike[str], *, xlabel: str, title: str, cols: int,
-                panel_size: tuple[float, float]) -> Path:
+def plot_panels(
+    panels: Sequence[Panel],
+    path: str | os.PathLike[str],
+    *,
+    xlabel: str,
+    title: str,
+    cols: int,
+    panel_size: tuple[float, float],
+) -> Path:
     """``panels`` in a grid of ``cols`` columns (``panel_size`` inches each), every line marked at its
     points over a log x axis; lines without points are left out, and so is an empty panel's legend."""
     rows = math.ceil(len(panels) / cols)
@@ -232,7 +260,7 @@ def plot_panels(panels: Sequence[Panel], path: str | os.PathLike[str], *, xlabel
         ax.grid(True, which="both", alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(title)
     return _save(fig, path)

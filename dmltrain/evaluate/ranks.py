@@ -74,7 +74,9 @@ def engine_for(block: Tensor, engine: str | None = None) -> str:
     return "native" if native.library() is not None else "numpy"
 
 
-def pair_ranks(block: Tensor, rows: np.ndarray, cols: np.ndarray, larger_is_better: bool, engine: str | None = None) -> np.ndarray:
+def pair_ranks(
+    block: Tensor, rows: np.ndarray, cols: np.ndarray, larger_is_better: bool, engine: str | None = None
+) -> np.ndarray:
     """1-based rank (int64) of each ``(rows[i], cols[i])`` pair within its row of ``block``.
 
     ``rows`` must be grouped (non-decreasing). A masked column (a self match set to the worst
@@ -106,8 +108,14 @@ def pair_ranks(block: Tensor, rows: np.ndarray, cols: np.ndarray, larger_is_bett
 def _ranks_native(block: Tensor, rows: np.ndarray, cols: np.ndarray, larger: bool) -> np.ndarray:
     lib = native.library()
     if lib is None or block.device.type != "cpu":
-        raise RuntimeError(f"pair_ranks: native engine unavailable ({native.unavailable_reason() or 'block not on the CPU'})")
-    fns = {torch.float32: lib.dml_pair_ranks_f32, torch.int16: lib.dml_pair_ranks_i16, torch.int32: lib.dml_pair_ranks_i32}
+        raise RuntimeError(
+            f"pair_ranks: native engine unavailable ({native.unavailable_reason() or 'block not on the CPU'})"
+        )
+    fns = {
+        torch.float32: lib.dml_pair_ranks_f32,
+        torch.int16: lib.dml_pair_ranks_i16,
+        torch.int32: lib.dml_pair_ranks_i32,
+    }
     if block.dtype not in fns or block.stride(1) != 1:
         raise ValueError(f"pair_ranks: native engine needs a row-major float32/int16/int32 block, got {block.dtype}")
     fn = fns[block.dtype]
@@ -115,7 +123,16 @@ def _ranks_native(block: Tensor, rows: np.ndarray, cols: np.ndarray, larger: boo
     ranks = np.empty(len(rows), np.int64)
 
     def run(lo: int, hi: int) -> None:
-        fn(S.ctypes.data, S.strides[0] // S.itemsize, S.shape[1], rows[lo:].ctypes.data, cols[lo:].ctypes.data, hi - lo, int(larger), ranks[lo:].ctypes.data)
+        fn(
+            S.ctypes.data,
+            S.strides[0] // S.itemsize,
+            S.shape[1],
+            rows[lo:].ctypes.data,
+            cols[lo:].ctypes.data,
+            hi - lo,
+            int(larger),
+            ranks[lo:].ctypes.data,
+        )
 
     # Split at row boundaries into about as many parts as threads.
     starts = row_starts(rows)
@@ -127,7 +144,9 @@ def _ranks_native(block: Tensor, rows: np.ndarray, cols: np.ndarray, larger: boo
 
 def _ranks_triton(block: Tensor, rows: np.ndarray, cols: np.ndarray, larger: bool) -> np.ndarray:
     if gpu_kernels is None:
-        raise RuntimeError("pair_ranks: the Triton engine is not loaded (no CUDA device, no TRITON_INTERPRET=1, or no Triton)")
+        raise RuntimeError(
+            "pair_ranks: the Triton engine is not loaded (no CUDA device, no TRITON_INTERPRET=1, or no Triton)"
+        )
     starts = row_starts(rows)
     dev = block.device
 
@@ -163,7 +182,9 @@ def _ranks_by_passes(S, rows: np.ndarray, cols: np.ndarray, larger: bool, xp) ->
             tied = equal.view(np.uint8).sum(1, dtype=np.int64)
             multi = np.flatnonzero(tied > 1)  # others share this score: count those with a lower column
             if len(multi):
-                count[multi] += (equal[multi] & (col_index[None, :] < c[multi, None])).view(np.uint8).sum(1, dtype=np.int64)
+                count[multi] += (
+                    (equal[multi] & (col_index[None, :] < c[multi, None])).view(np.uint8).sum(1, dtype=np.int64)
+                )
             ranks[sel] = count + 1
     return ranks
 

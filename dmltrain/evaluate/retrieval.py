@@ -40,7 +40,14 @@ from torch import Tensor
 from tqdm import tqdm
 
 from dmltrain.evaluate.clustering import clustering_nmi
-from dmltrain.evaluate.gallery import Gallery, binary_gallery, default_block_bytes, float_gallery, mask_self, resolve_device
+from dmltrain.evaluate.gallery import (
+    Gallery,
+    binary_gallery,
+    default_block_bytes,
+    float_gallery,
+    mask_self,
+    resolve_device,
+)
 from dmltrain.evaluate.inputs import ArrayLike, as_embeddings, as_labels
 from dmltrain.evaluate.ranks import pair_ranks, row_starts
 
@@ -86,7 +93,9 @@ class _Labels:
         count = np.bincount(g, minlength=n_codes)
         start = np.concatenate(([0], np.cumsum(count)[:-1]))
         R = count[q] - (1 if g_labels is None else 0)
-        return cls(q.astype(np.int64), g.astype(np.int64), np.argsort(g, kind="stable"), start, count, R.astype(np.int64))
+        return cls(
+            q.astype(np.int64), g.astype(np.int64), np.argsort(g, kind="stable"), start, count, R.astype(np.int64)
+        )
 
     def positive_pairs(self, queries: np.ndarray, self_search: bool) -> tuple[np.ndarray, np.ndarray]:
         """``(row, column)`` of every (query, relevant gallery item) pair; row indexes ``queries``."""
@@ -137,7 +146,9 @@ def _ranked_metrics(
     order = valid[np.argsort(labels.R[valid], kind="stable")]
     max_rows = gal.rows_per_block(block_bytes)
     ks_arr = np.asarray(ks)
-    bar = tqdm(total=len(order), desc=progress, unit="query", leave=False, disable=progress is None or len(order) < 20000)
+    bar = tqdm(
+        total=len(order), desc=progress, unit="query", leave=False, disable=progress is None or len(order) < 20000
+    )
     lo = 0
     while lo < len(order):
         hi = min(lo + max_rows, len(order))

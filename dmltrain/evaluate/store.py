@@ -36,7 +36,9 @@ def save_embeddings(directory: str | os.PathLike[str], split: str, emb: np.ndarr
 def saved_splits(directory: str | os.PathLike[str]) -> list[str]:
     """Splits with both files present in ``directory``, sorted."""
     d = Path(directory)
-    return sorted(p.stem for p in d.glob("*.npy") if not p.stem.endswith("_labels") and (d / f"{p.stem}_labels.npy").is_file())
+    return sorted(
+        p.stem for p in d.glob("*.npy") if not p.stem.endswith("_labels") and (d / f"{p.stem}_labels.npy").is_file()
+    )
 
 
 def load_embeddings(directory: str | os.PathLike[str], split: str) -> tuple[np.ndarray, np.ndarray]:

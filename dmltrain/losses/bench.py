@@ -25,7 +25,9 @@ from dmltrain.losses import build_loss, is_proxy_loss, loss_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", type=int, default=180, help="embeddings per batch (default 180, the ICE/RLL recipes)")
+    parser.add_argument(
+        "--batch", type=int, default=180, help="embeddings per batch (default 180, the ICE/RLL recipes)"
+    )
     parser.add_argument("--dim", type=int, default=512, help="embedding size (default 512)")
     parser.add_argument("--samples-per-class", type=int, default=3, help="K of the P×K batch (default 3: 60×3 as RLL)")
     parser.add_argument("--repeat", type=int, default=20, help="timed calls per loss (median reported; default 20)")
@@ -54,8 +56,12 @@ def _pml_peers() -> dict[str, Callable[[], Callable]]:
 
     return {
         "contrastive": lambda: losses.ContrastiveLoss(pos_margin=0.0, neg_margin=1.0),
-        "triplet": lambda: with_miner(losses.TripletMarginLoss(margin=0.2), miners.TripletMarginMiner(margin=0.2, type_of_triplets="semihard")),
-        "multi_similarity": lambda: with_miner(losses.MultiSimilarityLoss(alpha=2, beta=50, base=0.5), miners.MultiSimilarityMiner(epsilon=0.1)),
+        "triplet": lambda: with_miner(
+            losses.TripletMarginLoss(margin=0.2), miners.TripletMarginMiner(margin=0.2, type_of_triplets="semihard")
+        ),
+        "multi_similarity": lambda: with_miner(
+            losses.MultiSimilarityLoss(alpha=2, beta=50, base=0.5), miners.MultiSimilarityMiner(epsilon=0.1)
+        ),
         "lifted_structure": lambda: losses.LiftedStructureLoss(neg_margin=1.0, pos_margin=0.0),
         "npair": lambda: losses.NPairsLoss(),
         "snca": lambda: losses.NCALoss(softmax_scale=20.0),
@@ -63,7 +69,9 @@ def _pml_peers() -> dict[str, Callable[[], Callable]]:
     }
 
 
-def _time_interleaved(jobs: dict[str, Callable[[], None]], repeat: int, warmup: int, sync: Callable[[], None], progress) -> dict[str, float]:
+def _time_interleaved(
+    jobs: dict[str, Callable[[], None]], repeat: int, warmup: int, sync: Callable[[], None], progress
+) -> dict[str, float]:
     """Median milliseconds of each job.
 
     Rounds interleave the jobs (every job once per round), so a load change on a shared
@@ -94,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
     if args.batch < 2 or args.dim < 1 or args.repeat < 1 or args.samples_per_class < 2:
         raise UserError("bench losses: need --batch >= 2, --dim >= 1, --repeat >= 1, --samples-per-class >= 2")
     if args.batch % args.samples_per_class:
-        raise UserError(f"bench losses: --batch {args.batch} is not a multiple of --samples-per-class {args.samples_per_class}")
+        raise UserError(
+            f"bench losses: --batch {args.batch} is not a multiple of --samples-per-class {args.samples_per_class}"
+        )
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"bench losses: --device {args.device}: no CUDA device here")
     if args.threads:
@@ -107,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
         wanted = [n.strip() for n in args.losses.split(",") if n.strip()]
         unknown = sorted(set(wanted) - set(names))
         if unknown:
-            raise UserError(f"bench losses: --losses: unknown instance loss(es) {', '.join(unknown)} (choose from {', '.join(names)})")
+            raise UserError(
+                f"bench losses: --losses: unknown instance loss(es) {', '.join(unknown)} (choose from {', '.join(names)})"
+            )
         names = [n for n in names if n in wanted]
     peers = {} if args.no_pml else _pml_peers()
 
@@ -129,7 +141,9 @@ def run(args: argparse.Namespace) -> int:
     rows = [(name, ms[name], ms.get("pml:" + name)) for name in names]
 
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
-    print(f"losses bench: batch {args.batch} ({P}×{K}), dim {args.dim}, {device.type}{threads}, median of {args.repeat}")
+    print(
+        f"losses bench: batch {args.batch} ({P}×{K}), dim {args.dim}, {device.type}{threads}, median of {args.repeat}"
+    )
     print(f"similarity GEMM {args.batch}×{args.batch}×{args.dim}: {gemm:.3f} ms")
     print(f"{'loss':<18}{'ours ms':>10}{'×GEMM':>9}{'PML ms':>10}{'ours/PML':>10}")
     for name, ours, pml in rows:

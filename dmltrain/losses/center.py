@@ -23,7 +23,12 @@ class CenterLoss(ProxyLoss):
     """Center loss; ``stats``: ``tightness`` (the loss), ``pos_sim``/``neg_sim`` (cosine to own/other centres)."""
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
-        if embeddings.dim() != 2 or labels.dim() != 1 or labels.shape[0] != embeddings.shape[0] or embeddings.shape[1] != self.dim:
+        if (
+            embeddings.dim() != 2
+            or labels.dim() != 1
+            or labels.shape[0] != embeddings.shape[0]
+            or embeddings.shape[1] != self.dim
+        ):
             raise ValueError(
                 f"center: expected embeddings B×{self.dim} and labels B, got {tuple(embeddings.shape)} and {tuple(labels.shape)}"
             )
@@ -35,7 +40,11 @@ class CenterLoss(ProxyLoss):
             cos = similarity(normalize(x), normalize(self.weight))
             rows = torch.arange(labels.shape[0], device=labels.device)
             pos = cos[rows, labels]
-            self.stats = {"tightness": float(loss.detach()), "active_pairs": float((per_example > 0).sum()), "skipped_anchors": 0.0}
+            self.stats = {
+                "tightness": float(loss.detach()),
+                "active_pairs": float((per_example > 0).sum()),
+                "skipped_anchors": 0.0,
+            }
             if labels.numel():
                 self.stats["pos_sim"] = float(pos.mean())
                 self.stats["nontrivial_fraction"] = float((per_example > 0).float().mean())

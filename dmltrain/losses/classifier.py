@@ -50,7 +50,12 @@ class ClassifierLoss(ProxyLoss):
         return smoothed_nll(torch.logsumexp(logits, dim=1), target, logits.sum(dim=1), logits.shape[1], self.smoothing)
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
-        if embeddings.dim() != 2 or labels.dim() != 1 or labels.shape[0] != embeddings.shape[0] or embeddings.shape[1] != self.dim:
+        if (
+            embeddings.dim() != 2
+            or labels.dim() != 1
+            or labels.shape[0] != embeddings.shape[0]
+            or embeddings.shape[1] != self.dim
+        ):
             raise ValueError(
                 f"{type(self).__name__}: expected embeddings B×{self.dim} and labels B, got {tuple(embeddings.shape)} and {tuple(labels.shape)}"
             )

@@ -17,7 +17,15 @@ from __future__ import annotations
 from torch import Tensor
 
 from dmltrain.losses.base import AnchorTerms, InstanceLoss
-from dmltrain.losses.pairs import label_masks, masked_mean_stat, masked_sum, normalize_both, similarity, similarity_stats, unit_distance
+from dmltrain.losses.pairs import (
+    label_masks,
+    masked_mean_stat,
+    masked_sum,
+    normalize_both,
+    similarity,
+    similarity_stats,
+    unit_distance,
+)
 from dmltrain.losses.registry import register
 
 
@@ -31,7 +39,9 @@ class ContrastiveLoss(InstanceLoss):
             raise ValueError(f"contrastive: need 0 <= pos_margin < neg_margin, got {pos_margin}, {neg_margin}")
         self.pos_margin, self.neg_margin = float(pos_margin), float(neg_margin)
 
-    def anchor_terms(self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor) -> AnchorTerms:
+    def anchor_terms(
+        self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor
+    ) -> AnchorTerms:
         m = label_masks(anchor_labels, ref_labels, anchor_index)
         cos = similarity(*normalize_both(anchors, refs))
         d = unit_distance(cos)

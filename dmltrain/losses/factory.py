@@ -18,7 +18,9 @@ def is_proxy_loss(kind: str) -> bool:
     return issubclass(loss_class(kind), ProxyLoss)
 
 
-def make_loss(kind: str, params: dict[str, Any] | None = None, *, num_classes: int | None = None, dim: int | None = None) -> BaseLoss:
+def make_loss(
+    kind: str, params: dict[str, Any] | None = None, *, num_classes: int | None = None, dim: int | None = None
+) -> BaseLoss:
     """``build_loss(kind, **params)``, adding ``num_classes`` and ``dim`` for proxy losses.
 
     Raises ``ValueError`` when a proxy loss is asked for without them.

@@ -76,7 +76,9 @@ class ICELoss(InstanceLoss):
         log_norm, _ = masked_logsumexp(F.logsigmoid(z), active)
         return log_norm.detach()
 
-    def anchor_terms(self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor) -> AnchorTerms:
+    def anchor_terms(
+        self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor
+    ) -> AnchorTerms:
         m = label_masks(anchor_labels, ref_labels, anchor_index)
         cos = similarity(*normalize_both(anchors, refs))
         logits = self.scale * cos

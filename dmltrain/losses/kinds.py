@@ -100,7 +100,9 @@ class ClassifierKind:
         ``ValueError`` for a value out of bounds (one line naming both)."""
         unknown = sorted(set(params) - set(self.param_names))
         if unknown:
-            raise TypeError(f"{self.name}: unknown parameter(s) {', '.join(unknown)} (it takes: {', '.join(self.param_names)})")
+            raise TypeError(
+                f"{self.name}: unknown parameter(s) {', '.join(unknown)} (it takes: {', '.join(self.param_names)})"
+            )
         out = {**self.defaults(), **{k: float(v) for k, v in params.items()}}
         for p in self.params:
             reason = p.problem(out[p.name])

@@ -18,7 +18,15 @@ import torch
 from torch import Tensor
 
 from dmltrain.losses.base import AnchorTerms, InstanceLoss
-from dmltrain.losses.pairs import label_masks, masked_logsumexp, masked_sum, normalize_both, similarity, similarity_stats, unit_distance
+from dmltrain.losses.pairs import (
+    label_masks,
+    masked_logsumexp,
+    masked_sum,
+    normalize_both,
+    similarity,
+    similarity_stats,
+    unit_distance,
+)
 from dmltrain.losses.registry import register
 
 
@@ -30,7 +38,9 @@ class LiftedStructureLoss(InstanceLoss):
         super().__init__()
         self.margin = float(margin)
 
-    def anchor_terms(self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor) -> AnchorTerms:
+    def anchor_terms(
+        self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor
+    ) -> AnchorTerms:
         m = label_masks(anchor_labels, ref_labels, anchor_index)
         anchor_hat, ref_hat = normalize_both(anchors, refs)
         cos = similarity(anchor_hat, ref_hat)

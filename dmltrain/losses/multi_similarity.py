@@ -49,7 +49,9 @@ class MultiSimilarityLoss(InstanceLoss):
         self.alpha, self.beta, self.base, self.epsilon = float(alpha), float(beta), float(base), float(epsilon)
         self.normalize = check_normalize("multi_similarity", normalize)
 
-    def anchor_terms(self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor) -> AnchorTerms:
+    def anchor_terms(
+        self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor
+    ) -> AnchorTerms:
         m = label_masks(anchor_labels, ref_labels, anchor_index)
         S = similarity(*normalize_both(anchors, refs))
         s = S.detach()

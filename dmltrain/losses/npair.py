@@ -44,7 +44,9 @@ class NPairLoss(InstanceLoss):
             raise ValueError(f"npair: l2_reg must be >= 0, got {l2_reg}")
         self.l2_reg = float(l2_reg)
 
-    def anchor_terms(self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor) -> AnchorTerms:
+    def anchor_terms(
+        self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor
+    ) -> AnchorTerms:
         m = label_masks(anchor_labels, ref_labels, anchor_index)
         a, r = upcast(anchors), upcast(refs)
         S = similarity(a, r)

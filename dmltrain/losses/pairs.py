@@ -141,4 +141,3 @@ def masked_mean_stat(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 def similarity_stats(cos: Tensor, masks: LabelMasks) -> dict[str, tuple[Tensor, Tensor]]:
     """Mean cosine similarity of positive and of negative pairs of the valid anchors."""
     return {"pos_sim": masked_mean_stat(cos, masks.pos), "neg_sim": masked_mean_stat(cos, masks.neg)}
-

@@ -42,6 +42,8 @@ class ProxyNCALoss(ClassifierLoss):
         if not self.exclude_positive:
             return super().nll(logits, labels)
         rows = torch.arange(labels.shape[0], device=labels.device)
-        others = torch.ones_like(logits, dtype=torch.bool).index_put((rows, labels), torch.tensor(False, device=logits.device))
+        others = torch.ones_like(logits, dtype=torch.bool).index_put(
+            (rows, labels), torch.tensor(False, device=logits.device)
+        )
         lse, _ = masked_logsumexp(logits, others)
         return lse - logits[rows, labels]

@@ -49,21 +49,33 @@ class RankedListLoss(InstanceLoss):
     """
 
     def __init__(
-        self, alpha: float = 1.2, margin: float = 0.4, temperature: float = 10.0, balance: float = 1.0, normalize: str = "batch"
+        self,
+        alpha: float = 1.2,
+        margin: float = 0.4,
+        temperature: float = 10.0,
+        balance: float = 1.0,
+        normalize: str = "batch",
     ) -> None:
         super().__init__()
         if not 0 <= margin <= alpha:
             raise ValueError(f"ranked_list: need 0 <= margin <= alpha, got margin={margin}, alpha={alpha}")
         if temperature < 0:
             raise ValueError(f"ranked_list: temperature must be >= 0, got {temperature}")
-        self.alpha, self.margin, self.temperature, self.balance = float(alpha), float(margin), float(temperature), float(balance)
+        self.alpha, self.margin, self.temperature, self.balance = (
+            float(alpha),
+            float(margin),
+            float(temperature),
+            float(balance),
+        )
         self.normalize = check_normalize("ranked_list", normalize)
 
     def negative_weights(self, d: Tensor, hard_neg: Tensor) -> Tensor:
         """Eq. 9's ``exp(T (α - d))`` normalised over each anchor's non-trivial negatives (constants)."""
         return masked_softmax(self.temperature * (self.alpha - d), hard_neg).detach()
 
-    def anchor_terms(self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor) -> AnchorTerms:
+    def anchor_terms(
+        self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor
+    ) -> AnchorTerms:
         m = label_masks(anchor_labels, ref_labels, anchor_index)
         rows = anchor_rows(m, self.normalize)
         # a query without a positive keeps its negatives in "batch" mode (eq. 12); m.neg has only valid anchors'
@@ -89,4 +101,3 @@ class RankedListLoss(InstanceLoss):
         means["nontrivial_fraction"] = n_active, m.pos.sum() + neg.sum()
         totals = {"active_pairs": n_active, "skipped_anchors": (~rows).sum()}
         return AnchorTerms(total=total, count=rows.sum(), means=means, totals=totals)
-

@@ -48,7 +48,11 @@ def accepted_params(name: str) -> list[str]:
     if declared:
         return list(declared)
     sig = inspect.signature(cls.__init__)
-    return [p for p in sig.parameters if p not in ("self", *STRUCTURAL_ARGS) and sig.parameters[p].kind is not inspect.Parameter.VAR_KEYWORD]
+    return [
+        p
+        for p in sig.parameters
+        if p not in ("self", *STRUCTURAL_ARGS) and sig.parameters[p].kind is not inspect.Parameter.VAR_KEYWORD
+    ]
 
 
 def check_params(name: str, params: dict[str, Any], allowed: tuple[str, ...] | None = None) -> str | None:

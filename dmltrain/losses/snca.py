@@ -37,7 +37,9 @@ class SNCALoss(InstanceLoss):
             raise ValueError(f"snca: temperature must be positive, got {temperature}")
         self.temperature = float(temperature)
 
-    def anchor_terms(self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor) -> AnchorTerms:
+    def anchor_terms(
+        self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor
+    ) -> AnchorTerms:
         m = label_masks(anchor_labels, ref_labels, anchor_index)
         cos = similarity(*normalize_both(anchors, refs))
         logits = cos / self.temperature

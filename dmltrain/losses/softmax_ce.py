@@ -38,5 +38,7 @@ class SoftmaxCELoss(KindClassifierLoss):
         x = upcast(embeddings)
         logits = upcast(torch.nn.functional.linear(x, self.weight, self.bias))
         with torch.no_grad():  # cosine for the statistics only: (z - b) / (|x| |w|)
-            cos = (logits - upcast(self.bias)) / (x.norm(dim=1)[:, None] * upcast(self.weight).norm(dim=1)[None, :]).clamp_min(1e-12)
+            cos = (logits - upcast(self.bias)) / (
+                x.norm(dim=1)[:, None] * upcast(self.weight).norm(dim=1)[None, :]
+            ).clamp_min(1e-12)
         return logits, cos

@@ -31,7 +31,17 @@ import torch
 from torch import Tensor
 
 from dmltrain.losses.base import AnchorTerms, InstanceLoss
-from dmltrain.losses.pairs import NONTRIVIAL_NLL, label_masks, masked_mean_stat, masked_sum, normalize, normalize_both, similarity, similarity_stats, upcast
+from dmltrain.losses.pairs import (
+    NONTRIVIAL_NLL,
+    label_masks,
+    masked_mean_stat,
+    masked_sum,
+    normalize,
+    normalize_both,
+    similarity,
+    similarity_stats,
+    upcast,
+)
 from dmltrain.losses.registry import register
 
 
@@ -60,7 +70,9 @@ class SPCELoss(InstanceLoss):
         counts = torch.bincount(inverse, minlength=classes.shape[0]).to(z.dtype)
         return classes, sums / (counts[:, None] * self.temperature)
 
-    def anchor_terms(self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor) -> AnchorTerms:
+    def anchor_terms(
+        self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor
+    ) -> AnchorTerms:
         m = label_masks(anchor_labels, ref_labels, anchor_index)
         z = normalize(anchors) if self.normalize else upcast(anchors)
         classes, theta = self.class_weights(refs, ref_labels)

@@ -17,7 +17,15 @@ import torch
 from torch import Tensor
 
 from dmltrain.losses.base import AnchorTerms, InstanceLoss
-from dmltrain.losses.pairs import label_masks, masked_mean_stat, masked_sum, normalize_both, similarity, similarity_stats, unit_distance
+from dmltrain.losses.pairs import (
+    label_masks,
+    masked_mean_stat,
+    masked_sum,
+    normalize_both,
+    similarity,
+    similarity_stats,
+    unit_distance,
+)
 from dmltrain.losses.registry import register
 
 
@@ -34,7 +42,9 @@ class TripletLoss(InstanceLoss):
             raise ValueError(f"triplet: margin must be >= 0, got {margin}")
         self.margin, self.squared = float(margin), bool(squared)
 
-    def anchor_terms(self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor) -> AnchorTerms:
+    def anchor_terms(
+        self, anchors: Tensor, anchor_labels: Tensor, refs: Tensor, ref_labels: Tensor, anchor_index: Tensor
+    ) -> AnchorTerms:
         m = label_masks(anchor_labels, ref_labels, anchor_index)
         cos = similarity(*normalize_both(anchors, refs))
         d = (2.0 - 2.0 * cos).clamp_min(0.0) if self.squared else unit_distance(cos)

@@ -155,7 +155,9 @@ def small_cnn(name: str = "small_cnn") -> Backbone:
     c1 = SMALL_CNN_CHANNELS[0]
     layers = [("stage1", nn.Sequential(*_conv_bn_relu(3, c1), nn.MaxPool2d(2), *_conv_bn_relu(c1, c1)))]
     for i, (cin, cout) in enumerate(zip(SMALL_CNN_CHANNELS, SMALL_CNN_CHANNELS[1:]), 2):
-        layers.append((f"stage{i}", nn.Sequential(nn.MaxPool2d(2), *_conv_bn_relu(cin, cout), *_conv_bn_relu(cout, cout))))
+        layers.append(
+            (f"stage{i}", nn.Sequential(nn.MaxPool2d(2), *_conv_bn_relu(cin, cout), *_conv_bn_relu(cout, cout)))
+        )
     backbone = Backbone(name, layers, {f"stage{i}": c for i, c in enumerate(SMALL_CNN_CHANNELS, 1)})
     for m in backbone.modules():
         if isinstance(m, nn.Conv2d):
@@ -173,7 +175,10 @@ BACKBONES: dict[str, tuple[Callable[[bool], Backbone], str | None]] = {
     "resnet152": (lambda _: _resnet("resnet152"), "ResNet152_Weights.IMAGENET1K_V2"),
     "resnext50_32x4d": (lambda _: _resnet("resnext50_32x4d"), "ResNeXt50_32X4D_Weights.IMAGENET1K_V2"),
     "wide_resnet50_2": (lambda _: _resnet("wide_resnet50_2"), "Wide_ResNet50_2_Weights.IMAGENET1K_V2"),
-    "googlenet": (lambda pretrained: _googlenet("googlenet", transform_input=pretrained), "GoogLeNet_Weights.IMAGENET1K_V1"),
+    "googlenet": (
+        lambda pretrained: _googlenet("googlenet", transform_input=pretrained),
+        "GoogLeNet_Weights.IMAGENET1K_V1",
+    ),
     "small_cnn": (lambda _: small_cnn(), None),
 }
 

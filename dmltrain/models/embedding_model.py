@@ -124,7 +124,9 @@ class EmbeddingModel(nn.Module):
         outputs, all >= 0, so it refuses.
         """
         if not self.head.centred:
-            raise ValueError("binarize: this head's embeddings are non-negative pooled features; sign bits carry no information")
+            raise ValueError(
+                "binarize: this head's embeddings are non-negative pooled features; sign bits carry no information"
+            )
         return pack_sign_bits(self(images))
 
     # -- modes and parameters --------------------------------------------------------------------

@@ -53,7 +53,9 @@ def save_model(
         state_dict = own
     elif set(state_dict) != set(own):
         missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
-        raise ValueError(f"save_model: state_dict keys differ from the model's: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ValueError(
+            f"save_model: state_dict keys differ from the model's: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     payload = {
         "format": FORMAT,
         "version": VERSION,

@@ -82,7 +82,9 @@ class Head(nn.Module):
 
     def _check(self, features: Sequence[Tensor]) -> None:
         if len(features) != len(self.in_channels):
-            raise ValueError(f"{type(self).__name__}: expected {len(self.in_channels)} feature maps, got {len(features)}")
+            raise ValueError(
+                f"{type(self).__name__}: expected {len(self.in_channels)} feature maps, got {len(features)}"
+            )
 
     def levels(self, features: Sequence[Tensor]) -> list[Tensor]:
         """Each level's embedding (``B × level_dims[i]``); ``forward`` is their combination."""
@@ -172,7 +174,9 @@ class PlainHead(Head):
     def __init__(self, in_channels: Sequence[int], embedding_dim: int | None, pooling: str = "avg") -> None:
         super().__init__(in_channels, embedding_dim, pooling)
         self.proj = (
-            nn.ModuleList(nn.Linear(c, d) for c, d in zip(self.in_channels, self.level_dims)) if self.projected else None
+            nn.ModuleList(nn.Linear(c, d) for c, d in zip(self.in_channels, self.level_dims))
+            if self.projected
+            else None
         )
         # unprojected pooled features follow a ReLU: all >= 0, so their sign bits are constant
         self.centred = self.projected  # type: ignore[misc]

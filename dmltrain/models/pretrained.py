@@ -54,7 +54,9 @@ def check_pretrained(backbone_name: str, spec: str) -> None:
         return
     if spec == "imagenet":
         if imagenet_weights(backbone_name) is None:
-            raise UserError(f"model.pretrained=imagenet: backbone {backbone_name} has no ImageNet weights; use none or a file path")
+            raise UserError(
+                f"model.pretrained=imagenet: backbone {backbone_name} has no ImageNet weights; use none or a file path"
+            )
         return
     path = Path(spec).expanduser()
     state = read_state_dict(path)
@@ -102,7 +104,9 @@ def fitted_state_dict(backbone: Backbone, state: dict[str, Tensor], source: str)
     missing = [k for k in own if k not in state and not k.endswith("num_batches_tracked")]
     unexpected = [k for k in state if k not in own]
     shapes = [
-        f"{k} (file {_shape(state[k])}, model {_shape(own[k])})" for k in state if k in own and state[k].shape != own[k].shape
+        f"{k} (file {_shape(state[k])}, model {_shape(own[k])})"
+        for k in state
+        if k in own and state[k].shape != own[k].shape
     ]
     problems = []
     for what, keys in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)):

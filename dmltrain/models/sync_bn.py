@@ -35,7 +35,9 @@ class _SyncBatchNormCPU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, group) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(
+        ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, group
+    ) -> tuple[Tensor, Tensor, Tensor]:
         # torch's BatchNorm kernel: the local mean and biased variance, several times faster than var_mean
         local_mean, local_var = torch.batch_norm_update_stats(x, None, None, 0.0)
         count = x.numel() // x.shape[1]
@@ -88,7 +90,9 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         if input.device.type != "cpu":
             return super().forward(input)
         if not (self.training and group_rank_size(self.process_group)[1] > 1):
-            return _BatchNorm.forward(self, input)  # plain BatchNorm: torch's class refuses CPU tensors before falling back
+            return _BatchNorm.forward(
+                self, input
+            )  # plain BatchNorm: torch's class refuses CPU tensors before falling back
         self._check_input_dim(input)
         out, mean, var = _SyncBatchNormCPU.apply(input, self.weight, self.bias, self.eps, self.process_group)
         if self.track_running_stats:
@@ -106,7 +110,12 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
     (a new one when ``module`` itself is a BatchNorm). Synchronizes over ``process_group`` (default: all workers)."""
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
         sync = SyncBatchNorm(
-            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, process_group,
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            process_group,
             device=module.running_mean.device if module.running_mean is not None else None,
         )
         if module.affine:

@@ -31,9 +31,15 @@ class Report:
     csv: Path
 
 
-def build_report(experiment: str, runs: list[str] | None = None, out: str | os.PathLike[str] | None = None,
-                 tracking_uri: str | None = None, ui_url: str = DEFAULT_UI, max_runs: int = 100,
-                 progress: bool = True) -> Report:
+def build_report(
+    experiment: str,
+    runs: list[str] | None = None,
+    out: str | os.PathLike[str] | None = None,
+    tracking_uri: str | None = None,
+    ui_url: str = DEFAULT_UI,
+    max_runs: int = 100,
+    progress: bool = True,
+) -> Report:
     """Collect the runs and write every file of the report; raises :class:`UserError` on unknown input."""
     uri = resolve_tracking_uri(tracking_uri)
     client = MlflowClient(tracking_uri=uri)
@@ -44,8 +50,10 @@ def build_report(experiment: str, runs: list[str] | None = None, out: str | os.P
     records = collect(client, chosen, out_dir, progress=progress)
     colors = run_colors([r.name for r in records])
     figures = {}
-    for key, which, ylabel, title in (("loss", "loss", "loss", "Training loss"),
-                                      ("recall_at_1", "recall", "Recall@1", "Recall@1 (step 0: untrained model)")):
+    for key, which, ylabel, title in (
+        ("loss", "loss", "loss", "Training loss"),
+        ("recall_at_1", "recall", "Recall@1", "Recall@1 (step 0: untrained model)"),
+    ):
         p = plot_curves(curves(records, which), out_dir / f"{key}.png", ylabel, title, colors)
         if p is not None:
             figures[key] = p
@@ -59,11 +67,17 @@ def build_report(experiment: str, runs: list[str] | None = None, out: str | os.P
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experiment", required=True, help="MLflow experiment name (tracking.experiment of the runs)")
-    parser.add_argument("--runs", help="comma-separated run ids or run names (default: every run); a parent run stands for its children")
+    parser.add_argument(
+        "--runs", help="comma-separated run ids or run names (default: every run); a parent run stands for its children"
+    )
     parser.add_argument("--out", help="output directory (default reports/<experiment>)")
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///./mlflow.db)")
+    parser.add_argument(
+        "--tracking-uri", help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///./mlflow.db)"
+    )
     parser.add_argument("--ui-url", default=DEFAULT_UI, help=f"MLflow UI base URL for the links (default {DEFAULT_UI})")
-    parser.add_argument("--max-runs", type=int, default=100, help="compare at most the N most recent runs (default 100)")
+    parser.add_argument(
+        "--max-runs", type=int, default=100, help="compare at most the N most recent runs (default 100)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -71,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
     tokens = [t.strip() for t in (args.runs or "").split(",") if t.strip()] or None
     if args.max_runs < 1:
         raise UserError(f"--max-runs {args.max_runs}: must be at least 1")
-    rep = build_report(args.experiment, tokens, args.out, args.tracking_uri, args.ui_url, args.max_runs, progress=not args.no_progress)
+    rep = build_report(
+        args.experiment, tokens, args.out, args.tracking_uri, args.ui_url, args.max_runs, progress=not args.no_progress
+    )
     _, _, head, rows = tables(rep.records)
     print(markdown_table(head, rows))
     print(f"\nreport of {len(rep.records)} run{'s' * (len(rep.records) != 1)} from experiment {rep.experiment}:")

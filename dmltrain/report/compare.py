@@ -105,13 +105,17 @@ def tables(records: list[RunRecord]) -> tuple[list[str], list[list[str]], list[s
     run_rows = []
     for r in records:
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.start_time / 1000)) if r.start_time else "—"
-        run_rows.append([r.name, r.status, started, format_duration(r.duration_s), *(_clip(r.params.get(p)) for p in params)])
+        run_rows.append(
+            [r.name, r.status, started, format_duration(r.duration_s), *(_clip(r.params.get(p)) for p in params)]
+        )
     cols = metric_columns(records)
     met_head = ["run", *(display_key(c) for c in cols), "best recall@1 (step)"]
     met_rows = []
     for r in records:
         b = best_recall(r)
-        met_rows.append([r.name, *(_fmt_value(r.metrics.get(c), c) for c in cols), f"{b[0]:.4f} ({b[1]})" if b else "—"])
+        met_rows.append(
+            [r.name, *(_fmt_value(r.metrics.get(c), c) for c in cols), f"{b[0]:.4f} ({b[1]})" if b else "—"]
+        )
     return run_head, run_rows, met_head, met_rows
 
 
@@ -119,6 +123,15 @@ def write_csv(path: Path, records: list[RunRecord]) -> None:
     params = differing_params(records)
     cols = metric_columns(records, everything=True)
     head = ["run", "run_id", "status", "duration_s", *params, *(display_key(c) for c in cols)]
-    rows = [[r.name, r.run_id, r.status, None if r.duration_s is None else f"{r.duration_s:.1f}",
-             *(r.params.get(p) for p in params), *(float(r.metrics[c]) if c in r.metrics else None for c in cols)] for r in records]
+    rows = [
+        [
+            r.name,
+            r.run_id,
+            r.status,
+            None if r.duration_s is None else f"{r.duration_s:.1f}",
+            *(r.params.get(p) for p in params),
+            *(float(r.metrics[c]) if c in r.metrics else None for c in cols),
+        ]
+        for r in records
+    ]
     write_text(path, csv_text(head, rows))

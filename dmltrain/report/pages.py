@@ -47,20 +47,33 @@ def _data_uri(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
 
 
-def render_markdown(exp_name: str, records: list[RunRecord], figures: dict[str, Path], out_dir: Path, links: Links,
-                    uri: str) -> str:
+def render_markdown(
+    exp_name: str, records: list[RunRecord], figures: dict[str, Path], out_dir: Path, links: Links, uri: str
+) -> str:
     run_head, run_rows, met_head, met_rows = tables(records)
     cols = metric_columns(records)
     best = best_rows(records, cols)
     bold = {j + 1: best.get(c, set()) for j, c in enumerate(cols)}
     run_links = [links.run(r) for r in records]
-    parts = [f"# Experiment `{exp_name}`: {len(records)} run{'s' * (len(records) != 1)}", "",
-             f"Tracking store `{uri}` · [experiment in MLflow]({links.experiment()}) · [compare in MLflow]({links.compare()}) · "
-             f"generated {time.strftime('%Y-%m-%d %H:%M')}", "", "## Runs", ""]
+    parts = [
+        f"# Experiment `{exp_name}`: {len(records)} run{'s' * (len(records) != 1)}",
+        "",
+        f"Tracking store `{uri}` · [experiment in MLflow]({links.experiment()}) · [compare in MLflow]({links.compare()}) · "
+        f"generated {time.strftime('%Y-%m-%d %H:%M')}",
+        "",
+        "## Runs",
+        "",
+    ]
     if not differing_params(records):
         parts += ["All runs share the same params." if len(records) > 1 else "One run: no params to compare.", ""]
-    parts += [markdown_table(run_head, run_rows, links=run_links), "", "## Final metrics", "",
-              markdown_table(met_head, met_rows, bold=bold, links=run_links), ""]
+    parts += [
+        markdown_table(run_head, run_rows, links=run_links),
+        "",
+        "## Final metrics",
+        "",
+        markdown_table(met_head, met_rows, bold=bold, links=run_links),
+        "",
+    ]
     for key, title in (("loss", "Loss"), ("recall_at_1", "Recall@1")):
         if key in figures:
             parts += [f"## {title}", "", f"![{title}]({figures[key].relative_to(out_dir).as_posix()})", ""]
@@ -95,8 +108,13 @@ figcaption{font-size:12px;color:#555}
 """
 
 
-def _html_table(head: list[str], rows: list[list[str]], links: list[str], bold: dict[int, set[int]] | None = None,
-                full: list[list[str | None]] | None = None) -> str:
+def _html_table(
+    head: list[str],
+    rows: list[list[str]],
+    links: list[str],
+    bold: dict[int, set[int]] | None = None,
+    full: list[list[str | None]] | None = None,
+) -> str:
     bold = bold or {}
     esc = html.escape
     out = ["<table><thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr></thead><tbody>"]
@@ -117,7 +135,9 @@ def _html_table(head: list[str], rows: list[list[str]], links: list[str], bold: 
     return "\n".join(out)
 
 
-def render_html(exp_name: str, records: list[RunRecord], figures: dict[str, Path], out_dir: Path, links: Links, uri: str) -> str:
+def render_html(
+    exp_name: str, records: list[RunRecord], figures: dict[str, Path], out_dir: Path, links: Links, uri: str
+) -> str:
     esc = html.escape
     run_head, run_rows, met_head, met_rows = tables(records)
     params = differing_params(records)
@@ -126,20 +146,29 @@ def render_html(exp_name: str, records: list[RunRecord], figures: dict[str, Path
     best = best_rows(records, cols)
     bold = {j + 1: best.get(c, set()) for j, c in enumerate(cols)}
     run_links = [links.run(r) for r in records]
-    body = [f"<h1>Experiment <code>{esc(exp_name)}</code>: {len(records)} run{'s' * (len(records) != 1)}</h1>",
-            f'<p class="meta">Tracking store <code>{esc(uri)}</code> · <a href="{esc(links.experiment())}">experiment in MLflow</a> · '
-            f'<a href="{esc(links.compare())}">compare in MLflow</a> · generated {esc(time.strftime("%Y-%m-%d %H:%M"))}</p>',
-            "<h2>Runs</h2>"]
+    body = [
+        f"<h1>Experiment <code>{esc(exp_name)}</code>: {len(records)} run{'s' * (len(records) != 1)}</h1>",
+        f'<p class="meta">Tracking store <code>{esc(uri)}</code> · <a href="{esc(links.experiment())}">experiment in MLflow</a> · '
+        f'<a href="{esc(links.compare())}">compare in MLflow</a> · generated {esc(time.strftime("%Y-%m-%d %H:%M"))}</p>',
+        "<h2>Runs</h2>",
+    ]
     if not params:
-        body.append(f"<p>{'All runs share the same params.' if len(records) > 1 else 'One run: no params to compare.'}</p>")
-    body += [_html_table(run_head, run_rows, run_links, full=full), "<h2>Final metrics</h2>",
-             _html_table(met_head, met_rows, run_links, bold=bold)]
+        body.append(
+            f"<p>{'All runs share the same params.' if len(records) > 1 else 'One run: no params to compare.'}</p>"
+        )
+    body += [
+        _html_table(run_head, run_rows, run_links, full=full),
+        "<h2>Final metrics</h2>",
+        _html_table(met_head, met_rows, run_links, bold=bold),
+    ]
     for key, title in (("loss", "Loss"), ("recall_at_1", "Recall@1")):
         if key in figures:
             body += [f"<h2>{title}</h2>", f'<img alt="{title}" src="{_data_uri(figures[key])}">']
     body.append("<h2>Runs' plots</h2>")
     for r in records:
-        body.append(f'<h3><a href="{esc(links.run(r))}">{esc(r.name)}</a> <span class="meta">{esc(r.status)}</span></h3>')
+        body.append(
+            f'<h3><a href="{esc(links.run(r))}">{esc(r.name)}</a> <span class="meta">{esc(r.status)}</span></h3>'
+        )
         storage = r.tags.get(STORAGE_DIR_TAG)
         if storage:
             body.append(f'<p class="meta">Checkpoints and models: <code>{esc(storage)}</code></p>')
@@ -149,9 +178,16 @@ def render_html(exp_name: str, records: list[RunRecord], figures: dict[str, Path
         figs = []
         for kind, paths in _plot_groups(r.plots).items():
             latest = paths[-1]
-            others = " ".join(f'<a href="{esc(p.relative_to(out_dir).as_posix())}">{esc(p.stem)}</a>' for p in paths[:-1])
-            figs.append(f'<figure><img alt="{esc(kind)}" src="{_data_uri(latest)}"><figcaption>{esc(latest.stem)}'
-                        + (f" · earlier: {others}" if others else "") + "</figcaption></figure>")
+            others = " ".join(
+                f'<a href="{esc(p.relative_to(out_dir).as_posix())}">{esc(p.stem)}</a>' for p in paths[:-1]
+            )
+            figs.append(
+                f'<figure><img alt="{esc(kind)}" src="{_data_uri(latest)}"><figcaption>{esc(latest.stem)}'
+                + (f" · earlier: {others}" if others else "")
+                + "</figcaption></figure>"
+            )
         body.append('<div class="plots">' + "".join(figs) + "</div>")
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(exp_name)}: run comparison</title>'
-            f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(exp_name)}: run comparison</title>'
+        f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )

@@ -56,7 +56,7 @@ def resolve_tracking_uri(uri: str | None) -> str:
     """``--tracking-uri``, else ``$MLFLOW_TRACKING_URI``, else ``mlflow.db`` in the current directory (as ``dmltrain train``)."""
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
-        if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
             raise UserError(f"--tracking-uri {uri}: no such SQLite file")
         return uri
     db = Path.cwd() / "mlflow.db"
@@ -69,12 +69,16 @@ def get_experiment(client, name: str, uri: str):
     try:
         exp = client.get_experiment_by_name(name)
     except Exception as e:  # noqa: BLE001 — a server that cannot be reached is the user's to fix
-        raise UserError(f"--tracking-uri {uri}: cannot read MLflow ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
-                        exit_code=1) from None
+        raise UserError(
+            f"--tracking-uri {uri}: cannot read MLflow ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
+            exit_code=1,
+        ) from None
     if exp is None:
         names = sorted(e.name for e in client.search_experiments())
         known = ", ".join(names[:20]) + (" ..." if len(names) > 20 else "")
-        raise UserError(f"--experiment {name}: no such experiment in {uri} (experiments: {known or 'none'})", exit_code=1)
+        raise UserError(
+            f"--experiment {name}: no such experiment in {uri} (experiments: {known or 'none'})", exit_code=1
+        )
     return exp
 
 
@@ -106,7 +110,10 @@ def select_runs(client, exp, tokens: list[str] | None = None, max_runs: int = 10
     if not runs:
         raise UserError(f"--experiment {exp.name}: no runs to compare", exit_code=1)
     if len(runs) > max_runs:
-        print(f"dmltrain: warning: {len(runs)} runs; the report shows the {max_runs} most recent (--max-runs)", file=sys.stderr)
+        print(
+            f"dmltrain: warning: {len(runs)} runs; the report shows the {max_runs} most recent (--max-runs)",
+            file=sys.stderr,
+        )
         runs = runs[-max_runs:]
     return runs
 
@@ -120,11 +127,26 @@ def _display_names(runs) -> list[str]:
 def collect(client, runs, out_dir: Path, progress: bool = True) -> list[RunRecord]:
     """Params, final metrics, loss / Recall@1 histories and plot artifacts (downloaded under ``out_dir/runs``)."""
     records = []
-    for run, name in tqdm(list(zip(runs, _display_names(runs))), desc="runs", unit="run", file=sys.stderr,
-                          disable=not progress, leave=False):
+    for run, name in tqdm(
+        list(zip(runs, _display_names(runs))),
+        desc="runs",
+        unit="run",
+        file=sys.stderr,
+        disable=not progress,
+        leave=False,
+    ):
         info, data = run.info, run.data
-        rec = RunRecord(info.run_id, name, info.experiment_id, info.status, info.start_time, info.end_time,
-                        dict(data.params), dict(data.metrics), dict(data.tags))
+        rec = RunRecord(
+            info.run_id,
+            name,
+            info.experiment_id,
+            info.status,
+            info.start_time,
+            info.end_time,
+            dict(data.params),
+            dict(data.metrics),
+            dict(data.tags),
+        )
         for key in (LOSS_KEY, first_key(rec.metrics, RECALL1_KEYS), first_key(rec.metrics, INITIAL_RECALL1_KEYS)):
             if key:
                 rec.history[key] = history(client, info.run_id, key)
@@ -133,7 +155,10 @@ def collect(client, runs, out_dir: Path, progress: bool = True) -> list[RunRecor
             if any(a == "plots" for a in rec.artifacts):
                 rec.plots = _download_plots(client, info.run_id, out_dir / "runs" / safe_name(name) / "plots")
         except Exception as e:  # noqa: BLE001 — a missing artifact store costs the plots, not the report
-            print(f"dmltrain: warning: run {name}: cannot read its artifacts ({type(e).__name__}: {str(e)[:150]})", file=sys.stderr)
+            print(
+                f"dmltrain: warning: run {name}: cannot read its artifacts ({type(e).__name__}: {str(e)[:150]})",
+                file=sys.stderr,
+            )
         records.append(rec)
     return records
 

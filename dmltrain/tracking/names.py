@@ -18,7 +18,9 @@ STORAGE_DIR_TAG = "dmltrain.storage_dir"  # <storage>/<run name>: checkpoints an
 KIND_TAG = "dmltrain.kind"  # tune, tune-trial, study: what a parent or child run is
 ERROR_TAG = "dmltrain.error"  # why a run failed, on the run that failed
 PARENT_RUN_TAG = "mlflow.parentRunId"  # MLflow's own: a search's or a study's child runs
-RESUMED_PARAM_PREFIX = "resumed."  # resumed.<param>: a param that changed when the run was resumed (params are immutable)
+RESUMED_PARAM_PREFIX = (
+    "resumed."  # resumed.<param>: a param that changed when the run was resumed (params are immutable)
+)
 RESUMED_FROM_STEP_TAG = "dmltrain.resumed_from_step"
 RESUMED_AT_EPOCH_START_TAG = "dmltrain.resumed_at_epoch_start"
 TUNE_TRIAL_TAG = "dmltrain.tune.trial"  # Ray Tune's trial id, on a trial's run

@@ -26,7 +26,9 @@ def _quoted(text: str) -> str:
 
 def run_by_name(client: MlflowClient, experiment_id: str, run_name: str) -> Run | None:
     """The run of the experiment tagged with dmltrain's run name ``run_name``, or None."""
-    found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = {_quoted(run_name)}", max_results=1)
+    found = client.search_runs(
+        [experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = {_quoted(run_name)}", max_results=1
+    )
     return found[0] if found else None
 
 
@@ -41,14 +43,22 @@ def find_run(client: MlflowClient, experiment_id: str, token: str) -> Run | None
     found = run_by_name(client, experiment_id, token)
     if found is not None:
         return found
-    by_mlflow_name = client.search_runs([experiment_id], filter_string=f"attributes.run_name = {_quoted(token)}", max_results=1)
+    by_mlflow_name = client.search_runs(
+        [experiment_id], filter_string=f"attributes.run_name = {_quoted(token)}", max_results=1
+    )
     return by_mlflow_name[0] if by_mlflow_name else None
 
 
 def child_runs(client: MlflowClient, experiment_id: str, parent_run_id: str) -> list[Run]:
     """The runs whose parent is ``parent_run_id`` (a search's trials, a study's points), oldest first."""
-    return list(client.search_runs([experiment_id], filter_string=f"tags.`{PARENT_RUN_TAG}` = {_quoted(parent_run_id)}",
-                                   order_by=OLDEST_FIRST, max_results=MAX_CHILDREN))
+    return list(
+        client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.`{PARENT_RUN_TAG}` = {_quoted(parent_run_id)}",
+            order_by=OLDEST_FIRST,
+            max_results=MAX_CHILDREN,
+        )
+    )
 
 
 def experiment_runs(client: MlflowClient, experiment_id: str, max_results: int = 50000) -> list[Run]:

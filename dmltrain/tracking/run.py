@@ -60,7 +60,7 @@ def artifact_location(uri: str) -> str | None:
     temporary working directory: the plots and models would vanish with it.
     """
     if uri.startswith("sqlite:///"):
-        return str(Path(uri[len("sqlite:///"):]).resolve().parent / "mlartifacts")
+        return str(Path(uri[len("sqlite:///") :]).resolve().parent / "mlartifacts")
     return None
 
 
@@ -81,8 +81,17 @@ class RunHandle:
 
     # -- opening ---------------------------------------------------------------------------------------------
     @classmethod
-    def open(cls, uri: str, experiment: str, run_name: str, params: Mapping[str, Any], *, tags: Mapping[str, str] | None = None,
-             parent_run_id: str | None = None, owner: str = "training") -> RunHandle:
+    def open(
+        cls,
+        uri: str,
+        experiment: str,
+        run_name: str,
+        params: Mapping[str, Any],
+        *,
+        tags: Mapping[str, str] | None = None,
+        parent_run_id: str | None = None,
+        owner: str = "training",
+    ) -> RunHandle:
         """The run tagged ``run_name`` in ``experiment`` (created with its artifacts beside a SQLite
         store), resumed (``resumed`` True, status RUNNING again) or else created with ``params``, ``tags``
         and ``parent_run_id``. Params are immutable in MLflow, so a resumed run keeps its original
@@ -91,7 +100,11 @@ class RunHandle:
         try:
             client = MlflowClient(tracking_uri=uri)
             exp = client.get_experiment_by_name(experiment)
-            exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment, artifact_location=artifact_location(uri))
+            exp_id = (
+                exp.experiment_id
+                if exp is not None
+                else client.create_experiment(experiment, artifact_location=artifact_location(uri))
+            )
             found = run_by_name(client, exp_id, run_name)
             if found is not None:
                 handle = cls(uri, found.info.run_id, owner=owner, client=client)
@@ -114,17 +127,29 @@ class RunHandle:
             return cls(uri, None, owner=owner)
 
     @classmethod
-    def for_config(cls, cfg: Any, run_name: str, params: Mapping[str, Any], *, tags: Mapping[str, str] | None = None,
-                   parent_run_id: str | None = None, owner: str = "training") -> RunHandle:
+    def for_config(
+        cls,
+        cfg: Any,
+        run_name: str,
+        params: Mapping[str, Any],
+        *,
+        tags: Mapping[str, str] | None = None,
+        parent_run_id: str | None = None,
+        owner: str = "training",
+    ) -> RunHandle:
         """:meth:`open` on the config's store and experiment (``tracking.*``); a handle that is off when
         ``tracking.enabled`` is false."""
         uri = cfg.tracking.resolved_uri()
         if not cfg.tracking.enabled:
             return cls(uri, None, owner=owner)
-        return cls.open(uri, cfg.tracking.experiment, run_name, params, tags=tags, parent_run_id=parent_run_id, owner=owner)
+        return cls.open(
+            uri, cfg.tracking.experiment, run_name, params, tags=tags, parent_run_id=parent_run_id, owner=owner
+        )
 
     @classmethod
-    def attach(cls, uri: str, run_id: str | None, *, system_metrics: bool = False, owner: str = "training") -> RunHandle:
+    def attach(
+        cls, uri: str, run_id: str | None, *, system_metrics: bool = False, owner: str = "training"
+    ) -> RunHandle:
         """The handle of an existing run, checked to be reachable (rank 0 on a worker); with
         ``system_metrics``, MLflow's CPU/GPU/memory monitor logs into the run until :meth:`close`."""
         handle = cls(uri, run_id, owner=owner)
@@ -174,13 +199,17 @@ class RunHandle:
         """Log ``metrics`` at ``step`` under their MLflow keys (:func:`~dmltrain.tracking.names.metric_key`);
         NaN and values that are not numbers are left out."""
         ts = int(time.time() * 1000)
-        items = [Metric(metric_key(k), float(v), ts, step) for k, v in metrics.items() if isinstance(v, numbers.Real) and v == v]
+        items = [
+            Metric(metric_key(k), float(v), ts, step)
+            for k, v in metrics.items()
+            if isinstance(v, numbers.Real) and v == v
+        ]
         if not items:
             return
 
         def send(c: MlflowClient) -> None:
             for i in range(0, len(items), METRICS_PER_BATCH):
-                c.log_batch(self.run_id, metrics=items[i:i + METRICS_PER_BATCH])
+                c.log_batch(self.run_id, metrics=items[i : i + METRICS_PER_BATCH])
 
         self.query("log metrics", send)
 
@@ -199,6 +228,7 @@ class RunHandle:
 
     def delete_tag(self, key: str) -> None:
         """Remove tag ``key`` if the run has it (MLflow refuses to delete a tag that is not there)."""
+
         def delete(c: MlflowClient) -> None:
             if key in c.get_run(self.run_id).data.tags:
                 c.delete_tag(self.run_id, key)
@@ -215,7 +245,9 @@ class RunHandle:
 
     def children(self) -> list[Run]:
         """The child runs (a search's trials, a study's points), oldest first; [] when they cannot be read."""
-        return self.query("list the child runs", lambda c: child_runs(c, c.get_run(self.run_id).info.experiment_id, self.run_id), [])
+        return self.query(
+            "list the child runs", lambda c: child_runs(c, c.get_run(self.run_id).info.experiment_id, self.run_id), []
+        )
 
     def log_model(self, model: Any, name: str, *, step: int, input_example: np.ndarray) -> str | None:
         """Log ``model`` the MLflow 3 way: a LoggedModel named ``name``, output of this run at ``step``.
@@ -233,17 +265,28 @@ class RunHandle:
         client, model_id = self._client, None
         try:
             run = client.get_run(self.run_id)
-            logged = client.create_logged_model(run.info.experiment_id, name=name, source_run_id=self.run_id,
-                                                params=dict(run.data.params))
+            logged = client.create_logged_model(
+                run.info.experiment_id, name=name, source_run_id=self.run_id, params=dict(run.data.params)
+            )
             model_id = logged.model_id
             with _fluent_tracking_uri(self.uri):  # log_model reads the process-wide tracking URI
-                mlflow.pytorch.log_model(model, name=name, model_id=model_id, run_id=self.run_id, step=step, input_example=input_example,
-                                         serialization_format="pt2", pip_requirements=[_torch_requirement()])
+                mlflow.pytorch.log_model(
+                    model,
+                    name=name,
+                    model_id=model_id,
+                    run_id=self.run_id,
+                    step=step,
+                    input_example=input_example,
+                    serialization_format="pt2",
+                    pip_requirements=[_torch_requirement()],
+                )
             return model_id
         except Exception as e:  # noqa: BLE001 — the model files are logged apart from this
             self._models = False
-            warn(f"MLflow at {self.uri}: could not log model {name} to MLflow's Models ({_reason(e)}); "
-                 "its files are still logged as artifacts, later models are not logged there")
+            warn(
+                f"MLflow at {self.uri}: could not log model {name} to MLflow's Models ({_reason(e)}); "
+                "its files are still logged as artifacts, later models are not logged there"
+            )
             if model_id is not None:
                 with contextlib.suppress(Exception):
                     client.finalize_logged_model(model_id, LoggedModelStatus.FAILED)
@@ -259,7 +302,7 @@ class RunHandle:
 def _log_params(client: MlflowClient, run_id: str, params: Mapping[str, Any]) -> None:
     items = [Param(k, str(v)[:PARAM_CHARS]) for k, v in params.items()]
     for i in range(0, len(items), PARAMS_PER_BATCH):
-        client.log_batch(run_id, params=items[i:i + PARAMS_PER_BATCH])
+        client.log_batch(run_id, params=items[i : i + PARAMS_PER_BATCH])
 
 
 def _torch_requirement() -> str:

@@ -51,26 +51,49 @@ class ModelExporter:
         weights = full_module_state_dict(self.engine)
         if self.rank != 0:
             return
-        publish_model(self.logger, self.engine.module, name, extra=extra, storage_dir=self.storage_dir, config=self.config,
-                      state_dict=weights)
+        publish_model(
+            self.logger,
+            self.engine.module,
+            name,
+            extra=extra,
+            storage_dir=self.storage_dir,
+            config=self.config,
+            state_dict=weights,
+        )
 
 
-def publish_model(logger, model, name: str, *, extra: dict[str, Any], storage_dir: str, config: dict[str, Any],
-                  state_dict: dict[str, Any] | None = None) -> None:
+def publish_model(
+    logger,
+    model,
+    name: str,
+    *,
+    extra: dict[str, Any],
+    storage_dir: str,
+    config: dict[str, Any],
+    state_dict: dict[str, Any] | None = None,
+) -> None:
     """``<name>/model.pt`` of ``model`` (weights ``state_dict`` when given) with ``extra`` (step, metrics)
     to MLflow (artifact and logged model) and to the run's storage directory."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.pt"
         save_model(path, model, config, extra=extra, state_dict=state_dict)
         logger.log_artifact(path, name)
-        if logger.enabled and config["tracking"].get("log_models", True):  # MLflow 3's Models view: pt2, linked to this step's metrics
+        if logger.enabled and config["tracking"].get(
+            "log_models", True
+        ):  # MLflow 3's Models view: pt2, linked to this step's metrics
             crop = config["data"]["eval_crop"]
-            logger.log_model(load_model(path)[0], name, step=extra["step"], input_example=np.zeros((2, 3, crop, crop), np.float32))
+            logger.log_model(
+                load_model(path)[0], name, step=extra["step"], input_example=np.zeros((2, 3, crop, crop), np.float32)
+            )
         publish(path, storage_dir, f"{name}/model.pt")
 
 
 def _storage(storage_dir: str) -> tuple[pyarrow.fs.FileSystem, str]:
-    fs, root = pyarrow.fs.FileSystem.from_uri(storage_dir) if "://" in storage_dir else (pyarrow.fs.LocalFileSystem(), storage_dir)
+    fs, root = (
+        pyarrow.fs.FileSystem.from_uri(storage_dir)
+        if "://" in storage_dir
+        else (pyarrow.fs.LocalFileSystem(), storage_dir)
+    )
     return fs, root.rstrip("/")
 
 

@@ -58,13 +58,20 @@ def validation_config(cfg: Config, run_context: dict[str, Any]) -> ValidationCon
         return None
     if cfg.cluster.use_gpu and cfg.eval.async_gpus == 0:
         # not a GPU by default: every GPU usually trains, and a task waiting for one would never start
-        print("warning: eval.mode async: the evaluation tasks run on the CPU; set eval.async_gpus to evaluate on a GPU "
-              "that training leaves free", file=sys.stderr)
+        print(
+            "warning: eval.mode async: the evaluation tasks run on the CPU; set eval.async_gpus to evaluate on a GPU "
+            "that training leaves free",
+            file=sys.stderr,
+        )
     env = {"OMP_NUM_THREADS": str(max(1, int(cfg.eval.async_cpus))), "MLFLOW_LOGGING_LEVEL": "WARNING"}
     return ValidationConfig(
         fn=evaluate_checkpoint,
         task_config=ValidationTaskConfig(fn_kwargs={"config": cfg.to_dict(), "run": dict(run_context)}),
-        ray_remote_kwargs={"num_cpus": cfg.eval.async_cpus, "num_gpus": cfg.eval.async_gpus, "runtime_env": {"env_vars": env}},
+        ray_remote_kwargs={
+            "num_cpus": cfg.eval.async_cpus,
+            "num_gpus": cfg.eval.async_gpus,
+            "runtime_env": {"env_vars": env},
+        },
     )
 
 
@@ -94,8 +101,9 @@ def record_summary(record: TrainState, metric: str) -> dict[str, Any]:
     return summary
 
 
-def evaluate_checkpoint(checkpoint: Checkpoint, *, config: dict[str, Any], run: dict[str, Any], step: int, epoch: int,
-                        phase: str) -> dict[str, Any]:
+def evaluate_checkpoint(
+    checkpoint: Checkpoint, *, config: dict[str, Any], run: dict[str, Any], step: int, epoch: int, phase: str
+) -> dict[str, Any]:
     """Ray Train's validation function: evaluate ``checkpoint``'s model, log, record, export; ``eval/<name>`` to Ray."""
     cfg = Config.model_validate(config)
     ctx = RunContext.from_dict(run)
@@ -108,8 +116,17 @@ def evaluate_checkpoint(checkpoint: Checkpoint, *, config: dict[str, Any], run: 
         if cfg.model.channels_last and use_gpu:
             model = model.to(memory_format=torch.channels_last)
         metrics, embeddings = evaluate_model(
-            model, cfg.data.shards, cfg.data.eval_splits, cfg.eval, cfg.data, rank=0, world_size=1, device=str(device),
-            precision=cfg.train.precision if use_gpu else "fp32", progress=False, channels_last=cfg.model.channels_last and use_gpu,
+            model,
+            cfg.data.shards,
+            cfg.data.eval_splits,
+            cfg.eval,
+            cfg.data,
+            rank=0,
+            world_size=1,
+            device=str(device),
+            precision=cfg.train.precision if use_gpu else "fp32",
+            progress=False,
+            channels_last=cfg.model.channels_last and use_gpu,
         )
         metrics = metrics or {}
         key = cfg.eval.metric
@@ -120,10 +137,18 @@ def evaluate_checkpoint(checkpoint: Checkpoint, *, config: dict[str, Any], run: 
             record.initial_metrics = metrics
         logger = RunHandle.attach(ctx.tracking_uri, ctx.mlflow_run_id, owner="evaluation")
         try:
-            log_evaluation(logger, cfg, metrics, embeddings, step, phase)  # before the model: a logged model links to them
+            log_evaluation(
+                logger, cfg, metrics, embeddings, step, phase
+            )  # before the model: a logged model links to them
             if improved:  # the checkpoint's fp32 weights, on the CPU, as the trainer exports them
-                publish_model(logger, load_checkpoint_model(directory), "best_model", extra={"step": step, "metrics": metrics},
-                              storage_dir=ctx.storage_dir, config=cfg.to_dict())
+                publish_model(
+                    logger,
+                    load_checkpoint_model(directory),
+                    "best_model",
+                    extra={"step": step, "metrics": metrics},
+                    storage_dir=ctx.storage_dir,
+                    config=cfg.to_dict(),
+                )
         finally:
             logger.close()
     _save_record(ctx.storage_dir, record)

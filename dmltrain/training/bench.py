@@ -49,38 +49,75 @@ from shards.synthetic import build_synthetic_shards
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    parser.add_argument("--backbone", default="resnet50", help="model.backbone (default resnet50; small_cnn for a quick CPU run)")
+    parser.add_argument(
+        "--backbone", default="resnet50", help="model.backbone (default resnet50; small_cnn for a quick CPU run)"
+    )
     parser.add_argument("--batch", type=int, default=128, help="batch size (default 128 = 32 classes x 4)")
     parser.add_argument("--image-size", type=int, default=224, help="training crop (default 224)")
-    parser.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"], help="train.precision (default bf16)")
+    parser.add_argument(
+        "--precision", default="bf16", choices=["fp32", "bf16", "fp16"], help="train.precision (default bf16)"
+    )
     parser.add_argument("--channels-last", action="store_true", help="model.channels_last")
-    parser.add_argument("--decode", default="auto", choices=["auto", "cpu", "device"], help="data.decode (default auto)")
-    parser.add_argument("--loader-workers", type=int, default=None, help="loader processes (default: CPU cores - 1, at most 8)")
+    parser.add_argument(
+        "--decode", default="auto", choices=["auto", "cpu", "device"], help="data.decode (default auto)"
+    )
+    parser.add_argument(
+        "--loader-workers", type=int, default=None, help="loader processes (default: CPU cores - 1, at most 8)"
+    )
     parser.add_argument("--steps", type=int, default=30, help="timed steps of each loop (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    parser.add_argument("--shards", default=None, help="shard directory to train from (default: synthetic shards, built here)")
-    parser.add_argument("--synthetic", default="500,12,256", help="without --shards: classes,images per class,pixels (default 500,12,256)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="any other config override for both loops, e.g. --set loss.classifier.sample_ratio=0.1")
+    parser.add_argument(
+        "--shards", default=None, help="shard directory to train from (default: synthetic shards, built here)"
+    )
+    parser.add_argument(
+        "--synthetic",
+        default="500,12,256",
+        help="without --shards: classes,images per class,pixels (default 500,12,256)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other config override for both loops, e.g. --set loss.classifier.sample_ratio=0.1",
+    )
 
 
 def _config(args: argparse.Namespace, shards: str) -> Config:
     workers = args.loader_workers if args.loader_workers is not None else max(1, min(8, (os.cpu_count() or 2) - 1))
     cuda = args.device == "cuda"
-    return load_config(None, [
-        f"data.shards={shards}", f"data.batch_size={args.batch}", "data.samples_per_class=4", f"data.image_size={args.image_size}",
-        f"data.loader_workers={workers}", f"data.decode={args.decode}", f"model.backbone={args.backbone}",
-        f"model.channels_last={str(args.channels_last).lower()}", f"train.precision={args.precision}",
-        "loss.instance.kind=ice", "cluster.num_workers=1", f"cluster.use_gpu={str(cuda).lower()}", *args.overrides,
-    ])
+    return load_config(
+        None,
+        [
+            f"data.shards={shards}",
+            f"data.batch_size={args.batch}",
+            "data.samples_per_class=4",
+            f"data.image_size={args.image_size}",
+            f"data.loader_workers={workers}",
+            f"data.decode={args.decode}",
+            f"model.backbone={args.backbone}",
+            f"model.channels_last={str(args.channels_last).lower()}",
+            f"train.precision={args.precision}",
+            "loss.instance.kind=ice",
+            "cluster.num_workers=1",
+            f"cluster.use_gpu={str(cuda).lower()}",
+            *args.overrides,
+        ],
+    )
 
 
 def _synthetic(spec: str, out: Path) -> str:
     try:
         classes, per_class, size = (int(v) for v in spec.split(","))
     except ValueError:
-        raise UserError(f"--synthetic: expected classes,images per class,pixels (e.g. 500,12,256), got {spec!r}") from None
-    print(f"building synthetic shards: {classes} classes x {per_class} images of {size} px (train and test) ...", flush=True)
+        raise UserError(
+            f"--synthetic: expected classes,images per class,pixels (e.g. 500,12,256), got {spec!r}"
+        ) from None
+    print(
+        f"building synthetic shards: {classes} classes x {per_class} images of {size} px (train and test) ...",
+        flush=True,
+    )
     build_synthetic_shards(out, classes, per_class, size, seed=0, workers=min(8, os.cpu_count() or 1), progress=False)
     return str(out)
 
@@ -119,7 +156,9 @@ def full_pipeline(cfg: Config, device: torch.device, steps: int, warmup: int) ->
     model = build_model(cfg.model).to(device)
     engine, _ = build_engine(model, param_groups(model, cfg.optim), cfg, 1)
     dtype = autocast_dtype(cfg.train.precision) or torch.float32
-    objective = Objective(cfg, stream.num_classes, model.embedding_dim, 1, classifier_dropout=model.classifier_dropout).to(device)
+    objective = Objective(
+        cfg, stream.num_classes, model.embedding_dim, 1, classifier_dropout=model.classifier_dropout
+    ).to(device)
     head = LossHead(objective, cfg.optim)
     prefetch = Prefetcher(DeviceInput(cfg.data.augment, device, dtype, channels_last=cfg.model.channels_last), device)
     batches = (batch for epoch in count() for batch in stream.epoch(epoch))
@@ -169,12 +208,23 @@ def run(args: argparse.Namespace) -> int:
             f"{shards}, {cfg.data.loader_workers} loader processes; {args.steps} steps after {args.warmup} warm-up"
         )
         bare = bare_backbone(cfg, device, args.steps, args.warmup)
-        print(f"bare backbone (random batch on the device, SGD)     {bare:9.1f} images/s  {1000 * cfg.data.batch_size / bare:8.1f} ms/step", flush=True)
+        print(
+            f"bare backbone (random batch on the device, SGD)     {bare:9.1f} images/s  {1000 * cfg.data.batch_size / bare:8.1f} ms/step",
+            flush=True,
+        )
         full, split, decode = full_pipeline(cfg, device, args.steps, args.warmup)
         parts = {k: split[f"time/{k}_ms"] for k in StepTimer.PARTS}
         wait = parts["data"] / max(1e-9, sum(parts.values()))
-        print(f"full pipeline (shards, decode={decode}, DeepSpeed, sharded NormSoftmax + ICE) {full:9.1f} images/s  "
-              f"{1000 * cfg.data.batch_size / full:8.1f} ms/step")
-        print("  step split: " + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()) + f"; waiting for data {100 * wait:.1f}% of step time")
-        print(f"ratio full pipeline / bare backbone: {full / bare:.2f}x ({full:.1f} vs {bare:.1f} images/s), data wait {100 * wait:.1f}%")
+        print(
+            f"full pipeline (shards, decode={decode}, DeepSpeed, sharded NormSoftmax + ICE) {full:9.1f} images/s  "
+            f"{1000 * cfg.data.batch_size / full:8.1f} ms/step"
+        )
+        print(
+            "  step split: "
+            + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items())
+            + f"; waiting for data {100 * wait:.1f}% of step time"
+        )
+        print(
+            f"ratio full pipeline / bare backbone: {full / bare:.2f}x ({full:.1f} vs {bare:.1f} images/s), data wait {100 * wait:.1f}%"
+        )
     return 0

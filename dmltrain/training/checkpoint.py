@@ -71,8 +71,19 @@ class Checkpointer:
     rank. ``save`` and ``load_from`` are collectives: every rank calls them.
     """
 
-    def __init__(self, engine, head: LossHead, reporter: Reporter, *, rank: int, world_size: int, zero_stage: int, seed: int,
-                 model_config: dict[str, Any], states: Mapping[str, Stateful] | None = None):
+    def __init__(
+        self,
+        engine,
+        head: LossHead,
+        reporter: Reporter,
+        *,
+        rank: int,
+        world_size: int,
+        zero_stage: int,
+        seed: int,
+        model_config: dict[str, Any],
+        states: Mapping[str, Stateful] | None = None,
+    ):
         self.engine, self.head, self.reporter = engine, head, reporter
         self.rank, self.world_size, self.zero_stage, self.seed = rank, world_size, zero_stage, seed
         self.model_config = model_config
@@ -111,7 +122,9 @@ class Checkpointer:
         dp = full_dp_state(engine) if state.zero_stage < 3 else None
         weights = full_module_state_dict(engine)
         if self.head.classifier is not None:
-            save_by_class(self.head.classifier, directory / CLASSIFIER_DIR, self.head.classifier_optimizer)  # collective
+            save_by_class(
+                self.head.classifier, directory / CLASSIFIER_DIR, self.head.classifier_optimizer
+            )  # collective
         torch.save(rng_state(), directory / f"rng-rank{self.rank}.pt")
         if self.rank != 0:
             return
@@ -143,7 +156,9 @@ class Checkpointer:
         else:
             self._load_portable(directory, state)
         if self.head.classifier is not None:
-            load_by_class(self.head.classifier, directory / CLASSIFIER_DIR, self.head.classifier_optimizer)  # reads only overlapping pieces
+            load_by_class(
+                self.head.classifier, directory / CLASSIFIER_DIR, self.head.classifier_optimizer
+            )  # reads only overlapping pieces
         for stem, obj in self.states.items():
             obj.load_state_dict(_load(directory / f"{stem}.pt"))
         rng_file = directory / f"rng-rank{self.rank}.pt"
@@ -165,7 +180,9 @@ class Checkpointer:
         weights = _load(directory / "model.pt")["state_dict"]
         opt = _load(directory / "dp_optimizer.pt")
         params = dict(module.named_parameters())
-        load_full_dp_state(self.engine, {"weights": {k: weights[k] for k in params}, "optim": opt["optim"], "scalars": opt["scalars"]})
+        load_full_dp_state(
+            self.engine, {"weights": {k: weights[k] for k in params}, "optim": opt["optim"], "scalars": opt["scalars"]}
+        )
         buffers = {k: v for k, v in weights.items() if k not in params}
         module.load_state_dict({**module.state_dict(), **buffers})
 

@@ -78,10 +78,18 @@ def full_dp_state(engine) -> dict[str, Any]:
         for name, p in engine.module.named_parameters():
             weights[name] = p.detach().float().cpu().clone()
             state = base.state.get(p, {})
-            optim[name] = {k: v.detach().float().cpu().clone() for k, v in state.items() if torch.is_tensor(v) and v.shape == p.shape}
+            optim[name] = {
+                k: v.detach().float().cpu().clone()
+                for k, v in state.items()
+                if torch.is_tensor(v) and v.shape == p.shape
+            }
         flat_states = [base.state[p] for p in engine.module.parameters() if p in base.state]
     if flat_states:  # per-parameter scalars (Adam's step) are equal across parameters: keep one
-        scalars = {k: (v.item() if torch.is_tensor(v) else v) for k, v in flat_states[0].items() if not torch.is_tensor(v) or v.numel() == 1}
+        scalars = {
+            k: (v.item() if torch.is_tensor(v) else v)
+            for k, v in flat_states[0].items()
+            if not torch.is_tensor(v) or v.numel() == 1
+        }
     return {"weights": weights, "optim": optim, "scalars": scalars}
 
 
@@ -137,6 +145,7 @@ def full_module_state_dict(engine) -> dict[str, torch.Tensor]:
     module = engine.module
     if _zero_stage(engine) >= 3:
         with import_deepspeed().zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            return {k: (v.float() if v.is_floating_point() else v).cpu().clone() for k, v in module.state_dict().items()}
+            return {
+                k: (v.float() if v.is_floating_point() else v).cpu().clone() for k, v in module.state_dict().items()
+            }
     return {k: (v.float() if v.is_floating_point() else v).cpu().clone() for k, v in module.state_dict().items()}
-

@@ -84,12 +84,16 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise UserError(f"train.deepspeed_config: {path}: invalid JSON at line {e.lineno}: {e.msg}") from None
     except (UnicodeDecodeError, OSError) as e:
-        raise UserError(f"train.deepspeed_config: {path}: cannot read it as UTF-8 text ({getattr(e, 'strerror', None) or e})") from None
+        raise UserError(
+            f"train.deepspeed_config: {path}: cannot read it as UTF-8 text ({getattr(e, 'strerror', None) or e})"
+        ) from None
     if not isinstance(user, dict):
         raise UserError(f"train.deepspeed_config: {path}: expected a JSON object")
     for key in _BATCH_KEYS:
         if key in user and user[key] != generated[key]:
-            raise UserError(f"{path}: '{key}' is set by data.batch_size and cluster.num_workers; remove it from the JSON")
+            raise UserError(
+                f"{path}: '{key}' is set by data.batch_size and cluster.num_workers; remove it from the JSON"
+            )
     return deep_merge(generated, user)
 
 

@@ -26,12 +26,29 @@ from dmltrain.evaluate import evaluate_model, plot_embedding_map, plot_recall_at
 from dmltrain.training.artifacts import ModelExporter
 from dmltrain.training.reporting import Reporter
 from dmltrain.training.state import TrainState
-from dmltrain.tracking.names import EVAL_PREFIX, INITIAL_PREFIX, REPORT_EPOCH, REPORT_EVALUATION, REPORT_STEP, report_key
+from dmltrain.tracking.names import (
+    EVAL_PREFIX,
+    INITIAL_PREFIX,
+    REPORT_EPOCH,
+    REPORT_EVALUATION,
+    REPORT_STEP,
+    report_key,
+)
 
 
 class Evaluator:
-    def __init__(self, model: torch.nn.Module, cfg: Config, exporter: ModelExporter, reporter: Reporter, logger, *,
-                 rank: int, world_size: int, device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: Config,
+        exporter: ModelExporter,
+        reporter: Reporter,
+        logger,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+    ):
         self.model, self.cfg = model, cfg
         self.exporter, self.reporter, self.logger = exporter, reporter, logger
         self.rank, self.world_size, self.device = rank, world_size, device
@@ -48,8 +65,11 @@ class Evaluator:
         if improved:
             self.exporter.export("best_model", extra={"step": step, "metrics": metrics})
         # `evaluation: 1` tells evaluation reports from checkpoint reports, which repeat the latest metrics
-        self.reporter.report({report_key(k): v for k, v in metrics.items()} | {REPORT_STEP: step, REPORT_EPOCH: state.epoch, REPORT_EVALUATION: 1},
-                             step=step)
+        self.reporter.report(
+            {report_key(k): v for k, v in metrics.items()}
+            | {REPORT_STEP: step, REPORT_EPOCH: state.epoch, REPORT_EVALUATION: 1},
+            step=step,
+        )
         return metrics
 
     def export_final(self, state: TrainState) -> None:
@@ -62,15 +82,22 @@ class Evaluator:
         self.model.eval()
         with torch.no_grad():
             metrics, embeddings = evaluate_model(
-                self.model, self.cfg.data.shards, self.cfg.data.eval_splits, self.cfg.eval, self.cfg.data,
+                self.model,
+                self.cfg.data.shards,
+                self.cfg.data.eval_splits,
+                self.cfg.eval,
+                self.cfg.data,
                 # the engine already holds the weights in its precision; autocast on top would feed
                 # fp32 activations to bf16 norm layers
-                rank=self.rank, world_size=self.world_size, device=str(self.device), precision="fp32",
-                progress=False, channels_last=self.cfg.model.channels_last,
+                rank=self.rank,
+                world_size=self.world_size,
+                device=str(self.device),
+                precision="fp32",
+                progress=False,
+                channels_last=self.cfg.model.channels_last,
             )
         self.model.train(was_training)
         return broadcast_object(metrics) or {}, embeddings
-
 
 
 def log_evaluation(logger, cfg: Config, metrics: dict[str, float], embeddings: Any, step: int, phase: str) -> None:

@@ -43,15 +43,24 @@ class LossHead:
         self.classifier_optimizer = None
         if self.classifier is not None:
             self.classifier_optimizer = make_classifier_optimizer(
-                self.classifier, name=optim.name, lr=self.base_lr, momentum=optim.momentum, nesterov=optim.nesterov,
-                weight_decay=optim.weight_decay, betas=optim.betas,
-                bias_weight_decay=None if optim.decay_norm_and_bias else 0.0,  # softmax_ce's bias: the CE recipe decays weights only
+                self.classifier,
+                name=optim.name,
+                lr=self.base_lr,
+                momentum=optim.momentum,
+                nesterov=optim.nesterov,
+                weight_decay=optim.weight_decay,
+                betas=optim.betas,
+                bias_weight_decay=None
+                if optim.decay_norm_and_bias
+                else 0.0,  # softmax_ce's bias: the CE recipe decays weights only
                 # a bf16 weight's stochastic rounding: one stream per shard, apart from the class draws' (step >= 0)
                 seed=draw_seed(self.classifier.seed, -1, self.classifier.rank),
             )
         self.proxy_optimizer = None
         if self.proxies is not None:
-            self.proxy_optimizer = build_optimizer([{"params": objective.replicated_parameters(), "lr_mult": optim.new_param_lr_mult}], optim)
+            self.proxy_optimizer = build_optimizer(
+                [{"params": objective.replicated_parameters(), "lr_mult": optim.new_param_lr_mult}], optim
+            )
 
     @property
     def base_lr(self) -> float:

@@ -31,7 +31,9 @@ class Objective(nn.Module):
     (``device_stats``: the same without reading them).
     """
 
-    def __init__(self, cfg: Config, num_classes: int, dim: int, world_size: int, classifier_dropout: float = 0.0, group=None):
+    def __init__(
+        self, cfg: Config, num_classes: int, dim: int, world_size: int, classifier_dropout: float = 0.0, group=None
+    ):
         super().__init__()
         self.world_size = world_size
         self.group = group
@@ -43,9 +45,17 @@ class Objective(nn.Module):
         self.w_instance = i.weight if i is not None else 0.0
         if c is not None:
             self.classifier = ShardedClassifier(
-                num_classes, dim, c.kind, sample_ratio=c.sample_ratio, group=group, seed=cfg.train.seed,
-                logits_budget_mb=c.logits_budget_mb, precision=c.precision, weight_storage=c.weight_storage,
-                init_std=c.init_std, **c.params,
+                num_classes,
+                dim,
+                c.kind,
+                sample_ratio=c.sample_ratio,
+                group=group,
+                seed=cfg.train.seed,
+                logits_budget_mb=c.logits_budget_mb,
+                precision=c.precision,
+                weight_storage=c.weight_storage,
+                init_std=c.init_std,
+                **c.params,
             )
         self.replicated: nn.Module | None = None
         if i is not None:
@@ -82,7 +92,9 @@ class Objective(nn.Module):
     @property
     def terms(self) -> list[str]:
         """The loss terms this objective sums: ``classifier``, ``instance`` or both."""
-        return [name for name, part in (("classifier", self.classifier), ("instance", self.instance)) if part is not None]
+        return [
+            name for name, part in (("classifier", self.classifier), ("instance", self.instance)) if part is not None
+        ]
 
     @property
     def losses(self) -> dict[str, Tensor]:

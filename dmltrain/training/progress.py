@@ -65,7 +65,10 @@ def _board(name: str):
 def format_line(info: dict[str, Any]) -> str:
     if not info:
         return "starting workers..."
-    parts = [f"epoch {info.get('epoch', 0) + 1}/{info.get('epochs', '?')}", f"step {info.get('step', 0)}/{info.get('total_steps', '?')}"]
+    parts = [
+        f"epoch {info.get('epoch', 0) + 1}/{info.get('epochs', '?')}",
+        f"step {info.get('step', 0)}/{info.get('total_steps', '?')}",
+    ]
     if "phase" in info:
         parts.append(info["phase"])
     if "loss" in info:

@@ -44,7 +44,11 @@ class RunContext:
 
 def position_metrics(state: TrainState) -> dict[str, Any]:
     """A report of where the run stands: step, epoch and the latest evaluation as ``eval/<name>``."""
-    return {REPORT_STEP: state.step, REPORT_EPOCH: state.epoch, **{report_key(k): v for k, v in state.last_metrics.items()}}
+    return {
+        REPORT_STEP: state.step,
+        REPORT_EPOCH: state.epoch,
+        **{report_key(k): v for k, v in state.last_metrics.items()},
+    }
 
 
 class Reporter:
@@ -52,8 +56,13 @@ class Reporter:
         self.run, self.rank = run, rank
         self.total_steps, self.num_epochs = total_steps, num_epochs
 
-    def report(self, metrics: dict[str, Any], step: int, checkpoint_dir: Path | None = None,
-               validation: ValidationTaskConfig | None = None) -> None:
+    def report(
+        self,
+        metrics: dict[str, Any],
+        step: int,
+        checkpoint_dir: Path | None = None,
+        validation: ValidationTaskConfig | None = None,
+    ) -> None:
         """Hand ``metrics`` (and this rank's checkpoint files, if any) to Ray Train; all ranks call it.
         ``validation``: Ray evaluates the checkpoint asynchronously with these arguments (:mod:`.async_eval`)."""
         if not self.run.report_to_ray:
@@ -78,8 +87,16 @@ class Reporter:
             return
         # at an epoch boundary the work in hand (eval, checkpoint) belongs to the epoch just completed
         epoch = state.epoch - 1 if state.batch == 0 and state.step > 0 else state.epoch
-        post(self.run.board_name, {"epochs": self.num_epochs, "total_steps": self.total_steps, "step": state.step,
-                                   "epoch": max(0, epoch), **info})
+        post(
+            self.run.board_name,
+            {
+                "epochs": self.num_epochs,
+                "total_steps": self.total_steps,
+                "step": state.step,
+                "epoch": max(0, epoch),
+                **info,
+            },
+        )
 
     def summary(self, summary: dict[str, Any]) -> None:
         if self.rank == 0:

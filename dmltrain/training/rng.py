@@ -19,7 +19,12 @@ def rng_state() -> dict[str, Any]:
     py_version, py_internal, py_gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),
-        "numpy": {"keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": np_pos, "has_gauss": np_has_gauss, "gauss": np_gauss},
+        "numpy": {
+            "keys": torch.from_numpy(np_keys.astype(np.int64)),
+            "pos": np_pos,
+            "has_gauss": np_has_gauss,
+            "gauss": np_gauss,
+        },
         "python": {"version": py_version, "internal": torch.tensor(py_internal, dtype=torch.int64), "gauss": py_gauss},
     }
 

@@ -39,7 +39,9 @@ ENGINE_STATE_TYPES = (
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
     "deepspeed.utils.tensor_fragment.fragment_address",
 )
-FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch.load's own switch: weights-only even where weights_only=False
+FORCE_WEIGHTS_ONLY = (
+    "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch.load's own switch: weights-only even where weights_only=False
+)
 TRUST_NOTE = "checkpoint files are loaded as data only (README: 'Checkpoints and what is trusted')"
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -95,7 +97,9 @@ def restricted_loads(engine: Any, directory: str | os.PathLike[str]) -> Iterator
     try:
         with torch.serialization.safe_globals(engine_state_types()):
             yield
-    except pickle.UnpicklingError as e:  # a torch.load outside the checkpoint engine (forced weights-only) refused a type
+    except (
+        pickle.UnpicklingError
+    ) as e:  # a torch.load outside the checkpoint engine (forced weights-only) refused a type
         found = _GLOBAL.search(str(e))
         what = found.group(1) if found else "a type outside the allow-list"
         raise UserError(f"{directory}: refused to load a checkpoint file that holds {what}; {TRUST_NOTE}") from None

@@ -46,8 +46,14 @@ class TrainState:
 
     def summary(self, metric: str) -> dict[str, Any]:
         """What a training returns and the driver prints: final step, initial / final / best metrics."""
-        return {"step": self.step, "initial": self.initial_metrics, "final": self.last_metrics, "best": self.best_metrics,
-                "best_step": self.best_step, "metric": metric}
+        return {
+            "step": self.step,
+            "initial": self.initial_metrics,
+            "final": self.last_metrics,
+            "best": self.best_metrics,
+            "best_step": self.best_step,
+            "metric": metric,
+        }
 
 
 def realign_to_plan(state: TrainState, plan: dict[str, Any]) -> list[str]:

@@ -83,15 +83,24 @@ class Trainer:
         self.cfg, self.run = cfg, run
         self.rank, self.world = ensure_process_group()
         self.device = worker_device(cfg.cluster.use_gpu)
-        torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker)) if not cfg.cluster.use_gpu else max(1, torch.get_num_threads()))
+        torch.set_num_threads(
+            max(1, int(cfg.cluster.cpus_per_worker)) if not cfg.cluster.use_gpu else max(1, torch.get_num_threads())
+        )
         seed_rngs(cfg.train.seed, 0, self.rank)
-        self.logger = RunHandle.attach(run.tracking_uri, run.mlflow_run_id, system_metrics=cfg.tracking.system_metrics) if self.rank == 0 else None
+        self.logger = (
+            RunHandle.attach(run.tracking_uri, run.mlflow_run_id, system_metrics=cfg.tracking.system_metrics)
+            if self.rank == 0
+            else None
+        )
 
         t = cfg.train
         self.stream = TrainStream.from_config(
-            cfg, self.rank, self.world,
+            cfg,
+            self.rank,
+            self.world,
             normalize=False,  # uint8 (or encoded JPEGs) cross to the device; self.input normalizes there
-            pin_memory=self.device.type == "cuda", decode=resolve_decode(cfg.data.decode, self.device, cfg.data.augment),
+            pin_memory=self.device.type == "cuda",
+            decode=resolve_decode(cfg.data.decode, self.device, cfg.data.augment),
         )
         self.steps_per_epoch = self.stream.batches_per_epoch  # >= 1: TrainStream refuses a batch no epoch can fill
         self.total_steps = t.max_steps if t.max_steps is not None else t.epochs * self.steps_per_epoch
@@ -120,11 +129,29 @@ class Trainer:
         self.timer = StepTimer(self.device)
         self.metrics = TrainMetrics()
         self.reporter = Reporter(run, self.rank, self.total_steps, self.num_epochs)
-        exporter = ModelExporter(self.engine, self.logger, rank=self.rank, storage_dir=run.storage_dir, config=cfg.to_dict())
-        self.evaluator = Evaluator(self.model, cfg, exporter, self.reporter, self.logger,
-                                   rank=self.rank, world_size=self.world, device=self.device)
-        self.checkpointer = Checkpointer(self.engine, self.head, self.reporter, rank=self.rank, world_size=self.world,
-                                         zero_stage=t.zero_stage, seed=t.seed, model_config=cfg.to_dict())
+        exporter = ModelExporter(
+            self.engine, self.logger, rank=self.rank, storage_dir=run.storage_dir, config=cfg.to_dict()
+        )
+        self.evaluator = Evaluator(
+            self.model,
+            cfg,
+            exporter,
+            self.reporter,
+            self.logger,
+            rank=self.rank,
+            world_size=self.world,
+            device=self.device,
+        )
+        self.checkpointer = Checkpointer(
+            self.engine,
+            self.head,
+            self.reporter,
+            rank=self.rank,
+            world_size=self.world,
+            zero_stage=t.zero_stage,
+            seed=t.seed,
+            model_config=cfg.to_dict(),
+        )
         self.state = TrainState(world_size=self.world, zero_stage=t.zero_stage, plan=self.stream.plan_signature())
         self.guard = DivergenceGuard(self.objective.terms, self.device)
         self.nan_at = injected_nan_step()
@@ -140,7 +167,9 @@ class Trainer:
             return self._fit()
         except Diverged as e:
             saved = self.checkpointer.last_step
-            message = f"{e}; training stopped, " + (f"the last checkpoint is step {saved}" if saved is not None else "no checkpoint was saved")
+            message = f"{e}; training stopped, " + (
+                f"the last checkpoint is step {saved}" if saved is not None else "no checkpoint was saved"
+            )
             if self.rank == 0:
                 log.error("%s", message)
             summary = self._summary() | {"error": message}
@@ -250,8 +279,14 @@ class Trainer:
         was = (st.epoch, st.batch)
         changed = realign_to_plan(st, self.stream.plan_signature())
         if changed and (st.epoch, st.batch) != was and self.rank == 0:
-            log.warning("resuming step %d at the start of epoch %d, not at batch %d of epoch %d: the batch plan changed (%s)",
-                        st.step, st.epoch, was[1], was[0], ", ".join(changed))
+            log.warning(
+                "resuming step %d at the start of epoch %d, not at batch %d of epoch %d: the batch plan changed (%s)",
+                st.step,
+                st.epoch,
+                was[1],
+                was[0],
+                ", ".join(changed),
+            )
             self.logger.set_tag(RESUMED_AT_EPOCH_START_TAG, f"plan changed: {', '.join(changed)}")
         if self.logger is not None:
             self.logger.set_tag(RESUMED_FROM_STEP_TAG, str(st.step))
@@ -262,7 +297,12 @@ class Trainer:
         summary = self.timer.summary(self.cfg.data.batch_size) | self.metrics.summary()
         io = self.stream.io_counts()  # remote shards: the same keys on every rank, summed over the ranks here
         if io:
-            io = dict(zip(io, all_reduce_sum(torch.tensor(list(io.values()), dtype=torch.float64, device=self.device)).tolist()))
+            io = dict(
+                zip(
+                    io,
+                    all_reduce_sum(torch.tensor(list(io.values()), dtype=torch.float64, device=self.device)).tolist(),
+                )
+            )
         if self.rank != 0:
             return
         summary.update({REMOTE_PREFIX + k: v for k, v in io.items()})
@@ -273,7 +313,9 @@ class Trainer:
             summary[SKIPPED_SAMPLES] = float(self.stream.skipped + self.input.skipped)
         self.logger.log_metrics(mlflow_names(summary), step=st.step)
         eta = (self.total_steps - st.step) * summary[STEP_MS] / 1000
-        self.reporter.progress(st, loss=summary.get(LOSS, float("nan")), images_per_s=summary[IMAGES_PER_S], eta_s=eta, phase="train")
+        self.reporter.progress(
+            st, loss=summary.get(LOSS, float("nan")), images_per_s=summary[IMAGES_PER_S], eta_s=eta, phase="train"
+        )
 
 
 def worker_device(use_gpu: bool) -> torch.device:
