@@ -18,9 +18,9 @@ from pathlib import Path
 from cluster.run_records import RUNNING, RunRecord, crashed_runs, latest_run
 from dmltrain.config import RUN_NAME_PATTERN, Config
 from dmltrain.errors import UserError
-from dmltrain.training.safe_load import scan_checkpoint
 from dmltrain.tracking.names import ERROR_TAG, REPORT_STEP
 from dmltrain.tracking.run import RunHandle
+from dmltrain.training.safe_load import scan_checkpoint
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's list of the checkpoints it committed
 

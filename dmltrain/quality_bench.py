@@ -47,7 +47,6 @@ import mlflow
 import numpy as np
 import torch
 import webdataset as wds
-import yaml
 from PIL import Image
 from torchvision import transforms
 from tqdm import tqdm

@@ -241,7 +241,8 @@ class DeviceDecoder:
 
     ``augment`` must be the config the loader drew the records with (grayscale, noise and the
     erase colour are read from it). A batch is decoded and resampled in runs of images (taken in order
-    of crop area, so that a run's crops pad to similar sizes) whose decoded pixels plus padded crop buffer (images × largest crop height × largest crop width)
+    of crop area, so that a run's crops pad to similar sizes) whose decoded pixels plus padded crop buffer
+    (images × largest crop height × largest crop width)
     stay within ``pixel_budget`` pixels (default :data:`PIXEL_BUDGET`, 2^25: on a GPU at most about
     0.1 GB of decoded uint8 and 0.4 GB of float32 crops at a time); an image over the budget by itself
     is decoded alone. The runs change memory, not results.
@@ -373,7 +374,8 @@ class DeviceDecoder:
         for j, im in zip(idx, images):
             if im is not None and tuple(im.shape[1:]) != tuple(batch.sizes[j].tolist()):
                 raise RuntimeError(
-                    f"device decoding: image of slot {int(batch.slots[j])} decoded to {tuple(im.shape[1:])}, its header says {tuple(batch.sizes[j].tolist())}"
+                    f"device decoding: image of slot {int(batch.slots[j])} decoded to {tuple(im.shape[1:])}, "
+                    f"its header says {tuple(batch.sizes[j].tolist())}"
                 )
         return images
 

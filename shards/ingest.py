@@ -79,7 +79,7 @@ def check_image(data: bytes) -> tuple[str, tuple[int, int]]:
         raise
     except Image.UnidentifiedImageError:
         raise SkipImage("not an image PIL can read") from None
-    except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError...) for bad files
+    except Exception as e:  # noqa: BLE001 — PIL raises many types (OSError, SyntaxError, ValueError...) for bad files
         raise SkipImage(f"corrupt image: {type(e).__name__}: {e}") from None
     return extension_for(fmt), size
 
@@ -99,7 +99,7 @@ def reencode(data: bytes, resize: int) -> bytes:
                 img = img.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BICUBIC, reducing_gap=3.0)
             out = io.BytesIO()
             img.save(out, format="JPEG", quality=RESIZE_QUALITY)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 — as above: any failure to decode or re-encode skips the image
         raise SkipImage(f"corrupt image: {type(e).__name__}: {e}") from None
     return out.getvalue()
 

@@ -100,7 +100,7 @@ def read_sop(root: Path) -> Layout:
         if rows and not rows[0][1][0].isdigit():  # the header line
             rows = rows[1:]
         entries = []
-        for lineno, (image_id, class_id, _super, rel, *_rest) in rows:
+        for lineno, (_image_id, class_id, _super, rel, *_rest) in rows:
             if not class_id.isdigit():
                 raise UserError(f"{index}:{lineno}: class_id {class_id!r} is not an integer")
             entries.append(Entry(str(root / rel), class_id, rel))
@@ -140,9 +140,8 @@ def read_cars(root: Path) -> Layout:
         raise UserError(
             f"{mat_path}: MATLAB v7.3 (HDF5) file, which scipy cannot read; re-save it in MATLAB v7 format (save(..., '-v7'))"
         ) from None
-    except (
-        Exception
-    ) as e:  # empty, truncated or not a MAT file: scipy raises MatReadError, OSError, ValueError, IndexError...
+    # Empty, truncated or not a MAT file: scipy raises MatReadError, OSError, ValueError, IndexError...
+    except Exception as e:  # noqa: BLE001
         raise UserError(f"{mat_path}: unreadable MAT file ({type(e).__name__}: {e})") from None
     try:
         annos = np.atleast_1d(mat["annotations"])

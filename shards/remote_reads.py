@@ -28,8 +28,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from shards.manifest import SplitInfo
-from shards.shard_cache import ShardCache
 from shards.retries import IOStats, ShortRead
+from shards.shard_cache import ShardCache
 from shards.storage import Location
 
 MERGE_GAP = 1 << 20  # ranges of one shard closer than this are fetched in one request (a round trip costs more)

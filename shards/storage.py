@@ -305,7 +305,7 @@ class Location:
                 return out
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # noqa: BLE001 — classified below; the permanent ones are raised
+            except Exception as e:
                 kind = "truncated" if isinstance(e, ShortRead) else transient_kind(e)
                 if kind is None or attempt == s.retries:
                     stats.add("failed")

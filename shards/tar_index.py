@@ -252,7 +252,7 @@ class GroupReader:
             for m in wds.tariterators.tar_file_iterator(io.BytesIO(buf)):
                 key, _, ext = m["fname"].rpartition("/")[2].partition(".")
                 members.setdefault(key, {})[ext.lower()] = m["data"]
-        except Exception as e:  # truncated or garbled: keep the samples before the damage
+        except Exception as e:  # noqa: BLE001 — truncated or garbled: keep the samples before the damage
             self.notes.append(
                 f"{self.shard_name(g)}: tar stops after {len(members)} of {count} samples ({type(e).__name__}: {e})"
             )

@@ -83,14 +83,14 @@ def _rotated_crop(
     if f > 1:
         img = img.reduce(f)
     kx, ky = sx0 * img.size[0] / w1, sy0 * img.size[1] / h1  # source coordinates -> this image's
-    l, t, r, b = box[0] * kx, box[1] * ky, box[2] * kx, box[3] * ky
+    x0, y0, x1, y1 = box[0] * kx, box[1] * ky, box[2] * kx, box[3] * ky
     cx, cy = img.size[0] / 2, img.size[1] / 2
     a = -math.radians(angle)
     m00, m01, m10, m11 = math.cos(a), math.sin(a), -math.sin(a), math.cos(a)
-    ux, vy = (r - l) / size, (b - t) / size  # output pixel -> rotated-frame units
-    data = (
-        m00 * ux, m01 * vy, m00 * (l - cx) + m01 * (t - cy) + cx,
-        m10 * ux, m11 * vy, m10 * (l - cx) + m11 * (t - cy) + cy,
+    ux, vy = (x1 - x0) / size, (y1 - y0) / size  # output pixel -> rotated-frame units
+    data = (  # the affine matrix's two rows, kept as rows
+        m00 * ux, m01 * vy, m00 * (x0 - cx) + m01 * (y0 - cy) + cx,
+        m10 * ux, m11 * vy, m10 * (x0 - cx) + m11 * (y0 - cy) + cy,
     )  # fmt: skip
     return img.transform((size, size), Image.AFFINE, data, resample=Image.BILINEAR, fillcolor=(0, 0, 0))
 

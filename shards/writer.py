@@ -23,8 +23,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 

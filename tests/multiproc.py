@@ -13,7 +13,8 @@ import os
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -42,7 +43,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 — every failure, KeyboardInterrupt included, goes back to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():

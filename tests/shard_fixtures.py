@@ -11,6 +11,7 @@ import tarfile
 from pathlib import Path
 
 from dataset_fixtures import class_image
+
 from shards.build import build_shards
 from shards.layouts import Entry, Layout
 from shards.stream import TrainStream

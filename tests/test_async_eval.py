@@ -154,8 +154,8 @@ def test_the_validation_task_records_logs_and_exports_the_best(env, tmp_path):
 
     from dmltrain.evaluate import evaluate_model
     from dmltrain.models import build_model, save_model
-    from dmltrain.training.async_eval import evaluate_checkpoint, load_record
     from dmltrain.tracking.run import RunHandle
+    from dmltrain.training.async_eval import evaluate_checkpoint, load_record
 
     root, shards = env
     cfg = _config(root, shards)

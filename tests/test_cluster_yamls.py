@@ -197,5 +197,5 @@ def test_both_run_the_same_valid_training(launcher, rayjob, shared):
     assert all(t["resources"]["CPU"] >= cpus * t["resources"]["GPU"] for t in gpu_types)
     groups = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     lim = [g["template"]["spec"]["containers"][0]["resources"]["limits"] for g in groups]
-    assert sum(g["replicas"] * int(l["nvidia.com/gpu"]) for g, l in zip(groups, lim)) >= n
-    assert all(float(l["cpu"]) >= cpus * int(l["nvidia.com/gpu"]) for l in lim)
+    assert sum(g["replicas"] * int(lm["nvidia.com/gpu"]) for g, lm in zip(groups, lim)) >= n
+    assert all(float(lm["cpu"]) >= cpus * int(lm["nvidia.com/gpu"]) for lm in lim)

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from distributed_reference import dense_classifier_loss, rel_err
+
 from dmltrain.distributed import (
     ClassPartition,
     GatheredInstanceLoss,
-    gather_state,
-    load_state,
     RowSparseAdamW,
     RowSparseSGD,
     ShardedClassifier,
+    gather_state,
     grad_scale,
+    load_state,
     make_classifier_optimizer,
     sample_rows,
 )

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from distributed_reference import dense_classifier_loss, rel_err
 from multiproc import run_workers
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from distributed_reference import dense_classifier_loss, rel_err
 from multiproc import run_workers
 

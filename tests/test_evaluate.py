@@ -158,7 +158,7 @@ def duplicate_data(seed):
 DATASETS = {"continuous": continuous_data(0), "signs": sign_data(1), "duplicates": duplicate_data(0)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dataset_scores(name: str, binary: bool) -> np.ndarray:
     x, _ = DATASETS[name]
     return ref_scores(x, x, binary)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from multiproc import run_workers
+from test_evaluate import DATASETS, KS, assert_same, dataset_scores, ref_metrics, split_query_gallery
 
 from dmltrain.evaluate import gallery as gallery_mod
 from dmltrain.evaluate.clustering import clustering_nmi, kmeans_assignments, nmi_score
@@ -22,8 +24,6 @@ from dmltrain.evaluate.embedding import embed_batches
 from dmltrain.evaluate.kmeans import torch_kmeans
 from dmltrain.evaluate.knn import knn
 from dmltrain.evaluate.retrieval import retrieval_metrics
-from multiproc import run_workers
-from test_evaluate import DATASETS, KS, assert_same, dataset_scores, ref_metrics, split_query_gallery
 
 
 # -- binary: the int8 tensor-core engine ------------------------------------------------------

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from netcheck import is_loopback
 
 REPO = Path(__file__).resolve().parents[1]

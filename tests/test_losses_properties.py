@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from dmltrain.losses import build_loss, check_params, is_proxy_loss, loss_names, make_loss, smoothed_nll
-from dmltrain.losses.registry import accepted_params
 from dmltrain.losses.base import InstanceLoss
+from dmltrain.losses.registry import accepted_params
 
 F64 = torch.float64
 ALL_NAMES = [
@@ -398,7 +398,13 @@ def test_margin_targets_against_scalar_formulas():
 
     g = torch.Generator().manual_seed(21)
     x, w = unit_rows(torch.randn(64, 5, generator=g, dtype=F64)), unit_rows(torch.randn(64, 5, generator=g, dtype=F64))
-    for kind, params in [("normsoftmax", {"temperature": 0.05}), ("cosface", {"scale": 30.0, "margin": 0.35}), ("arcface", {"scale": 30.0, "margin": 0.5}), ("arcface", {"scale": 30.0, "margin": 1.2})]:  # fmt: skip
+    cases = [
+        ("normsoftmax", {"temperature": 0.05}),
+        ("cosface", {"scale": 30.0, "margin": 0.35}),
+        ("arcface", {"scale": 30.0, "margin": 0.5}),
+        ("arcface", {"scale": 30.0, "margin": 1.2}),
+    ]
+    for kind, params in cases:
         got = KINDS[kind].target_logit(x, w, **params)
         for i in range(x.shape[0]):
             cos = float(x[i] @ w[i])

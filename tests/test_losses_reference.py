@@ -219,7 +219,7 @@ def ref_lifted_structure(x, y, margin):
                 continue
             pairs += 1
             terms = [torch.exp(margin - dist(f[i], f[k])) for k in negatives(y, i)]
-            terms += [torch.exp(margin - dist(f[j], f[l])) for l in negatives(y, j)]
+            terms += [torch.exp(margin - dist(f[j], f[n])) for n in negatives(y, j)]
             if not terms:
                 continue
             J = torch.log(sum(terms)) + dist(f[i], f[j])

@@ -186,7 +186,7 @@ def test_batchnorm_and_plain_heads():
     for head in (BatchNormHead([4, 3], 6).double(), PlainHead([4, 3], 6).double()):  # two levels, float64 gradients
         maps = (torch.randn(5, 4, 2, 2, dtype=torch.float64, requires_grad=True),
                 torch.randn(5, 3, 1, 1, dtype=torch.float64, requires_grad=True))  # fmt: skip
-        assert torch.autograd.gradcheck(lambda a, b: head([a, b]), maps)
+        assert torch.autograd.gradcheck(lambda a, b, head=head: head([a, b]), maps)
     unprojected = PlainHead([16], None)
     assert unprojected.embedding_dim == 16 and not unprojected.centred and not list(unprojected.parameters())
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from multiproc import run_workers
 from torch import nn
 
 from dmltrain.config import ModelConfig
 from dmltrain.models import build_model
 from dmltrain.models.sync_bn import SyncBatchNorm, convert_sync_batchnorm
-from multiproc import run_workers
 
 SIZES = (3, 5)  # uneven local batches: the statistics weigh each worker by its count
 

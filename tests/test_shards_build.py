@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import io
-import random
 import json
+import random
 import tarfile
 
 import numpy as np
 import pytest
 import webdataset as wds
+from dataset_fixtures import MAKERS, make_folder_shared_class, make_folder_tree, make_sop, write_truncated_jpeg
 from PIL import Image
 
-from dataset_fixtures import MAKERS, make_folder_shared_class, make_folder_tree, make_sop, write_truncated_jpeg
 from dmltrain.cli import main
 from dmltrain.errors import UserError
 from shards.layouts import class_sort_key
@@ -130,7 +130,7 @@ def test_shards_hold_what_the_manifest_says(built, layout):
         for sh in info.shards:
             raw = sh.path.read_bytes()
             assert hashlib.sha256(raw).hexdigest() == sh.sha256 and len(raw) == sh.bytes
-            for label, count, offset, length in sh.groups:
+            for _label, count, offset, length in sh.groups:
                 with tarfile.open(fileobj=io.BytesIO(raw[offset : offset + length]), mode="r|") as tf:
                     names = [t.name for t in tf]
                 assert len(names) == 3 * count and all(int(n.split(".")[0]) in range(info.num_images) for n in names)

@@ -23,12 +23,12 @@ import random
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageEnhance
-
 from dataset_fixtures import class_image
+from PIL import Image, ImageEnhance
+from shard_fixtures import IMG, K, P, make_shards, stream
+
 from dmltrain.config import AugmentConfig, load_config
 from dmltrain.errors import ConfigError
-from shard_fixtures import IMG, K, P, make_shards, stream
 from shards.device_decoding import (
     DeviceDecoder,
     DeviceInput,

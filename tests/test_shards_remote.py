@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from object_store import Faults, RangeHTTPServer, s3_server
+from shard_fixtures import make_shards, stream
 
 from dmltrain.cli import main
 from dmltrain.errors import UserError
-from object_store import Faults, RangeHTTPServer, s3_server
-from shard_fixtures import make_shards, stream
 from shards.manifest import Manifest
 from shards.remote_reads import RemoteSource, coalesce
 from shards.retries import IOStats, transient_kind

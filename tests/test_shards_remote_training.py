@@ -21,9 +21,9 @@ REMOTE = {"timeout_s": 1.0, "retries": 8, "cache": False, "requests_in_flight": 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     import ray
-    from cluster.launch import start_local_ray
-
     from object_store import Faults, s3_server
+
+    from cluster.launch import start_local_ray
     from shards.storage import Location
     from shards.synthetic import build_synthetic_shards
 

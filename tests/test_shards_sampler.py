@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from shard_fixtures import K, P, make_shards
 
 from dmltrain.config import build_config
 from dmltrain.errors import ConfigError
-from shard_fixtures import K, P, SIZES, make_shards
 from shards.manifest import Manifest
 from shards.sampler import EpochPlanner, batch_shape, group_pieces, pieces_per_group
 

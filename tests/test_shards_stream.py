@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-
 from dataset_fixtures import make_inshop
+from multiproc import run_workers
+from shard_fixtures import IMG, SIZES, K, P, garble_members, make_shards, stream
+
 from dmltrain.config import AugmentConfig, DataConfig, EvalConfig
 from dmltrain.errors import UserError
 from dmltrain.evaluate.embedding import evaluate_model
 from dmltrain.evaluate.retrieval import retrieval_metrics
-from multiproc import run_workers
-from shard_fixtures import IMG, SIZES, K, P, garble_members, make_shards, stream
 from shards.build import build_layout
 from shards.manifest import Manifest
 from shards.sampler import pieces_per_group
@@ -237,7 +237,7 @@ def test_random_sampler_batches(shard_dir):
     assert streams[0].batches_per_epoch == sum(SIZES) // b == streams[1].batches_per_epoch
     seen = []
     for ts in streams:
-        for images, labels, index in ts.epoch(0, with_index=True):
+        for images, _labels, index in ts.epoch(0, with_index=True):
             assert images.shape == (b // 2, 3, IMG, IMG)
             seen += index.tolist()
     assert len(seen) == len(set(seen)) == streams[0].batches_per_epoch * b
@@ -278,7 +278,7 @@ def test_corrupt_members_are_skipped_and_counted(shard_dir, tmp_path, caplog):
     for sampler, kw in (("pk", {}), ("random", {"batch_size": 8})):
         ts = stream(bad, sampler=sampler, **kw)
         n = 0
-        for images, labels in ts.epoch(0):
+        for images, _labels in ts.epoch(0):
             assert images.shape[0] == ts.local_batch_size and torch.isfinite(images).all()
             n += 1
         assert n == ts.batches_per_epoch
@@ -419,10 +419,10 @@ def _one_world(rank: int, world_size: int, shard_dir: str, group) -> dict:
         batches.append((labels.tolist(), index.tolist(), float(images.double().sum())))
     out["epoch0"] = batches
     out["epoch0_again"] = [
-        (l.tolist(), i.tolist(), float(im.double().sum())) for im, l, i in ts.epoch(0, with_index=True)
+        (lab.tolist(), i.tolist(), float(im.double().sum())) for im, lab, i in ts.epoch(0, with_index=True)
     ]
     resumed = stream(shard_dir, rank=rank, world_size=world_size).epoch(0, start_batch=2, with_index=True)
-    out["resume"] = [(l.tolist(), i.tolist(), float(im.double().sum())) for im, l, i in resumed]
+    out["resume"] = [(lab.tolist(), i.tolist(), float(im.double().sum())) for im, lab, i in resumed]
     out["epoch1"] = [i.tolist() for _, _, i in ts.epoch(1, with_index=True)]
     evals = eval_batches(
         shard_dir, "test", rank=rank, world_size=world_size, batch_size=4, resize=18, crop=IMG, loader_workers=0

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from shard_fixtures import make_shards
+
 from shards.manifest import Manifest
 from shards.tar_index import GroupReader, LocalFiles
 

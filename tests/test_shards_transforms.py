@@ -10,12 +10,11 @@ import random
 import numpy as np
 import pytest
 import torch
-
+from dataset_fixtures import class_image
 from PIL import Image
 from torchvision.transforms import CenterCrop, Resize
 from torchvision.transforms import functional as F
 
-from dataset_fixtures import class_image
 from dmltrain.config import AugmentConfig, load_config
 from dmltrain.errors import ConfigError
 from shards.augment import AugmentParams, draw_params, random_resized_crop_params

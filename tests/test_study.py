@@ -135,8 +135,9 @@ def test_outputs_from_points(tmp_path):
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     import ray
-    from cluster.launch import start_local_ray
     from mlflow import MlflowClient
+
+    from cluster.launch import start_local_ray
 
     root = tmp_path_factory.mktemp("study")
     overrides = {

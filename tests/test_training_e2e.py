@@ -36,8 +36,8 @@ DEMO = REPO / "configs/demo.yaml"
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     import ray
-    from cluster.launch import start_local_ray
 
+    from cluster.launch import start_local_ray
     from shards.synthetic import build_synthetic_shards
 
     root = tmp_path_factory.mktemp("train")

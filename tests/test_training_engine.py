@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from multiproc import end_process_group
 
 from dmltrain.config import load_config
-from multiproc import end_process_group
 
 
 def _engine(precision: str, stage: int, channels_last: bool):

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from shard_fixtures import make_shards, stream
 
 from dmltrain.config import AugmentConfig, load_config
 from dmltrain.training.metrics import TrainMetrics
 from dmltrain.training.prefetch import Prefetcher
 from dmltrain.training.timing import StepTimer
-from shard_fixtures import make_shards, stream
 from shards.device_decoding import DeviceInput
 from shards.transforms import IMAGENET_STD
 
@@ -114,7 +114,7 @@ def test_preparing_a_device_decoded_batch_does_not_wait_for_the_device(shard_dir
     load, seen = torch.randn(1024, 1024, device=dev), 0
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for x, y in Prefetcher(prep, dev)(batches[1:]):
+        for x, y in Prefetcher(prep, dev)(batches[1:]):  # noqa: B007 — y is checked after the loop
             load = _busy(load, x.numel())
             seen += 1
     finally:

@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-
 from multiproc import run_workers
 
 # (zero stage, precision, optimizer)

@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
+from multiproc import end_process_group
 
 from dmltrain.config import load_config
 from dmltrain.errors import UserError
-from multiproc import end_process_group
 
 
 def test_deepspeed_config_generated_and_overridden(tmp_path):
@@ -439,7 +439,8 @@ def _safe_loading_worker(rank, world, tmp: str):
         torch.save({**genuine, "module": _Planted(marker)} if genuine else _Planted(marker), bad)
         _, _, ckpt2 = _checkpointed_engine(tmp, 1, seed=7)
         messages = []
-        for attempt in (lambda: scan_checkpoint(directory), lambda: ckpt2.load_from(directory)):
+        attempts = (lambda d=directory: scan_checkpoint(d), lambda d=directory, c=ckpt2: c.load_from(d))
+        for attempt in attempts:
             try:
                 attempt()
                 messages.append(None)

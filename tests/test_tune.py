@@ -21,10 +21,9 @@ import yaml
 
 from cluster.tune.results import TrialRow, reconcile_with_mlflow
 from cluster.tune.space import apply_params, load_space
-from dmltrain.config import build_config
 from cluster.tune.trial import EvaluationsToTune, run_trial, trial_index
 from dmltrain.cli import main
-from dmltrain.config import load_config
+from dmltrain.config import build_config, load_config
 from dmltrain.errors import UserError
 from dmltrain.tracking.run import RunHandle
 
@@ -216,8 +215,9 @@ def _store(store, experiment):
 
 
 def test_a_trial_whose_draw_the_config_refuses_fails_as_a_child_run(store, tmp_path, monkeypatch):
-    import ray.tune
     from types import SimpleNamespace
+
+    import ray.tune
 
     uri, cfg, client = _store(store, "refused")
     parent = RunHandle.for_config(cfg, "srch", {"optim.lr": 0.05}, tags={"dmltrain.kind": "tune"})
@@ -270,9 +270,9 @@ def test_trials_the_scheduler_stopped_end_killed_and_tagged(store):
 @pytest.fixture(scope="module")
 def search(tmp_path_factory):
     import ray
-    from cluster.launch import start_local_ray
     from mlflow import MlflowClient
 
+    from cluster.launch import start_local_ray
     from shards.synthetic import build_synthetic_shards
 
     root = tmp_path_factory.mktemp("tune")

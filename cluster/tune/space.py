@@ -21,7 +21,7 @@ from ray import tune
 
 from dmltrain.config import Config, build_config
 from dmltrain.config_tree import parse_yaml, set_dotted
-from dmltrain.errors import ConfigError, UserError
+from dmltrain.errors import UserError
 from dmltrain.text import finite_number
 from dmltrain.tracking.names import report_key
 

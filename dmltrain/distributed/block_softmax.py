@@ -20,6 +20,7 @@ logit blocks, gathered rows and gradient blocks live in the classifier's reusabl
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import Tensor
 

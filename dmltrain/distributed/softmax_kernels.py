@@ -184,7 +184,7 @@ def _lse_kernel(
     mask_b = offs_b < N
     tcol = tl.load(tcol_ptr + offs_b, mask=mask_b, other=-1)
     m = tl.full((BLOCK_B,), _NEG_INF, dtype=tl.float32)
-    l = tl.zeros((BLOCK_B,), dtype=tl.float32)
+    sum_exp = tl.zeros((BLOCK_B,), dtype=tl.float32)
     s = tl.zeros((BLOCK_B,), dtype=tl.float32)
     t0, t1 = _split_range(K, BLOCK_C)
     for t in range(t0, t1):
@@ -194,13 +194,13 @@ def _lse_kernel(
         keep = mask_c[None, :] & (offs_c[None, :] != tcol[:, None])
         zk = tl.where(keep, z, _NEG_INF)
         m_new = tl.maximum(m, tl.max(zk, 1))
-        m_ref = tl.where(m_new == _NEG_INF, 0.0, m_new)  # rows with nothing kept yet stay at l = 0
-        l = l * tl.exp(m - m_ref) + tl.sum(tl.exp(zk - m_ref[:, None]), 1)
+        m_ref = tl.where(m_new == _NEG_INF, 0.0, m_new)  # rows with nothing kept yet stay at sum_exp = 0
+        sum_exp = sum_exp * tl.exp(m - m_ref) + tl.sum(tl.exp(zk - m_ref[:, None]), 1)
         m = m_new
         if SUM_LOGITS:
             s += tl.sum(tl.where(keep, z, 0.0), 1)
     out = tl.program_id(1) * N + offs_b
-    tl.store(lse_ptr + out, tl.where(l > 0, m + tl.log(tl.maximum(l, 1e-30)), _NEG_INF), mask=mask_b)
+    tl.store(lse_ptr + out, tl.where(sum_exp > 0, m + tl.log(tl.maximum(sum_exp, 1e-30)), _NEG_INF), mask=mask_b)
     tl.store(max_ptr + out, m, mask=mask_b)
     if SUM_LOGITS:
         tl.store(sum_ptr + out, s, mask=mask_b)

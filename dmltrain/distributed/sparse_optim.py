@@ -184,7 +184,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             idx = rows[s : s + block]
             n_b = idx.numel()
 
-            def gather(name: str, src: Tensor) -> Tensor:
+            def gather(name: str, src: Tensor, idx: Tensor = idx, n_b: int = n_b) -> Tensor:
                 return torch.index_select(src, 0, idx, out=ws.get(name, (n_b, src.shape[1]), src.device, src.dtype))
 
             pb = gather("param", pv)

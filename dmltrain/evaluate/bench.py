@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         say(f"  NMI ({engine} k-means, k={classes}, {args.nmi_iters} it) {t_nmi:8.3f} s   (NMI {100 * nmi:.1f})")
         if on_gpu:
             summary += f"; k-means {t_nmi:.2f} s (target <= 3 s)"
-    del emb, gal
+    emb = gal = None  # the float data goes before the binary pass allocates its own
     if not args.skip_binary:
         emb2, labels2 = _data(n, args.binary_dim, classes, args.seed + 1)
         lab2 = _Labels.build(labels2, None)

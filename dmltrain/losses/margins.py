@@ -23,6 +23,7 @@ larger angle would *raise* the target logit); there we use, as InsightFace does,
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import Tensor
 

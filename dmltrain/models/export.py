@@ -82,7 +82,7 @@ def load_model(
         raise UserError(f"{path}: model file not found")
     try:
         obj = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # truncated zip, pickle error, foreign class, ...
+    except Exception as e:  # noqa: BLE001 — truncated zip, pickle error, foreign class...: refused the same way
         reason = " ".join(str(e).split())[:200]
         raise UserError(f"{path}: cannot read model file ({reason})") from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:

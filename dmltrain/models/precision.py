@@ -9,7 +9,7 @@ scaling (GradScaler or DeepSpeed's) is the caller's. ``fp32`` is a no-op context
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import torch
 from torch import Tensor
@@ -42,7 +42,7 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
     return _DTYPES.get(precision)
 
 
-def autocast(device: str | torch.device, precision: str = "fp32") -> ContextManager[object]:
+def autocast(device: str | torch.device, precision: str = "fp32") -> AbstractContextManager[object]:
     """A context under which the forward pass runs in ``precision`` (see the module doc)."""
     dtype = autocast_dtype(precision)
     if dtype is None:

@@ -72,7 +72,7 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
         raise UserError(f"model.pretrained: file not found: {path}")
     try:
         obj: Any = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for a bad file: report them all the same way
+    except Exception as e:  # noqa: BLE001 — torch raises many types for a bad file: report them all the same way
         raise UserError(f"model.pretrained: cannot read {path} as a PyTorch state dict ({_one_line(e)})") from None
     for key in ("state_dict", "model", "module"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):

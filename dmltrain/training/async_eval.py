@@ -38,14 +38,14 @@ from ray.train.v2.api.validation_config import ValidationConfig, ValidationTaskC
 
 from dmltrain.config import Config
 from dmltrain.evaluate import evaluate_model
+from dmltrain.tracking.names import report_key
+from dmltrain.tracking.run import RunHandle
 from dmltrain.training.artifacts import publish, publish_model, read_storage_text
 from dmltrain.training.checkpoint import load_checkpoint_model
 from dmltrain.training.evaluator import log_evaluation
 from dmltrain.training.progress import post
 from dmltrain.training.reporting import RunContext
 from dmltrain.training.state import TrainState
-from dmltrain.tracking.names import report_key
-from dmltrain.tracking.run import RunHandle
 
 RECORD_FILE = "eval_record.json"
 _RECORD_KEYS = ("initial_metrics", "last_metrics", "best_metrics", "best_metric", "best_step", "step")

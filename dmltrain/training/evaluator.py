@@ -23,9 +23,6 @@ import torch
 from dmltrain.config import Config
 from dmltrain.distributed.process_group import broadcast_object
 from dmltrain.evaluate import evaluate_model, plot_embedding_map, plot_recall_at_k
-from dmltrain.training.artifacts import ModelExporter
-from dmltrain.training.reporting import Reporter
-from dmltrain.training.state import TrainState
 from dmltrain.tracking.names import (
     EVAL_PREFIX,
     INITIAL_PREFIX,
@@ -34,6 +31,9 @@ from dmltrain.tracking.names import (
     REPORT_STEP,
     report_key,
 )
+from dmltrain.training.artifacts import ModelExporter
+from dmltrain.training.reporting import Reporter
+from dmltrain.training.state import TrainState
 
 
 class Evaluator:

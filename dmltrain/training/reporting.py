@@ -21,9 +21,9 @@ from typing import Any
 import ray.train
 from ray.train.v2.api.validation_config import ValidationTaskConfig
 
+from dmltrain.tracking.names import REPORT_EPOCH, REPORT_STEP, report_key
 from dmltrain.training.progress import post
 from dmltrain.training.state import TrainState
-from dmltrain.tracking.names import REPORT_EPOCH, REPORT_STEP, report_key
 
 
 @dataclass

@@ -39,6 +39,18 @@ from dmltrain.distributed.process_group import ensure_process_group
 from dmltrain.models import build_model, param_groups
 from dmltrain.models.precision import autocast_dtype
 from dmltrain.models.sync_bn import convert_sync_batchnorm
+from dmltrain.tracking.names import (
+    EPOCH,
+    IMAGES_PER_S,
+    LOSS,
+    LR,
+    REMOTE_PREFIX,
+    RESUMED_AT_EPOCH_START_TAG,
+    RESUMED_FROM_STEP_TAG,
+    SKIPPED_SAMPLES,
+    STEP_MS,
+)
+from dmltrain.tracking.run import RunHandle
 from dmltrain.training.artifacts import ModelExporter, log_run_files
 from dmltrain.training.async_eval import load_record, record_summary, validation_request
 from dmltrain.training.cadence import Cadence, Due
@@ -55,18 +67,6 @@ from dmltrain.training.rng import seed_rngs
 from dmltrain.training.schedule import LRSchedule, ScheduledLR
 from dmltrain.training.state import TrainState, realign_to_plan
 from dmltrain.training.timing import StepTimer
-from dmltrain.tracking.names import (
-    EPOCH,
-    IMAGES_PER_S,
-    LOSS,
-    LR,
-    REMOTE_PREFIX,
-    RESUMED_AT_EPOCH_START_TAG,
-    RESUMED_FROM_STEP_TAG,
-    SKIPPED_SAMPLES,
-    STEP_MS,
-)
-from dmltrain.tracking.run import RunHandle
 from shards.device_decoding import DeviceInput, resolve_decode
 from shards.stream import TrainStream
 
