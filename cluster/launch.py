@@ -41,7 +41,7 @@ from dmltrain.fileio import check_output_dir
 from dmltrain.text import safe_name
 from dmltrain.tracking.names import ERROR_TAG, STORAGE_DIR_TAG
 from dmltrain.tracking.run import RunHandle
-from shards.storage import is_url, location_of
+from shards.storage.location import is_url, location_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -170,7 +170,7 @@ def prepare_data(cfg: Config) -> None:
 
     shards_dir = location_of(cfg.data)  # a local folder or a URL
     if cfg.data.synthetic is not None and shards_dir.size("manifest.json") is None:
-        from shards.synthetic import build_synthetic_shards
+        from shards.build.synthetic import build_synthetic_shards
 
         s = cfg.data.synthetic
         print(
@@ -201,13 +201,13 @@ def check_run(cfg: Config) -> None:
     """What the workers would otherwise find out one by one, after retries: checked once on the driver."""
     from dmltrain.models.pretrained import check_pretrained
     from dmltrain.training.engine import deepspeed_config
-    from shards.stream import TrainStream
+    from shards.read.stream import TrainStream
 
     c = cfg.cluster
     deepspeed_config(cfg, c.num_workers)  # reads and checks a user DeepSpeed JSON
     check_pretrained(cfg.model.backbone, cfg.model.pretrained)
     # refuses (UserError) a global batch the split cannot fill once per epoch at this worker count
-    TrainStream.from_config(cfg, 0, c.num_workers, loader_workers=0)
+    TrainStream.from_config(cfg.data, cfg.train.seed, 0, c.num_workers, loader_workers=0)
 
 
 def user_error_in(error: BaseException | None) -> UserError | None:

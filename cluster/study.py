@@ -54,9 +54,9 @@ from dmltrain.text import finite_number, one_line
 from dmltrain.tracking.names import KIND_TAG, STORAGE_DIR_TAG
 from dmltrain.tracking.queries import history
 from dmltrain.tracking.run import RunHandle
+from shards.build.synthetic import build_synthetic_shards
 from shards.manifest import Manifest
-from shards.storage import is_url, location_of
-from shards.synthetic import build_synthetic_shards
+from shards.storage.location import is_url, location_of
 
 
 # -- inputs -----------------------------------------------------------------------------------------------

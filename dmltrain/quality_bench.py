@@ -57,9 +57,9 @@ from dmltrain.evaluate.embedding import evaluate_model
 from dmltrain.models import build_model, load_model
 from dmltrain.tracking.names import STEP_MS
 from dmltrain.tracking.queries import history, run_by_name
+from shards.build.synthetic import build_synthetic_shards
+from shards.decode.transforms import IMAGENET_MEAN, IMAGENET_STD
 from shards.manifest import Manifest
-from shards.synthetic import build_synthetic_shards
-from shards.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 try:  # a development dependency: the bench says so when it is missing
     from pytorch_metric_learning.losses import NormalizedSoftmaxLoss

@@ -32,16 +32,16 @@ import torch
 from PIL import Image
 from torchvision import datasets, transforms
 
-from dmltrain.config import ClusterConfig, Config, DataConfig
 from dmltrain.errors import UserError
-from shards.build import build_shards
-from shards.ingest import ingest_file
-from shards.layouts import Entry, Layout
+from shards.build.builder import build_shards
+from shards.build.ingest import ingest_file
+from shards.build.layouts import Entry, Layout
+from shards.config import DataConfig
+from shards.decode.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize_batch
 from shards.manifest import MANIFEST_NAME, Manifest
-from shards.storage import Location, add_storage_option, is_url, parse_storage_options, read_chunks
-from shards.stream import TrainStream
-from shards.tar_index import GroupReader
-from shards.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize_batch
+from shards.read.stream import TrainStream
+from shards.read.tar_index import GroupReader
+from shards.storage.location import Location, add_storage_option, is_url, parse_storage_options, read_chunks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,9 +120,7 @@ def _time_imagefolder(tree: Path, batch: int, size: int, workers: int) -> tuple[
 
 def _time_shards(shards: Path, batch: int, size: int, workers: int, draft: bool) -> tuple[int, float]:
     data = DataConfig(shards=str(shards), sampler="random", batch_size=batch, image_size=size, loader_workers=workers)
-    ts = TrainStream.from_config(
-        Config(data=data, cluster=ClusterConfig(num_workers=1)), 0, 1, draft=draft, normalize=False
-    )
+    ts = TrainStream.from_config(data, 0, 0, 1, draft=draft, normalize=False)
     t0 = time.perf_counter()
     n = 0
     for images, labels in ts.epoch(0):

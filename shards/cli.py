@@ -11,9 +11,9 @@ import sys
 
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
-from shards.layouts import LAYOUTS
-from shards.retries import IOStats
-from shards.storage import Location, add_storage_option, parse_storage_options
+from shards.build.layouts import LAYOUTS
+from shards.storage.location import Location, add_storage_option, parse_storage_options
+from shards.storage.retries import IOStats
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +82,7 @@ def _build(args: argparse.Namespace) -> int:
         missing = [n for n, v in (("--classes", args.classes), ("--per-class", args.per_class)) if v is None]
         if missing:
             raise UserError(f"{' and '.join(missing)}: required with --layout synthetic")
-        from shards.synthetic import build_synthetic_shards
+        from shards.build.synthetic import build_synthetic_shards
 
         result = build_synthetic_shards(
             args.out,
@@ -103,7 +103,7 @@ def _build(args: argparse.Namespace) -> int:
         extra = [n for n, v in (("--classes", args.classes), ("--per-class", args.per_class)) if v is not None]
         if extra:
             raise UserError(f"{', '.join(extra)}: only for --layout synthetic")
-        from shards.build import build_layout
+        from shards.build.builder import build_layout
 
         result = build_layout(
             args.layout,

@@ -10,7 +10,7 @@ images skipped at build time. The group table has one row per class per shard it
 Splits that share a label space (In-Shop ``query`` and ``gallery``) carry the same mapping,
 built over their union, so an item has the same label in both.
 
-The folder may be a URL (:mod:`shards.storage`): the manifest is then fetched, and shard file names
+The folder may be a URL (:mod:`shards.storage.location`): the manifest is then fetched, and shard file names
 stay confined to the URL's prefix as they do to a local folder.
 """
 
@@ -25,12 +25,26 @@ from typing import Any
 import numpy as np
 
 from dmltrain.errors import UserError
-from shards.retries import IOStats
-from shards.storage import Location, is_url, open_location, read_chunks
+from shards.storage.location import Location, is_url, open_location, read_chunks
+from shards.storage.retries import IOStats
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "dmltrain-shards"
 VERSION = 1
+#: PIL format name -> shard member extension (a sample's image member is ``<key>.<extension>``); any other
+#: format uses its lower-cased name
+EXTENSIONS = {
+    "JPEG": "jpg",
+    "MPO": "jpg",
+    "PNG": "png",
+    "TIFF": "tiff",
+    "WEBP": "webp",
+    "BMP": "bmp",
+    "GIF": "gif",
+    "PPM": "ppm",
+}
+#: the member extensions readers take for a sample's image
+IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "tiff", "tif", "webp", "bmp", "gif", "ppm", "pgm", "pbm", "pnm"})
 
 
 @dataclass(frozen=True)
@@ -164,7 +178,7 @@ class Manifest:
         cls, shard_dir: str | Path | Location, storage_options: dict[str, Any] | None = None, remote: Any = None
     ) -> Manifest:
         """The manifest of a shard folder: a local path, or a URL read with ``storage_options`` and ``remote``
-        settings (:func:`shards.storage.open_location`). Every problem is a :class:`UserError` naming the file."""
+        settings (:func:`shards.storage.location.open_location`). Every problem is a :class:`UserError` naming the file."""
         loc = open_location(shard_dir, storage_options, remote)
         if loc.remote:
             path = loc.url(MANIFEST_NAME)

@@ -1,7 +1,7 @@
 """Tiny shard sets for the shard tests: uneven classes (some below K, two bigger than a shard), JPEG members.
 
 ``make_shards`` builds them with the real builder; ``garble_members`` damages members in place;
-``stream`` is a :class:`~shards.stream.TrainStream` over them with the tests' defaults.
+``stream`` is a :class:`~shards.read.stream.TrainStream` over them with the tests' defaults.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 
 from dataset_fixtures import class_image
 
-from shards.build import build_shards
-from shards.layouts import Entry, Layout
-from shards.stream import TrainStream
+from shards.build.builder import build_shards
+from shards.build.layouts import Entry, Layout
+from shards.read.stream import TrainStream
 
 # class sizes: below K=3 (with replacement), around K, and two classes (12, 13) bigger than a shard (10)
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 3, 4, 5, 6, 3, 3, 4, 10, 2, 6, 7, 5, 4]

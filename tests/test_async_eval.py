@@ -58,7 +58,7 @@ def _config(root: Path, shards: Path, **over):
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """A folder with tiny synthetic shards; its SQLite MLflow store is shared by the tests (created once)."""
-    from shards.synthetic import build_synthetic_shards
+    from shards.build.synthetic import build_synthetic_shards
 
     root = tmp_path_factory.mktemp("async")
     build_synthetic_shards(

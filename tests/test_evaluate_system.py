@@ -13,7 +13,7 @@ from multiproc import run_workers
 from PIL import Image
 
 from dmltrain.cli import main
-from dmltrain.config import DataConfig, EvalConfig, ModelConfig
+from dmltrain.config import EvalConfig, ModelConfig
 from dmltrain.evaluate import (
     embed_batches,
     evaluate_model,
@@ -24,6 +24,7 @@ from dmltrain.evaluate import (
     retrieval_metrics,
     save_embeddings,
 )
+from shards.config import DataConfig
 
 EVAL = EvalConfig(ks=[1, 2, 4], binary=True)
 DATA = DataConfig(eval_batch_size=5, eval_resize=32, eval_crop=32, loader_workers=0)
@@ -33,7 +34,7 @@ DATA = DataConfig(eval_batch_size=5, eval_resize=32, eval_crop=32, loader_worker
 def setup(tmp_path_factory):
     """(shard folder, checkpoint path, single-process metrics and embeddings)."""
     from dmltrain.models import build_model, save_model
-    from shards.synthetic import build_synthetic_shards
+    from shards.build.synthetic import build_synthetic_shards
 
     root = tmp_path_factory.mktemp("eval")
     build_synthetic_shards(root / "shards", classes=6, per_class=4, image_size=32, seed=0, workers=0, progress=False)
@@ -228,7 +229,7 @@ def test_cli_end_to_end_with_checkpoint(setup, tmp_path, capsys):
 
 def _shards_with(tmp_path, damage):
     """The fixture's images in shards of 8 (three test shards), then ``damage(folder, test shard entries)``."""
-    from shards.synthetic import build_synthetic_shards
+    from shards.build.synthetic import build_synthetic_shards
 
     out = tmp_path / "shards"
     build_synthetic_shards(out, classes=6, per_class=4, image_size=32, seed=0, shard_size=8, workers=0, progress=False)

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from shards.synthetic import build_synthetic_shards
+    from shards.build.synthetic import build_synthetic_shards
 
     out = tmp_path_factory.mktemp("shards") / "s"
     build_synthetic_shards(out, classes=16, per_class=6, image_size=32, seed=0, shard_size=40, progress=False)

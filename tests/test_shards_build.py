@@ -16,7 +16,7 @@ from PIL import Image
 
 from dmltrain.cli import main
 from dmltrain.errors import UserError
-from shards.layouts import class_sort_key
+from shards.build.layouts import class_sort_key
 from shards.manifest import Manifest
 
 SPLITS = {
@@ -137,7 +137,7 @@ def test_shards_hold_what_the_manifest_says(built, layout):
 
 
 def test_folder_images_decode_to_rgb(built):
-    from shards.transforms import EvalTransform, TrainTransform
+    from shards.decode.transforms import EvalTransform, TrainTransform
 
     _, dest = built["folder"]
     info = Manifest.load(dest).split("train")
@@ -392,10 +392,10 @@ def test_overwrite_removes_only_what_the_old_manifest_lists(built, tmp_path, cap
 
 
 def test_interrupted_build_leaves_no_half_shard(built, tmp_path, monkeypatch):
-    import shards.writer
+    import shards.build.writer
 
     fx, _ = built["sop"]
-    real_write = shards.writer.SplitWriter.write
+    real_write = shards.build.writer.SplitWriter.write
     calls = {"n": 0}
 
     def dying_write(self, *a, **kw):
@@ -404,7 +404,7 @@ def test_interrupted_build_leaves_no_half_shard(built, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real_write(self, *a, **kw)
 
-    monkeypatch.setattr(shards.writer.SplitWriter, "write", dying_write)
+    monkeypatch.setattr(shards.build.writer.SplitWriter, "write", dying_write)
     out = tmp_path / "out"
     assert (
         cli("build", "--layout", "sop", "--root", str(fx.root), "--out", str(out), "--shard-size", "5", "--quiet")
@@ -435,10 +435,10 @@ def test_resize_reencodes(built, tmp_path):
 
 def test_pool_build_matches_in_process(built, tmp_path, monkeypatch):
     """The parallel path (spawned processes) writes the same bytes as the in-process path."""
-    import shards.build
+    import shards.build.builder
 
     fx, dest = built["folder"]
-    monkeypatch.setattr(shards.build, "POOL_MIN_IMAGES", 0)
+    monkeypatch.setattr(shards.build.builder, "POOL_MIN_IMAGES", 0)
     broken = fx.root / "train" / "banana" / "zz_truncated.jpg"
     out = tmp_path / "pool"
     write_truncated_jpeg(broken)
@@ -460,7 +460,7 @@ def test_pool_build_matches_in_process(built, tmp_path, monkeypatch):
             )
             == 0
         )
-        monkeypatch.setattr(shards.build, "POOL_MIN_IMAGES", 10**9)
+        monkeypatch.setattr(shards.build.builder, "POOL_MIN_IMAGES", 10**9)
         assert (
             cli(
                 "build",

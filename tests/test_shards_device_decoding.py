@@ -27,19 +27,13 @@ from dataset_fixtures import class_image
 from PIL import Image, ImageEnhance
 from shard_fixtures import IMG, K, P, make_shards, stream
 
-from dmltrain.config import AugmentConfig, load_config
+from dmltrain.config import load_config
 from dmltrain.errors import ConfigError
-from shards.device_decoding import (
-    DeviceDecoder,
-    DeviceInput,
-    Encoded,
-    EncodedImages,
-    EncodedTransform,
-    _runs,
-    resolve_decode,
-)
-from shards.pixel_ops import adjust, blend, luma, shift_hue
-from shards.transforms import IMAGENET_STD, TrainTransform, _hue, normalize_batch
+from shards.config import AugmentConfig, resolve_decode
+from shards.decode.device import DeviceDecoder, DeviceInput, _runs
+from shards.decode.encoded import Encoded, EncodedImages, EncodedTransform
+from shards.decode.pixel_ops import adjust, blend, luma, shift_hue
+from shards.decode.transforms import IMAGENET_STD, TrainTransform, _hue, normalize_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

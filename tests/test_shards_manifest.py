@@ -15,9 +15,9 @@ import pytest
 
 from dmltrain.cli import main
 from dmltrain.errors import UserError
+from shards.build.synthetic import build_synthetic_shards
 from shards.manifest import Manifest
-from shards.stream import TrainStream, eval_batches
-from shards.synthetic import build_synthetic_shards
+from shards.read.stream import TrainStream, eval_batches
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,11 @@ from shard_fixtures import make_shards, stream
 from dmltrain.cli import main
 from dmltrain.errors import UserError
 from shards.manifest import Manifest
-from shards.remote_reads import RemoteSource, coalesce
-from shards.retries import IOStats, transient_kind
-from shards.storage import Location, parse_storage_options
-from shards.stream import eval_batches
-from shards.tar_index import GroupReader
+from shards.read.stream import eval_batches
+from shards.read.tar_index import GroupReader
+from shards.storage.location import Location, parse_storage_options
+from shards.storage.remote_reads import RemoteSource, coalesce
+from shards.storage.retries import IOStats, transient_kind
 
 pytestmark = pytest.mark.timeout(300)
 # requests time out after 2 s, hangs last 3 s; on a loaded machine a slow answer is a timeout too, and is retried

@@ -24,8 +24,8 @@ def env(tmp_path_factory):
     from object_store import Faults, s3_server
 
     from cluster.launch import start_local_ray
-    from shards.storage import Location
-    from shards.synthetic import build_synthetic_shards
+    from shards.build.synthetic import build_synthetic_shards
+    from shards.storage.location import Location
 
     root = tmp_path_factory.mktemp("remote_train")
     with s3_server(Faults(seed=11)) as s3:  # credentials in the environment, which the Ray workers inherit

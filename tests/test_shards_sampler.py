@@ -12,7 +12,7 @@ from shard_fixtures import K, P, make_shards
 from dmltrain.config import build_config
 from dmltrain.errors import ConfigError
 from shards.manifest import Manifest
-from shards.sampler import EpochPlanner, batch_shape, group_pieces, pieces_per_group
+from shards.read.sampler import EpochPlanner, batch_shape, group_pieces, pieces_per_group
 
 
 @pytest.fixture(scope="module")

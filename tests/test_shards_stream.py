@@ -23,16 +23,17 @@ from dataset_fixtures import make_inshop
 from multiproc import run_workers
 from shard_fixtures import IMG, SIZES, K, P, garble_members, make_shards, stream
 
-from dmltrain.config import AugmentConfig, DataConfig, EvalConfig
+from dmltrain.config import EvalConfig
 from dmltrain.errors import UserError
 from dmltrain.evaluate.embedding import evaluate_model
 from dmltrain.evaluate.retrieval import retrieval_metrics
-from shards.build import build_layout
+from shards.build.builder import build_layout
+from shards.config import AugmentConfig, DataConfig
+from shards.decode.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize_batch
 from shards.manifest import Manifest
-from shards.sampler import pieces_per_group
-from shards.stream import TrainStream, eval_batches
-from shards.tar_index import GroupReader
-from shards.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize_batch
+from shards.read.sampler import pieces_per_group
+from shards.read.stream import TrainStream, eval_batches
+from shards.read.tar_index import GroupReader
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -167,7 +168,7 @@ def test_from_config(shard_dir):
             "cluster": {"num_workers": 2},
         }
     )
-    ts = TrainStream.from_config(cfg, 1, 2, loader_workers=0)
+    ts = TrainStream.from_config(cfg.data, cfg.train.seed, 1, 2, loader_workers=0)
     ref = stream(
         shard_dir,
         rank=1,
@@ -274,7 +275,7 @@ def test_corrupt_members_are_skipped_and_counted(shard_dir, tmp_path, caplog):
         second_sample_at = [t.offset for t in tf][3]  # members: cls, jpg, json per sample
     assert last.groups[-1][1] >= 2
     last.path.write_bytes(raw[: group_at + second_sample_at + 700])
-    caplog.set_level(logging.WARNING, logger="shards.stream")
+    caplog.set_level(logging.WARNING, logger="shards.read.stream")
     for sampler, kw in (("pk", {}), ("random", {"batch_size": 8})):
         ts = stream(bad, sampler=sampler, **kw)
         n = 0
@@ -318,7 +319,7 @@ def test_eval_drops_unreadable_samples(shard_dir, tmp_path, caplog):
         garble_members(sh.path, next(row for row in sh.groups if row[0] == table.label[g]), positions)
     dropped = {int(table.start[whole]), int(table.start[whole]) + 1, int(table.start[part]) + 1}
     label_of = np.repeat(table.label, table.count)
-    caplog.set_level(logging.WARNING, logger="shards.stream")
+    caplog.set_level(logging.WARNING, logger="shards.read.stream")
     for world_size, bs, workers in ((1, 8, 0), (2, 3, 1)):
         seen, skipped, n_batches = [], 0, set()
         for rank in range(world_size):

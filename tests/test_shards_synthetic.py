@@ -11,10 +11,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dmltrain.config import AugmentConfig
+from shards.build.synthetic import build_synthetic_shards, class_parts, render
+from shards.config import AugmentConfig
 from shards.manifest import Manifest
-from shards.stream import TrainStream, eval_batches
-from shards.synthetic import build_synthetic_shards, class_parts, render
+from shards.read.stream import TrainStream, eval_batches
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

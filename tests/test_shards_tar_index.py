@@ -9,7 +9,7 @@ import pytest
 from shard_fixtures import make_shards
 
 from shards.manifest import Manifest
-from shards.tar_index import GroupReader, LocalFiles
+from shards.read.tar_index import GroupReader, LocalFiles
 
 
 @pytest.fixture(scope="module")

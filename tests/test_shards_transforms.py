@@ -15,11 +15,12 @@ from PIL import Image
 from torchvision.transforms import CenterCrop, Resize
 from torchvision.transforms import functional as F
 
-from dmltrain.config import AugmentConfig, load_config
+from dmltrain.config import load_config
 from dmltrain.errors import ConfigError
-from shards.augment import AugmentParams, draw_params, random_resized_crop_params
-from shards.batch_decoding import slot_rngs
-from shards.transforms import ERASE_RGB, IMAGENET_STD, EvalTransform, TrainTransform, normalize_batch
+from shards.config import AugmentConfig
+from shards.decode.augment import AugmentParams, draw_params, random_resized_crop_params
+from shards.decode.transforms import ERASE_RGB, IMAGENET_STD, EvalTransform, TrainTransform, normalize_batch
+from shards.read.datasets import slot_rngs
 
 
 def test_transforms_match_torchvision():

@@ -63,7 +63,7 @@ def test_cli_refuses_a_study_without_a_classifier_or_classes_of_a_real_dataset(t
     assert rc == 2 and capsys.readouterr().err.strip() == (
         "dmltrain: error: loss.classifier: a class-subsampling study needs a classifier loss (it is null in this config)"
     )
-    from shards.synthetic import build_synthetic_shards
+    from shards.build.synthetic import build_synthetic_shards
 
     build_synthetic_shards(tmp_path / "real", classes=4, per_class=2, image_size=16, seed=0, progress=False)
     rc = main(

@@ -38,7 +38,7 @@ def env(tmp_path_factory):
     import ray
 
     from cluster.launch import start_local_ray
-    from shards.synthetic import build_synthetic_shards
+    from shards.build.synthetic import build_synthetic_shards
 
     root = tmp_path_factory.mktemp("train")
     shards = root / "shards"

@@ -8,12 +8,13 @@ import pytest
 import torch
 from shard_fixtures import make_shards, stream
 
-from dmltrain.config import AugmentConfig, load_config
+from dmltrain.config import load_config
 from dmltrain.training.metrics import TrainMetrics
 from dmltrain.training.prefetch import Prefetcher
 from dmltrain.training.timing import StepTimer
-from shards.device_decoding import DeviceInput
-from shards.transforms import IMAGENET_STD
+from shards.config import AugmentConfig
+from shards.decode.device import DeviceInput
+from shards.decode.transforms import IMAGENET_STD
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -273,7 +273,7 @@ def search(tmp_path_factory):
     from mlflow import MlflowClient
 
     from cluster.launch import start_local_ray
-    from shards.synthetic import build_synthetic_shards
+    from shards.build.synthetic import build_synthetic_shards
 
     root = tmp_path_factory.mktemp("tune")
     shards = root / "shards"

@@ -26,7 +26,7 @@ from typing import Any
 
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
-from shards.storage import Location, add_storage_option, location_of, parse_storage_options
+from shards.storage.location import Location, add_storage_option, location_of, parse_storage_options
 
 DEFAULT_KS = [1, 2, 4, 8]
 
@@ -167,7 +167,7 @@ def _embed_splits(
     import torch
 
     from dmltrain.evaluate.embedding import embed_batches, gather_to_rank0
-    from shards.stream import eval_batches
+    from shards.read.stream import eval_batches
 
     data = _section(config, "data")
     if not (args.shards or data.get("shards")):

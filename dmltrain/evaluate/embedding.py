@@ -1,7 +1,7 @@
 """Embedding a model's test batches, gathering them to rank 0, and evaluating a model on shards.
 
 Distributed evaluation: every worker embeds its own disjoint part of the split
-(``shards.stream.eval_batches`` hands each rank a contiguous share), the parts are gathered
+(``shards.read.stream.eval_batches`` hands each rank a contiguous share), the parts are gathered
 to rank 0 in sample-index order, and rank 0 computes the metrics once. Because rows are put
 back in index order, the metrics are identical for any number of workers.
 """
@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from dmltrain.evaluate.retrieval import retrieval_metrics
 from dmltrain.models.precision import autocast, to_channels_last
-from shards.stream import eval_batches
+from shards.read.stream import eval_batches
 
 
 def _as_numpy(x: Any, dtype: np.dtype) -> np.ndarray:

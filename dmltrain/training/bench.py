@@ -41,10 +41,11 @@ from dmltrain.training.head import LossHead
 from dmltrain.training.objective import Objective
 from dmltrain.training.prefetch import Prefetcher
 from dmltrain.training.timing import StepTimer
-from shards.device_decoding import DeviceInput, resolve_decode
+from shards.build.synthetic import build_synthetic_shards
+from shards.config import resolve_decode
+from shards.decode.device import DeviceInput
 from shards.manifest import Manifest
-from shards.stream import TrainStream
-from shards.synthetic import build_synthetic_shards
+from shards.read.stream import TrainStream
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,7 +153,9 @@ def full_pipeline(cfg: Config, device: torch.device, steps: int, warmup: int) ->
 
     ensure_process_group()
     decode = resolve_decode(cfg.data.decode, device, cfg.data.augment)
-    stream = TrainStream.from_config(cfg, 0, 1, normalize=False, pin_memory=device.type == "cuda", decode=decode)
+    stream = TrainStream.from_config(
+        cfg.data, cfg.train.seed, 0, 1, normalize=False, pin_memory=device.type == "cuda", decode=decode
+    )
     model = build_model(cfg.model).to(device)
     engine, _ = build_engine(model, param_groups(model, cfg.optim), cfg, 1)
     dtype = autocast_dtype(cfg.train.precision) or torch.float32

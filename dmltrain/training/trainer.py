@@ -3,8 +3,8 @@
 One :class:`Trainer` per worker process. It builds its parts, each in its own module, and
 :meth:`Trainer.fit` runs the algorithm over them:
 
-* the shard stream (``shards.stream.TrainStream``): this rank's share of each global batch,
-  and its way onto the device (``shards.device_decoding.DeviceInput``: a copy, or JPEG decoding
+* the shard stream (``shards.read.stream.TrainStream``): this rank's share of each global batch,
+  and its way onto the device (``shards.decode.device.DeviceInput``: a copy, or JPEG decoding
   and augmentation on the device), one batch ahead (:class:`~.prefetch.Prefetcher`);
 * the DeepSpeed engine (:mod:`.engine`): backbone + embedding head, data-parallel;
 * the :class:`~.objective.Objective` (sharded classifier + gathered instance loss) and the
@@ -67,8 +67,9 @@ from dmltrain.training.rng import seed_rngs
 from dmltrain.training.schedule import LRSchedule, ScheduledLR
 from dmltrain.training.state import TrainState, realign_to_plan
 from dmltrain.training.timing import StepTimer
-from shards.device_decoding import DeviceInput, resolve_decode
-from shards.stream import TrainStream
+from shards.config import resolve_decode
+from shards.decode.device import DeviceInput
+from shards.read.stream import TrainStream
 
 try:  # Ray Train logs every report at INFO through a logger named by file path, outside LoggingConfig's reach
     from ray.train.v2._internal.execution import context as _ray_train_context
@@ -95,7 +96,8 @@ class Trainer:
 
         t = cfg.train
         self.stream = TrainStream.from_config(
-            cfg,
+            cfg.data,
+            cfg.train.seed,
             self.rank,
             self.world,
             normalize=False,  # uint8 (or encoded JPEGs) cross to the device; self.input normalizes there

@@ -1,18 +1,18 @@
 """Reading a split's shards from a URL: ranged GETs planned per batch, or whole shards from the local cache.
 
-:class:`RemoteSource` is the :class:`~shards.tar_index.ByteSource` of a remote split, one per loader
+:class:`RemoteSource` is the :class:`~shards.read.tar_index.ByteSource` of a remote split, one per loader
 process. :meth:`RemoteSource.prefetch` receives the byte ranges the *next* batch needs (from
-:meth:`shards.tar_index.GroupReader.read_ahead`) while the current one decodes: per shard they are
+:meth:`shards.read.tar_index.GroupReader.read_ahead`) while the current one decodes: per shard they are
 sorted and coalesced (:func:`coalesce`: gaps up to :data:`MERGE_GAP` merged, requests cut at
 ``request_mb``), and fetched concurrently on fsspec's I/O thread, at most ``requests_in_flight`` at a
 time. The fetched blocks of the current and the next batch are all that is held, so a loader
 process's memory is bounded by requests in flight × their size plus two batches' ranges, never by
 shard size. Each request has a time limit and is retried after transient failures
-(:meth:`shards.storage.Location.call`); a range that still fails makes :meth:`read` raise
+(:meth:`shards.storage.location.Location.call`); a range that still fails makes :meth:`read` raise
 :class:`OSError`, and the reader counts its samples as unreadable, as for a damaged local shard.
 
 With the cache on (``data.remote.cache``, the default for URLs) the first batch that needs a shard
-also starts its download, whole, in ``request_mb`` pieces, into :class:`~shards.shard_cache.ShardCache`,
+also starts its download, whole, in ``request_mb`` pieces, into :class:`~shards.storage.shard_cache.ShardCache`,
 and once it is there the shard is read from local disk. Nothing waits for a download: until it is
 done the shard's ranges are fetched as above. Downloads use at most half of the request slots, so
 the next batch's ranges always find room; a shard that cannot be cached is read by ranges.
@@ -28,9 +28,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from shards.manifest import SplitInfo
-from shards.retries import IOStats, ShortRead
-from shards.shard_cache import ShardCache
-from shards.storage import Location
+from shards.storage.location import Location
+from shards.storage.retries import IOStats, ShortRead
+from shards.storage.shard_cache import ShardCache
 
 MERGE_GAP = 1 << 20  # ranges of one shard closer than this are fetched in one request (a round trip costs more)
 READ_AHEAD = 256 << 10  # a small read nobody planned fetches this much (header walks read on from there)
@@ -67,9 +67,9 @@ class _Block:
 
 
 class RemoteSource:
-    """:class:`~shards.tar_index.ByteSource` over the shards of a split whose location is a URL (see the module docstring).
+    """:class:`~shards.read.tar_index.ByteSource` over the shards of a split whose location is a URL (see the module docstring).
 
-    ``stats`` counts requests, bytes, retries by kind and failures (:class:`~shards.retries.IOStats`).
+    ``stats`` counts requests, bytes, retries by kind and failures (:class:`~shards.storage.retries.IOStats`).
     Not thread-safe: one reader thread, as in a loader process.
     """
 

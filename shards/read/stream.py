@@ -4,23 +4,23 @@
 (rank r gets P/W whole classes, K images each) or plain random batches. Every rank yields
 exactly :attr:`TrainStream.batches_per_epoch` batches, a number computed from the manifest
 before reading anything, so uneven shards never leave a rank short inside a collective.
-The plan (:mod:`shards.sampler`) is a pure function of (seed, epoch, rank, batch), and so is
+The plan (:mod:`shards.read.sampler`) is a pure function of (seed, epoch, rank, batch), and so is
 each batch's augmentation, whichever loader process decodes it: ``epoch(e, start_batch=b)``
 replays an interrupted epoch from batch ``b`` exactly, provided
 :meth:`TrainStream.plan_signature` (world size, batch settings, seed, shards) is unchanged.
 
-Reading (:mod:`shards.tar_index`): the manifest gives each class group's byte range in its
+Reading (:mod:`shards.read.tar_index`): the manifest gives each class group's byte range in its
 shard, so a loader process reads just the groups its batches need; nothing holds an index of
 images, and the memory in use is a batch's worth of encoded images. Decoding
-(:mod:`shards.batch_decoding`, :mod:`shards.transforms`): each image slot draws its
+(:mod:`shards.read.datasets`, :mod:`shards.decode.transforms`): each image slot draws its
 augmentation from (seed, epoch, rank, batch). With ``loader_workers = n > 0`` a torch
 DataLoader runs ``n`` processes; process ``i`` builds batches ``start + i, start + i + n, ...``
 and the main process puts them back in order, so the output does not depend on ``n``. Loader
 processes hand over uint8 ``b×C×S×S`` batches; normalization to float32 happens in the
 consumer's process (``normalize=True``) or on its device (``normalize=False`` +
-:func:`shards.transforms.normalize_batch`). With ``decode="device"`` they hand over encoded JPEG
-bytes with each image's augmentation record instead (:mod:`shards.device_decoding`), drawn from the
-same generators, and a :class:`~shards.device_decoding.DeviceDecoder` decodes and augments the batch
+:func:`shards.decode.transforms.normalize_batch`). With ``decode="device"`` they hand over encoded JPEG
+bytes with each image's augmentation record instead (:mod:`shards.decode.encoded`), drawn from the
+same generators, and a :class:`~shards.decode.device.DeviceDecoder` decodes and augments the batch
 on the consumer's device.
 
 Unreadable members (missing, truncated, not decodable) are logged (the first few) and counted;
@@ -47,14 +47,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from dmltrain.config import AugmentConfig, Config
 from dmltrain.errors import UserError
-from shards.batch_decoding import EvalBatchDataset, TrainBatchDataset
-from shards.device_decoding import EncodedImages, EncodedTransform
+from shards.config import AugmentConfig, DataConfig
+from shards.decode.encoded import EncodedImages, EncodedTransform
+from shards.decode.transforms import EvalTransform, TrainTransform, normalize_batch
 from shards.manifest import Manifest, SplitInfo
-from shards.retries import RETRY_KINDS, IOStats
-from shards.sampler import PLAN_VERSION, EpochPlanner, Piece, batch_shape, eval_batch_ranges, plan_digest
-from shards.transforms import EvalTransform, TrainTransform, normalize_batch
+from shards.read.datasets import EvalBatchDataset, TrainBatchDataset
+from shards.read.sampler import PLAN_VERSION, EpochPlanner, Piece, batch_shape, eval_batch_ranges, plan_digest
+from shards.storage.retries import RETRY_KINDS, IOStats
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class _SkipLog:
         self.lines = 0
         self.io: dict[
             str, int
-        ] = {}  # remote requests, bytes, retries by kind (shards.retries.IOStats), all loader processes
+        ] = {}  # remote requests, bytes, retries by kind (shards.storage.retries.IOStats), all loader processes
 
     def add(self, batch: dict[str, Any]) -> None:
         self.count += int(batch["skipped"])
@@ -141,19 +141,19 @@ class TrainStream:
     classes × K images (a class with fewer than K images is sampled with replacement).
     ``sampler="random"``: batch_size / W images per rank. Labels are int64 contiguous training ids.
     A batch shape the world size cannot split is a one-line :class:`UserError` naming the
-    ``data.*`` key (:func:`shards.sampler.batch_shape`, the config check's own test).
+    ``data.*`` key (:func:`shards.read.sampler.batch_shape`, the config check's own test).
 
-    Images: ``image_size`` crops augmented as ``augment`` says (:class:`~dmltrain.config.AugmentConfig`,
+    Images: ``image_size`` crops augmented as ``augment`` says (:class:`~shards.config.AugmentConfig`,
     default: RandomResizedCrop + flip). With ``normalize=True`` (default) float32 ``b×3×S×S``
     normalized with the ImageNet mean and std in this process; with ``normalize=False`` the
     ``b×C×S×S`` batch as decoded (uint8, a quarter of the bytes to pin and copy; C = 1 with
     ``augment.grayscale=1``; float32 pixel values with ``augment.noise``), which the caller
     normalizes where it wants, usually after the copy to the accelerator:
-    ``shards.transforms.normalize_batch(images.to(device))``.
+    ``shards.decode.transforms.normalize_batch(images.to(device))``.
     ``pin_memory`` (only with CUDA) pins what is yielded: the decoded batch, or the float32 one.
-    ``decode="device"``: the images of a batch come as :class:`~shards.device_decoding.EncodedImages`
+    ``decode="device"``: the images of a batch come as :class:`~shards.decode.encoded.EncodedImages`
     (JPEG bytes and augmentation records, the same records the CPU path would apply), for a
-    :class:`~shards.device_decoding.DeviceDecoder`; ``normalize`` must then be False.
+    :class:`~shards.decode.device.DeviceDecoder`; ``normalize`` must then be False.
 
     ``shuffle_images`` bounds the shuffle window (in images); larger mixes classes more widely.
     A resumed run sees the same batches when :meth:`plan_signature` is unchanged (shards, seed,
@@ -225,7 +225,8 @@ class TrainStream:
     @classmethod
     def from_config(
         cls,
-        cfg: Config,
+        data: DataConfig,
+        seed: int,
         rank: int,
         world_size: int,
         *,
@@ -235,14 +236,14 @@ class TrainStream:
         draft: bool = True,
         decode: str = "cpu",
     ) -> TrainStream:
-        """The training stream a run config describes (``cfg.data``: shards, train split, sampler, P×K,
-        image size, augmentation, loader processes; ``cfg.train.seed``) for ``rank`` of ``world_size``.
+        """The training stream a run's ``data`` section describes (shards, train split, sampler, P×K, image
+        size, augmentation, loader processes), drawn from ``seed``, for ``rank`` of ``world_size``.
 
         The keywords are how this process consumes it: ``loader_workers`` (default
-        ``cfg.data.loader_workers``), ``normalize``, ``pin_memory``, ``draft`` and ``decode`` (resolved:
+        ``data.loader_workers``), ``normalize``, ``pin_memory``, ``draft`` and ``decode`` (resolved:
         ``cpu`` or ``device``; see :func:`resolve_decode` for ``data.decode``) as in the constructor.
         """
-        d = cfg.data
+        d = data
         return cls(
             d.shards,
             d.train_split,
@@ -251,7 +252,7 @@ class TrainStream:
             sampler=d.sampler,
             batch_size=d.batch_size,
             samples_per_class=d.samples_per_class,
-            seed=cfg.train.seed,
+            seed=seed,
             image_size=d.image_size,
             augment=d.augment,
             loader_workers=d.loader_workers if loader_workers is None else loader_workers,
@@ -388,7 +389,9 @@ class EvalBatches:
         self.rank, self.loader_workers, self.pin_memory, self.normalize = rank, loader_workers, pin_memory, normalize
         self.num_samples = info.num_images
         self.skipped = 0
-        self.io: dict[str, int] = {}  # remote requests and retries of the latest pass (shards.retries.IOStats keys)
+        self.io: dict[
+            str, int
+        ] = {}  # remote requests and retries of the latest pass (shards.storage.retries.IOStats keys)
 
     def __len__(self) -> int:
         return len(self.ranges)
@@ -437,7 +440,7 @@ def eval_batches(
     split. An unreadable sample is *dropped*, never replaced (a stand-in image would inflate
     the retrieval metrics): its batch comes out smaller, its index is absent, it is logged and
     counted in the returned object's ``skipped``. Images: shorter side to ``resize``, centre
-    ``crop``, ``grayscale`` as in training (:class:`shards.transforms.EvalTransform`); otherwise
+    ``crop``, ``grayscale`` as in training (:class:`shards.decode.transforms.EvalTransform`); otherwise
     as in :class:`TrainStream` (``normalize``, ``pin_memory``, and for a URL ``storage_options``, ``remote``).
     """
     if not 0 <= rank < world_size:

@@ -1,20 +1,12 @@
-"""Training images decoded and augmented on the device, from encoded bytes that loader processes hand over.
+"""The device half of device decoding: training images decoded and augmented on the worker's device.
 
-Loader side (:class:`EncodedTransform`, run by :mod:`shards.batch_decoding` in the loader processes):
-for each image slot it reads the stored image's header, draws the slot's
-:class:`~shards.augment.AugmentParams` exactly as :class:`~shards.transforms.TrainTransform` does
-(the same generator, the same draws in the same order, so the same crop, flip and factors for every
-(seed, epoch, rank, batch, slot)), and hands over the bytes with the record. What the device path
-does not decode (anything but an RGB or grayscale JPEG, or a rotated crop) is decoded and augmented
-right there by the CPU transform and handed over as pixels. A batch travels as one
-:class:`EncodedImages`.
-
-Device side (:class:`DeviceDecoder`, in the training process): the batch's crop plan (PIL's
+The loader processes hand over encoded bytes with each image's augmentation record
+(:mod:`shards.decode.encoded`). :class:`DeviceDecoder`, in the training process: the batch's crop plan (PIL's
 resampling taps), jitter factors, labels and loader-decoded slots are built on the host and cross
 in one non-blocking copy from pinned memory; then, in runs of images of similar crop size bounded
 by a pixel budget (:data:`PIXEL_BUDGET`: decoded plus padded crop pixels, so multi-megapixel photos do
 not allocate gigabytes at once), one batched ``torchvision.io.decode_jpeg`` (nvJPEG on CUDA) and
-each record applied with PIL's arithmetic on tensors (:mod:`shards.pixel_ops`): the crop box
+each record applied with PIL's arithmetic on tensors (:mod:`shards.decode.pixel_ops`): the crop box
 resampled (antialiased bilinear, horizontal then vertical, rounded to 8 bits after each pass), the
 flip folded into the horizontal weights, colour jitter, grayscale, erasing, normalization, then
 Gaussian noise from a generator seeded by the record's noise seed (the same distribution as the
@@ -34,9 +26,6 @@ nvJPEG's inverse DCT and chroma upsampling differ from libjpeg's by a few levels
 applied on the device (configs refuse ``data.decode=device`` with ``data.augment.rotation``; a
 record with an angle is decoded on the CPU).
 
-One concept, the device half of the train transform with the host plan it runs from, hence a little
-over 400 lines.
-
 An encoded image the device cannot decode (a corrupt entropy stream: headers are checked in the
 loader, members at read time) takes a decoded image of its batch, with that image's label, and is
 counted in :attr:`DeviceDecoder.skipped`.
@@ -44,114 +33,24 @@ counted in :attr:`DeviceDecoder.skipped`.
 
 from __future__ import annotations
 
-import io
 import logging
-import random
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from PIL import Image
 from torch import Tensor
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from dmltrain.config import AugmentConfig
-from shards.augment import AugmentParams
-from shards.pixel_ops import adjust, bilinear_taps, dense_weights, luma, round8, shift_hue, tap_entries
-from shards.transforms import ERASE_GRAY, ERASE_RGB, TrainTransform, normalize_batch
+from shards.config import AugmentConfig
+from shards.decode.augment import AugmentParams
+from shards.decode.encoded import EncodedImages
+from shards.decode.pixel_ops import adjust, bilinear_taps, dense_weights, luma, round8, shift_hue, tap_entries
+from shards.decode.transforms import ERASE_GRAY, ERASE_RGB, normalize_batch
 
 log = logging.getLogger(__name__)
 
-DEVICE_MODES = ("RGB", "L")  # JPEG colour modes nvJPEG turns into RGB the way PIL does
 PIXEL_BUDGET = 1 << 25  # decoded + padded crop pixels decoded and resampled together (see DeviceDecoder)
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """One slot's stored JPEG bytes, its augmentation record and its header's ``(width, height)``."""
-
-    data: bytes
-    params: AugmentParams
-    size: tuple[int, int]
-
-
-@dataclass
-class EncodedImages:
-    """One batch as loader processes hand it over for device decoding.
-
-    ``data`` (uint8) holds the encoded images back to back, image ``j`` at
-    ``data[offsets[j]:offsets[j + 1]]``, going to slot ``slots[j]`` with record ``params[j]``,
-    ``sizes[j]`` its (height, width) as its header says;
-    ``pixels`` (``m × C × S × S``, uint8, or float32 with noise) are the slots ``pixel_slots`` the
-    loader decoded itself. ``batch_size`` slots in all, ``size`` the output side S.
-    """
-
-    data: Tensor
-    offsets: Tensor
-    slots: Tensor
-    params: list[AugmentParams]
-    sizes: Tensor
-    pixels: Tensor
-    pixel_slots: Tensor
-    size: int
-    batch_size: int
-
-    def __len__(self) -> int:
-        return self.batch_size
-
-
-class EncodedTransform:
-    """The loader side: stored bytes + slot generator -> :class:`Encoded` (for the device) or the CPU
-    transform's pixels (``H × W × C`` array) for what the device path does not decode."""
-
-    def __init__(self, train: TrainTransform):
-        self.train = train
-        self.size, self.channels, self.dtype = train.size, train.channels, train.dtype
-
-    def __call__(self, data: bytes, rng: random.Random) -> Encoded | np.ndarray:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            img = Image.open(io.BytesIO(data))  # the header only; raises like the CPU path on a bad one
-        p = self.train.draw(*img.size, rng)
-        if img.format == "JPEG" and img.mode in DEVICE_MODES and not p.angle:
-            return Encoded(data, p, img.size)
-        return self.train.apply(img, p)
-
-    def collate(self, images: list[Encoded | np.ndarray | None]) -> EncodedImages:
-        """One batch's slots as an :class:`EncodedImages` (a slot left None becomes black pixels)."""
-        enc = [(i, im) for i, im in enumerate(images) if isinstance(im, Encoded)]
-        rest = [i for i, im in enumerate(images) if not isinstance(im, Encoded)]
-        S, C = self.size, self.channels
-        pixels = np.zeros((len(rest), C, S, S), self.dtype)
-        for j, i in enumerate(rest):
-            if images[i] is not None:
-                pixels[j] = images[i].transpose(2, 0, 1)
-        lengths = [len(e.data) for _, e in enc]
-        offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
-        data = np.frombuffer(b"".join(e.data for _, e in enc), np.uint8) if enc else np.zeros(0, np.uint8)
-        return EncodedImages(
-            data=torch.from_numpy(data.copy()),
-            offsets=torch.from_numpy(offsets),
-            slots=torch.tensor([i for i, _ in enc], dtype=torch.int64),
-            params=[e.params for _, e in enc],
-            sizes=torch.tensor([(e.size[1], e.size[0]) for _, e in enc], dtype=torch.int64).reshape(-1, 2),
-            pixels=torch.from_numpy(pixels),
-            pixel_slots=torch.tensor(rest, dtype=torch.int64),
-            size=S,
-            batch_size=len(images),
-        )
-
-
-def resolve_decode(setting: str, device: torch.device | str, augment: AugmentConfig) -> str:
-    """``data.decode`` for a worker on ``device``: ``cpu`` or ``device`` as given; ``auto`` is ``device`` on a
-    CUDA device unless the augmentation rotates (the device path does not), else ``cpu``."""
-    if setting in ("cpu", "device"):
-        return setting
-    if setting != "auto":
-        raise ValueError(f"data.decode: unknown setting {setting!r} (auto, cpu or device)")
-    rotates = augment.rotation_range != (0.0, 0.0)
-    return "device" if torch.device(device).type == "cuda" and not rotates else "cpu"
 
 
 def _crop_bounds(first: np.ndarray, taps: np.ndarray, size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -264,7 +163,7 @@ class DeviceDecoder:
     ):
         self.augment, self.device, self.dtype = augment, torch.device(device), dtype
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        # float64 resampling is PIL's exactly; GPUs default to float32 (rare ±1, see shards.pixel_ops)
+        # float64 resampling is PIL's exactly; GPUs default to float32 (rare ±1, see shards.decode.pixel_ops)
         self.resample_dtype = resample_dtype or (torch.float32 if self.device.type == "cuda" else torch.float64)
         if pixel_budget < 1:
             raise ValueError(f"DeviceDecoder: pixel_budget must be positive, got {pixel_budget}")

@@ -25,10 +25,10 @@ from pathlib import Path
 
 from dmltrain.errors import UserError
 from dmltrain.fileio import write_text
+from shards.build.writer import ShardRecord
 from shards.manifest import MANIFEST_NAME, Manifest
-from shards.retries import IOStats
-from shards.storage import Location, read_chunks
-from shards.writer import ShardRecord
+from shards.storage.location import Location, read_chunks
+from shards.storage.retries import IOStats
 
 # what a build writes: <split>-NNNNNN.tar shards, and hidden temporaries while it runs (atomic_path)
 SHARD_NAME = re.compile(r"[A-Za-z0-9_.]+-\d{6}\.tar")

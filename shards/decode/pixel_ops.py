@@ -1,4 +1,4 @@
-"""PIL's pixel arithmetic on batches of tensors: what :class:`shards.transforms.TrainTransform` does to
+"""PIL's pixel arithmetic on batches of tensors: what :class:`shards.decode.transforms.TrainTransform` does to
 one image with PIL, done to a batch on any device with the same rounding.
 
 Images here are float32 tensors holding 8-bit values (integers 0..255), ``b × C × H × W``, so every
@@ -11,7 +11,7 @@ step can round exactly where PIL rounds to 8 bits:
   rounded to 8 bits as PIL does.
 * :func:`blend` (``Image.blend``), :func:`luma` (``convert("L")``), :func:`adjust` (``ImageEnhance``
   brightness, contrast, saturation) and :func:`shift_hue` (8-bit HSV round trip, as
-  ``shards.transforms._hue``), each with a factor per image.
+  ``shards.decode.transforms._hue``), each with a factor per image.
 
 Resampling in float64 is exact (every product and sum of 8-bit pixels and 22-bit coefficients is an
 integer multiple of 2^-22 well inside float64's 53 bits), so the results are PIL's. In float32 (the
@@ -112,7 +112,7 @@ def adjust(x: Tensor, op: str, factor: Tensor) -> Tensor:
 
 def shift_hue(x: Tensor, shift: Tensor) -> Tensor:
     """PIL's 8-bit HSV round trip with the hue channel moved by ``int(shift·255)`` (mod 256), as
-    ``shards.transforms._hue``: ``convert("HSV")``, shift, ``convert("RGB")``, one shift per image."""
+    ``shards.decode.transforms._hue``: ``convert("HSV")``, shift, ``convert("RGB")``, one shift per image."""
     f32, f64 = torch.float32, torch.float64
     r, g, b = x[:, 0], x[:, 1], x[:, 2]
     maxc, minc = torch.maximum(r, torch.maximum(g, b)), torch.minimum(r, torch.minimum(g, b))

@@ -6,7 +6,7 @@ the sorted original class ids of the split's label space. Images that cannot be 
 skipped and listed in the manifest (``strict`` stops at the first one instead).
 
 The output may be a local folder or a URL (``s3://bucket/prefix``, ``gs://...``): shards are
-uploaded as they are finished (:mod:`shards.publish`). The manifest is written last and atomically:
+uploaded as they are finished (:mod:`shards.build.publish`). The manifest is written last and atomically:
 a folder without ``manifest.json`` is an unfinished build, and readers refuse it; ``resume``
 finishes one, keeping the shards already in place with the right checksum.
 """
@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 
 from dmltrain.errors import UserError
-from shards.ingest import ingest_file, load_or_skip
-from shards.layouts import Entry, Layout, class_sort_key, read_layout
+from shards.build.ingest import ingest_file, load_or_skip
+from shards.build.layouts import Entry, Layout, class_sort_key, read_layout
+from shards.build.publish import Publisher
+from shards.build.writer import SplitWriter
 from shards.manifest import FORMAT, MANIFEST_NAME, VERSION
-from shards.publish import Publisher
-from shards.storage import Location, open_location
-from shards.writer import SplitWriter
+from shards.storage.location import Location, open_location
 
 # below this many images a build runs in-process: a pool costs more than it saves
 POOL_MIN_IMAGES = 512
@@ -155,7 +155,7 @@ def build_shards(
     for ``layout.splits[split][i]``; it raises :class:`SkipImage` for an unusable image.
     Splits in different label spaces must not share an original class id
     (:func:`check_disjoint_classes`; checked before anything in ``out_dir`` is touched).
-    ``overwrite`` replaces a previous build, ``resume`` finishes an interrupted one (:mod:`shards.publish`).
+    ``overwrite`` replaces a previous build, ``resume`` finishes an interrupted one (:mod:`shards.build.publish`).
     """
     out = open_location(out_dir, storage_options)
     if shard_size < 1:
@@ -197,7 +197,7 @@ def _write_splits(publisher: Publisher, layout: Layout, shard_size, seed, worker
         import multiprocessing as mp
 
         # spawn, not fork: the caller may be a threaded process (Ray, DeepSpeed); the jobs live in
-        # light modules (shards.ingest, shards.synthetic) so the children never import torch
+        # light modules (shards.build.ingest, shards.build.synthetic) so the children never import torch
         pool = mp.get_context("spawn").Pool(workers)
     t0 = time.perf_counter()
     splits_json: dict[str, Any] = {}

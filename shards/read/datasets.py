@@ -1,12 +1,12 @@
 """Batch decoding: the planned samples of one batch read, decoded and augmented into one array.
 
-:func:`build_batch` turns a batch's pieces (:mod:`shards.sampler`) into ``b × C × S × S``
+:func:`build_batch` turns a batch's pieces (:mod:`shards.read.sampler`) into ``b × C × S × S``
 images (uint8, or float32 pixel values when the transform adds noise) with their labels
 and indices in the split, applying the substitution policy for unreadable samples (below).
 Each image slot has its own ``random.Random`` derived from (seed, epoch, rank, batch)
 (:func:`slot_rngs`), so a batch comes out the same in whichever process builds it. With an
-:class:`~shards.device_decoding.EncodedTransform` a training batch comes out as
-:class:`~shards.device_decoding.EncodedImages` (bytes and augmentation records, decoded on the
+:class:`~shards.decode.encoded.EncodedTransform` a training batch comes out as
+:class:`~shards.decode.encoded.EncodedImages` (bytes and augmentation records, decoded on the
 device) drawn from the same generators, under the same substitution policy.
 :class:`TrainBatchDataset` and :class:`EvalBatchDataset` are what DataLoader processes run.
 """
@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shards.device_decoding import EncodedTransform
+from shards.decode.encoded import EncodedTransform
+from shards.decode.transforms import EvalTransform, TrainTransform
 from shards.manifest import GroupTable, SplitInfo
-from shards.sampler import EpochPlanner, Piece
-from shards.tar_index import GroupReader
-from shards.transforms import EvalTransform, TrainTransform
+from shards.read.sampler import EpochPlanner, Piece
+from shards.read.tar_index import GroupReader
 
 _AUG = 0xA06
 
@@ -72,7 +72,7 @@ def build_batch(
     substitute: bool = True,
 ) -> dict[str, Any]:
     """Decode and augment one batch: ``images`` ``b×channels×S×S`` of ``dtype`` (contiguous; an
-    :class:`~shards.device_decoding.EncodedImages` with an ``EncodedTransform``), ``labels``, ``index``,
+    :class:`~shards.decode.encoded.EncodedImages` with an ``EncodedTransform``), ``labels``, ``index``,
     ``skipped``, ``notes``.
 
     ``substitute=True`` (training): every slot is filled so the batch keeps its planned shape. An

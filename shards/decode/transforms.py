@@ -1,7 +1,7 @@
 """Decoding and augmentation from stored image bytes, with explicit random generators.
 
-Train: an :class:`~shards.augment.AugmentParams` record is drawn for each image
-(:func:`shards.augment.draw_params`: torchvision's RandomResizedCrop, flip, RandomRotation,
+Train: an :class:`~shards.decode.augment.AugmentParams` record is drawn for each image
+(:func:`shards.decode.augment.draw_params`: torchvision's RandomResizedCrop, flip, RandomRotation,
 ColorJitter, RandomErasing sampling) and then applied to its pixels here. Eval: shorter side
 to ``resize``, then a centre ``crop`` (torchvision's Resize + CenterCrop, same rounding).
 Images in any mode become RGB here; ``grayscale`` (both) then converts them to luminance
@@ -33,9 +33,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageEnhance
 
-from dmltrain.config import AugmentConfig
-from shards.augment import AugmentParams, draw_params
-from shards.ingest import to_rgb
+from shards.config import AugmentConfig
+from shards.decode.augment import AugmentParams, draw_params
+from shards.decode.rgb import to_rgb
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -121,7 +121,7 @@ def _channels(img: Image.Image, grayscale: int) -> np.ndarray:
 class TrainTransform:
     """Stored bytes -> ``size × size × C`` training image: :meth:`draw` a record, then :meth:`apply` it.
 
-    ``augment`` (default: :class:`~dmltrain.config.AugmentConfig`'s defaults, a RandomResizedCrop with
+    ``augment`` (default: :class:`~shards.config.AugmentConfig`'s defaults, a RandomResizedCrop with
     scale (0.08, 1) and a flip with p = 0.5) says what to draw. :attr:`channels` and :attr:`dtype`
     describe the output (uint8, or float32 pixel values when ``augment.noise`` > 0).
     """
@@ -133,7 +133,7 @@ class TrainTransform:
         self.dtype = np.float32 if a.noise > 0 else np.uint8
 
     def draw(self, width: int, height: int, rng: random.Random) -> AugmentParams:
-        """The record of one ``width × height`` source image (see :func:`shards.augment.draw_params`)."""
+        """The record of one ``width × height`` source image (see :func:`shards.decode.augment.draw_params`)."""
         return draw_params(self.augment, width, height, self.size, rng)
 
     def apply(self, img: Image.Image, p: AugmentParams) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 Images are stored byte for byte (any format PIL reads; the shard member's extension names
 the format: ``jpg``, ``png``, ``bmp``...). Grayscale, palette, CMYK, 16-bit and RGBA images
-are converted to RGB (:func:`to_rgb`) at decode time, not at build time, so the stored
+are converted to RGB (:func:`shards.decode.rgb.to_rgb`) at decode time, not at build time, so the stored
 bytes stay the source's.
 Only ``resize`` re-encodes: RGB, shorter side scaled down to ``resize`` (never up), JPEG
 quality 95.
@@ -19,39 +19,12 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 from PIL import Image
 
-# PIL format name -> shard member extension; anything else uses the lower-cased format name
-EXTENSIONS = {
-    "JPEG": "jpg",
-    "MPO": "jpg",
-    "PNG": "png",
-    "TIFF": "tiff",
-    "WEBP": "webp",
-    "BMP": "bmp",
-    "GIF": "gif",
-    "PPM": "ppm",
-}
-IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "tiff", "tif", "webp", "bmp", "gif", "ppm", "pgm", "pbm", "pnm"})
+from shards.decode.rgb import to_rgb
+from shards.manifest import EXTENSIONS
+
 RESIZE_QUALITY = 95
-
-
-def to_rgb(img: Image.Image) -> Image.Image:
-    """Any PIL mode as 8-bit RGB: alpha composited on white, 16-bit and float grayscale rescaled, the rest converted."""
-    if img.mode == "RGB":
-        return img
-    if img.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (img.mode == "P" and "transparency" in img.info):
-        rgba = img.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    if img.mode.startswith("I") or img.mode == "F":
-        arr = np.asarray(img, dtype=np.float64)
-        top = (
-            1.0 if img.mode == "F" and arr.max(initial=0) <= 1.0 else (255.0 if arr.max(initial=0) <= 255 else 65535.0)
-        )
-        return Image.fromarray(np.clip(arr * (255.0 / top), 0, 255).astype(np.uint8), "L").convert("RGB")
-    return img.convert("RGB")
 
 
 class SkipImage(Exception):

@@ -5,7 +5,7 @@ contiguous there). :class:`GroupReader` reads such a range, or walks its ustar h
 returns a sample's image bytes, never holding an index of all images. Where the bytes come
 from is one small interface, :class:`ByteSource` (``read(shard, offset, size)``, ``name``,
 ``close``); :class:`LocalFiles` reads local or shared-file-system shards, and
-:class:`shards.remote_reads.RemoteSource` ranged GETs from a URL (chosen by the split's location).
+:class:`shards.storage.remote_reads.RemoteSource` ranged GETs from a URL (chosen by the split's location).
 :meth:`GroupReader.read_ahead` tells a source that can prefetch the byte ranges of the next batch
 while the current one decodes (a local source has nothing to gain and is not told).
 """
@@ -18,10 +18,9 @@ from typing import Any, BinaryIO, Protocol
 
 import webdataset as wds
 
-from shards.ingest import IMAGE_EXTENSIONS
-from shards.manifest import GroupTable, SplitInfo
-from shards.remote_reads import RemoteSource
-from shards.sampler import Piece
+from shards.manifest import IMAGE_EXTENSIONS, GroupTable, SplitInfo
+from shards.read.sampler import Piece
+from shards.storage.remote_reads import RemoteSource
 
 Sample = tuple[str, str, bytes]  # (key, image extension, image bytes)
 MemberTable = list[dict[str, tuple[int, int]]]  # per sample position: extension -> (data offset, size)
@@ -121,7 +120,7 @@ class GroupReader:
     a big class, or one image for the random sampler, does not read the whole class. Header
     checksums are verified; a missing, truncated or garbled member gives ``None`` and a note
     naming the shard (in :attr:`notes`, for the caller to report and clear). Tars with pax/GNU
-    headers (not written by :mod:`shards.writer`) go through WebDataset's tar iterator instead.
+    headers (not written by :mod:`shards.build.writer`) go through WebDataset's tar iterator instead.
     ``source`` defaults to :class:`LocalFiles` of ``split``.
     """
 

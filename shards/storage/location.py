@@ -10,7 +10,7 @@ end up in MLflow params and job uploads. The SDK for a scheme (s3fs, gcsfs) is i
 of that scheme is first used; a missing one is one line naming the package.
 
 Every remote call goes through :meth:`Location.call`: a time limit per request, and retries with
-capped exponential backoff and full jitter after *transient* failures (:mod:`shards.retries`:
+capped exponential backoff and full jitter after *transient* failures (:mod:`shards.storage.retries`:
 timeouts, HTTP 5xx, throttling, dropped connections, truncated bodies), each counted in an
 :class:`IOStats`. Other failures (not found, forbidden) are not retried. The SDKs' own retries
 are turned off where fsspec lets us (s3fs, botocore), so the counts are every retry made.
@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import yaml
 
 from dmltrain.errors import UserError
-from shards.retries import IOStats, ShortRead, backoff_s, transient_kind
+from shards.storage.retries import IOStats, ShortRead, backoff_s, transient_kind
 
 T = TypeVar("T")
 

@@ -3,8 +3,8 @@
 :func:`draw_params` turns the source image's size and the image slot's ``random.Random``
 into an :class:`AugmentParams` (crop window, flip, rotation, colour-jitter factors, erased
 rectangle, noise seed), with torchvision's sampling rules for every option of
-:class:`~dmltrain.config.AugmentConfig`. Applying a record to pixels is another step
-(:class:`shards.transforms.TrainTransform` on the CPU), so a backend that decodes elsewhere
+:class:`~shards.config.AugmentConfig`. Applying a record to pixels is another step
+(:class:`shards.decode.transforms.TrainTransform` on the CPU), so a backend that decodes elsewhere
 (e.g. on a GPU) can apply the very same record: the geometry and factors of each image are
 a function of (seed, epoch, rank, batch, slot) alone, whoever draws them.
 
@@ -20,7 +20,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from dmltrain.config import AugmentConfig
+from shards.config import AugmentConfig
 
 JITTER_OPS = ("brightness", "contrast", "saturation", "hue")
 

@@ -26,8 +26,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from dmltrain.errors import UserError
-from shards.build import build_shards
-from shards.layouts import Entry, Layout
+from shards.build.builder import build_shards
+from shards.build.layouts import Entry, Layout
 
 JPEG_QUALITY = 90
 
@@ -223,7 +223,7 @@ def build_synthetic_shards(
 ):
     """Write synthetic train and test shards (``classes`` disjoint classes each, ``per_class`` images per class).
 
-    Same as ``dmltrain shards build --layout synthetic``; returns the :class:`~shards.build.BuildResult`.
+    Same as ``dmltrain shards build --layout synthetic``; returns the :class:`~shards.build.builder.BuildResult`.
     """
 
     for name, value, low in (("--classes", classes, 1), ("--per-class", per_class, 1), ("--image-size", image_size, 8)):

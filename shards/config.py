@@ -1,0 +1,232 @@
+"""The ``data`` section of a run config: where the shards are, how batches are drawn, decoded and augmented.
+
+:mod:`shards` owns these types, so that reading and decoding shards needs no run config and the import runs one
+way: :mod:`dmltrain.config` builds the whole run config from them. :class:`Section` is the base of every config
+section, here and there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from shards.storage.location import RemoteSettings, check_storage_options
+
+_REMOTE = RemoteSettings()
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are re-validated, and every
+    number must be finite (``optim.lr=.inf`` or ``.nan`` is refused, never trained with)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+class SyntheticData(Section):
+    """Procedurally generated shards, built on first use when ``data.shards`` is missing."""
+
+    classes: int = Field(200, ge=2, description="train classes; as many disjoint test classes")
+    per_class: int = Field(10, ge=1, description="images per class")
+    image_size: int = Field(32, ge=8)
+    seed: int = 0
+    shard_size: int = Field(2000, ge=1, description="samples per shard")
+
+
+class ColorJitter(Section):
+    """torchvision's ``ColorJitter``: brightness, contrast and saturation factors uniform in
+    [max(0, 1 - x), 1 + x], a hue shift uniform in [-hue, hue], applied in a random order.
+
+    A number ``j`` stands for brightness = contrast = saturation = ``j``; a list for
+    ``[brightness, contrast, saturation(, hue)]``.
+    """
+
+    brightness: float = Field(0.0, ge=0.0)
+    contrast: float = Field(0.0, ge=0.0)
+    saturation: float = Field(0.0, ge=0.0)
+    hue: float = Field(0.0, ge=0.0, le=0.5)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return {"brightness": v, "contrast": v, "saturation": v}
+        if isinstance(v, (list, tuple)) and len(v) in (3, 4):
+            return dict(zip(("brightness", "contrast", "saturation", "hue"), v))
+        return v
+
+
+class RandomErasing(Section):
+    """torchvision's ``RandomErasing`` (value 0: the mean colour after normalization); a number stands for ``p``."""
+
+    p: float = Field(0.0, ge=0.0, le=1.0, description="probability of erasing a rectangle; 0 disables")
+    scale: tuple[float, float] = Field((0.02, 0.33), description="area range of the rectangle, as a share of the image")
+    ratio: tuple[float, float] = Field((0.3, 3.3), description="aspect ratio range of the rectangle")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        return {"p": v} if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def _check(self) -> RandomErasing:
+        _check_range("data.augment.erase.scale", self.scale, upper=1.0)
+        _check_range("data.augment.erase.ratio", self.ratio)
+        return self
+
+
+def _check_range(key: str, pair: tuple[float, float], upper: float | None = None) -> None:
+    lo, hi = pair
+    if not (0 < lo <= hi and (upper is None or hi <= upper)):
+        bound = f" <= {upper:g}" if upper is not None else ""
+        raise ValueError(f"{key}: need 0 < low <= high{bound}, got {list(pair)}")
+
+
+class AugmentConfig(Section):
+    """Training augmentation, with torchvision's names and semantics; evaluation only resizes and centre-crops
+    (``data.eval_resize``, ``data.eval_crop``), converted to grayscale when ``grayscale`` is set.
+
+    Order: ``resize`` (the frame the crop is drawn in) -> ``rotation`` -> RandomResizedCrop (``scale``,
+    ``ratio``) to ``data.image_size`` -> ``flip`` -> ``color_jitter`` -> ``grayscale`` -> normalization ->
+    ``erase`` -> ``noise``. Every random choice is drawn from (train.seed, epoch, rank, batch, slot).
+    """
+
+    resize: int | tuple[int, int] | None = Field(
+        None, description="Resize before the crop: a number sets the shorter side, [h, w] the size (e.g. [256, 256])"
+    )
+    scale: tuple[float, float] = Field((0.08, 1.0), description="RandomResizedCrop area range")
+    ratio: tuple[float, float] = Field((3 / 4, 4 / 3), description="RandomResizedCrop aspect ratio range")
+    flip: float = Field(0.5, ge=0.0, le=1.0, description="horizontal flip probability")
+    rotation: float | tuple[float, float] = Field(
+        0.0, description="RandomRotation degrees: a number d for [-d, d], or [min, max]; 0 disables"
+    )
+    color_jitter: ColorJitter = Field(default_factory=ColorJitter)
+    grayscale: Literal[0, 1, 3] = Field(
+        0, description="0: colour; 1 or 3: luminance as 1 or 3 channels, in training and evaluation"
+    )
+    noise: float = Field(0.0, ge=0.0, description="std of Gaussian noise added to the normalized pixels; 0 disables")
+    erase: RandomErasing = Field(default_factory=RandomErasing)
+
+    @model_validator(mode="after")
+    def _check(self) -> AugmentConfig:
+        _check_range("data.augment.scale", self.scale, upper=1.0)
+        _check_range("data.augment.ratio", self.ratio)
+        sizes = (self.resize,) if isinstance(self.resize, int) else self.resize or ()
+        if any(s < 8 for s in sizes):
+            raise ValueError(f"data.augment.resize: sizes must be >= 8, got {self.resize}")
+        lo, hi = self.rotation_range
+        if not -180 <= lo <= hi <= 180:
+            raise ValueError(f"data.augment.rotation: need -180 <= min <= max <= 180 degrees, got {self.rotation}")
+        return self
+
+    @property
+    def rotation_range(self) -> tuple[float, float]:
+        """(min, max) rotation in degrees, counter-clockwise."""
+        r = self.rotation
+        return (-abs(r), abs(r)) if isinstance(r, (int, float)) else (float(r[0]), float(r[1]))
+
+
+class RemoteConfig(Section):
+    """Reading shards from a URL (``data.shards`` = ``s3://``, ``gs://``, ``https://``, ...); local paths ignore it."""
+
+    requests_in_flight: int = Field(
+        _REMOTE.requests_in_flight, ge=1, le=1024, description="ranged GETs in flight per loader process"
+    )
+    request_mb: float = Field(
+        _REMOTE.request_mb, gt=0, le=1024, description="largest ranged GET; with requests_in_flight, the memory bound"
+    )
+    timeout_s: float = Field(_REMOTE.timeout_s, gt=0, description="time limit of one request; past it, it is retried")
+    retries: int = Field(
+        _REMOTE.retries,
+        ge=0,
+        le=100,
+        description="retries after a timeout, 5xx, throttling, dropped or truncated response",
+    )
+    cache: bool = Field(
+        _REMOTE.cache, description="keep whole shards on local disk (remote URLs only; local paths are never cached)"
+    )
+    cache_dir: str = Field(_REMOTE.cache_dir, description="the shard cache, shared by the processes of a machine")
+    cache_gb: float = Field(
+        _REMOTE.cache_gb, gt=0, description="size bound of the cache; least recently used shards go first"
+    )
+
+
+class DataConfig(Section):
+    shards: str = Field(
+        "data/synthetic-200",
+        description="folder holding manifest.json and the tar shards: a path or a URL (s3://, gs://, https://)",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec options of a URL: endpoint_url, anon, client_kwargs.region_name, ...; credentials come from the environment",
+    )
+    remote: RemoteConfig = Field(default_factory=RemoteConfig)
+    train_split: str = "train"
+    eval_splits: list[str] = Field(
+        default_factory=lambda: ["test"], description="['test'], or ['query', 'gallery'] for In-Shop"
+    )
+    sampler: Literal["pk", "random"] = Field("pk", description="class-balanced P×K batches, or plain random batches")
+    batch_size: int = Field(64, ge=1, description="global batch over all workers")
+    classes_per_batch: int | None = Field(
+        None, ge=1, description="P; derived as batch_size // samples_per_class when unset"
+    )
+    samples_per_class: int = Field(4, ge=1, description="K images of each class in a P×K batch")
+    image_size: int = Field(224, ge=8, description="train crop (RandomResizedCrop)")
+    augment: AugmentConfig = Field(default_factory=AugmentConfig)
+    eval_resize: int = Field(256, ge=8)
+    eval_crop: int = Field(224, ge=8)
+    loader_workers: int = Field(2, ge=0, description="decoding processes per training worker")
+    decode: Literal["auto", "cpu", "device"] = Field(
+        "auto",
+        description="train images: decoded and augmented in the loader processes (cpu), or handed over encoded and "
+        "decoded on the worker's device (device: nvJPEG on GPUs); auto: device on GPU workers unless data.augment.rotation. "
+        "Same crops, flips and factors either way; device always decodes at full resolution, while cpu decodes a JPEG "
+        "at 1/2-1/8 scale (draft) when its crop box is at least twice data.image_size both ways, so those pixels differ "
+        "by resampling detail",
+    )
+    eval_batch_size: int = Field(128, ge=1)
+    synthetic: SyntheticData | None = Field(None, description="build synthetic shards at data.shards if missing")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, v: Any) -> Any:
+        # keys of earlier versions: refused with their new home rather than kept as a second spelling
+        for old, new in MOVED_DATA_KEYS.items():
+            if isinstance(v, dict) and old in v:
+                raise ValueError(f"data.{old}: moved to data.{new} (same meaning)")
+        return v
+
+    @field_validator("storage_options")
+    @classmethod
+    def _no_secrets(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return check_storage_options(v)
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.eval_crop > self.eval_resize:
+            raise ValueError(f"data.eval_crop: {self.eval_crop} is larger than data.eval_resize {self.eval_resize}")
+        if self.decode == "device" and self.augment.rotation_range != (0.0, 0.0):
+            raise ValueError(
+                "data.decode: device decoding does not rotate (data.augment.rotation); use data.decode=cpu or auto"
+            )
+        return self
+
+    @property
+    def P(self) -> int:
+        """Classes per global batch (P of P×K)."""
+        return self.classes_per_batch or self.batch_size // self.samples_per_class
+
+
+MOVED_DATA_KEYS = {"crop_scale": "augment.scale", "color_jitter": "augment.color_jitter"}
+
+
+def resolve_decode(setting: str, device: Any, augment: AugmentConfig) -> str:
+    """``data.decode`` for a worker on ``device`` (a ``torch.device`` or its name): ``cpu`` or ``device`` as
+    given; ``auto`` is ``device`` on a CUDA device unless the augmentation rotates (the device path does not),
+    else ``cpu``."""
+    if setting in ("cpu", "device"):
+        return setting
+    if setting != "auto":
+        raise ValueError(f"data.decode: unknown setting {setting!r} (auto, cpu or device)")
+    rotates = augment.rotation_range != (0.0, 0.0)
+    return "device" if str(device).split(":")[0] == "cuda" and not rotates else "cpu"
