@@ -246,6 +246,7 @@ LOOPBACK = "127.0.0.1"
 # IP stays 127.0.0.1 and nothing listens beyond loopback; joining other nodes is what it rules out.
 _CLUSTERS_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 
 
 def local_ray_env() -> dict[str, str]:
@@ -271,7 +272,10 @@ def start_local_ray(**init_kwargs: Any) -> None:
     """Start a Ray instance on this machine, every server on 127.0.0.1 (dashboard included).
 
     Ray Train's controller polls its workers every 0.5 s here instead of Ray's 2 s (an explicit
-    ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` wins): a local run starts and ends seconds sooner.
+    ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` wins): a local run starts and ends seconds sooner. Its
+    workers may take 5 minutes to start instead of 60 s (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``
+    wins): on a busy machine a worker importing torch and DeepSpeed on a shared core took longer,
+    and Ray Train then tore the run down as failed.
 
     Every local Ray of dmltrain starts here: ``train``, ``tune`` and ``study`` without
     ``cluster.address``, and the test fixtures. Ray >= 2.59 runs it with token authentication
@@ -283,6 +287,7 @@ def start_local_ray(**init_kwargs: Any) -> None:
     # Ray Train's controller acts once per health check (2 s by default): starting the workers
     # and noticing they finished took seconds of idle waiting; its processes inherit this
     os.environ.setdefault(HEALTH_CHECK_ENV, "0.5")
+    os.environ.setdefault(START_TIMEOUT_ENV, "300")
     with _loopback_stays_loopback():
         ray.init(_node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **init_kwargs)
 
