@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -31,6 +31,30 @@ from shards.config import DataConfig, Section
 from shards.read.sampler import batch_shape
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # a folder name: no separators, no leading dot
+
+#: ``train.precision``: the autocast of the model's forward pass
+TrainPrecision = Literal["fp32", "bf16", "fp16"]
+#: ``loss.classifier.precision``: the products of the fused classifier kernels (fp32 accumulation);
+#: ``auto`` is bf16 on CUDA and fp32 elsewhere
+ProductPrecision = Literal["auto", "fp32", "tf32", "bf16"]
+#: ``loss.classifier.weight_storage``: the classifier weight's dtype in memory
+WeightStorage = Literal["fp32", "bf16"]
+TRAIN_PRECISIONS, PRODUCT_PRECISIONS, WEIGHT_STORAGES = (
+    get_args(t) for t in (TrainPrecision, ProductPrecision, WeightStorage)
+)
+
+#: settings only GPU workers honour, by key, with what a CPU worker does instead
+GPU_ONLY = {
+    "train.precision": ({"fp16"}, "DeepSpeed's CPU backend has no fp16; use bf16 or fp32"),
+    "loss.classifier.precision": ({"tf32", "bf16"}, "CPU workers compute the classifier in fp32"),
+    "loss.classifier.weight_storage": ({"bf16"}, "CPU workers keep an fp32 weight"),
+}
+
+
+def gpu_only(key: str, value: str) -> str | None:
+    """The one-line reason ``key = value`` needs a GPU, or None when a CPU honours it too."""
+    values, instead = GPU_ONLY[key]
+    return f"{key}: {value} needs GPUs (cluster.use_gpu); {instead}" if value in values else None
 
 
 class ModelConfig(Section):
@@ -63,11 +87,11 @@ class ClassifierLoss(Section):
     logits_budget_mb: float = Field(
         256.0, gt=0, description="CPU path: beyond this the classifier works in class chunks"
     )
-    precision: Literal["auto", "fp32", "tf32", "bf16"] = Field(
+    precision: ProductPrecision = Field(
         "auto",
         description="products of the fused CUDA kernels (fp32 accumulation); auto: bf16 on CUDA, fp32 on the CPU",
     )
-    weight_storage: Literal["fp32", "bf16"] = Field(
+    weight_storage: WeightStorage = Field(
         "fp32", description="bf16 halves the weight and its gradient (CUDA; fp32 optimizer state, stochastic rounding)"
     )
     init_std: float | None = Field(
@@ -156,7 +180,7 @@ class ScheduleConfig(Section):
 class TrainConfig(Section):
     epochs: int | None = Field(10, ge=1)
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps (wins over epochs)")
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: TrainPrecision = "fp32"
     zero_stage: int = Field(1, ge=0, le=3)
     grad_clip: float | None = Field(None, gt=0)
     deepspeed_config: str | None = Field(None, description="a DeepSpeed JSON whose keys override the generated ones")
@@ -282,18 +306,17 @@ class Config(Section):
                     f"data.samples_per_class: instance loss '{self.loss.instance.kind}' needs K >= 2 positives per class, "
                     f"got {d.samples_per_class}"
                 )
-        if self.train.precision == "fp16" and not self.cluster.use_gpu:
-            raise ValueError("train.precision: fp16 needs GPUs (DeepSpeed's CPU backend has no fp16); use bf16 or fp32")
-        c = self.loss.classifier
-        if c is not None and not self.cluster.use_gpu:  # the fused kernels run on CUDA only; refuse here, not at step 1
-            if c.precision in ("tf32", "bf16"):
-                raise ValueError(
-                    f"loss.classifier.precision: {c.precision} needs GPUs (cluster.use_gpu); CPU workers compute in fp32"
-                )
-            if c.weight_storage == "bf16":
-                raise ValueError(
-                    "loss.classifier.weight_storage: bf16 needs GPUs (cluster.use_gpu); CPU workers keep an fp32 weight"
-                )
+        if not self.cluster.use_gpu:  # refused here, not at step 1 on every worker
+            c = self.loss.classifier
+            settings = [("train.precision", self.train.precision)]
+            if c is not None:
+                settings += [
+                    ("loss.classifier.precision", c.precision),
+                    ("loss.classifier.weight_storage", c.weight_storage),
+                ]
+            for key, value in settings:
+                if reason := gpu_only(key, value):
+                    raise ValueError(reason)
         if self.schedule.unit == "step" and self.train.max_steps is None and self.schedule.kind == "cosine":
             raise ValueError("schedule.unit: a cosine schedule in steps needs train.max_steps")
         return self

@@ -14,9 +14,9 @@ from contextlib import AbstractContextManager
 import torch
 from torch import Tensor
 
+from dmltrain.config import TRAIN_PRECISIONS
 from dmltrain.errors import UserError
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -37,8 +37,8 @@ def supports_bf16(device: str | torch.device) -> bool:
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
     """The autocast dtype of a precision name (None for fp32)."""
-    if precision not in PRECISIONS:
-        raise UserError(f"train.precision: unknown precision '{precision}' (choose from {', '.join(PRECISIONS)})")
+    if precision not in TRAIN_PRECISIONS:
+        raise UserError(f"train.precision: unknown precision '{precision}' (choose from {', '.join(TRAIN_PRECISIONS)})")
     return _DTYPES.get(precision)
 
 
