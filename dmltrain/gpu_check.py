@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 #: part -> seconds it may take (the whole run: at most TOTAL_BUDGET_S)
-BUDGETS = {"doctor": 60.0, "tests": 120.0, "classifier": 150.0, "train": 75.0, "eval": 60.0}
+BUDGETS = {"doctor": 60.0, "tests": 120.0, "classifier": 165.0, "train": 70.0, "eval": 55.0}
 TOTAL_BUDGET_S = 470.0
 PARTS = tuple(BUDGETS)
 GIB = 2**30
@@ -82,7 +82,11 @@ class PartResult:
 
 
 class Cut(Exception):
-    """A part ran past its budget (its child processes are killed)."""
+    """A part ran past its budget (its child processes are killed); ``output``: what the child printed."""
+
+    def __init__(self, message: str, output: str = "") -> None:
+        super().__init__(message)
+        self.output = output
 
 
 @dataclass
@@ -121,7 +125,7 @@ class Context:
                 os.killpg(proc.pid, signal.SIGKILL)  # the child and everything it started (loaders, bench runs)
                 out, _ = proc.communicate()
                 log.write(out or "")
-                raise Cut(f"{what} was still running") from None
+                raise Cut(f"{what} was still running", out or "") from None
             log.write(out or "")
         return subprocess.CompletedProcess(cmd, proc.returncode, out or "", "")
 
@@ -144,27 +148,58 @@ def part_doctor(ctx: Context, rows: list[Row]) -> None:
     path = ctx.work / "doctor.json"
     overrides = ["cluster.use_gpu=true", "cluster.num_workers=1"] if ctx.cuda else []
     skip = ["--skip", "ray"] if ctx.tiny else []  # a local Ray takes 5-25 s to start on a small CPU machine
-    proc = ctx.child(["-m", "dmltrain", "doctor", *overrides, *skip, "--json", str(path)], "dmltrain doctor")
+    try:
+        proc = ctx.child(["-m", "dmltrain", "doctor", *overrides, *skip, "--json", str(path)], "dmltrain doctor")
+    except Cut as e:  # the lines it printed before the cut still say what works
+        rows += doctor_rows(printed_checks(e.output))
+        raise
     if not path.exists():
         raise RuntimeError(f"dmltrain doctor wrote no result (exit code {proc.returncode}): {_last_error(proc.stdout)}")
-    from dmltrain.text import clip
-
     checks = json.loads(path.read_text())["checks"]
-    for c in checks:
-        verdict = {"ok": "pass", "absent": "info", "MISSING": "FAIL"}[c["status"]]
-        rows.append(
-            Row("doctor", c["name"], clip(c["detail"], 110), target="works" if c["needed"] else "", verdict=verdict)
-        )
+    rows += doctor_rows(checks)
     missing = [c["name"] for c in checks if c["status"] == "MISSING"]
     summary = f"{sum(c['status'] == 'ok' for c in checks)} ok, {len(missing)} missing"
     target = "nothing a one-GPU training needs missing"
     rows.append(Row("doctor", "summary", summary, target=target, verdict="FAIL" if missing else "pass"))
 
 
+def printed_checks(text: str) -> list[dict[str, str]]:
+    """The checks in ``dmltrain doctor``'s printed lines (``status name detail``), for a run cut short."""
+    from dmltrain.doctor import CHECKS
+
+    out = []
+    for line in text.splitlines():
+        parts = line.split(None, 2)
+        if len(parts) == 3 and parts[0] in ("ok", "absent", "MISSING") and parts[1] in CHECKS:
+            needed = "yes" if "(needed: " in parts[2] else ""
+            out.append({"name": parts[1], "status": parts[0], "detail": parts[2], "needed": needed})
+    return out
+
+
+def doctor_rows(checks: list[dict[str, str]]) -> list[Row]:
+    """One row per check: ok passes, absent is information, MISSING fails."""
+    from dmltrain.text import clip
+
+    verdicts = {"ok": "pass", "absent": "info", "MISSING": "FAIL"}
+    return [
+        Row(
+            "doctor",
+            c["name"],
+            clip(c["detail"], 110),
+            target="works" if c["needed"] else "",
+            verdict=verdicts[c["status"]],
+        )
+        for c in checks
+    ]
+
+
 # -- part 2: the CUDA tests ---------------------------------------------------------------------------------
 def part_tests(ctx: Context, rows: list[Row]) -> None:
     xml = ctx.work / "cuda-tests.xml"
-    args = ["-m", "pytest", *ctx.pytest_args, "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"]
+    tests = Path(__file__).resolve().parents[1] / "tests"
+    if not tests.is_dir():
+        raise RuntimeError(f"no test suite at {tests}: run it from a checkout of the project")
+    args = ["-m", "pytest", str(tests), *ctx.pytest_args, "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"]
     proc = ctx.child(args, "pytest " + " ".join(ctx.pytest_args))
     if not xml.exists():
         raise RuntimeError(f"pytest wrote no report (exit code {proc.returncode}): {_last_error(proc.stdout)}")

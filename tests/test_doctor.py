@@ -122,3 +122,19 @@ def test_a_check_that_breaks_is_a_line_not_a_traceback(monkeypatch):
     (check,) = doctor.run_checks(load_config(None, []), skip=set(doctor.CHECKS) - {"faiss"})
     assert check.status == "MISSING" and check.detail == "failed: KeyError: 'surprise'"
     assert check.line().startswith("MISSING faiss     failed: KeyError")
+
+
+def _fused_step_interpreted(rank, world):
+    from dmltrain.doctor import fused_step_check
+
+    return fused_step_check(classes=60, dim=16, batch=24, device="cpu")
+
+
+def test_fused_step_check_passes_under_the_interpreter(monkeypatch):
+    """The doctor's GPU check of the fused classifier, run on the CPU by Triton's interpreter (spawned: the
+    variable only acts on kernels defined after it is set)."""
+    from multiproc import run_workers
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    (line,) = run_workers(_fused_step_interpreted, 1, timeout=300)
+    assert line.startswith("a fused classifier step (bf16, 60 classes, D=16, B=24) matches the torch path")

@@ -141,3 +141,15 @@ def test_tiny_cpu_run_prints_one_table_and_writes_its_json(tmp_path, monkeypatch
     assert all(r["verdict"] == "info" for r in report["rows"]) and report["tiny"] and report["device"] == "cpu"
     assert (out / "r.md").read_text().count("| classifier |") == 3
     assert "bench_runs" in (out / "r.log").read_text()
+
+
+def test_doctor_rows_from_the_lines_it_printed_before_a_cut():
+    from dmltrain.doctor import Check
+
+    checks = [Check("torch", True, "2.14 (CUDA 13.0 build)", "always"), Check("cuda", False, "no CUDA device", "cluster.use_gpu: true"),
+              Check("faiss", False, "faiss is not installed")]  # fmt: skip
+    text = "dmltrain doctor: the default config on gpu-node\n" + "\n".join(c.line() for c in checks) + "\n"
+    rows = gc.doctor_rows(gc.printed_checks(text))
+    assert [(r.what, r.verdict, r.target) for r in rows] == [
+        ("torch", "pass", ""), ("cuda", "FAIL", "works"), ("faiss", "info", "")]  # fmt: skip
+    assert rows[1].figure == "no CUDA device (needed: cluster.use_gpu: true)"
