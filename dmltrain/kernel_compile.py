@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import math
 import os
 import subprocess
 import sys
@@ -99,6 +100,7 @@ class CompileResult:
     seconds: float = 0.0
     error: str = ""
     ptx_missing: tuple[str, ...] = ()
+    cpu_seconds: float = 0.0  # this process's and its children's (ptxas, cuobjdump): comparable on a busy machine
 
     @property
     def limit(self) -> int:
@@ -170,7 +172,7 @@ def compile_variant(variant: KernelVariant, arch: int, module: str = "") -> Comp
 
     from dmltrain.text import one_line
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_seconds()
     try:
         # Triton reads the signature's types in the kernel's argument order
         signature = {a: variant.signature[a] for a in variant.fn.arg_names}
@@ -181,8 +183,17 @@ def compile_variant(variant: KernelVariant, arch: int, module: str = "") -> Comp
     except Exception as e:  # noqa: BLE001 — any compiler failure is this variant's result, reported in the table
         return CompileResult(variant.name, module, arch, seconds=time.perf_counter() - t0, error=one_line(e))
     missing = tuple(i for i in variant.ptx_has if i not in compiled.asm["ptx"])
-    shared = int(compiled.metadata.shared)
-    return CompileResult(variant.name, module, arch, shared, regs, stack, time.perf_counter() - t0, ptx_missing=missing)
+    shared, cpu = int(compiled.metadata.shared), _cpu_seconds() - cpu0
+    return CompileResult(
+        variant.name, module, arch, shared, regs, stack, time.perf_counter() - t0, ptx_missing=missing, cpu_seconds=cpu
+    )
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 # -- many compiles, in worker processes ----------------------------------------------------------------
@@ -244,7 +255,7 @@ def covering(variants: Iterable[KernelVariant]) -> list[KernelVariant]:
 
 
 # -- pruning configs to the device -----------------------------------------------------------------------
-def fitting(configs: Sequence[Any], shared: Sequence[int], limit: int) -> list[Any]:
+def fitting(configs: Sequence[Any], shared: Sequence[float], limit: int) -> list[Any]:
     """The configs whose shared memory fits ``limit``; when none does, the smallest one (autotune needs a
     config, and Triton's launch then names the shared memory it needs)."""
     keep = [c for c, s in zip(configs, shared) if s <= limit]
@@ -275,13 +286,20 @@ def shared_memory_prune(
     the configs whose compiled shared memory fits ``limit`` (None: the current device's).
 
     ``shared_of(kernel, named_args, launch_kwargs, config)`` gives a config's shared memory; the default
-    compiles it for the current device. The tests pass an offline compile for an architecture instead.
+    compiles it for the current device. The tests pass an offline compile for an architecture instead. A
+    config that does not compile counts as not fitting (when none fits, the launch then raises its error).
     """
+
+    def size(named_args: dict[str, Any], launch: dict[str, Any], config: Any) -> float:
+        try:
+            return shared_of(kernel, named_args, launch, config)
+        except Exception:  # noqa: BLE001 — a config that does not compile is dropped, as the autotuner would skip it
+            return math.inf
 
     def prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
         launch = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
         lim = device_shared_memory_limit() if limit is None else limit
-        return fitting(configs, [shared_of(kernel, named_args, launch, c) for c in configs], lim)
+        return fitting(configs, [size(named_args, launch, c) for c in configs], lim)
 
     return prune
 
@@ -371,9 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = problems(results, names)
     for line in bad:
         print(line)
-    print(
-        f"{len(results)} compiles in {time.perf_counter() - t0:.0f} s with {args.jobs} processes; {len(bad)} problems"
-    )
+    cpu = sum(r.cpu_seconds for r in results)
+    print(f"{len(results)} compiles in {time.perf_counter() - t0:.0f} s with {args.jobs} processes ({cpu:.0f} s of CPU); "
+          f"{len(bad)} problems")  # fmt: skip
     if args.json:
         from dmltrain.fileio import write_json
 

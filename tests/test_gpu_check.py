@@ -113,30 +113,23 @@ def test_a_part_over_its_budget_is_cut_and_the_next_part_runs(tmp_path):
 
 
 def test_tiny_cpu_run_prints_one_table_and_writes_its_json(tmp_path, monkeypatch, capsys):
-    """The real parts on toy sizes: the classifier's bench runs (fresh processes) and the eval bench."""
+    """The real parts on toy sizes: the CUDA tests (all skipped here), the classifier's bench runs (fresh
+    processes) and the eval bench."""
     monkeypatch.setattr(gc, "TINY_SHAPES", ((2000, 16, 32),))
     paths = [str(REPO), os.environ.get("PYTHONPATH")]  # the children import this checkout
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
     out = tmp_path / "out"
-    argv = [
-        "--device",
-        "cpu",
-        "--tiny",
-        "--only",
-        "classifier",
-        "eval",
-        "--out",
-        str(out),
-        "--json",
-        str(out / "r.json"),
-    ]
-    assert gc.main(argv) == 0
+    argv = ["--device", "cpu", "--tiny", "--only", "tests", "classifier", "eval", "--out", str(out)]
+    assert gc.main([*argv, "--json", str(out / "r.json")]) == 0
     printed = capsys.readouterr().out
     assert printed.count("| part | what |") == 1
     report = json.loads((out / "r.json").read_text())
-    assert [(p["name"], p["status"]) for p in report["parts"]] == [("classifier", "done"), ("eval", "done")]
+    assert [(p["name"], p["status"]) for p in report["parts"]] == [
+        ("tests", "done"), ("classifier", "done"), ("eval", "done")]  # fmt: skip
+    tests = report["rows"][0]
+    assert tests["what"] == "pytest -m cuda" and tests["figure"].startswith("0 passed, 0 failed, 0 errors, ")
     whats = [r["what"] for r in report["rows"]]
-    assert whats[:3] == ["2,000x16 B=32 R=1 step", "2,000x16 B=32 R=0.5 step", "2,000x16 B=32 R=0.5 vs R=1"]
+    assert whats[1:4] == ["2,000x16 B=32 R=1 step", "2,000x16 B=32 R=0.5 step", "2,000x16 B=32 R=0.5 vs R=1"]
     assert "n=400 D=32 Recall@K" in whats and "binary 64 bits (native)" in whats
     assert all(r["verdict"] == "info" for r in report["rows"]) and report["tiny"] and report["device"] == "cpu"
     assert (out / "r.md").read_text().count("| classifier |") == 3

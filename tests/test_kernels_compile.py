@@ -50,7 +50,10 @@ def compiled(tmp_path_factory):
     t0 = time.perf_counter()
     results = kc.compile_many(jobs, workers=2, cache_dir=str(tmp_path_factory.mktemp("triton-cache")))
     by_name = {n: v for vs in variants.values() for n, v in vs.items()}
-    print(f"\n{kc.format_results(results, by_name)}\n{len(results)} compiles in {time.perf_counter() - t0:.1f} s")
+    cpu = sum(r.cpu_seconds for r in results)
+    print(
+        f"\n{kc.format_results(results, by_name)}\n{len(results)} compiles in {time.perf_counter() - t0:.1f} s ({cpu:.0f} s CPU)"
+    )
     return {(r.name, r.arch): r for r in results}, by_name
 
 
@@ -140,6 +143,14 @@ def test_launcher_prunes_the_configs_that_do_not_fit(compiled):
     assert kernel is sk._lse_kernel and args is named and "grid" not in given and "warmup" not in given
     assert given["PREC"] == 0 and cfg["num_warps"] == configs[0].num_warps
     assert kc.fitting(configs, [300_000, 250_000, 260_000, 400_000], 232_448) == [configs[1]]
+
+    def broken_widest(kernel, named_args, launch, cfg):
+        if cfg is widest:
+            raise RuntimeError("PTXASError: ptxas failed")
+        return 1024
+
+    prune = kc.shared_memory_prune(sk._lse_kernel, limit=232_448, shared_of=broken_widest)
+    assert prune(configs, named, **launch) == configs[:3]  # a config that does not compile is dropped
     if not sk.INTERPRET:  # the launcher wires the hook into its autotuner
         tuner, tiles = sk._launcher("lse", sk._lse_kernel, 0)
         assert tiles == {} and tuner.early_config_prune.__qualname__.startswith("shared_memory_prune")
