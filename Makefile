@@ -11,7 +11,7 @@ SHELL  := /bin/bash
 # pip warns once per absent mirror folder; keep its real messages only.
 QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 
-.PHONY: setup lint format test demo clean-venv
+.PHONY: setup lint format test demo clean-venv gpu-check
 
 setup: $(STAMP) $(S3_STACK)/.installed
 
@@ -42,6 +42,16 @@ test: lint $(STAMP) $(S3_STACK)/.installed
 
 demo: $(STAMP)
 	$(BIN)/dmltrain train configs/demo.yaml
+
+# On one GPU node, every GPU path in one call, at most 8 minutes: doctor, `pytest -m cuda`, the classifier,
+# train and eval benches; one table, also as JSON (dmltrain/gpu_check.py). It needs no .venv and never makes
+# one: without .venv it runs python3 from PATH, e.g. on a GPU machine that has only PyTorch with
+# ../shared/device/bundle's .device/ activated. PY picks another Python; GPU_CHECK_ARGS="--out DIR" and more
+# go to it (python -m dmltrain.gpu_check --help).
+PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m dmltrain.gpu_check $(GPU_CHECK_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

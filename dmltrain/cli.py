@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "study": ("cluster.study", "run class-subsampling scalability studies (accuracy, speed, memory vs ratio)"),
     "report": ("dmltrain.report.cli", "compare MLflow runs in a Markdown and HTML report"),
     "bench": ("dmltrain.bench", "benchmarks: input pipeline, losses, sharded classifier, evaluation"),
+    "doctor": (
+        "dmltrain.doctor",
+        "what this node can and cannot do: CUDA, GPUs, NCCL, Triton, nvJPEG, Ray, MLflow, faiss",
+    ),
     "config": ("dmltrain.cli", "show the resolved configuration (YAML file + dotted overrides)"),
 }
 

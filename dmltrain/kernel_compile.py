@@ -1,16 +1,37 @@
-"""Every Triton kernel of the project, as the variants its launchers can compile.
+"""Every Triton kernel of the project, as the variants its launchers can compile, and their offline compile.
 
 The CPU interpreter accepts kernels a real compile rejects (shared memory beyond the chip's limit,
 register spills, shapes ``tl.dot`` refuses), so each module that defines Triton kernels lists, in a
-``compile_variants()`` function, every (autotune config × constexpr combination) its launchers can
-pass. The offline compile tests build each one for real GPU architectures with the ptxas that ships
-with Triton, no GPU needed.
+``compile_variants()`` function, every (autotune config × constexpr combination × argument dtypes) its
+launchers can pass. :func:`compile_variant` builds one for a real GPU architecture with the ptxas that
+ships with Triton, no GPU needed, and reads what the cubin uses: shared memory (Triton's metadata: it is
+all dynamic), registers and the per-thread stack frame (``cuobjdump --dump-resource-usage``, also shipped
+with Triton). A stack frame in these kernels is register spills: they hold no local arrays.
+
+The full list is long (about 1,600 compiles per architecture for today's softmax kernels, 0.5-7 s
+each), so the test suite compiles :func:`covering` of it: every autotune config of every kernel once per
+architecture, the flag and dtype values spread over the configs so that each value occurs at least once
+per kernel. ``python -m dmltrain.kernel_compile --all`` compiles everything and prints the table.
+
+Launchers prune the configs that cannot fit the device (:func:`shared_memory_prune`, the hook of
+``triton.autotune(prune_configs_by=...)``), by the shared memory of the compiled config, exactly.
+
+Nothing here imports Triton at module level: the compile workers import it themselves, without
+``TRITON_INTERPRET`` (under the interpreter the kernels are not compiled objects at all).
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import importlib
-from collections.abc import Callable
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,15 +41,27 @@ KERNEL_MODULES = (
     "dmltrain.evaluate.gpu_kernels",
 )
 
+#: the largest dynamic shared memory one block may opt into, bytes, by compute capability (CUDA C++
+#: Programming Guide, "Technical Specifications per Compute Capability"): the SM's shared memory
+#: capacity less the 1 KB the system keeps; A100 (8.0) 164 - 1 KB, H100 (9.0) 228 - 1 KB, 8.6/8.9 100 - 1 KB.
+SHARED_MEMORY_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+#: the architectures the test suite compiles for: A100 and H100
+ARCHS = (80, 90)
+
 
 @dataclass(frozen=True)
 class KernelVariant:
     """One compile of one kernel: the argument types and the compile-time constants a launcher passes.
 
-    ``name`` says which kernel, flags and tile this is (it names the test case); ``signature`` maps
-    each argument to its Triton type (``"*fp32"``, ``"i32"``, ``"constexpr"``); ``constexprs`` holds
-    the constexpr values, tile sizes included. ``spills_allowed`` is for a variant whose design
-    accepts register spills; the module says why where it sets it.
+    ``name`` says which kernel, flags and tile this is (it names the test case; unique within its
+    module); ``signature`` maps each argument to its Triton type (``"*fp32"``, ``"i32"``,
+    ``"constexpr"``); ``constexprs`` holds the constexpr values, tile sizes included.
+    ``spills_allowed`` is for a variant whose design accepts register spills; the module says why
+    where it sets it, and ``max_stack_bytes`` bounds the stack frame it may reach (None: unbounded).
+    ``config`` names the autotune config (or fixed tile) the variant compiles: variants that share
+    it differ only in flags and dtypes (:func:`covering` picks among them); ``tags`` name what a
+    launcher's path adds beyond single values (``"write=via scratch"``), for the covering to cover too.
+    ``ptx_has`` lists instructions the PTX must contain (``"popc.b32"``: the hardware bit count).
     """
 
     name: str
@@ -38,11 +71,333 @@ class KernelVariant:
     num_warps: int = 4
     num_stages: int = 3
     spills_allowed: bool = False
+    max_stack_bytes: int | None = None
+    config: str = ""
+    tags: tuple[str, ...] = ()
+    ptx_has: tuple[str, ...] = ()
+
+    @property
+    def kernel(self) -> str:
+        """The kernel's function name."""
+        return getattr(self.fn, "__name__", None) or self.fn.fn.__name__
+
+    def flags(self) -> frozenset[tuple[str, Any]]:
+        """The (argument, value or type) pairs that tell this variant from the others of its config."""
+        types = {(k, v) for k, v in self.signature.items() if v != "constexpr"}
+        return frozenset(types | set(self.constexprs.items()) | {("tag", t) for t in self.tags})
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    """What one variant compiled to for one architecture; ``error`` is non-empty when the compile failed."""
+
+    name: str
+    module: str
+    arch: int
+    shared: int = 0
+    registers: int = 0
+    stack: int = 0
+    seconds: float = 0.0
+    error: str = ""
+    ptx_missing: tuple[str, ...] = ()
+    cpu_seconds: float = 0.0  # this process's and its children's (ptxas, cuobjdump): comparable on a busy machine
+
+    @property
+    def limit(self) -> int:
+        return SHARED_MEMORY_LIMITS[self.arch]
+
+    @property
+    def fits(self) -> bool:
+        return self.shared <= self.limit
 
 
 def all_variants() -> list[KernelVariant]:
     """Every variant of every kernel module (imports Triton)."""
     out: list[KernelVariant] = []
     for name in KERNEL_MODULES:
-        out.extend(importlib.import_module(name).compile_variants())
+        out.extend(module_variants(name).values())
     return out
+
+
+@functools.cache
+def module_variants(module: str) -> dict[str, KernelVariant]:
+    """``module``'s variants by name (its ``compile_variants()``, called once per process)."""
+    variants = importlib.import_module(module).compile_variants()
+    by_name = {v.name: v for v in variants}
+    if len(by_name) != len(variants):
+        seen: set[str] = set()
+        dup = next(v.name for v in variants if v.name in seen or seen.add(v.name))
+        raise ValueError(f"{module}.compile_variants(): the name {dup!r} is used twice")
+    return by_name
+
+
+# -- one compile ---------------------------------------------------------------------------------------
+def tools_missing() -> str | None:
+    """Why this Triton cannot compile for NVIDIA GPUs here (its ptxas or cuobjdump missing), else None."""
+    try:
+        from triton import knobs
+
+        knobs.nvidia.ptxas.path  # noqa: B018 — resolving the tool runs it (`--version`): that is the check
+        knobs.nvidia.cuobjdump.path  # noqa: B018 — likewise
+    except (ImportError, AttributeError, RuntimeError) as e:
+        return f"Triton cannot compile for CUDA here: {e}"
+    return None
+
+
+def resource_usage(cubin: bytes, kernel: str) -> tuple[int, int]:
+    """(registers per thread, stack bytes per thread) of ``kernel`` in a cubin, read by ``cuobjdump``."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory(prefix="dmltrain-cubin-") as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "--dump-resource-usage", path], capture_output=True, text=True, check=True
+        ).stdout
+    # " Function _lse_kernel:\n  REG:255 STACK:408 SHARED:0 LOCAL:0 ..."
+    lines = out.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        if line.strip() == f"Function {kernel}:":
+            fields = dict(item.split(":", 1) for item in lines[i + 1].split() if ":" in item)
+            return int(fields["REG"]), int(fields["STACK"])
+    raise RuntimeError(f"cuobjdump: no resource usage for {kernel} in:\n{out}")
+
+
+def compile_variant(variant: KernelVariant, arch: int, module: str = "") -> CompileResult:
+    """Compile ``variant`` for ``sm_{arch}`` (Triton's cache applies); a compile error is kept, one line."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dmltrain.text import one_line
+
+    t0, cpu0 = time.perf_counter(), _cpu_seconds()
+    try:
+        # Triton reads the signature's types in the kernel's argument order
+        signature = {a: variant.signature[a] for a in variant.fn.arg_names}
+        src = ASTSource(variant.fn, signature, constexprs=dict(variant.constexprs))
+        options = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        regs, stack = resource_usage(compiled.asm["cubin"], compiled.metadata.name)
+    except Exception as e:  # noqa: BLE001 — any compiler failure is this variant's result, reported in the table
+        return CompileResult(variant.name, module, arch, seconds=time.perf_counter() - t0, error=one_line(e))
+    missing = tuple(i for i in variant.ptx_has if i not in compiled.asm["ptx"])
+    shared, cpu = int(compiled.metadata.shared), _cpu_seconds() - cpu0
+    return CompileResult(
+        variant.name, module, arch, shared, regs, stack, time.perf_counter() - t0, ptx_missing=missing, cpu_seconds=cpu
+    )
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+# -- many compiles, in worker processes ----------------------------------------------------------------
+def _worker_init(cache_dir: str | None) -> None:
+    os.environ.pop("TRITON_INTERPRET", None)  # before any kernel module is imported here
+    if cache_dir:
+        os.environ["TRITON_CACHE_DIR"] = cache_dir
+
+
+def _compile_named(module: str, name: str, arch: int) -> CompileResult:
+    return compile_variant(module_variants(module)[name], arch, module)
+
+
+def compile_many(
+    jobs: Sequence[tuple[str, str, int]],
+    workers: int = 2,
+    cache_dir: str | None = None,
+    progress: Callable[[CompileResult], None] | None = None,
+) -> list[CompileResult]:
+    """Compile ``(module, variant name, arch)`` jobs in ``workers`` fresh processes (spawned: the
+    caller's Triton may be the interpreter), Triton's cache in ``cache_dir`` (None: its default).
+    Results come back in the order of ``jobs``; ``progress`` sees each as it finishes."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max(1, workers), mp_context=ctx, initializer=_worker_init, initargs=(cache_dir,)) as pool:
+        futures = {pool.submit(_compile_named, *job): i for i, job in enumerate(jobs)}
+        out: list[CompileResult | None] = [None] * len(jobs)
+        for fut in as_completed(futures):
+            out[futures[fut]] = res = fut.result()
+            if progress is not None:
+                progress(res)
+    return [r for r in out if r is not None]
+
+
+# -- what the suite compiles -----------------------------------------------------------------------------
+def covering(variants: Iterable[KernelVariant]) -> list[KernelVariant]:
+    """One variant per (kernel, config), chosen greedily so that every flag, dtype and tag value of each kernel
+    occurs at least once (more variants where a kernel has fewer configs than values); among equals the
+    first listed, so a module lists each config's default path first."""
+    by_kernel: dict[str, dict[str, list[KernelVariant]]] = {}
+    for v in variants:
+        by_kernel.setdefault(v.kernel, {}).setdefault(v.config or v.name, []).append(v)
+    chosen: list[KernelVariant] = []
+    for groups in by_kernel.values():
+        todo = set().union(*(v.flags() for g in groups.values() for v in g))
+        picked: set[str] = set()
+        pools = list(groups.values())
+        while pools:
+            for group in pools:
+                best = max(group, key=lambda v: len(v.flags() & todo))  # the first of equals: deterministic
+                chosen.append(best)
+                picked.add(best.name)
+                todo -= best.flags()
+            # values still missing: another round over the variants not yet taken
+            pools = [[v for g in groups.values() for v in g if v.name not in picked]] if todo else []
+    return chosen
+
+
+# -- pruning configs to the device -----------------------------------------------------------------------
+def fitting(configs: Sequence[Any], shared: Sequence[float], limit: int) -> list[Any]:
+    """The configs whose shared memory fits ``limit``; when none does, the smallest one (autotune needs a
+    config, and Triton's launch then names the shared memory it needs)."""
+    keep = [c for c, s in zip(configs, shared) if s <= limit]
+    return keep or [min(zip(configs, shared), key=lambda cs: cs[1])[0]]
+
+
+def _launch_shared(kernel: Any, named_args: dict[str, Any], kwargs: dict[str, Any], config: Any) -> int:
+    """Shared memory of ``kernel`` compiled as the autotuner would launch it with ``config`` on this device
+    (``warmup`` compiles without launching; the autotuner's own compile then hits the same cache entry)."""
+    compiled = kernel.warmup(**named_args, **kwargs, **config.all_kwargs(), grid=(1,))
+    return int(compiled.metadata.shared)
+
+
+def device_shared_memory_limit() -> int:
+    """The current CUDA device's per-block opt-in shared memory maximum, as Triton's launch checks it."""
+    import torch
+    from triton.runtime import driver
+
+    return int(driver.active.utils.get_device_properties(torch.cuda.current_device())["max_shared_mem"])
+
+
+def shared_memory_prune(
+    kernel: Any,
+    limit: int | None = None,
+    shared_of: Callable[[Any, dict[str, Any], dict[str, Any], Any], int] = _launch_shared,
+) -> Callable[..., list[Any]]:
+    """An ``early_config_prune`` hook for ``triton.autotune(prune_configs_by=...)`` of ``kernel``: keeps
+    the configs whose compiled shared memory fits ``limit`` (None: the current device's).
+
+    ``shared_of(kernel, named_args, launch_kwargs, config)`` gives a config's shared memory; the default
+    compiles it for the current device. The tests pass an offline compile for an architecture instead. A
+    config that does not compile counts as not fitting (when none fits, the launch then raises its error).
+    """
+
+    def size(named_args: dict[str, Any], launch: dict[str, Any], config: Any) -> float:
+        try:
+            return shared_of(kernel, named_args, launch, config)
+        except Exception:  # noqa: BLE001 — a config that does not compile is dropped, as the autotuner would skip it
+            return math.inf
+
+    def prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+        launch = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+        lim = device_shared_memory_limit() if limit is None else limit
+        return fitting(configs, [size(named_args, launch, c) for c in configs], lim)
+
+    return prune
+
+
+# -- the table ------------------------------------------------------------------------------------------
+def result_rows(results: Sequence[CompileResult], variants: dict[str, KernelVariant]) -> list[list[Any]]:
+    """Table rows: variant, arch, shared bytes, limit, registers, stack bytes, verdict."""
+    rows = []
+    for r in results:
+        v = variants.get(r.name)
+        if r.error:
+            verdict = f"FAILED: {r.error}"
+        else:
+            parts = ["fits" if r.fits else "over the limit: pruned"]
+            if r.stack:
+                bound = "" if v is None or v.max_stack_bytes is None else f" (bound {v.max_stack_bytes:,})"
+                parts.append(("spills, allowed" if v is not None and v.spills_allowed else "SPILLS") + bound)
+            verdict = "; ".join(parts)
+        rows.append([r.name, f"sm_{r.arch}", f"{r.shared:,}", f"{r.limit:,}", r.registers, f"{r.stack:,}", verdict])
+    return rows
+
+
+RESULT_HEAD = ("variant", "arch", "shared B", "limit B", "regs", "stack B", "verdict")
+
+
+def format_results(results: Sequence[CompileResult], variants: dict[str, KernelVariant]) -> str:
+    from dmltrain.text import markdown_table
+
+    return markdown_table(RESULT_HEAD, result_rows(results, variants))
+
+
+def problems(results: Sequence[CompileResult], variants: dict[str, KernelVariant]) -> list[str]:
+    """One line per result that breaks its contract: a failed compile, a spill where none is allowed, a
+    stack frame past the variant's bound. (Shared memory over a limit is the pruning's business.)"""
+    out = []
+    for r in results:
+        v = variants[r.name]
+        where = f"{r.name} sm_{r.arch}"
+        if r.error:
+            out.append(f"{where}: compile failed: {r.error}")
+        elif r.ptx_missing:
+            out.append(f"{where}: the PTX lacks {', '.join(r.ptx_missing)}")
+        elif r.stack and not v.spills_allowed:
+            out.append(f"{where}: spills ({r.stack:,} bytes of stack per thread, {r.registers} registers)")
+        elif v.max_stack_bytes is not None and r.stack > v.max_stack_bytes:
+            out.append(f"{where}: stack {r.stack:,} bytes per thread > its bound {v.max_stack_bytes:,}")
+    return out
+
+
+# -- python -m dmltrain.kernel_compile -------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m dmltrain.kernel_compile",
+        description="Compile the project's Triton kernels offline for GPU architectures; print shared memory, "
+        "registers and spills of each variant.",
+    )
+    p.add_argument("--arch", type=int, nargs="+", default=list(ARCHS), help="compute capabilities (default 80 90)")
+    p.add_argument("--all", action="store_true", help="every variant (default: the covering set the tests compile)")
+    p.add_argument("--kernel", default="", help="only variants whose name contains this text")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes (default: CPU cores)")
+    p.add_argument("--json", default=None, help="also write the results here as JSON")
+    args = p.parse_args(argv)
+    for arch in args.arch:
+        if arch not in SHARED_MEMORY_LIMITS:
+            p.error(f"--arch {arch}: unknown; known: {', '.join(map(str, SHARED_MEMORY_LIMITS))}")
+    why = tools_missing()
+    if why:
+        print(why, file=sys.stderr)
+        return 1
+    os.environ.pop("TRITON_INTERPRET", None)
+    by_module = {m: module_variants(m) for m in KERNEL_MODULES}
+    jobs = []
+    for m, variants in by_module.items():
+        chosen = list(variants.values()) if args.all else covering(variants.values())
+        jobs += [(m, v.name, a) for a in args.arch for v in chosen if args.kernel in v.name]
+    names = {name: v for variants in by_module.values() for name, v in variants.items()}
+    t0 = time.perf_counter()
+    done = [0]
+
+    def tick(_: CompileResult) -> None:
+        done[0] += 1
+        if done[0] % 25 == 0 or done[0] == len(jobs):
+            print(f"compiled {done[0]}/{len(jobs)} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    results = compile_many(jobs, args.jobs, progress=tick)
+    print(format_results(results, names))
+    bad = problems(results, names)
+    for line in bad:
+        print(line)
+    cpu = sum(r.cpu_seconds for r in results)
+    print(f"{len(results)} compiles in {time.perf_counter() - t0:.0f} s with {args.jobs} processes ({cpu:.0f} s of CPU); "
+          f"{len(bad)} problems")  # fmt: skip
+    if args.json:
+        from dmltrain.fileio import write_json
+
+        write_json(args.json, [dict(vars(r), limit=r.limit) for r in results])
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -31,8 +31,7 @@ pytestmark = pytest.mark.multiprocess
 C, D = 45, 24
 BATCH = 21
 SPLITS = {1: [21], 2: [12, 9], 3: [8, 0, 13]}
-CUDA = torch.cuda.is_available()
-DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 #: (name, kind, params, precision, sample_ratio) per world size: every kind at every W, dense and subsampled
 CASES = {

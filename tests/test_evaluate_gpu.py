@@ -190,6 +190,15 @@ def test_torch_kmeans_follows_lloyd():
     assert np.array_equal(got.numpy(), _lloyd_reference(x, start, 5))
 
 
+@pytest.mark.cuda
+def test_torch_kmeans_on_cuda_follows_lloyd():
+    x, _ = _blobs(0)
+    start = x[np.random.default_rng(1).choice(len(x), 12, replace=False)]
+    xc, sc = torch.from_numpy(x).cuda(), torch.from_numpy(start).cuda()
+    got = torch_kmeans(xc, 12, niter=5, centroids=sc, block_bytes=4096)
+    assert got.device.type == "cuda" and np.array_equal(got.cpu().numpy(), _lloyd_reference(x, start, 5))
+
+
 def test_torch_kmeans_moves_empty_centroids_to_the_worst_served_point():
     x, y = _blobs(2, k=4, per=30)
     start = np.stack([x[0], x[1], x[2], np.full(x.shape[1], 50.0, np.float32)])  # three in one blob, one far away
@@ -236,53 +245,16 @@ def test_embedding_in_channels_last():
     assert np.allclose(plain, cl, atol=1e-6) and np.array_equal(labels, labels2) and np.array_equal(index, index2)
 
 
-def test_kernels_compile_for_an_h100(tmp_path, monkeypatch):
-    """No GPU here: Triton compiles the kernels ahead of time for sm_90 (ptxas ships with Triton),
-    which the interpreter never does; the Hamming kernel's count is the hardware popc."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from dmltrain.evaluate import gpu_kernels
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    target = GPUTarget("cuda", 90, 32)
-    ranks_sig = {
-        "S": "*fp32",
-        "stride_row": "i32",
-        "n_cols": "i32",
-        "group_rows": "*i32",
-        "group_starts": "*i32",
-        "cols": "*i32",
-        "out": "*i64",
-        "LARGER": "constexpr",
-        "RB": "constexpr",
-        "BN": "constexpr",
-    }
-    try:
-        for dtype, larger, rb in (("fp32", True, 2), ("i32", True, 32), ("i16", False, 16)):
-            src = ASTSource(
-                gpu_kernels._pair_ranks_kernel,
-                {**ranks_sig, "S": f"*{dtype}"},
-                constexprs={"LARGER": larger, "RB": rb, "BN": gpu_kernels._RANK_TILE // rb},
-            )
-            assert "ld.global" in triton.compile(src, target=target).asm["ptx"]
-        hamming_sig = {
-            "Q": "*i32",
-            "G": "*i32",
-            "out": "*i32",
-            "nq": "i32",
-            "ng": "i32",
-            "n_words": "i32",
-            "stride_qw": "i32",
-            "stride_gw": "i32",
-            "stride_o": "i32",
-            "BM": "constexpr",
-            "BN": "constexpr",
-            "HW": "constexpr",
-        }
-        src = ASTSource(gpu_kernels._hamming_kernel, hamming_sig, constexprs={"BM": 64, "BN": 64, "HW": True})
-        ptx = triton.compile(src, target=target).asm["ptx"]
-    except RuntimeError as e:  # a Triton without the NVIDIA backend's tools
-        pytest.skip(f"Triton cannot compile for CUDA here: {e}")
-    assert "popc.b32" in ptx
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["duplicates", "signs"])
+@pytest.mark.parametrize("hamming", ["mma", "popcount"])
+def test_metrics_on_cuda_match_reference(name, hamming, monkeypatch):
+    """The whole evaluation on a GPU, compiled: score blocks, the Triton rank kernel, both binary engines."""
+    monkeypatch.setenv("DMLTRAIN_HAMMING", hamming)
+    x, y = DATASETS[name]
+    want = {}
+    for binary in (False, True):
+        want.update(ref_metrics(x, y, None, None, KS, binary, dataset_scores(name, binary))[0])
+    for block_bytes in (1 << 28, 5000):
+        got = retrieval_metrics(x, y, ks=KS, nmi=False, binary=True, device="cuda", block_bytes=block_bytes)
+        assert_same(got, want)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -18,8 +19,9 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-def test_bench_train_smoke_on_cpu(capsys, monkeypatch):
-    """Small CNN, tiny synthetic shards, device decoding run on the CPU (the GPU path's code, in-process)."""
+def test_bench_train_smoke_on_cpu(capsys, monkeypatch, tmp_path):
+    """Small CNN, tiny synthetic shards, device decoding run on the CPU (the GPU path's code, in-process);
+    its JSON makes the rows of ``make gpu-check``."""
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     args = [
         "bench",
@@ -47,6 +49,8 @@ def test_bench_train_smoke_on_cpu(capsys, monkeypatch):
         "0",
         "--set",
         "model.embedding_dim=64",
+        "--json",
+        str(tmp_path / "figures.json"),
     ]
     try:
         assert main(args) == 0
@@ -65,6 +69,12 @@ def test_bench_train_smoke_on_cpu(capsys, monkeypatch):
     assert re.match(
         r"ratio full pipeline / bare backbone: [\d.]+x \([\d.]+ vs [\d.]+ images/s\), data wait [\d.]+%$", last
     ), last
+    from dmltrain.gpu_check import train_rows
+
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    assert figures["decode"] == "device" and figures["batch"] == 8 and set(figures["step_ms"]) >= {"data", "forward"}
+    full, wait = train_rows(figures, cuda=False, what="small_cnn")
+    assert f"{figures['full_images_per_s']:.0f} images/s" == full.figure and full.verdict == wait.verdict == "info"
 
 
 def test_bench_train_bad_input_is_one_line(capsys):

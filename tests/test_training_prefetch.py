@@ -18,7 +18,7 @@ from shards.decode.transforms import IMAGENET_STD
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = pytest.mark.cuda  # skipped without a CUDA device (conftest.py)
 
 
 def test_prefetcher_prepares_one_ahead_in_order():

@@ -512,7 +512,7 @@ def test_divergence_guard_on_one_process():
         guard.check()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_divergence_guard_observes_without_synchronising_the_device():
     from dmltrain.training.divergence import DivergenceGuard
 
@@ -527,7 +527,7 @@ def test_divergence_guard_observes_without_synchronising_the_device():
     assert guard.first_bad.tolist() == [2**62, 1]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_objective_step_does_not_wait_for_the_device(one_process_group):
     """NormSoftmax + ICE on one GPU: forward, backward and the statistics never read the device
     (sample_ratio 1; subsampling draws its classes on the host), and the statistics read at the end

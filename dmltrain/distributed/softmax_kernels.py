@@ -49,6 +49,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from dmltrain.kernel_compile import shared_memory_prune
+
 PRECISIONS = {"fp32": 0, "tf32": 1, "bf16": 2}
 _BF16_EMULATED = 3
 #: widest register tile of a gradient row (D beyond it is split over programs, each recomputing the logits)
@@ -361,7 +363,9 @@ def _launcher(name: str, kernel, out_width: int):
     configs = _LSE_CONFIGS if name == "lse" else _GRAD_CONFIGS[min(max(out_width, 128), 512)]
     key = (name, out_width)
     if key not in _TUNERS:
-        _TUNERS[key] = triton.autotune(configs=configs, key=_KEY)(kernel)
+        # configs whose shared memory exceeds this GPU's (the widest ones on an A100) are dropped before tuning
+        prune = {"early_config_prune": shared_memory_prune(kernel)}
+        _TUNERS[key] = triton.autotune(configs=configs, key=_KEY, prune_configs_by=prune)(kernel)
     return _TUNERS[key], {}
 
 
@@ -396,7 +400,7 @@ def row_inv_norms(weight: Tensor, rows: Tensor | None, eps: float) -> Tensor:
             eps,
             HAS_ROWS=rows is not None,
             BLOCK_R=block,
-            BLOCK_K=_SMALL if INTERPRET else 128,
+            BLOCK_K=_SMALL if INTERPRET else 64,  # 128 spilled on an A100 (64 x 128 fp32 and int64 offsets)
         )
     return inv
 
@@ -550,3 +554,118 @@ def kernel_precision(precision: str) -> int:
     """The kernels' ``prec`` code of ``fp32``, ``tf32`` or ``bf16`` (emulated under the interpreter)."""
     code = PRECISIONS[precision]
     return _BF16_EMULATED if INTERPRET and code == PRECISIONS["bf16"] else code
+
+
+# -- the offline compile tests' list (dmltrain.kernel_compile) --------------------------------------------
+#: the stack frame (bytes per thread) each kernel may reach at each precision on sm_80 or sm_90: every config
+#: spills at the 255-register cap, the fp32/tf32 products most (ptxas even falls back to 32 registers). The
+#: largest frames among the about 550 compiles so far (every config; most with bf16 products, about 100 with
+#: fp32 or tf32), rounded up to a KiB; `python -m dmltrain.kernel_compile --all` reports any variant past them.
+#: Issue 27 rewrites these kernels without spills; then this table goes.
+_STACK_TODAY: dict[tuple[str, str], int] = {
+    ("lse", "bf16"): 2_048,  # 1,416 seen
+    ("lse", "tf32"): 6_144,  # 6,040
+    ("lse", "fp32"): 22_528,  # 22,496
+    ("grad_x", "bf16"): 6_144,  # 5,736
+    ("grad_x", "tf32"): 3_072,  # 2,488
+    ("grad_x", "fp32"): 22_528,  # 21,536
+    ("grad_w", "bf16"): 4_096,  # 4,064
+    ("grad_w", "tf32"): 3_072,  # 2,032
+    ("grad_w", "fp32"): 23_552,  # 23,360
+}
+
+
+def compile_variants() -> list:
+    """Every compile the launchers above can ask for on CUDA: each autotune config (and, for the gradient
+    kernels, each output width ``BLOCK_DO`` the embedding dimension gives), each precision (bf16 products
+    take bf16 embeddings, fp32/tf32 fp32 ones), each weight storage (fp32, bf16), each kind (normalised:
+    inverse norms; softmax_ce: bias, with or without label smoothing's sum of logits), with and without
+    subsampled rows, and each way the row gradients are written (straight into ``.grad``, through
+    ``out_rows`` or not, or chunk by chunk through fp32 scratch). An absent tensor is passed as the
+    weight (``_common``), so its pointer type is the weight's. Within a config the defaults come first
+    (bf16 products, fp32 weight, the width of D = 128): what the covering compile picks once every value
+    is covered. Today's configs all spill: marked ``spills_allowed``, bounded by ``_STACK_TODAY``."""
+    from dmltrain.kernel_compile import KernelVariant
+
+    out: list[KernelVariant] = []
+
+    def add(fn, short, prec, cfg: triton.Config | None, sig: dict, cx: dict, flags: str, group=0, tags=()) -> None:
+        if cfg is None:
+            config, warps, stages = "fixed", 4, 3
+        else:
+            k = cfg.kwargs
+            config = f"{k['BLOCK_B']}x{k['BLOCK_C']}x{k['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages}"
+            config += f" (D<={group})" if group else ""
+            warps, stages = cfg.num_warps, cfg.num_stages
+        bound = _STACK_TODAY.get((short, prec))
+        out.append(
+            KernelVariant(
+                f"{short} {config} {prec} {flags}",
+                fn,
+                {**sig, **dict.fromkeys(cx, "constexpr")},
+                cx,
+                num_warps=warps,
+                num_stages=stages,
+                spills_allowed=bound is not None,  # issue 27: a rewrite without spills drops this
+                max_stack_bytes=bound,
+                config=config,
+                tags=tags,
+            )
+        )
+
+    scalars = {"N": "i32", "K": "i32", "D": "i32", "scale": "fp32"}
+    for lists, width in ((128, 128), (128, 64), (128, 32), (128, 16), (256, 256), (512, 512)):
+        for prec in ("bf16", "tf32", "fp32"):
+            xt = "*bf16" if prec == "bf16" else "*fp32"
+            for wt in ("*fp32", "*bf16"):
+                for has_rows in (True, False):
+                    for normalized in (True, False):
+                        common = {
+                            "x_ptr": xt,
+                            "w_ptr": wt,
+                            "rows_ptr": "*i64" if has_rows else wt,
+                            "inv_ptr": "*fp32" if normalized else wt,
+                            "b_ptr": wt,  # the bias (softmax_ce, the weight's dtype) or the weight itself
+                            "tcol_ptr": "*i32",
+                        }
+                        base = {"HAS_ROWS": has_rows, "NORMALIZED": normalized, "PREC": PRECISIONS[prec]}
+                        where = f"w={wt[1:]} {'rows' if has_rows else 'all'} {'normalized' if normalized else 'bias'}"
+                        if width == 128:  # the forward kernel has no output width: once
+                            # label smoothing's sum of logits: softmax_ce only
+                            for sum_logits in (False, True) if not normalized else (False,):
+                                sig = {**common, "lse_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32"}
+                                sig |= {**scalars, "N_KEY": "i32"}
+                                flags = where + (" smoothing" if sum_logits else "")
+                                for cfg in _LSE_CONFIGS:
+                                    cx = {**base, "SUM_LOGITS": sum_logits, **cfg.kwargs}
+                                    add(_lse_kernel, "lse", prec, cfg, sig, cx, flags)
+                        grad = {**scalars, "off": "fp32", "alpha": "fp32", "N_KEY": "i32"}
+                        for cfg in _GRAD_CONFIGS[lists]:
+                            cx = {**base, **cfg.kwargs, "BLOCK_DO": width}
+                            sig = {**common, "lse_ptr": "*fp32", "part_ptr": "*fp32", **grad}
+                            add(_grad_x_kernel, "grad_x", prec, cfg, sig, cx, f"do{width} {where}", lists)
+                            # rows' gradients: into .grad (the weight's dtype; through out_rows when
+                            # subsampled), or a chunk at a time into fp32 scratch (no out_rows)
+                            writes = [(wt, has_rows, "into .grad")]
+                            if wt != "*fp32" or has_rows:
+                                writes.append(("*fp32", False, "via scratch"))
+                            for gt, out_rows, how in writes:
+                                sig = {**common, "lse_ptr": "*fp32", "gw_ptr": gt, "gb_ptr": gt}
+                                sig |= {"out_rows_ptr": "*i64" if out_rows else gt, **grad}
+                                cxw = {**cx, "OUT_ROWS": out_rows}
+                                flags = f"do{width} {where} {how}"
+                                add(_grad_w_kernel, "grad_w", prec, cfg, sig, cxw, flags, lists, (how,))
+    for wt in ("*fp32", "*bf16"):
+        for has_rows in (True, False):
+            sig = {"w_ptr": wt, "rows_ptr": "*i64" if has_rows else wt, "inv_ptr": "*fp32", "K": "i32", "D": "i32"}
+            cx = {"HAS_ROWS": has_rows, "BLOCK_R": 64, "BLOCK_K": 64}
+            add(
+                _inv_norm_kernel,
+                "inv_norm",
+                "fp32",
+                None,
+                {**sig, "eps": "fp32"},
+                cx,
+                f"w={wt[1:]} {'rows' if has_rows else 'all'}",
+            )
+    return out

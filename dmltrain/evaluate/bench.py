@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chunks", type=int, help="query chunks the contenders alternate over (default: 8 on the CPU, 1 on a GPU)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON (make gpu-check reads them)")
 
 
 def _data(n: int, dim: int, classes: int, seed: int):
@@ -214,11 +215,14 @@ def run(args: argparse.Namespace) -> int:
             f"  faiss IndexFlatIP.search k={min(ks[-1] + 1, n):<5}    {t_faiss:8.2f} s   {t_faiss / gemm:5.2f}× GEMM   (peer, CPU, not interleaved)"
         )
         del x, index
+    figures: dict = {"device": where, "n": n, "dim": args.dim, "classes": classes, "gemm_s": gemm}
+    figures |= {"recall_s": sec["recall"], "recall_map_s": sec["recall+map"], "recall_target": 2.0 if on_gpu else 1.5}
     summary = f"recall: {sec['recall'] / gemm:.2f}× the GEMM bound (target <= {2.0 if on_gpu else 1.5}×)"
     if not args.skip_nmi:
         engine = kmeans_engine(device)
         t_nmi, nmi = _timed(lambda: clustering_nmi(emb, labels, seed=args.seed, niter=args.nmi_iters, device=device))
         say(f"  NMI ({engine} k-means, k={classes}, {args.nmi_iters} it) {t_nmi:8.3f} s   (NMI {100 * nmi:.1f})")
+        figures |= {"kmeans_s": t_nmi, "kmeans_engine": engine}
         if on_gpu:
             summary += f"; k-means {t_nmi:.2f} s (target <= 3 s)"
     emb = gal = None  # the float data goes before the binary pass allocates its own
@@ -244,8 +248,14 @@ def run(args: argparse.Namespace) -> int:
                 f"  binary path, {args.binary_dim} bits ({e:<8})   {t_bin:8.3f} s   {t_float / t_bin:5.1f}× faster than float   (R@1 {100 * r1b:.1f})"
             )
         t_bin = timer2.seconds[f"binary {engines[0]}"]
+        figures |= {"binary_dim": args.binary_dim, "float_s": t_float}
+        figures["binary_s"] = {e: timer2.seconds[f"binary {e}"] for e in engines}
         summary += (
             f"; binary ({engines[0]}) {t_float / t_bin:.1f}× faster than float at {args.binary_dim} dims (target >= 4×)"
         )
     say(summary)
+    if args.json:
+        from dmltrain.fileio import write_json
+
+        write_json(args.json, figures)
     return 0

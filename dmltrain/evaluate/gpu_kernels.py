@@ -144,3 +144,29 @@ def hamming_block(q_words: Tensor, g_words: Tensor) -> Tensor:
         HW=q_words.device.type == "cuda" and not INTERPRET,
     )
     return out
+
+
+def compile_variants() -> list:
+    """Every compile the launchers above can ask for on CUDA (``dmltrain.kernel_compile``): the rank
+    kernel for each block dtype (float32, int32, int16), direction and pair tile ``RB`` (2-32, with its
+    ``BN``); the Hamming kernel with the hardware ``popc``, which its PTX must show. Neither may spill."""
+    from dmltrain.kernel_compile import KernelVariant
+
+    out = []
+    rb = 2
+    while rb <= _MAX_RB:
+        for dtype in ("fp32", "i32", "i16"):
+            for larger in (True, False):
+                ints = dict.fromkeys(("group_rows", "group_starts", "cols"), "*i32")
+                sig = {"S": f"*{dtype}", "stride_row": "i32", "n_cols": "i32", **ints, "out": "*i64"}
+                cx = {"LARGER": larger, "RB": rb, "BN": _RANK_TILE // rb}
+                name = f"pair_ranks RB={rb} {dtype} {'larger' if larger else 'smaller'} is better"
+                out.append(KernelVariant(name, _pair_ranks_kernel, {**sig, **dict.fromkeys(cx, "constexpr")}, cx,
+                                         config=f"RB={rb}"))  # fmt: skip
+        rb *= 2
+    sig = {"Q": "*i32", "G": "*i32", "out": "*i32", **dict.fromkeys(("nq", "ng", "n_words"), "i32")}
+    sig |= dict.fromkeys(("stride_qw", "stride_gw", "stride_o"), "i32")
+    cx = {"BM": 64, "BN": 64, "HW": True}
+    sig |= dict.fromkeys(cx, "constexpr")
+    out.append(KernelVariant("hamming 64x64 popc", _hamming_kernel, sig, cx, config="64x64", ptx_has=("popc.b32",)))
+    return out

@@ -34,6 +34,7 @@ import torch
 from dmltrain.config import Config, load_config
 from dmltrain.distributed.process_group import ensure_process_group
 from dmltrain.errors import UserError
+from dmltrain.fileio import write_json
 from dmltrain.models import build_model, param_groups
 from dmltrain.models.precision import autocast_dtype
 from dmltrain.training.engine import build_engine, loss_scale
@@ -83,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="any other config override for both loops, e.g. --set loss.classifier.sample_ratio=0.1",
     )
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON (make gpu-check reads them)")
 
 
 def _config(args: argparse.Namespace, shards: str) -> Config:
@@ -230,4 +232,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"ratio full pipeline / bare backbone: {full / bare:.2f}x ({full:.1f} vs {bare:.1f} images/s), data wait {100 * wait:.1f}%"
         )
+    if args.json:
+        figures = {"bare_images_per_s": bare, "full_images_per_s": full, "data_wait": wait, "step_ms": parts}
+        write_json(args.json, {**figures, "decode": decode, "device": name, "batch": cfg.data.batch_size})
     return 0
