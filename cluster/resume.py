@@ -15,6 +15,7 @@ import re
 import sys
 from pathlib import Path
 
+from cluster.run_location import RunLocation
 from cluster.run_records import RUNNING, RunRecord, crashed_runs, latest_run
 from dmltrain.config import RUN_NAME_PATTERN, Config
 from dmltrain.errors import UserError
@@ -25,11 +26,11 @@ from dmltrain.training.safe_load import scan_checkpoint
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's list of the checkpoints it committed
 
 
-def resolve_run_name(cfg: Config, root: str, config_file: str | None, resume: str | None) -> str | None:
+def resolve_run_name(cfg: Config, where: RunLocation, config_file: str | None, resume: str | None) -> str | None:
     """The run to train: ``train.run_name`` (None when unset: a new run), or with ``resume`` the run to continue.
 
     ``resume``: None (start as configured), a run name, or "" for the latest run of ``config_file``
-    under ``root``. A named run to resume must exist under a local ``root``.
+    under the runs root ``where``. A named run to resume must exist under a local root.
     """
     named = cfg.train.run_name
     if resume is None:
@@ -39,16 +40,16 @@ def resolve_run_name(cfg: Config, root: str, config_file: str | None, resume: st
     if resume and named and resume != named:
         raise UserError(f"--resume {resume}: train.run_name is {named}; give one of them")
     name = resume or named
-    local = "://" not in root
+    root = where.folder
     if not name:
-        if not local:
-            raise UserError(f"--resume: name the run to resume (--resume RUN): runs under {root} are not listed")
-        name = latest_run(Path(root), config_file)
+        if root is None:
+            raise UserError(f"--resume: name the run to resume (--resume RUN): runs under {where.root} are not listed")
+        name = latest_run(root, config_file)
         if name is None:
             raise UserError(
                 f"--resume: no earlier run of {config_file or 'this config'} in {root}; start one without --resume"
             )
-    elif local and not (Path(root) / name).is_dir():
+    elif root is not None and not (root / name).is_dir():
         raise UserError(f"--resume {name}: no run of that name in {root}")
     return name
 

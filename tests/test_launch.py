@@ -28,25 +28,6 @@ def shards(tmp_path_factory):
     return out
 
 
-@pytest.fixture
-def read_only_dir(tmp_path):
-    """A folder nothing can be created in, for root too (root ignores permission bits: the folder is made immutable)."""
-    d = tmp_path / "read-only"
-    d.mkdir()
-    if os.geteuid() == 0:
-        made = subprocess.run(["chattr", "+i", str(d)], capture_output=True)
-        if made.returncode:
-            pytest.skip(
-                f"running as root and chattr +i failed ({made.stderr.decode().strip()}): cannot make a read-only folder"
-            )
-        yield d
-        subprocess.run(["chattr", "-i", str(d)], check=True)
-    else:
-        d.chmod(0o555)
-        yield d
-        d.chmod(0o755)
-
-
 def _train_args(tmp_path: Path, shards: Path, *extra: str) -> list[str]:
     return [
         "train",
@@ -204,6 +185,11 @@ def test_the_summary_lists_only_models_that_were_written(tmp_path):
     (tmp_path / "best_model" / "model.pt").write_bytes(b"x")
     assert f"  models: {tmp_path}/best_model/model.pt\n" in failed.render() + "\n"
     assert "model/model.pt" not in failed.render().replace("best_model/model.pt", "")
+    # tracking off: no MLflow store was written, so none is pointed at
+    off = TrainSummary("r", True, None, "sqlite:///x.db", None, str(tmp_path), {"step": 3})
+    assert "MLflow run id: (tracking off)" in off.render() and "open MLflow" not in off.render()
+    on = TrainSummary("r", True, "abc", "sqlite:///x.db", None, str(tmp_path), {"step": 3})
+    assert "open MLflow: mlflow ui --backend-store-uri sqlite:///x.db" in on.render()
 
 
 # -- run records: a crashed driver is found and its run closed or resumed --------------------------------
@@ -299,13 +285,14 @@ def test_a_crashed_run_is_marked_failed_and_a_live_one_left_alone(tmp_path, caps
 
 def test_resume_picks_the_latest_run_of_the_config(tmp_path):
     from cluster.resume import resolve_run_name
+    from cluster.run_location import RunLocation
     from dmltrain.config import load_config
 
-    cfg = load_config(None, [])
+    cfg = load_config(None, [f"train.output_dir={tmp_path}"])
     _record(tmp_path, "a-old", config="/cfg/a.yaml", started=100.0)
     _record(tmp_path, "a-new", config="/cfg/a.yaml", started=200.0)
     _record(tmp_path, "b-newest", config="/cfg/b.yaml", started=300.0)
-    root = str(tmp_path)
+    root = RunLocation.of(cfg)
     assert resolve_run_name(cfg, root, "/cfg/a.yaml", "") == "a-new"
     assert resolve_run_name(cfg, root, "/cfg/a.yaml", "a-old") == "a-old"
     assert resolve_run_name(cfg, root, "/cfg/a.yaml", None) is None  # no --resume: a new run
@@ -315,7 +302,7 @@ def test_resume_picks_the_latest_run_of_the_config(tmp_path):
         resolve_run_name(cfg, root, "/cfg/a.yaml", "gone")
     with pytest.raises(UserError, match="not a run name"):
         resolve_run_name(cfg, root, "/cfg/a.yaml", "../a-new")
-    named = load_config(None, ["train.run_name=a-old"])
+    named = load_config(None, ["train.run_name=a-old", f"train.output_dir={tmp_path}"])
     with pytest.raises(UserError, match="train.run_name is a-old"):
         resolve_run_name(named, root, "/cfg/a.yaml", "a-new")
     assert resolve_run_name(named, root, "/cfg/a.yaml", "") == "a-old"

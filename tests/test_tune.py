@@ -169,6 +169,17 @@ def test_cli_refuses_a_bad_space_before_starting_anything(tmp_path, capsys):
     assert not (tmp_path / "missing").exists()  # nothing was built
 
 
+def test_tune_into_a_read_only_folder_fails_in_one_line_before_ray_starts(tmp_path, read_only_dir, capsys):
+    import ray
+
+    space = _space(tmp_path, {"metric": "recall@1", "space": {"optim.lr": {"choice": [0.1]}}})
+    argv = ["tune", str(DEMO), f"train.output_dir={read_only_dir / 'runs'}", "--space", str(space), "--trials", "1"]
+    assert main([*argv, f"data.shards={tmp_path / 'shards'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"dmltrain: error: train.output_dir: cannot write to {read_only_dir} (") and "\n" not in err
+    assert not ray.is_initialized() and not (tmp_path / "shards").exists()  # refused before Ray and the shards
+
+
 def test_only_new_evaluations_reach_tune(monkeypatch):
     from types import SimpleNamespace
 

@@ -15,7 +15,7 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from cluster.launch import absolutize, default_run_name, init_ray, prepare_data, storage_root
+from cluster.launch import RunGroup, init_ray, prepare_driver
 from cluster.tune.results import TuneSummary, best_config_yaml, reconcile_with_mlflow, results_table, rows_from_results
 from cluster.tune.space import load_space
 from cluster.tune.trial import run_trial, trial_index
@@ -23,13 +23,10 @@ from dmltrain.errors import UserError
 from dmltrain.fileio import write_text
 from dmltrain.text import csv_text, markdown_table
 from dmltrain.tracking.names import (
-    KIND_TAG,
-    STORAGE_DIR_TAG,
     TUNE_BEST_RUN_TAG,
     TUNE_BEST_TRIAL_TAG,
     TUNE_BEST_VALUE_PREFIX,
 )
-from dmltrain.tracking.run import RunHandle
 
 
 def default_max_concurrent(cfg, trial_cpus: float) -> int:
@@ -76,8 +73,7 @@ def tune_search(
 
     base_storage = cfg.cluster.storage_path
     space = load_space(space_path, cfg.to_dict())  # a bad space stops before anything is built or started
-    prepare_data(cfg)  # synthetic shards are built once, here, for every trial
-    cfg = absolutize(cfg)
+    cfg = prepare_driver(cfg)  # train's checks; synthetic shards are built once, here, for every trial
     base_tree = cfg.to_dict()
     if scheduler == "asha" and cfg.eval.every == 0:
         print(
@@ -85,17 +81,9 @@ def tune_search(
             file=sys.stderr,
         )
 
-    name = name or default_run_name(f"tune-{config_name or 'run'}")
-    root = storage_root(cfg).rstrip("/")
-    experiment_dir = f"{root}/{name}"
-    # the tables and the YAML are local files: beside the trials, or under ./runs when the storage is remote (s3://...)
-    out_dir = (
-        Path(out) if out else (Path(experiment_dir) if "://" not in experiment_dir else Path.cwd() / "runs" / name)
-    )
-    runs_root = f"{experiment_dir}/runs"
-    parent = RunHandle.for_config(
+    search = RunGroup.open(
         cfg,
-        name,
+        "tune",
         {
             **cfg.flat(),
             "tune.space": str(space_path),
@@ -104,9 +92,12 @@ def tune_search(
             "tune.metric": space.metric,
             "tune.mode": space.mode,
         },
-        tags={KIND_TAG: "tune", STORAGE_DIR_TAG: experiment_dir},
+        name=name,
+        config_name=config_name,
+        out=out,
         owner="the search",
     )
+    name, parent, out_dir = search.name, search.parent, search.out_dir
     parent.log_text(space.text, "tune/space.yaml")
 
     init_ray(cfg)
@@ -124,7 +115,7 @@ def tune_search(
         "base": base_tree,
         "name": name,
         "parent_run_id": parent.run_id,
-        "runs_root": runs_root,
+        "runs_root": search.runs_root,
         "result_key": space.result_key,
     }
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), {"CPU": trial_cpus})
@@ -143,14 +134,14 @@ def tune_search(
 
     run_config = tune.RunConfig(
         name=name,
-        storage_path=root,
+        storage_path=search.location.root,
         verbose=1 if progress else 0,
         failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
     )
-    if tune.Tuner.can_restore(experiment_dir):
-        print(f"tune {name}: resuming the search found in {experiment_dir}", file=sys.stderr)
+    if tune.Tuner.can_restore(search.folder):
+        print(f"tune {name}: resuming the search found in {search.folder}", file=sys.stderr)
         tuner = tune.Tuner.restore(
-            experiment_dir, trainable, resume_unfinished=True, resume_errored=True, param_space=space.param_space()
+            search.folder, trainable, resume_unfinished=True, resume_errored=True, param_space=space.param_space()
         )
     else:
         tuner = tune.Tuner(
