@@ -422,9 +422,12 @@ def train(
     storage_dir = where.run(run_name)
     run_dir = where.run_dir(run_name)  # None under a URL: records and checks need a file system
     resumed_step = None
+    previous = None
     if run_dir is not None:
-        claim_run(run_dir, run_name)
-        close_crashed_runs(where.folder, keep=run_name)
+        previous = claim_run(run_dir, run_name)
+        close_crashed_runs(
+            where.folder, keep=run_name, tracking_uri=where.tracking_uri if cfg.tracking.enabled else None
+        )
         resumed_step = latest_checkpoint_step(run_dir)
     tracked = RunHandle.for_config(
         cfg, run_name, cfg.flat(), tags={STORAGE_DIR_TAG: storage_dir}, parent_run_id=parent_run_id
@@ -435,7 +438,7 @@ def train(
     record = heartbeat = None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        record = RunRecord.for_this_driver(run_name, config_file, run_id, uri)
+        record = RunRecord.for_this_driver(run_name, config_file, run_id, uri, after=previous)
         record.write(run_dir)
         heartbeat = Heartbeat(run_dir)
     announce(run_name, run_id, cfg, config_path, resumed_step, tracked.resumed)

@@ -236,21 +236,31 @@ def test_run_records_tell_a_dead_driver_from_a_live_one(tmp_path):
     )  # this process trains one run at a time: its earlier record has ended
 
 
-def test_a_crashed_run_is_marked_failed_and_a_live_one_left_alone(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One SQLite MLflow store for the module's record tests (creating one takes seconds): its URI and a client."""
     from mlflow import MlflowClient
 
+    uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+    return uri, MlflowClient(tracking_uri=uri)
+
+
+def test_a_crashed_run_is_marked_failed_and_a_live_one_left_alone(tmp_path, store, capsys):
     from cluster.resume import claim_run, close_crashed_runs
     from dmltrain.tracking.names import ERROR_TAG
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment("e")
+    uri, client = store
+    exp = client.create_experiment("crashed")
     crashed, live = (client.create_run(exp, run_name=n).info.run_id for n in ("crashed", "live"))
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         import psutil
 
-        _record(tmp_path, "crashed", pid=2**22 + 7, host=os.uname().nodename, run_id=crashed, uri=uri)  # no such pid
+        crashed_dir, _ = _record(
+            tmp_path, "crashed", pid=2**22 + 7, host=os.uname().nodename, run_id=crashed, uri=uri
+        )  # no such pid
+        client.set_tag(crashed, "dmltrain.run_name", "crashed")  # what `train` tags its run with
+        client.set_tag(crashed, "dmltrain.storage_dir", str(crashed_dir))
         _record(
             tmp_path,
             "live",
@@ -260,7 +270,7 @@ def test_a_crashed_run_is_marked_failed_and_a_live_one_left_alone(tmp_path, caps
             uri=uri,
         )
         _record(tmp_path, "resumed-now", pid=2**22 + 9, host=os.uname().nodename, run_id=None, uri=uri)
-        close_crashed_runs(tmp_path, keep="resumed-now")
+        close_crashed_runs(tmp_path, keep="resumed-now", tracking_uri=uri)
         with pytest.raises(UserError, match=r"run live is being trained by another driver \(pid \d+ on "):
             claim_run(tmp_path / "live", "live")
     finally:
@@ -281,6 +291,46 @@ def test_a_crashed_run_is_marked_failed_and_a_live_one_left_alone(tmp_path, caps
         RunRecord.read(tmp_path / "crashed").status == "FAILED"
         and RunRecord.read(tmp_path / "resumed-now").status == "RUNNING"
     )
+
+
+def test_a_planted_run_record_is_data(tmp_path, store, capsys):
+    """A record names no store to connect to, prints no control characters, and one with a bad field is one
+    line: left alone as a sibling, refused as the run's own record."""
+    import json
+
+    from cluster.resume import claim_run, close_crashed_runs, latest_run
+
+    uri, client = store
+    victim = client.create_run(client.create_experiment("planted"), run_name="another").info.run_id  # another's id
+    elsewhere = tmp_path / "elsewhere"
+    runs = tmp_path / "runs"
+    _record(
+        runs,
+        "planted",
+        pid=2**22 + 7,
+        host=os.uname().nodename,
+        uri=f"sqlite:///{elsewhere / 'evil.db'}",  # once opened as the store: a database outside the folder
+        run_id=victim,
+        config="/cfg/\x1b[2J\x1b[31mred.yaml\r",
+    )
+    bad, _ = _record(runs, "bad-pid", started=1e12)  # the newest: --resume would pick it
+    record = json.loads((bad / "driver.json").read_text())
+    (bad / "driver.json").write_text(json.dumps({**record, "pid": "123"}))
+    close_crashed_runs(runs, keep="x", tracking_uri=uri)
+    assert not elsewhere.exists()
+    assert client.get_run(victim).info.status == "RUNNING"  # not this folder's run: left alone
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\r" not in err and "dmltrain train '/cfg/[2J[31mred.yaml' --resume planted" in err
+    assert "its MLflow run, not found in this config's store, was left as it is" in err
+    line = f'dmltrain: warning: {bad / "driver.json"}: not a run record dmltrain wrote (pid: "123" is not a process id'
+    assert line in err and len([x for x in err.splitlines() if "bad-pid" in x]) == 1
+    assert latest_run(runs, "/cfg/a.yaml") is None  # the bad record is skipped, with its warning
+    with pytest.raises(UserError) as e:
+        claim_run(bad, "bad-pid")
+    assert 'pid: "123" is not a process id' in str(e.value) and str(e.value).endswith("remove it to train run bad-pid")
+    (bad / "driver.json").write_text(json.dumps({**record, "run_name": "../planted"}))
+    with pytest.raises(UserError, match='run_name: "../planted" is not the run folder\'s name'):
+        claim_run(bad, "bad-pid")
 
 
 def test_resume_picks_the_latest_run_of_the_config(tmp_path):
