@@ -320,13 +320,19 @@ def start_local_ray(**init_kwargs: Any) -> None:
     Every local Ray of dmltrain starts here: ``train``, ``tune`` and ``study`` without
     ``cluster.address``, and the test fixtures. Ray >= 2.59 runs it with token authentication
     (``RAY_AUTH_MODE`` unset: a token in ``~/.ray/auth_token``, made if missing); an explicit
-    ``RAY_AUTH_MODE=disabled`` is respected. ``init_kwargs`` go to ``ray.init``.
+    ``RAY_AUTH_MODE=disabled`` is respected. The token file and the session folders are this
+    user's alone (:mod:`cluster.ray_files`: 0600 in a 0700 ``~/.ray``; sessions under a 0700
+    ``<tmp>/dmltrain-ray-<uid>``). ``init_kwargs`` go to ``ray.init``.
     """
     import ray
+
+    from cluster.ray_files import private_temp_dir, private_token
 
     # Ray Train's controller acts once per health check (2 s by default): starting the workers
     # and noticing they finished took seconds of idle waiting; its processes inherit this
     os.environ.setdefault(HEALTH_CHECK_ENV, "0.5")
+    private_token()
+    init_kwargs.setdefault("_temp_dir", private_temp_dir())
     with _loopback_stays_loopback():
         ray.init(_node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **init_kwargs)
 
