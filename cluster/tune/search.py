@@ -16,7 +16,9 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from cluster.launch import RunGroup, init_ray, prepare_driver
+from cluster.run_location import RunLocation
 from cluster.tune.results import TuneSummary, best_config_yaml, reconcile_with_mlflow, results_table, rows_from_results
+from cluster.tune.sealed_state import SearchState
 from cluster.tune.space import load_space
 from cluster.tune.trial import run_trial, trial_index
 from dmltrain.errors import UserError
@@ -51,12 +53,16 @@ def tune_search(
     max_concurrent: int | None = None,
     trial_cpus: float = 0.1,
     name: str | None = None,
+    resume: bool = False,
     out: str | Path | None = None,
     seed: int | None = None,
     config_name: str | None = None,
     progress: bool = True,
 ) -> TuneSummary:
-    """Run a search (see the module doc) and return its summary; raises :class:`UserError` on bad input."""
+    """Run a search (see the module doc) and return its summary; raises :class:`UserError` on bad input.
+
+    ``resume``: continue the search ``name`` from the Tune state in its folder, which must be this user's
+    own (:mod:`.sealed_state`); without it, a folder that holds a search already is refused."""
     started = time.time()
     if trials < 1:
         raise UserError(f"--trials {trials}: must be at least 1")
@@ -70,9 +76,20 @@ def tune_search(
         raise UserError(f"--trial-cpus {trial_cpus}: must be >= 0")
     if max_concurrent is not None and max_concurrent < 1:
         raise UserError(f"--max-concurrent {max_concurrent}: must be at least 1")
+    if resume and not name:
+        raise UserError("--resume: name the search to resume (--name NAME)")
 
     base_storage = cfg.cluster.storage_path
     space = load_space(space_path, cfg.to_dict())  # a bad space stops before anything is built or started
+    if name:  # Tune unpickles a search's state: resumed only when asked, and only from this user's own
+        state = SearchState(RunLocation.of(cfg).root, name)
+        if resume:
+            state.check_resumable()
+        elif state.exists():
+            raise UserError(
+                f"tune {name}: {state.root}/{name} holds a search already; resume it with --resume, or choose "
+                "another --name"
+            )
     cfg = prepare_driver(cfg)  # train's checks; synthetic shards are built once, here, for every trial
     base_tree = cfg.to_dict()
     if scheduler == "asha" and cfg.eval.every == 0:
@@ -132,16 +149,24 @@ def tune_search(
     def short_name(trial) -> str:
         return f"t{trial_index(trial.trial_id):03d}"
 
+    # Tune reads and writes its state through a file system that seals what it may unpickle (.sealed_state)
+    sealed_fs, fs_root = SearchState(search.location.root, name).filesystem()
     run_config = tune.RunConfig(
         name=name,
-        storage_path=search.location.root,
+        storage_path=fs_root,
+        storage_filesystem=sealed_fs,
         verbose=1 if progress else 0,
         failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
     )
-    if tune.Tuner.can_restore(search.folder):
-        print(f"tune {name}: resuming the search found in {search.folder}", file=sys.stderr)
+    if resume:
+        print(f"tune {name}: resuming the search in {search.folder}", file=sys.stderr)
         tuner = tune.Tuner.restore(
-            search.folder, trainable, resume_unfinished=True, resume_errored=True, param_space=space.param_space()
+            f"{fs_root}/{name}",
+            trainable,
+            resume_unfinished=True,
+            resume_errored=True,
+            param_space=space.param_space(),
+            storage_filesystem=sealed_fs,
         )
     else:
         tuner = tune.Tuner(
