@@ -36,13 +36,14 @@ from typing import Any
 
 from cluster.resume import announce, claim_run, close_crashed_runs, latest_checkpoint_step, resolve_run_name
 from cluster.run_location import RunLocation, mlflow_hint
-from cluster.run_records import Heartbeat, RunRecord
+from cluster.run_records import RECORD_FILE, Heartbeat, RunRecord
 from dmltrain.config import Config
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
 from dmltrain.text import safe_name
 from dmltrain.tracking.names import ERROR_TAG, KIND_TAG, STORAGE_DIR_TAG
 from dmltrain.tracking.run import RunHandle
+from dmltrain.training.fence import DriverInfo
 from shards.storage.location import is_url, location_of
 
 
@@ -367,7 +368,7 @@ def build_trainer(cfg: Config, run_name: str, run_context: dict[str, Any], callb
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from dmltrain.training.async_eval import validation_config
-    from dmltrain.training.divergence import FAULT_ENV
+    from dmltrain.training.faults import fault_env
     from dmltrain.training.trainer import train_loop_per_worker
 
     c = cfg.cluster
@@ -381,8 +382,7 @@ def build_trainer(cfg: Config, run_name: str, run_context: dict[str, Any], callb
     }
     if not c.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed otherwise warns that it found no GPU
-    if FAULT_ENV in os.environ:  # a test's fault injection reaches the workers
-        env[FAULT_ENV] = os.environ[FAULT_ENV]
+    env.update(fault_env())  # a test's fault injection reaches the workers
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "run": run_context},
@@ -464,6 +464,10 @@ def train(
                 "tracking_uri": uri,
                 "mlflow_run_id": run_id,
                 "board_name": board_name,
+                # the workers stop when this driver dies or another takes the run over (dmltrain.training.fence)
+                "driver": DriverInfo.this_process(
+                    None if record is None else record.generation, None if run_dir is None else run_dir / RECORD_FILE
+                ).to_dict(),
             }
             trainer = build_trainer(cfg, run_name, context)
             if progress:

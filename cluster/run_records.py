@@ -7,7 +7,8 @@ the record is also how a later start tells a crashed run from a live one:
 * on the same host, the recorded pid must still be running and have been started when the
   record says (a reused pid is another process);
 * from another host (a shared storage path), the live driver touches its record every
-  :data:`HEARTBEAT_S` seconds; one untouched for :data:`STALE_AFTER_S` is dead.
+  :data:`HEARTBEAT_S` seconds; one untouched for ``fence.STALE_AFTER_S`` is dead
+  (:func:`dmltrain.training.fence.driver_alive`, which the workers ask too).
 
 Each driver that (re)starts a run raises the record's ``generation``: workers of an earlier driver
 of the run see that they are not its current workers any more (:mod:`dmltrain.training.fence`).
@@ -43,10 +44,10 @@ from dmltrain.config import RUN_NAME_PATTERN
 from dmltrain.errors import UserError
 from dmltrain.fileio import write_json
 from dmltrain.text import printable
+from dmltrain.training.fence import driver_alive, pid_namespace
 
 RECORD_FILE = "driver.json"
 HEARTBEAT_S = 30.0
-STALE_AFTER_S = 180.0
 RUNNING = "RUNNING"
 STATUSES = (RUNNING, "FINISHED", "FAILED", "KILLED")
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # MLflow run ids (32 hex digits), with room for other stores'
@@ -64,6 +65,7 @@ class RunRecord:
     started: float  # when this driver started the run (time.time())
     status: str = RUNNING  # RUNNING, FINISHED, FAILED or KILLED
     generation: int = 1  # raised by every driver that (re)starts the run
+    pidns: str | None = None  # the driver's pid namespace: where its pid means it
 
     @classmethod
     def for_this_driver(
@@ -86,6 +88,7 @@ class RunRecord:
             psutil.Process().create_time(),
             time.time(),
             generation=after.generation + 1 if after is not None else 1,
+            pidns=pid_namespace(),
         )
 
     @classmethod
@@ -115,15 +118,7 @@ class RunRecord:
         """Whether the recorded driver is still running (see the module doc); this process's own record is not."""
         if self.is_this_process():
             return False  # one process trains its runs one after another: an earlier one of ours has ended
-        if self.host == socket.gethostname():
-            try:
-                return abs(psutil.Process(self.pid).create_time() - self.pid_started) < 1.0
-            except psutil.Error:
-                return False
-        try:
-            return time.time() - (run_dir / RECORD_FILE).stat().st_mtime < STALE_AFTER_S
-        except OSError:
-            return False
+        return driver_alive(self.host, self.pid, self.pid_started, self.pidns, run_dir / RECORD_FILE)
 
     def describe(self) -> str:
         return f"pid {self.pid} on {printable(self.host, 80)}"
@@ -148,8 +143,9 @@ def _problem(data: Any, folder: str) -> str | None:
         "started": number,
         "status": lambda v: v in STATUSES,
         "generation": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        "pidns": lambda v: v is None or (isinstance(v, str) and len(v) <= 64),
     }
-    optional = {"status", "generation"}
+    optional = {"status", "generation", "pidns"}
     for key, ok in checks.items():
         if key not in data:
             if key not in optional:
@@ -170,6 +166,7 @@ _EXPECTED = {
     "started": "a time (a number)",
     "status": "one of " + ", ".join(STATUSES),
     "generation": "a positive integer",
+    "pidns": "a pid namespace or null",
 }
 
 

@@ -210,7 +210,8 @@ def _record(tmp_path: Path, name: str, **over):
 def test_run_records_tell_a_dead_driver_from_a_live_one(tmp_path):
     import psutil
 
-    from cluster.run_records import STALE_AFTER_S, RunRecord
+    from cluster.run_records import RunRecord
+    from dmltrain.training.fence import STALE_AFTER_S
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -331,6 +332,46 @@ def test_a_planted_run_record_is_data(tmp_path, store, capsys):
     (bad / "driver.json").write_text(json.dumps({**record, "run_name": "../planted"}))
     with pytest.raises(UserError, match='run_name: "../planted" is not the run folder\'s name'):
         claim_run(bad, "bad-pid")
+
+
+def test_a_worker_group_stops_when_its_driver_dies_or_another_takes_the_run_over(tmp_path):
+    import psutil
+
+    from cluster.run_records import RECORD_FILE, RunRecord
+    from dmltrain.training.fence import STALE_AFTER_S, DriverInfo, Fence, Superseded
+
+    run_dir, record = _record(tmp_path, "r")  # this process is the run's driver, generation 1
+    me = DriverInfo.this_process(record.generation, run_dir / RECORD_FILE)
+
+    def fence(**over):
+        return Fence({**me.to_dict(), **over}, 0, "cpu")
+
+    fence().check()  # alive and current
+    Fence(None, 0, "cpu").check()  # no driver to watch (a Tune trial)
+    successor = RunRecord.for_this_driver("r", None, None, "x", after=record)
+    successor.write(run_dir)
+    with pytest.raises(Superseded, match=r"another driver took the run over \(generation 2, this group's 1\)"):
+        fence().check()
+    fence(generation=2).check()
+    successor.status = "FAILED"
+    successor.write(run_dir)
+    with pytest.raises(Superseded, match=r"the driver ended the run \(FAILED\)"):
+        fence(generation=2).check()
+    successor.status = "RUNNING"
+    successor.write(run_dir)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = {"pid": sleeper.pid, "pid_started": psutil.Process(sleeper.pid).create_time(), "generation": 2}
+    fence(**gone).check()
+    sleeper.kill()
+    sleeper.wait()
+    with pytest.raises(Superseded, match=rf"the driver \(pid {sleeper.pid} on .*\) died"):
+        fence(**gone).check()
+    far = {"host": "another-host", "generation": 2}  # another machine: the record's heartbeat tells
+    fence(**far).check()
+    old = time.time() - STALE_AFTER_S - 10
+    os.utime(run_dir / RECORD_FILE, (old, old))
+    with pytest.raises(Superseded, match="died"):
+        fence(**far).check()
 
 
 def test_resume_picks_the_latest_run_of_the_config(tmp_path):
