@@ -139,7 +139,7 @@ class TrainSummary:
     def written_models(self) -> list[str]:
         """The exported model files that exist (on remote storage: those a finished run writes)."""
         model, best = (f"{self.storage_dir}/{name}/model.pt" for name in ("model", "best_model"))
-        if is_url(self.storage_dir):  # not listed here: a finished run wrote its final model, and a best one if it had
+        if is_url(self.storage_dir):  # not listed: a finished run wrote its final model (and its best, if any)
             return ([model] + ([best] if (self.metrics or {}).get("best") else [])) if self.ok else []
         return [p for p in (model, best) if Path(p).is_file()]
 

@@ -62,13 +62,20 @@ def resume_checkpoint(run_dir: Path) -> tuple[Path, int] | None:
     """The checkpoint Ray Train will resume the run from (its latest committed one) and its step; None when there is none.
 
     Ray lists what it committed in the run folder's snapshot; a checkpoint folder not listed there
-    (a driver killed while it was being written) is never loaded.
+    (a driver killed while it was being written) is never loaded. A snapshot naming anything but a
+    folder of the run (``../elsewhere``, an absolute path) is refused in one line: Ray would load it.
     """
     try:
         latest = json.loads((run_dir / RAY_SNAPSHOT).read_text())["latest_checkpoint_result"]
-        return run_dir / latest["checkpoint_dir_name"], int(latest["metrics"][REPORT_STEP])
+        name, step = latest["checkpoint_dir_name"], int(latest["metrics"][REPORT_STEP])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    if not isinstance(name, str) or not re.match(RUN_NAME_PATTERN, name):
+        raise UserError(
+            f"{printable(run_dir / RAY_SNAPSHOT)}: names the checkpoint {printable(json.dumps(name), 80)}, "
+            "not a folder of the run; refused"
+        )
+    return run_dir / name, step
 
 
 def latest_checkpoint_step(run_dir: Path) -> int | None:

@@ -332,6 +332,11 @@ def test_a_planted_run_record_is_data(tmp_path, store, capsys):
     (bad / "driver.json").write_text(json.dumps({**record, "run_name": "../planted"}))
     with pytest.raises(UserError, match='run_name: "../planted" is not the run folder\'s name'):
         claim_run(bad, "bad-pid")
+    # Ray's snapshot names the checkpoint to resume from: a folder of the run, nothing else
+    snapshot = {"latest_checkpoint_result": {"checkpoint_dir_name": "../planted", "metrics": {"step": 2}}}
+    (runs / "planted" / "checkpoint_manager_snapshot.json").write_text(json.dumps(snapshot))
+    with pytest.raises(UserError, match='names the checkpoint "../planted", not a folder of the run; refused'):
+        claim_run(runs / "planted", "planted")
 
 
 def test_a_worker_group_stops_when_its_driver_dies_or_another_takes_the_run_over(tmp_path):
