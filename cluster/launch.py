@@ -28,19 +28,22 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cluster.resume import announce, claim_run, close_crashed_runs, latest_checkpoint_step, resolve_run_name
-from cluster.run_records import Heartbeat, RunRecord
+from cluster.run_location import RunLocation, mlflow_hint
+from cluster.run_records import RECORD_FILE, Heartbeat, RunRecord
 from dmltrain.config import Config
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
 from dmltrain.text import safe_name
-from dmltrain.tracking.names import ERROR_TAG, STORAGE_DIR_TAG
+from dmltrain.tracking.names import ERROR_TAG, KIND_TAG, STORAGE_DIR_TAG
 from dmltrain.tracking.run import RunHandle
+from dmltrain.training.fence import DriverInfo
 from shards.storage.location import is_url, location_of
 
 
@@ -129,18 +132,14 @@ class TrainSummary:
         models = self.written_models()
         if models:
             lines.append(f"  models: {', '.join(models)}")
-        if self.tracking_uri.startswith("sqlite:///"):
-            lines.append(f"  open MLflow: mlflow ui --backend-store-uri {self.tracking_uri}")
-        else:
-            lines.append(f"  open MLflow: {self.tracking_uri}")
+        if self.mlflow_run_id:  # tracking off (or its store unreachable): no store to point at
+            lines.append(f"  open MLflow: {mlflow_hint(self.tracking_uri)}")
         return "\n".join(lines)
 
     def written_models(self) -> list[str]:
         """The exported model files that exist (on remote storage: those a finished run writes)."""
         model, best = (f"{self.storage_dir}/{name}/model.pt" for name in ("model", "best_model"))
-        if (
-            "://" in self.storage_dir
-        ):  # not listed here: a finished run wrote its final model, and a best one if it had one
+        if is_url(self.storage_dir):  # not listed: a finished run wrote its final model (and its best, if any)
             return ([model] + ([best] if (self.metrics or {}).get("best") else [])) if self.ok else []
         return [p for p in (model, best) if Path(p).is_file()]
 
@@ -149,16 +148,9 @@ def default_run_name(config_name: str | None) -> str:
     return f"{safe_name(config_name)}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
 
 
-def storage_root(cfg: Config) -> str:
-    raw = cfg.cluster.storage_path or cfg.train.output_dir
-    return raw if "://" in raw else str(Path(raw).expanduser().resolve())
-
-
 def check_outputs(cfg: Config) -> None:
     """The run's output folder (and a synthetic shard folder still to be built) can be written: refused in one line if not."""
-    root = storage_root(cfg)
-    if "://" not in root:
-        check_output_dir(root, "cluster.storage_path" if cfg.cluster.storage_path else "train.output_dir")
+    RunLocation.of(cfg).check_writable()
     shards = location_of(cfg.data)
     if cfg.data.synthetic is not None and not shards.remote and not (shards.path / "manifest.json").exists():
         check_output_dir(shards.path, "data.shards")  # a URL is written through its SDK: nothing local to check
@@ -239,6 +231,59 @@ def absolutize(cfg: Config) -> Config:
     return cfg.model_copy(update={"data": data, "train": train, "model": model, "tracking": tracking})
 
 
+def prepare_driver(cfg: Config, shards: Callable[[Config], list[Config]] | None = None) -> Config:
+    """Everything a driver checks before Ray starts, the same for ``train``, ``tune`` and ``study``; returns
+    ``cfg`` with absolute paths (:func:`absolutize`).
+
+    In order: the output folder (:func:`check_outputs`), the shards (:func:`prepare_data`: synthetic ones
+    built when missing, the splits checked), then what the workers would find out one by one
+    (:func:`check_run`). ``shards`` replaces :func:`prepare_data` where one config stands for several
+    trainings (a study's class counts): it prepares their shards and returns one config per shard set,
+    each checked by :func:`check_run`. Each problem is a one-line :class:`UserError`.
+    """
+    check_outputs(cfg)
+    if shards is None:
+        prepare_data(cfg)
+        variants = [cfg]
+    else:
+        variants = shards(cfg)
+    for variant in variants:
+        check_run(absolutize(variant))
+    return absolutize(cfg)
+
+
+@dataclass
+class RunGroup:
+    """A search or a study: runs under one name, in ``<root>/<name>/runs``, children of one MLflow parent run."""
+
+    name: str
+    location: RunLocation
+    folder: str  # <root>/<name>
+    out_dir: Path  # its tables and plots
+    runs_root: str  # <root>/<name>/runs: the Ray Train storage of its runs
+    parent: RunHandle
+
+    @classmethod
+    def open(
+        cls,
+        cfg: Config,
+        kind: str,
+        params: dict[str, Any],
+        *,
+        name: str | None,
+        config_name: str | None,
+        out: str | Path | None,
+        owner: str,
+    ) -> RunGroup:
+        """Name the group (``<kind>-<config>-<time>-<hex>`` unless ``name``) and open its parent run with ``params``."""
+        name = name or default_run_name(f"{kind}-{config_name or 'run'}")
+        where = RunLocation.of(cfg)
+        folder = where.run(name)
+        tags = {KIND_TAG: kind, STORAGE_DIR_TAG: folder}
+        parent = RunHandle.for_config(cfg, name, params, tags=tags, owner=owner)
+        return cls(name, where, folder, where.outputs(name, out), f"{folder}/runs", parent)
+
+
 LOOPBACK = "127.0.0.1"
 # Ray binds its servers (GCS, raylet, workers, agents, metrics) to the node's IP, and replaces a
 # loopback node IP by the machine's outbound address while multi-node clusters are enabled, which
@@ -280,14 +325,20 @@ def start_local_ray(**init_kwargs: Any) -> None:
     Every local Ray of dmltrain starts here: ``train``, ``tune`` and ``study`` without
     ``cluster.address``, and the test fixtures. Ray >= 2.59 runs it with token authentication
     (``RAY_AUTH_MODE`` unset: a token in ``~/.ray/auth_token``, made if missing); an explicit
-    ``RAY_AUTH_MODE=disabled`` is respected. ``init_kwargs`` go to ``ray.init``.
+    ``RAY_AUTH_MODE=disabled`` is respected. The token file and the session folders are this
+    user's alone (:mod:`cluster.ray_files`: 0600 in a 0700 ``~/.ray``; sessions under a 0700
+    ``<tmp>/dmltrain-ray-<uid>``). ``init_kwargs`` go to ``ray.init``.
     """
     import ray
+
+    from cluster.ray_files import private_temp_dir, private_token
 
     # Ray Train's controller acts once per health check (2 s by default): starting the workers
     # and noticing they finished took seconds of idle waiting; its processes inherit this
     os.environ.setdefault(HEALTH_CHECK_ENV, "0.5")
     os.environ.setdefault(START_TIMEOUT_ENV, "300")
+    private_token()
+    init_kwargs.setdefault("_temp_dir", private_temp_dir())
     with _loopback_stays_loopback():
         ray.init(_node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **init_kwargs)
 
@@ -322,7 +373,7 @@ def build_trainer(cfg: Config, run_name: str, run_context: dict[str, Any], callb
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from dmltrain.training.async_eval import validation_config
-    from dmltrain.training.divergence import FAULT_ENV
+    from dmltrain.training.faults import fault_env
     from dmltrain.training.trainer import train_loop_per_worker
 
     c = cfg.cluster
@@ -336,8 +387,7 @@ def build_trainer(cfg: Config, run_name: str, run_context: dict[str, Any], callb
     }
     if not c.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed otherwise warns that it found no GPU
-    if FAULT_ENV in os.environ:  # a test's fault injection reaches the workers
-        env[FAULT_ENV] = os.environ[FAULT_ENV]
+    env.update(fault_env())  # a test's fault injection reaches the workers
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "run": run_context},
@@ -346,7 +396,7 @@ def build_trainer(cfg: Config, run_name: str, run_context: dict[str, Any], callb
         scaling_config=ScalingConfig(num_workers=c.num_workers, use_gpu=c.use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
             name=run_name,
-            storage_path=storage_root(cfg),
+            storage_path=RunLocation.of(cfg).root,
             failure_config=FailureConfig(max_failures=c.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             callbacks=callbacks,
@@ -375,20 +425,20 @@ def train(
     from dmltrain.training.progress import ProgressBoard, ProgressPrinter
 
     started = time.time()
-    check_outputs(cfg)
-    prepare_data(cfg)
-    cfg = absolutize(cfg)
-    check_run(cfg)
+    cfg = prepare_driver(cfg)
     config_file = str(Path(config_path).resolve()) if config_path else None
-    root = storage_root(cfg)
-    run_name = resolve_run_name(cfg, root, config_file, resume) or default_run_name(config_name)
+    where = RunLocation.of(cfg)
+    run_name = resolve_run_name(cfg, where, config_file, resume) or default_run_name(config_name)
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_name": run_name})})
-    storage_dir = f"{root.rstrip('/')}/{run_name}"
-    run_dir = None if "://" in root else Path(storage_dir)  # records and checks need a file system
+    storage_dir = where.run(run_name)
+    run_dir = where.run_dir(run_name)  # None under a URL: records and checks need a file system
     resumed_step = None
+    previous = None
     if run_dir is not None:
-        claim_run(run_dir, run_name)
-        close_crashed_runs(Path(root), keep=run_name)
+        previous = claim_run(run_dir, run_name)
+        close_crashed_runs(
+            where.folder, keep=run_name, tracking_uri=where.tracking_uri if cfg.tracking.enabled else None
+        )
         resumed_step = latest_checkpoint_step(run_dir)
     tracked = RunHandle.for_config(
         cfg, run_name, cfg.flat(), tags={STORAGE_DIR_TAG: storage_dir}, parent_run_id=parent_run_id
@@ -399,7 +449,7 @@ def train(
     record = heartbeat = None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        record = RunRecord.for_this_driver(run_name, config_file, run_id, uri)
+        record = RunRecord.for_this_driver(run_name, config_file, run_id, uri, after=previous)
         record.write(run_dir)
         heartbeat = Heartbeat(run_dir)
     announce(run_name, run_id, cfg, config_path, resumed_step, tracked.resumed)
@@ -419,6 +469,10 @@ def train(
                 "tracking_uri": uri,
                 "mlflow_run_id": run_id,
                 "board_name": board_name,
+                # the workers stop when this driver dies or another takes the run over (dmltrain.training.fence)
+                "driver": DriverInfo.this_process(
+                    None if record is None else record.generation, None if run_dir is None else run_dir / RECORD_FILE
+                ).to_dict(),
             }
             trainer = build_trainer(cfg, run_name, context)
             if progress:

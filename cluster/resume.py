@@ -12,24 +12,29 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
+from mlflow.exceptions import MlflowException
+
+from cluster.run_location import RunLocation
 from cluster.run_records import RUNNING, RunRecord, crashed_runs, latest_run
 from dmltrain.config import RUN_NAME_PATTERN, Config
 from dmltrain.errors import UserError
-from dmltrain.tracking.names import ERROR_TAG, REPORT_STEP
+from dmltrain.text import printable
+from dmltrain.tracking.names import ERROR_TAG, REPORT_STEP, RUN_NAME_TAG, STORAGE_DIR_TAG
 from dmltrain.tracking.run import RunHandle
 from dmltrain.training.safe_load import scan_checkpoint
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's list of the checkpoints it committed
 
 
-def resolve_run_name(cfg: Config, root: str, config_file: str | None, resume: str | None) -> str | None:
+def resolve_run_name(cfg: Config, where: RunLocation, config_file: str | None, resume: str | None) -> str | None:
     """The run to train: ``train.run_name`` (None when unset: a new run), or with ``resume`` the run to continue.
 
     ``resume``: None (start as configured), a run name, or "" for the latest run of ``config_file``
-    under ``root``. A named run to resume must exist under a local ``root``.
+    under the runs root ``where``. A named run to resume must exist under a local root.
     """
     named = cfg.train.run_name
     if resume is None:
@@ -39,16 +44,16 @@ def resolve_run_name(cfg: Config, root: str, config_file: str | None, resume: st
     if resume and named and resume != named:
         raise UserError(f"--resume {resume}: train.run_name is {named}; give one of them")
     name = resume or named
-    local = "://" not in root
+    root = where.folder
     if not name:
-        if not local:
-            raise UserError(f"--resume: name the run to resume (--resume RUN): runs under {root} are not listed")
-        name = latest_run(Path(root), config_file)
+        if root is None:
+            raise UserError(f"--resume: name the run to resume (--resume RUN): runs under {where.root} are not listed")
+        name = latest_run(root, config_file)
         if name is None:
             raise UserError(
                 f"--resume: no earlier run of {config_file or 'this config'} in {root}; start one without --resume"
             )
-    elif local and not (Path(root) / name).is_dir():
+    elif root is not None and not (root / name).is_dir():
         raise UserError(f"--resume {name}: no run of that name in {root}")
     return name
 
@@ -57,13 +62,20 @@ def resume_checkpoint(run_dir: Path) -> tuple[Path, int] | None:
     """The checkpoint Ray Train will resume the run from (its latest committed one) and its step; None when there is none.
 
     Ray lists what it committed in the run folder's snapshot; a checkpoint folder not listed there
-    (a driver killed while it was being written) is never loaded.
+    (a driver killed while it was being written) is never loaded. A snapshot naming anything but a
+    folder of the run (``../elsewhere``, an absolute path) is refused in one line: Ray would load it.
     """
     try:
         latest = json.loads((run_dir / RAY_SNAPSHOT).read_text())["latest_checkpoint_result"]
-        return run_dir / latest["checkpoint_dir_name"], int(latest["metrics"][REPORT_STEP])
+        name, step = latest["checkpoint_dir_name"], int(latest["metrics"][REPORT_STEP])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    if not isinstance(name, str) or not re.match(RUN_NAME_PATTERN, name):
+        raise UserError(
+            f"{printable(run_dir / RAY_SNAPSHOT)}: names the checkpoint {printable(json.dumps(name), 80)}, "
+            "not a folder of the run; refused"
+        )
+    return run_dir / name, step
 
 
 def latest_checkpoint_step(run_dir: Path) -> int | None:
@@ -72,9 +84,16 @@ def latest_checkpoint_step(run_dir: Path) -> int | None:
     return None if found is None else found[1]
 
 
-def claim_run(run_dir: Path, run_name: str) -> None:
-    """Refuse a run whose recorded driver is still running, or whose checkpoint to resume from holds more than data."""
-    record = RunRecord.read(run_dir)
+def claim_run(run_dir: Path, run_name: str) -> RunRecord | None:
+    """Refuse a run whose recorded driver is still running, or whose checkpoint to resume from holds more than data;
+    returns the record of the run's previous driver (None for a new run), whose generation this driver's follows.
+
+    A record that is not one dmltrain wrote (:meth:`RunRecord.read`) refuses the run in one line too: whether a
+    driver still trains it cannot be told."""
+    try:
+        record = RunRecord.read(run_dir)
+    except UserError as e:
+        raise UserError(f"{e}; remove it to train run {run_name}") from None
     if record is not None and record.status == RUNNING and record.driver_alive(run_dir):
         raise UserError(
             f"run {run_name} is being trained by another driver ({record.describe()}); stop it first, or wait"
@@ -82,26 +101,55 @@ def claim_run(run_dir: Path, run_name: str) -> None:
     found = resume_checkpoint(run_dir)
     if found is not None:
         scan_checkpoint(found[0])
+    return record
 
 
-def close_crashed_runs(root: Path, keep: str) -> None:
-    """Mark FAILED every run under ``root`` left RUNNING by a driver that died (all but ``keep``, about to be resumed)."""
+def close_crashed_runs(root: Path, keep: str, tracking_uri: str | None) -> None:
+    """Mark FAILED every run under ``root`` left RUNNING by a driver that died (all but ``keep``, about to be resumed).
+
+    The record is data: its MLflow run is closed in this config's store ``tracking_uri`` (None: tracking off),
+    never in the store the record names, and only if that run is this folder's (its run-name and storage tags
+    say so); otherwise the message says what to do."""
     for run_dir, record in crashed_runs(root):
-        if record.run_name == keep:
+        name = run_dir.name  # the record's run_name is checked to be the folder's
+        if name == keep:
             continue
         reason = f"the driver ({record.describe()}) died without ending the run"
-        handle = RunHandle(record.tracking_uri, record.mlflow_run_id)
-        if handle.status() == "RUNNING":
-            handle.set_tag(ERROR_TAG, reason)
-            handle.finish("FAILED")
+        closed = tracking_uri is not None and _close_mlflow_run(tracking_uri, record.mlflow_run_id, run_dir, reason)
         record.status = "FAILED"
         record.write(run_dir)
-        hint = (
-            f"dmltrain train {record.config} --resume {record.run_name}"
+        resume = (
+            shlex.join(["dmltrain", "train", printable(record.config), "--resume", name])
             if record.config
-            else f"train.run_name={record.run_name}"
+            else f"train.run_name={name}"
         )
-        print(f"dmltrain: run {record.run_name}: {reason}; marked FAILED (resume it with: {hint})", file=sys.stderr)
+        where = "" if closed else "; its MLflow run, not found in this config's store, was left as it is"
+        print(f"dmltrain: run {name}: {reason}; marked FAILED{where} (resume it with: {resume})", file=sys.stderr)
+
+
+def _close_mlflow_run(uri: str, run_id: str | None, run_dir: Path, reason: str) -> bool:
+    """End MLflow run ``run_id`` of the store ``uri`` FAILED with ``reason`` if it is the RUNNING run of ``run_dir``;
+    whether it was."""
+    if run_id is None:
+        return False
+
+    def find(client):
+        try:
+            return client.get_run(run_id)
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            raise
+
+    handle = RunHandle(uri, run_id)
+    run = handle.query(f"read MLflow run {run_id}", find)
+    tags = run.data.tags if run is not None else {}
+    if tags.get(RUN_NAME_TAG) != run_dir.name or tags.get(STORAGE_DIR_TAG) != str(run_dir):
+        return False  # another run's id: a record copied or planted elsewhere names it
+    if run.info.status == RUNNING:
+        handle.set_tag(ERROR_TAG, reason)
+        handle.finish("FAILED")
+    return True
 
 
 def announce(

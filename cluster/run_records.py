@@ -7,7 +7,16 @@ the record is also how a later start tells a crashed run from a live one:
 * on the same host, the recorded pid must still be running and have been started when the
   record says (a reused pid is another process);
 * from another host (a shared storage path), the live driver touches its record every
-  :data:`HEARTBEAT_S` seconds; one untouched for :data:`STALE_AFTER_S` is dead.
+  :data:`HEARTBEAT_S` seconds; one untouched for ``fence.STALE_AFTER_S`` is dead
+  (:func:`dmltrain.training.fence.driver_alive`, which the workers ask too).
+
+Each driver that (re)starts a run raises the record's ``generation``: workers of an earlier driver
+of the run see that they are not its current workers any more (:mod:`dmltrain.training.fence`).
+
+A record is data, never instructions: whoever can write the storage folder can write one. Its
+fields are checked when it is read (a record that fails is one line naming the file and the field),
+the MLflow store it names is never contacted (the current config's is), and nothing printed from
+it reaches the terminal with control characters.
 
 :func:`latest_run` finds the most recent run of a config (``dmltrain train CONFIG --resume``);
 :func:`crashed_runs` lists the runs whose record says RUNNING but whose driver is gone.
@@ -18,21 +27,30 @@ keeps none.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import socket
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
+from dmltrain.config import RUN_NAME_PATTERN
+from dmltrain.errors import UserError
 from dmltrain.fileio import write_json
+from dmltrain.text import printable
+from dmltrain.training.fence import driver_alive, pid_namespace
 
 RECORD_FILE = "driver.json"
 HEARTBEAT_S = 30.0
-STALE_AFTER_S = 180.0
 RUNNING = "RUNNING"
+STATUSES = (RUNNING, "FINISHED", "FAILED", "KILLED")
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # MLflow run ids (32 hex digits), with room for other stores'
 
 
 @dataclass
@@ -46,11 +64,20 @@ class RunRecord:
     pid_started: float  # the driver process's start time (psutil's create_time)
     started: float  # when this driver started the run (time.time())
     status: str = RUNNING  # RUNNING, FINISHED, FAILED or KILLED
+    generation: int = 1  # raised by every driver that (re)starts the run
+    pidns: str | None = None  # the driver's pid namespace: where its pid means it
 
     @classmethod
     def for_this_driver(
-        cls, run_name: str, config: str | None, mlflow_run_id: str | None, tracking_uri: str
+        cls,
+        run_name: str,
+        config: str | None,
+        mlflow_run_id: str | None,
+        tracking_uri: str,
+        *,
+        after: RunRecord | None = None,
     ) -> RunRecord:
+        """This process's record of the run; ``after``: the record of the run's previous driver, if any."""
         return cls(
             run_name,
             config,
@@ -60,16 +87,26 @@ class RunRecord:
             os.getpid(),
             psutil.Process().create_time(),
             time.time(),
+            generation=after.generation + 1 if after is not None else 1,
+            pidns=pid_namespace(),
         )
 
     @classmethod
     def read(cls, run_dir: Path) -> RunRecord | None:
-        """The record in ``run_dir``; None when there is none or it cannot be read (an older run's folder)."""
+        """The record in ``run_dir``; None when there is none. One that cannot be read or whose fields are not
+        what this module writes (a pid that is not an integer, a run name that is not the folder's, ...)
+        raises a one-line :class:`UserError` naming the file and the field."""
+        path = run_dir / RECORD_FILE
         try:
-            data = json.loads((run_dir / RECORD_FILE).read_text())
-            return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
-        except (OSError, ValueError, TypeError):
+            data = json.loads(path.read_bytes())
+        except FileNotFoundError:
             return None
+        except (OSError, ValueError) as e:
+            raise UserError(f"{printable(path)}: not a readable run record ({printable(e, 120)})") from None
+        problem = _problem(data, run_dir.name)
+        if problem:
+            raise UserError(f"{printable(path)}: not a run record dmltrain wrote ({problem})")
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
     def write(self, run_dir: Path) -> None:
         write_json(run_dir / RECORD_FILE, asdict(self))
@@ -81,18 +118,56 @@ class RunRecord:
         """Whether the recorded driver is still running (see the module doc); this process's own record is not."""
         if self.is_this_process():
             return False  # one process trains its runs one after another: an earlier one of ours has ended
-        if self.host == socket.gethostname():
-            try:
-                return abs(psutil.Process(self.pid).create_time() - self.pid_started) < 1.0
-            except psutil.Error:
-                return False
-        try:
-            return time.time() - (run_dir / RECORD_FILE).stat().st_mtime < STALE_AFTER_S
-        except OSError:
-            return False
+        return driver_alive(self.host, self.pid, self.pid_started, self.pidns, run_dir / RECORD_FILE)
 
     def describe(self) -> str:
-        return f"pid {self.pid} on {self.host}"
+        return f"pid {self.pid} on {printable(self.host, 80)}"
+
+
+def _problem(data: Any, folder: str) -> str | None:
+    """What is wrong with a record's fields (``folder``: the name of the run folder it lies in); None if nothing."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    checks = {
+        "run_name": lambda v: isinstance(v, str) and re.match(RUN_NAME_PATTERN, v) is not None and v == folder,
+        "config": lambda v: v is None or isinstance(v, str),
+        "mlflow_run_id": lambda v: v is None or (isinstance(v, str) and _RUN_ID.fullmatch(v) is not None),
+        "tracking_uri": lambda v: isinstance(v, str),
+        "host": lambda v: isinstance(v, str) and 0 < len(v) <= 255,
+        "pid": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+        "pid_started": number,
+        "started": number,
+        "status": lambda v: v in STATUSES,
+        "generation": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        "pidns": lambda v: v is None or (isinstance(v, str) and len(v) <= 64),
+    }
+    optional = {"status", "generation", "pidns"}
+    for key, ok in checks.items():
+        if key not in data:
+            if key not in optional:
+                return f"{key}: missing"
+        elif not ok(data[key]):
+            return f"{key}: {printable(json.dumps(data[key]), 60)} is not " + _EXPECTED[key]
+    return None
+
+
+_EXPECTED = {
+    "run_name": "the run folder's name",
+    "config": "a path or null",
+    "mlflow_run_id": "an MLflow run id or null",
+    "tracking_uri": "a string",
+    "host": "a host name",
+    "pid": "a process id (a positive integer)",
+    "pid_started": "a time (a number)",
+    "started": "a time (a number)",
+    "status": "one of " + ", ".join(STATUSES),
+    "generation": "a positive integer",
+    "pidns": "a pid namespace or null",
+}
 
 
 class Heartbeat:
@@ -117,9 +192,14 @@ class Heartbeat:
 
 
 def _records(root: Path) -> list[tuple[Path, RunRecord]]:
+    """The readable records of the runs under ``root``; each one that is not is left out, with one warning line."""
     out = []
     for path in sorted(root.glob(f"*/{RECORD_FILE}")):
-        record = RunRecord.read(path.parent)
+        try:
+            record = RunRecord.read(path.parent)
+        except UserError as e:
+            print(f"dmltrain: warning: {e}; left alone", file=sys.stderr)
+            continue
         if record is not None:
             out.append((path.parent, record))
     return out

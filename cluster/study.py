@@ -46,12 +46,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from cluster.launch import absolutize, default_run_name, init_ray, prepare_data, storage_root, train
+from cluster.launch import RunGroup, init_ray, prepare_data, prepare_driver, train
 from cluster.study_results import STAT_KEYS, Point, StudySummary, render, write_outputs
 from dmltrain.config import load_config
 from dmltrain.errors import UserError
 from dmltrain.text import finite_number, one_line
-from dmltrain.tracking.names import KIND_TAG, STORAGE_DIR_TAG
 from dmltrain.tracking.queries import history
 from dmltrain.tracking.run import RunHandle
 from shards.build.synthetic import build_synthetic_shards
@@ -264,26 +263,29 @@ def run_study(
         )
     if parallel < 1:
         raise UserError(f"--parallel {parallel}: must be at least 1")
-    shards = prepare_shards(cfg, classes, progress=progress)
-    cfg = absolutize(cfg)
-    name = name or default_run_name(f"study-{config_name or 'run'}")
-    root = storage_root(cfg).rstrip("/")
-    study_dir = f"{root}/{name}"
-    out_dir = Path(out) if out else (Path(study_dir) if "://" not in study_dir else Path.cwd() / "runs" / name)
-    runs_root = f"{study_dir}/runs"
-    points = [Point(r, n, d, point_run_name(name, r, n)) for n, d in shards.items() for r in ratios]
-    parent = RunHandle.for_config(
+    shards: dict[int, str] = {}
+
+    def shard_sets(c):  # every class count's shards (built when missing), each checked as a training
+        shards.update(prepare_shards(c, classes, progress=progress))
+        return [c.model_copy(update={"data": c.data.model_copy(update={"shards": d})}) for d in shards.values()]
+
+    cfg = prepare_driver(cfg, shard_sets)
+    study = RunGroup.open(
         cfg,
-        name,
+        "study",
         {
             **cfg.flat(),
             "study.kind": "subsampling",
             "study.ratios": ",".join(f"{r:g}" for r in ratios),
             "study.classes": ",".join(str(n) for n in shards),
         },
-        tags={KIND_TAG: "study", STORAGE_DIR_TAG: study_dir},
+        name=name,
+        config_name=config_name,
+        out=out,
         owner="the study",
     )
+    name, parent, out_dir, runs_root = study.name, study.parent, study.out_dir, study.runs_root
+    points = [Point(r, n, d, point_run_name(name, r, n)) for n, d in shards.items() for r in ratios]
     print(
         f"study {name}: {len(points)} point{'s' * (len(points) != 1)} (ratios {', '.join(f'{r:g}' for r in ratios)} x "
         f"{', '.join(str(n) for n in shards)} classes)"

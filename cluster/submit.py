@@ -36,11 +36,13 @@ from typing import Any, TextIO
 
 from ray.job_submission import JobSubmissionClient
 
+from cluster.run_location import RunLocation, tracking_opens_files
 from cluster.upload import Upload, plan_upload
 from dmltrain.config import load_config
 from dmltrain.config_tree import config_files
 from dmltrain.errors import UserError
 from dmltrain.text import format_duration, safe_name
+from shards.storage.location import is_url
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -85,17 +87,10 @@ def _override_keys(overrides: list[str]) -> set[str]:
     return {item.partition("=")[0].strip() for item in overrides}
 
 
-def _local_store(uri: str | None) -> bool:
-    """A tracking URI that names files on the node that opens it (the default, sqlite:, file:, a path)."""
-    if uri is None or uri.startswith(("sqlite:", "file:")):
-        return True
-    return "://" not in uri and not uri.startswith("databricks")
-
-
 def placement_warnings(cfg: Any) -> list[str]:
     """Config paths that would end up in the job's temporary working directory on one node."""
     out = []
-    if cfg.tracking.enabled and _local_store(cfg.tracking.uri):
+    if cfg.tracking.enabled and tracking_opens_files(cfg.tracking.uri):
         if cfg.tracking.uri:
             what = (
                 f"'{cfg.tracking.uri}' is a local store: workers on other nodes cannot log to it, "
@@ -106,15 +101,14 @@ def placement_warnings(cfg: Any) -> list[str]:
         out.append(
             f"tracking.uri: {what}; point tracking.uri at an MLflow server (see 'Running on a cluster' in README.md)"
         )
-    storage = cfg.cluster.storage_path or cfg.train.output_dir
-    if "://" not in storage and not Path(storage).is_absolute():
-        key = "cluster.storage_path" if cfg.cluster.storage_path else "train.output_dir"
+    where = RunLocation.of(cfg)
+    if where.relative:
         out.append(
-            f"{key}: '{storage}' is relative, so checkpoints land in the job's temporary working directory; "
+            f"{where.key}: '{where.configured}' is relative, so checkpoints land in the job's temporary working directory; "
             "set cluster.storage_path to shared storage (an NFS path every node mounts, or s3://...)"
         )
     shards = cfg.data.shards
-    if "://" not in shards and not Path(shards).is_absolute():
+    if not is_url(shards) and not Path(shards).is_absolute():
         if cfg.data.synthetic is None:
             out.append(
                 f"data.shards: '{shards}' is relative and is not uploaded with the job; "
@@ -203,8 +197,8 @@ def resolve_address(address: str | None) -> str:
     """``--address``, else $RAY_API_SERVER_ADDRESS, else an http $RAY_ADDRESS, else the local dashboard."""
     if not address:
         env_http = os.environ.get("RAY_ADDRESS", "")
-        address = os.environ.get("RAY_API_SERVER_ADDRESS") or (env_http if "://" in env_http else "") or DEFAULT_ADDRESS
-    if "://" not in address:
+        address = os.environ.get("RAY_API_SERVER_ADDRESS") or (env_http if is_url(env_http) else "") or DEFAULT_ADDRESS
+    if not is_url(address):
         address = "http://" + address
     return address.rstrip("/")
 

@@ -11,6 +11,7 @@ import io
 import math
 import numbers
 import re
+import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -50,6 +51,13 @@ def one_line(error: BaseException | str, limit: int = 300) -> str:
     """The gist of an error for a table cell or a progress line: ``Type: message``'s first line, clipped."""
     text = str(error).strip() if isinstance(error, str) else f"{type(error).__name__}: {str(error).strip()}"
     return clip(text.splitlines()[0] if text else "", limit)
+
+
+def printable(text: Any, limit: int = 300) -> str:
+    """``str(text)`` safe to print on a terminal: control and format characters (ANSI escapes, carriage
+    returns, bidirectional overrides; Unicode category C) removed, clipped to ``limit``. For text
+    read from files others may write (a run record, a folder name)."""
+    return clip("".join(ch for ch in str(text) if unicodedata.category(ch)[0] != "C"), limit)
 
 
 def cell(value: Any) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -37,3 +38,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder nothing can be created in, for root too (root ignores permission bits: the folder is made immutable)."""
+    d = tmp_path / "read-only"
+    d.mkdir()
+    if os.geteuid() == 0:
+        made = subprocess.run(["chattr", "+i", str(d)], capture_output=True)
+        if made.returncode:
+            pytest.skip(
+                f"running as root and chattr +i failed ({made.stderr.decode().strip()}): cannot make a read-only folder"
+            )
+        yield d
+        subprocess.run(["chattr", "-i", str(d)], check=True)
+    else:
+        d.chmod(0o555)
+        yield d
+        d.chmod(0o755)

@@ -28,25 +28,6 @@ def shards(tmp_path_factory):
     return out
 
 
-@pytest.fixture
-def read_only_dir(tmp_path):
-    """A folder nothing can be created in, for root too (root ignores permission bits: the folder is made immutable)."""
-    d = tmp_path / "read-only"
-    d.mkdir()
-    if os.geteuid() == 0:
-        made = subprocess.run(["chattr", "+i", str(d)], capture_output=True)
-        if made.returncode:
-            pytest.skip(
-                f"running as root and chattr +i failed ({made.stderr.decode().strip()}): cannot make a read-only folder"
-            )
-        yield d
-        subprocess.run(["chattr", "-i", str(d)], check=True)
-    else:
-        d.chmod(0o555)
-        yield d
-        d.chmod(0o755)
-
-
 def _train_args(tmp_path: Path, shards: Path, *extra: str) -> list[str]:
     return [
         "train",
@@ -204,6 +185,11 @@ def test_the_summary_lists_only_models_that_were_written(tmp_path):
     (tmp_path / "best_model" / "model.pt").write_bytes(b"x")
     assert f"  models: {tmp_path}/best_model/model.pt\n" in failed.render() + "\n"
     assert "model/model.pt" not in failed.render().replace("best_model/model.pt", "")
+    # tracking off: no MLflow store was written, so none is pointed at
+    off = TrainSummary("r", True, None, "sqlite:///x.db", None, str(tmp_path), {"step": 3})
+    assert "MLflow run id: (tracking off)" in off.render() and "open MLflow" not in off.render()
+    on = TrainSummary("r", True, "abc", "sqlite:///x.db", None, str(tmp_path), {"step": 3})
+    assert "open MLflow: mlflow ui --backend-store-uri sqlite:///x.db" in on.render()
 
 
 # -- run records: a crashed driver is found and its run closed or resumed --------------------------------
@@ -224,7 +210,8 @@ def _record(tmp_path: Path, name: str, **over):
 def test_run_records_tell_a_dead_driver_from_a_live_one(tmp_path):
     import psutil
 
-    from cluster.run_records import STALE_AFTER_S, RunRecord
+    from cluster.run_records import RunRecord
+    from dmltrain.training.fence import STALE_AFTER_S
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -250,21 +237,31 @@ def test_run_records_tell_a_dead_driver_from_a_live_one(tmp_path):
     )  # this process trains one run at a time: its earlier record has ended
 
 
-def test_a_crashed_run_is_marked_failed_and_a_live_one_left_alone(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One SQLite MLflow store for the module's record tests (creating one takes seconds): its URI and a client."""
     from mlflow import MlflowClient
 
+    uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+    return uri, MlflowClient(tracking_uri=uri)
+
+
+def test_a_crashed_run_is_marked_failed_and_a_live_one_left_alone(tmp_path, store, capsys):
     from cluster.resume import claim_run, close_crashed_runs
     from dmltrain.tracking.names import ERROR_TAG
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment("e")
+    uri, client = store
+    exp = client.create_experiment("crashed")
     crashed, live = (client.create_run(exp, run_name=n).info.run_id for n in ("crashed", "live"))
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         import psutil
 
-        _record(tmp_path, "crashed", pid=2**22 + 7, host=os.uname().nodename, run_id=crashed, uri=uri)  # no such pid
+        crashed_dir, _ = _record(
+            tmp_path, "crashed", pid=2**22 + 7, host=os.uname().nodename, run_id=crashed, uri=uri
+        )  # no such pid
+        client.set_tag(crashed, "dmltrain.run_name", "crashed")  # what `train` tags its run with
+        client.set_tag(crashed, "dmltrain.storage_dir", str(crashed_dir))
         _record(
             tmp_path,
             "live",
@@ -274,7 +271,7 @@ def test_a_crashed_run_is_marked_failed_and_a_live_one_left_alone(tmp_path, caps
             uri=uri,
         )
         _record(tmp_path, "resumed-now", pid=2**22 + 9, host=os.uname().nodename, run_id=None, uri=uri)
-        close_crashed_runs(tmp_path, keep="resumed-now")
+        close_crashed_runs(tmp_path, keep="resumed-now", tracking_uri=uri)
         with pytest.raises(UserError, match=r"run live is being trained by another driver \(pid \d+ on "):
             claim_run(tmp_path / "live", "live")
     finally:
@@ -297,15 +294,101 @@ def test_a_crashed_run_is_marked_failed_and_a_live_one_left_alone(tmp_path, caps
     )
 
 
+def test_a_planted_run_record_is_data(tmp_path, store, capsys):
+    """A record names no store to connect to, prints no control characters, and one with a bad field is one
+    line: left alone as a sibling, refused as the run's own record."""
+    import json
+
+    from cluster.resume import claim_run, close_crashed_runs, latest_run
+
+    uri, client = store
+    victim = client.create_run(client.create_experiment("planted"), run_name="another").info.run_id  # another's id
+    elsewhere = tmp_path / "elsewhere"
+    runs = tmp_path / "runs"
+    _record(
+        runs,
+        "planted",
+        pid=2**22 + 7,
+        host=os.uname().nodename,
+        uri=f"sqlite:///{elsewhere / 'evil.db'}",  # once opened as the store: a database outside the folder
+        run_id=victim,
+        config="/cfg/\x1b[2J\x1b[31mred.yaml\r",
+    )
+    bad, _ = _record(runs, "bad-pid", started=1e12)  # the newest: --resume would pick it
+    record = json.loads((bad / "driver.json").read_text())
+    (bad / "driver.json").write_text(json.dumps({**record, "pid": "123"}))
+    close_crashed_runs(runs, keep="x", tracking_uri=uri)
+    assert not elsewhere.exists()
+    assert client.get_run(victim).info.status == "RUNNING"  # not this folder's run: left alone
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\r" not in err and "dmltrain train '/cfg/[2J[31mred.yaml' --resume planted" in err
+    assert "its MLflow run, not found in this config's store, was left as it is" in err
+    line = f'dmltrain: warning: {bad / "driver.json"}: not a run record dmltrain wrote (pid: "123" is not a process id'
+    assert line in err and len([x for x in err.splitlines() if "bad-pid" in x]) == 1
+    assert latest_run(runs, "/cfg/a.yaml") is None  # the bad record is skipped, with its warning
+    with pytest.raises(UserError) as e:
+        claim_run(bad, "bad-pid")
+    assert 'pid: "123" is not a process id' in str(e.value) and str(e.value).endswith("remove it to train run bad-pid")
+    (bad / "driver.json").write_text(json.dumps({**record, "run_name": "../planted"}))
+    with pytest.raises(UserError, match='run_name: "../planted" is not the run folder\'s name'):
+        claim_run(bad, "bad-pid")
+    # Ray's snapshot names the checkpoint to resume from: a folder of the run, nothing else
+    snapshot = {"latest_checkpoint_result": {"checkpoint_dir_name": "../planted", "metrics": {"step": 2}}}
+    (runs / "planted" / "checkpoint_manager_snapshot.json").write_text(json.dumps(snapshot))
+    with pytest.raises(UserError, match='names the checkpoint "../planted", not a folder of the run; refused'):
+        claim_run(runs / "planted", "planted")
+
+
+def test_a_worker_group_stops_when_its_driver_dies_or_another_takes_the_run_over(tmp_path):
+    import psutil
+
+    from cluster.run_records import RECORD_FILE, RunRecord
+    from dmltrain.training.fence import STALE_AFTER_S, DriverInfo, Fence, Superseded
+
+    run_dir, record = _record(tmp_path, "r")  # this process is the run's driver, generation 1
+    me = DriverInfo.this_process(record.generation, run_dir / RECORD_FILE)
+
+    def fence(**over):
+        return Fence({**me.to_dict(), **over}, 0, "cpu")
+
+    fence().check()  # alive and current
+    Fence(None, 0, "cpu").check()  # no driver to watch (a Tune trial)
+    successor = RunRecord.for_this_driver("r", None, None, "x", after=record)
+    successor.write(run_dir)
+    with pytest.raises(Superseded, match=r"another driver took the run over \(generation 2, this group's 1\)"):
+        fence().check()
+    fence(generation=2).check()
+    successor.status = "FAILED"
+    successor.write(run_dir)
+    with pytest.raises(Superseded, match=r"the driver ended the run \(FAILED\)"):
+        fence(generation=2).check()
+    successor.status = "RUNNING"
+    successor.write(run_dir)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = {"pid": sleeper.pid, "pid_started": psutil.Process(sleeper.pid).create_time(), "generation": 2}
+    fence(**gone).check()
+    sleeper.kill()
+    sleeper.wait()
+    with pytest.raises(Superseded, match=rf"the driver \(pid {sleeper.pid} on .*\) died"):
+        fence(**gone).check()
+    far = {"host": "another-host", "generation": 2}  # another machine: the record's heartbeat tells
+    fence(**far).check()
+    old = time.time() - STALE_AFTER_S - 10
+    os.utime(run_dir / RECORD_FILE, (old, old))
+    with pytest.raises(Superseded, match="died"):
+        fence(**far).check()
+
+
 def test_resume_picks_the_latest_run_of_the_config(tmp_path):
     from cluster.resume import resolve_run_name
+    from cluster.run_location import RunLocation
     from dmltrain.config import load_config
 
-    cfg = load_config(None, [])
+    cfg = load_config(None, [f"train.output_dir={tmp_path}"])
     _record(tmp_path, "a-old", config="/cfg/a.yaml", started=100.0)
     _record(tmp_path, "a-new", config="/cfg/a.yaml", started=200.0)
     _record(tmp_path, "b-newest", config="/cfg/b.yaml", started=300.0)
-    root = str(tmp_path)
+    root = RunLocation.of(cfg)
     assert resolve_run_name(cfg, root, "/cfg/a.yaml", "") == "a-new"
     assert resolve_run_name(cfg, root, "/cfg/a.yaml", "a-old") == "a-old"
     assert resolve_run_name(cfg, root, "/cfg/a.yaml", None) is None  # no --resume: a new run
@@ -315,7 +398,7 @@ def test_resume_picks_the_latest_run_of_the_config(tmp_path):
         resolve_run_name(cfg, root, "/cfg/a.yaml", "gone")
     with pytest.raises(UserError, match="not a run name"):
         resolve_run_name(cfg, root, "/cfg/a.yaml", "../a-new")
-    named = load_config(None, ["train.run_name=a-old"])
+    named = load_config(None, ["train.run_name=a-old", f"train.output_dir={tmp_path}"])
     with pytest.raises(UserError, match="train.run_name is a-old"):
         resolve_run_name(named, root, "/cfg/a.yaml", "a-new")
     assert resolve_run_name(named, root, "/cfg/a.yaml", "") == "a-old"

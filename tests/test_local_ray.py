@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -43,7 +45,8 @@ ray.get([task.remote(), actor.pid.remote()])
 me = psutil.Process()
 pids = [me.pid] + [p.pid for p in me.children(recursive=True)]
 result = {"sockets": listening(pids), "node_ip": ray.util.get_node_ip_address(),
-          "token_auth": get_authentication_mode() == AuthenticationMode.TOKEN}
+          "token_auth": get_authentication_mode() == AuthenticationMode.TOKEN,
+          "session": ray._private.worker._global_node.get_session_dir_path()}
 ray.shutdown()
 print("RESULT " + json.dumps(result))
 """
@@ -74,4 +77,13 @@ def test_local_ray_listens_on_loopback_only_with_token_auth(tmp_path):
     assert not open_beyond, f"listening beyond loopback: {open_beyond}"
     assert result["node_ip"] == "127.0.0.1"
     assert result["token_auth"], "Ray >= 2.59 starts a local instance with token authentication"
-    assert (tmp_path / ".ray" / "auth_token").is_file()
+    # the token and the session folders are this user's alone (Ray's own: 0644 in a 0755 ~/.ray, /tmp/ray 0777)
+    token = tmp_path / ".ray" / "auth_token"
+    assert token.is_file() and _mode(token) == 0o600 and _mode(token.parent) == 0o700
+    session = Path(result["session"])
+    private = Path(tempfile.gettempdir()) / f"dmltrain-ray-{os.getuid()}"
+    assert session.is_relative_to(private) and _mode(private) == 0o700 and private.stat().st_uid == os.getuid()
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)

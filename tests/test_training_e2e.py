@@ -4,14 +4,16 @@ One local Ray for the module. The three runs share one config (2 gloo workers, t
 synthetic shards, sharded NormSoftmax with class subsampling plus ICE):
 
 1. a plain run trains, evaluates, logs an MLflow run and leaves checkpoints;
-2. the same config under another name, with one worker process killed (SIGKILL) after the
-   first checkpoint: Ray restarts the group, training resumes from the checkpoint, ends at
-   the same step in a single MLflow run, and with the same weights as run 1 (determinism);
+2. the same config under another name, with one worker process killed (SIGKILL) while the
+   workers hold before step 3 (``DMLTRAIN_FAULT_HOLD``: a live worker of this run, whatever the
+   machine's load): Ray restarts the group, training resumes from step 2's checkpoint, ends at
+   the same step in a single MLflow run, one value per step, with the same weights as run 1;
 3. a run saved at 2 workers is resumed at 1 worker by re-running it under its name;
 4. a copy of run 1 with a pickle planted in its checkpoint is refused before any worker starts;
 5. a loss made NaN at step 3 stops the run FAILED, keeping the checkpoints of steps 1-2 only;
-6. a `dmltrain train` process killed outright (SIGKILL) after its first checkpoint is continued
-   by `dmltrain train CONFIG --resume` (no run name) in the same MLflow run, which ends FINISHED.
+6. a `dmltrain train` process killed outright (SIGKILL) while its workers hold before step 4: its
+   workers, released, log nothing more; `dmltrain train CONFIG --resume` (no run name) continues the
+   run in the same MLflow run, which ends FINISHED with one value per step.
 """
 
 from __future__ import annotations
@@ -199,55 +201,49 @@ def _registered_checkpoints(run_dir: Path) -> list[str]:
     return [r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results", [])]
 
 
-def _train_worker_pids() -> set[int]:
-    """Ray Train workers of this test's Ray (descendants of this process: other Rays on the machine are not ours)."""
-    import psutil
-
-    workers = set()
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if "RayTrainWorker" in " ".join(p.cmdline()):
-                workers.add(p.pid)
-        except psutil.Error:
-            continue
-    return workers
+def _held_workers(hold: Path) -> dict[int, int]:
+    """rank -> pid of the workers holding before a step (``DMLTRAIN_FAULT_HOLD``, :mod:`dmltrain.training.faults`)."""
+    out = {}
+    for p in hold.glob("held-rank*-*"):
+        rank, pid = p.name[len("held-rank") :].split("-")
+        out[int(rank)] = int(pid)
+    return out
 
 
-def _kill_a_worker_after_first_checkpoint(run_dir: Path, killed: list[int], earlier: set[int]) -> None:
-    """SIGKILL a training worker of this run (not a lingering one of an earlier run: ``earlier``)."""
-    deadline = time.time() + 600
-    while time.time() < deadline and not _registered_checkpoints(run_dir):
-        time.sleep(0.05)
-    for _ in range(100):
-        workers = _train_worker_pids() - earlier
-        if workers:
-            victim = max(workers)
-            os.kill(victim, signal.SIGKILL)
-            killed.append(victim)
-            return
-        time.sleep(0.1)
+def _kill_a_held_worker(run_dir: Path, hold: Path, killed: list[int]) -> None:
+    """Once the run's first checkpoint is committed and its workers hold before step 3 (the run cannot end
+    meanwhile), SIGKILL rank 1, then release the others."""
+    try:
+        _wait_for(lambda: _registered_checkpoints(run_dir) and 1 in _held_workers(hold), "a held worker of the run")
+        victim = _held_workers(hold)[1]
+        os.kill(victim, signal.SIGKILL)
+        killed.append(victim)
+    finally:
+        (hold / "release").touch()
 
 
-def test_worker_killed_mid_run_resumes_to_the_same_weights(env, plain_run):
+def test_worker_killed_mid_run_resumes_to_the_same_weights(env, plain_run, tmp_path, monkeypatch):
     from cluster.launch import train
+    from dmltrain.training.faults import HOLD_ENV
 
     root, shards = env
+    hold = tmp_path / "hold"
+    monkeypatch.setenv(HOLD_ENV, f"3:{hold}")  # every worker waits before step 3 until the test releases it
     cfg = _config(root, shards, **{"train.run_name": "killed"})
     killed: list[int] = []
-    earlier = _train_worker_pids()
-    watcher = threading.Thread(
-        target=_kill_a_worker_after_first_checkpoint, args=(root / "runs" / "killed", killed, earlier), daemon=True
-    )
+    watcher = threading.Thread(target=_kill_a_held_worker, args=(root / "runs" / "killed", hold, killed), daemon=True)
     watcher.start()
     summary = train(cfg, progress=False)
     watcher.join(5)
     assert killed, "no worker process was found to kill"
     assert summary.ok, summary.error
     assert summary.metrics["step"] == plain_run.metrics["step"]
-    _, runs = _runs(root, "killed")
+    client, runs = _runs(root, "killed")
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-    # the restarted group resumed from a checkpoint
-    assert "dmltrain.resumed_from_step" in runs[0].data.tags, (killed, earlier, sorted(runs[0].data.tags))
+    # the restarted group resumed from the checkpoint of step 2; the history holds one value per step
+    assert runs[0].data.tags["dmltrain.resumed_from_step"] == "2", sorted(runs[0].data.tags)
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")]
+    assert sorted(steps) == list(range(1, summary.metrics["step"] + 1)), steps
     # killed and resumed reaches the same weights as the uninterrupted run (CPU, fp32, same seed and W)
     a, b = _final_weights(plain_run), _final_weights(summary)
     assert a.keys() == b.keys()
@@ -306,7 +302,7 @@ def test_a_tampered_checkpoint_is_refused_before_any_worker_starts(env, plain_ru
 def test_a_diverged_loss_stops_the_run_failed_keeping_the_last_good_checkpoint(env, monkeypatch):
     from cluster.launch import train
     from dmltrain.tracking.names import ERROR_TAG
-    from dmltrain.training.divergence import FAULT_ENV
+    from dmltrain.training.faults import FAULT_ENV
 
     root, shards = env
     monkeypatch.setenv(FAULT_ENV, "3")  # the embeddings of step 3 become NaN on every worker
@@ -342,15 +338,20 @@ def _wait_for(predicate, what: str, timeout: float = 600):
 
 
 def test_a_killed_driver_is_resumed_by_config_in_the_same_mlflow_run(env, tmp_path, capsys):
+    """Killed while its workers hold before step 4 (steps 1-3 logged, step 2's checkpoint committed): the killed
+    driver's workers, released, stop by themselves at their next log point (their driver is dead) and log nothing
+    more; the resumed run replays step 3 from the checkpoint without logging it again: one value per step."""
+    import psutil
     import ray
 
     from cluster.resume import latest_checkpoint_step
     from cluster.run_records import RunRecord
     from dmltrain.cli import main
     from dmltrain.tracking.names import RESUMED_FROM_STEP_TAG
+    from dmltrain.training.faults import HOLD_ENV
 
     root, shards = env
-    short = {"train.epochs": 1, "train.checkpoint_every": 1, "eval.before_training": "false", "eval.every": 0}
+    short = {"train.max_steps": 4, "train.checkpoint_every": 2, "eval.before_training": "false", "eval.every": 0}
     args = [
         "train",
         str(DEMO),
@@ -358,14 +359,18 @@ def test_a_killed_driver_is_resumed_by_config_in_the_same_mlflow_run(env, tmp_pa
         *_overrides(root, shards, **short),
         f"cluster.address={ray.get_runtime_context().gcs_address}",
     ]
-    earlier = _train_worker_pids()
+    hold = tmp_path / "hold"
     log = tmp_path / "driver.log"
     with open(log, "w") as out:
         driver = subprocess.Popen(
             [sys.executable, "-m", "dmltrain", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
+            env={
+                **os.environ,
+                HOLD_ENV: f"4:{hold}",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            },
         )
     try:
 
@@ -386,21 +391,30 @@ def test_a_killed_driver_is_resumed_by_config_in_the_same_mlflow_run(env, tmp_pa
             ),
             "the driver's run record",
         )
-        _wait_for(lambda: running(_registered_checkpoints(run_dir)), "the first checkpoint")
+        _wait_for(
+            lambda: running(_registered_checkpoints(run_dir) and len(_held_workers(hold)) == 2), "the held workers"
+        )
     finally:
         driver.kill()
         driver.wait()
+        (hold / "release").touch()  # the killed driver's workers go on, if Ray has not stopped them yet
+    orphans = set(_held_workers(hold).values())
+    _wait_for(lambda: not any(psutil.pid_exists(p) for p in orphans), "the killed driver's workers to go", timeout=120)
     name = run_dir.name
     assert f"run {name}: MLflow run " in log.read_text()  # the name and run id, printed before the workers started
-    _wait_for(lambda: not (_train_worker_pids() - earlier), "the killed job's workers to go", timeout=120)
     client, runs = _runs(root, name)
     assert len(runs) == 1 and runs[0].info.status == "RUNNING"  # what a killed driver leaves behind
+    logged = [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")]
+    assert logged == [1, 2, 3], logged  # released after their driver died, its workers logged no step 4
     saved = latest_checkpoint_step(run_dir)
+    assert saved == 2
     assert main([*args, "--resume"]) == 0
     assert f"resuming run {name} at step {saved}: MLflow run {runs[0].info.run_id}" in capsys.readouterr().err
     _, runs = _runs(root, name)
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert runs[0].data.tags[RESUMED_FROM_STEP_TAG] == str(saved)
-    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")]
-    assert saved + 1 in steps and max(steps) == latest_checkpoint_step(run_dir) > saved  # continued to the end
-    assert RunRecord.read(run_dir).status == "FINISHED" and (run_dir / "model" / "model.pt").is_file()
+    history = client.get_metric_history(runs[0].info.run_id, "loss")
+    steps = [m.step for m in history]
+    assert sorted(steps) == list(range(1, latest_checkpoint_step(run_dir) + 1)), steps  # one value per step
+    assert RunRecord.read(run_dir).status == "FINISHED" and RunRecord.read(run_dir).generation == 2
+    assert (run_dir / "model" / "model.pt").is_file()

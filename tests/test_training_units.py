@@ -409,6 +409,31 @@ class _Planted:
         return (open, (self.marker, "w"))
 
 
+def test_the_checkpoint_scan_follows_links_and_refuses_those_leaving_the_checkpoint(tmp_path):
+    from dmltrain.training.safe_load import scan_checkpoint
+
+    ckpt, outside, marker = tmp_path / "checkpoint-step00000002", tmp_path / "outside", tmp_path / "code-ran"
+    ckpt.mkdir()
+    outside.mkdir()
+    torch.save({"w": torch.zeros(2)}, ckpt / "model.pt")
+    torch.save(_Planted(marker), outside / "mp_rank_00_model_states.pt")
+    (ckpt / "engine").symlink_to(outside, target_is_directory=True)  # DeepSpeed would read the planted file
+    with pytest.raises(UserError) as e:
+        scan_checkpoint(ckpt)
+    assert str(e.value).startswith(f"{ckpt / 'engine'}: a symbolic link to {outside}, outside the checkpoint")
+    assert "\n" not in str(e.value)
+    # a link inside the checkpoint stands for its target, scanned under the name a resume reads
+    (ckpt / "engine").unlink()
+    (ckpt / "inner").mkdir()
+    torch.save(_Planted(marker), ckpt / "inner" / "state.bin")
+    (ckpt / "rng-rank0.pt").symlink_to(ckpt / "inner" / "state.bin")
+    with pytest.raises(UserError, match=r"rng-rank0\.pt: refused to load a checkpoint file that holds .*open"):
+        scan_checkpoint(ckpt)
+    (ckpt / "rng-rank0.pt").unlink()
+    scan_checkpoint(ckpt)  # data only again
+    assert not marker.exists()
+
+
 def _safe_loading_worker(rank, world, tmp: str):
     """In a fresh process (DeepSpeed keeps its groups per process): ZeRO-2/3 round trips through the allow-list,
     then planted pickles in DeepSpeed's and in our own files."""

@@ -169,6 +169,98 @@ def test_cli_refuses_a_bad_space_before_starting_anything(tmp_path, capsys):
     assert not (tmp_path / "missing").exists()  # nothing was built
 
 
+def test_tune_into_a_read_only_folder_fails_in_one_line_before_ray_starts(tmp_path, read_only_dir, capsys):
+    import ray
+
+    space = _space(tmp_path, {"metric": "recall@1", "space": {"optim.lr": {"choice": [0.1]}}})
+    argv = ["tune", str(DEMO), f"train.output_dir={read_only_dir / 'runs'}", "--space", str(space), "--trials", "1"]
+    assert main([*argv, f"data.shards={tmp_path / 'shards'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"dmltrain: error: train.output_dir: cannot write to {read_only_dir} (") and "\n" not in err
+    assert not ray.is_initialized() and not (tmp_path / "shards").exists()  # refused before Ray and the shards
+
+
+class _Planted:
+    """A pickle payload: unpickling it calls ``open(marker, 'w')``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_only_this_users_own_search_state_is_resumed(tmp_path, monkeypatch, capsys):
+    """Tune unpickles a search's state on resume: a search is resumed only with --resume, and only when every file
+    Ray would unpickle carries this user's tag; anything else is one line, exit 2, before Ray starts, and no code of
+    it runs. The file system Tune reads through checks the very bytes it hands over."""
+    import pickle
+    import stat
+
+    import pyarrow.fs
+    import ray
+
+    from cluster.tune.sealed_state import SIG_SUFFIX, SealedFileSystem, StateNotAuthentic, tag
+    from dmltrain.private import state_key
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # this user's key: made on first use, 0600
+    runs, marker = tmp_path / "runs", tmp_path / "code-ran"
+    folder = runs / "s"
+    folder.mkdir(parents=True)
+    payload = pickle.dumps(_Planted(marker))
+    space = _space(tmp_path, {"metric": "recall@1", "space": {"optim.lr": {"choice": [0.1]}}})
+    argv = ["tune", str(DEMO), f"train.output_dir={runs}", f"data.shards={tmp_path / 'none'}", "--space", str(space)]
+
+    def refused(*extra: str) -> str:
+        assert main([*argv, "--name", "s", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("dmltrain: error: ") and "\n" not in err, err
+        assert not marker.exists() and not ray.is_initialized() and not (tmp_path / "none").exists()
+        return err
+
+    (folder / "tuner.pkl").write_bytes(payload)  # a search planted in the folder (or an older, unsealed one)
+    assert f"tune s: {runs}/s holds a search already; resume it with --resume, or choose another --name" in refused()
+    err = refused("--resume")
+    assert (
+        f"{folder / 'tuner.pkl'}: not written by this user's dmltrain (no valid signature); Ray would unpickle" in err
+    )
+    assert main([*argv, "--resume"]) == 2 and "--resume: name the search to resume" in capsys.readouterr().err
+    key = state_key()
+    assert stat.S_IMODE((tmp_path / "config" / "dmltrain" / "state.key").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "config" / "dmltrain").stat().st_mode) == 0o700
+
+    # this user's own search, as Tune writes it through the sealing file system; a file planted beside it is refused
+    sealed = SealedFileSystem(pyarrow.fs.LocalFileSystem(), str(runs), key)
+    fs = pyarrow.fs.PyFileSystem(sealed)
+    for name, data in (("tuner.pkl", pickle.dumps({"a": 1})), ("experiment_state-1.json", b'{"trial_data": []}')):
+        with fs.open_output_stream(f"{folder}/{name}") as f:
+            f.write(data)
+    for planted in ("experiment_state-2.json", "basic-variant-state-2.json", "t000/error.pkl", "callback-states-2.pkl"):
+        path = folder / planted
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(payload)
+        assert f"{path}: not written by this user's dmltrain" in refused("--resume")
+        # a tag copied from another file, or made for another name, does not pass either
+        good = (folder / "tuner.pkl.dmltrain-sig").read_text()
+        Path(f"{path}{SIG_SUFFIX}").write_text(f"{good}\n{tag(key, 's/tuner.pkl', payload)}\n{'0' * 64}")
+        assert f"{path}: not written by this user's dmltrain" in refused("--resume")
+        path.unlink()
+        Path(f"{path}{SIG_SUFFIX}").unlink()
+
+    # what Tune reads is the bytes that were checked; a sealed file swapped afterwards is never handed over
+    assert fs.open_input_stream(f"{folder}/experiment_state-1.json").read() == b'{"trial_data": []}'
+    (folder / "experiment_state-1.json").write_bytes(payload)
+    with pytest.raises(StateNotAuthentic, match="experiment_state-1.json: not written by this user's dmltrain"):
+        fs.open_input_file(f"{folder}/experiment_state-1.json")
+    # Ray's copies of the file system: within this process they keep the key; what is pickled never holds it
+    shipped = pickle.dumps(fs)
+    assert key not in shipped and pickle.loads(shipped).handler.key == key
+    keyless = pyarrow.fs.PyFileSystem(SealedFileSystem(pyarrow.fs.LocalFileSystem(), str(runs), None))
+    with pytest.raises(StateNotAuthentic):
+        keyless.open_input_stream(f"{folder}/tuner.pkl")
+    assert not marker.exists()
+
+
 def test_only_new_evaluations_reach_tune(monkeypatch):
     from types import SimpleNamespace
 
@@ -314,6 +406,8 @@ def search(tmp_path_factory):
         "cluster.cpus_per_worker": 0.5,
     }
     start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("XDG_CONFIG_HOME", str(root / "config"))  # the key that seals the search's state
     try:
         argv = [
             "tune",
@@ -331,15 +425,20 @@ def search(tmp_path_factory):
             "2",
             "--no-progress",
         ]
-        printed = io.StringIO()
+        printed, resumed = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(printed):
             rc = main(argv)
+        with contextlib.redirect_stdout(resumed):  # the finished search again: Tune restores its sealed state
+            rc_resumed = main([*argv, "--resume"])
     finally:
+        patch.undo()
         ray.shutdown()
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     return {
         "rc": rc,
         "printed": printed.getvalue(),
+        "rc_resumed": rc_resumed,
+        "resumed": resumed.getvalue(),
         "root": root,
         "client": client,
         "exp": client.get_experiment_by_name("tune-test"),
@@ -411,6 +510,10 @@ def test_search_runs_trials_as_mlflow_children_and_writes_the_best_config(search
     # printed: the table, the best trial, the YAML
     printed = search["printed"]
     assert f"best trial {best_name}: recall@1 {best_value:.4f}" in printed and "optim:\n" in printed
+
+    # resumed with --resume: Tune read its own (sealed) state back and found every trial finished
+    assert search["rc_resumed"] == 0 and f"best trial {best_name}: recall@1 {best_value:.4f}" in search["resumed"]
+    assert (out / "tuner.pkl.dmltrain-sig").is_file() and list(out.glob("experiment_state-*.json.dmltrain-sig"))
 
 
 @pytest.mark.ray

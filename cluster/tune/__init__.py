@@ -35,8 +35,11 @@ parent run receives the space, the table, the YAML and the best trial's metrics.
 is the one with the best value of the metric at any of its evaluations, which is also the
 checkpoint its training keeps as ``best_model``. Outputs live in ``<storage>/<name>/``
 (``cluster.storage_path``, else ``train.output_dir``), the trials' trainings in its ``runs/``.
-Running the same command with the same ``--name`` resumes an interrupted search: finished
-trials are kept, unfinished ones continue from their last checkpoint.
+Running the same command with ``--name NAME --resume`` resumes an interrupted search: finished
+trials are kept, unfinished ones continue from their last checkpoint. Tune unpickles a search's
+state to resume it, so only a search this user's dmltrain wrote is resumed (its state is sealed
+with the user's key, :mod:`.sealed_state`); without ``--resume`` a folder that holds a search is
+refused.
 
 On a small machine the trials share the CPUs: each trial's driver takes ``--trial-cpus``
 (default 0.1) and its workers ``cluster.cpus_per_worker`` each (fractions allowed), and at most
@@ -46,5 +49,5 @@ Modules: :mod:`.space` (the space file, its checks against the config, sampled v
 config tree), :mod:`.trial` (one trial: its config, its MLflow child run, its training, the
 callback that forwards evaluations to Tune), :mod:`.results` (trial rows from Tune and from the
 trials' MLflow runs, the table, the best config), :mod:`.search` (the Tuner and the parent run),
-:mod:`.cli` (``dmltrain tune``).
+:mod:`.sealed_state` (the Tune state, authenticated), :mod:`.cli` (``dmltrain tune``).
 """

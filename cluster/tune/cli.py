@@ -36,8 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trial-cpus", type=float, default=0.1, help="CPUs reserved for each trial's driver (default 0.1)"
     )
+    parser.add_argument("--name", help="search name (default tune-<config>-<time>)")
     parser.add_argument(
-        "--name", help="search name (default tune-<config>-<time>); an existing search of this name resumes"
+        "--resume",
+        action="store_true",
+        help="continue the search --name NAME: finished trials are kept, unfinished ones continue from their last "
+        "checkpoint; only a search this user's dmltrain wrote is resumed (README: Security)",
     )
     parser.add_argument("--out", help="directory of results.md/csv and best_config.yaml (default <storage>/<name>)")
     parser.add_argument("--seed", type=int, help="random seed of the sampling (default train.seed)")
@@ -56,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         max_concurrent=args.max_concurrent,
         trial_cpus=args.trial_cpus,
         name=args.name,
+        resume=args.resume,
         out=args.out,
         seed=args.seed,
         config_name=Path(args.config).stem,

@@ -15,21 +15,20 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from cluster.launch import absolutize, default_run_name, init_ray, prepare_data, storage_root
+from cluster.launch import RunGroup, init_ray, prepare_driver
+from cluster.run_location import RunLocation
 from cluster.tune.results import TuneSummary, best_config_yaml, reconcile_with_mlflow, results_table, rows_from_results
+from cluster.tune.sealed_state import SearchState
 from cluster.tune.space import load_space
 from cluster.tune.trial import run_trial, trial_index
 from dmltrain.errors import UserError
 from dmltrain.fileio import write_text
 from dmltrain.text import csv_text, markdown_table
 from dmltrain.tracking.names import (
-    KIND_TAG,
-    STORAGE_DIR_TAG,
     TUNE_BEST_RUN_TAG,
     TUNE_BEST_TRIAL_TAG,
     TUNE_BEST_VALUE_PREFIX,
 )
-from dmltrain.tracking.run import RunHandle
 
 
 def default_max_concurrent(cfg, trial_cpus: float) -> int:
@@ -54,12 +53,16 @@ def tune_search(
     max_concurrent: int | None = None,
     trial_cpus: float = 0.1,
     name: str | None = None,
+    resume: bool = False,
     out: str | Path | None = None,
     seed: int | None = None,
     config_name: str | None = None,
     progress: bool = True,
 ) -> TuneSummary:
-    """Run a search (see the module doc) and return its summary; raises :class:`UserError` on bad input."""
+    """Run a search (see the module doc) and return its summary; raises :class:`UserError` on bad input.
+
+    ``resume``: continue the search ``name`` from the Tune state in its folder, which must be this user's
+    own (:mod:`.sealed_state`); without it, a folder that holds a search already is refused."""
     started = time.time()
     if trials < 1:
         raise UserError(f"--trials {trials}: must be at least 1")
@@ -73,11 +76,21 @@ def tune_search(
         raise UserError(f"--trial-cpus {trial_cpus}: must be >= 0")
     if max_concurrent is not None and max_concurrent < 1:
         raise UserError(f"--max-concurrent {max_concurrent}: must be at least 1")
+    if resume and not name:
+        raise UserError("--resume: name the search to resume (--name NAME)")
 
     base_storage = cfg.cluster.storage_path
     space = load_space(space_path, cfg.to_dict())  # a bad space stops before anything is built or started
-    prepare_data(cfg)  # synthetic shards are built once, here, for every trial
-    cfg = absolutize(cfg)
+    if name:  # Tune unpickles a search's state: resumed only when asked, and only from this user's own
+        state = SearchState(RunLocation.of(cfg).root, name)
+        if resume:
+            state.check_resumable()
+        elif state.exists():
+            raise UserError(
+                f"tune {name}: {state.root}/{name} holds a search already; resume it with --resume, or choose "
+                "another --name"
+            )
+    cfg = prepare_driver(cfg)  # train's checks; synthetic shards are built once, here, for every trial
     base_tree = cfg.to_dict()
     if scheduler == "asha" and cfg.eval.every == 0:
         print(
@@ -85,17 +98,9 @@ def tune_search(
             file=sys.stderr,
         )
 
-    name = name or default_run_name(f"tune-{config_name or 'run'}")
-    root = storage_root(cfg).rstrip("/")
-    experiment_dir = f"{root}/{name}"
-    # the tables and the YAML are local files: beside the trials, or under ./runs when the storage is remote (s3://...)
-    out_dir = (
-        Path(out) if out else (Path(experiment_dir) if "://" not in experiment_dir else Path.cwd() / "runs" / name)
-    )
-    runs_root = f"{experiment_dir}/runs"
-    parent = RunHandle.for_config(
+    search = RunGroup.open(
         cfg,
-        name,
+        "tune",
         {
             **cfg.flat(),
             "tune.space": str(space_path),
@@ -104,9 +109,12 @@ def tune_search(
             "tune.metric": space.metric,
             "tune.mode": space.mode,
         },
-        tags={KIND_TAG: "tune", STORAGE_DIR_TAG: experiment_dir},
+        name=name,
+        config_name=config_name,
+        out=out,
         owner="the search",
     )
+    name, parent, out_dir = search.name, search.parent, search.out_dir
     parent.log_text(space.text, "tune/space.yaml")
 
     init_ray(cfg)
@@ -124,7 +132,7 @@ def tune_search(
         "base": base_tree,
         "name": name,
         "parent_run_id": parent.run_id,
-        "runs_root": runs_root,
+        "runs_root": search.runs_root,
         "result_key": space.result_key,
     }
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), {"CPU": trial_cpus})
@@ -141,16 +149,24 @@ def tune_search(
     def short_name(trial) -> str:
         return f"t{trial_index(trial.trial_id):03d}"
 
+    # Tune reads and writes its state through a file system that seals what it may unpickle (.sealed_state)
+    sealed_fs, fs_root = SearchState(search.location.root, name).filesystem()
     run_config = tune.RunConfig(
         name=name,
-        storage_path=root,
+        storage_path=fs_root,
+        storage_filesystem=sealed_fs,
         verbose=1 if progress else 0,
         failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
     )
-    if tune.Tuner.can_restore(experiment_dir):
-        print(f"tune {name}: resuming the search found in {experiment_dir}", file=sys.stderr)
+    if resume:
+        print(f"tune {name}: resuming the search in {search.folder}", file=sys.stderr)
         tuner = tune.Tuner.restore(
-            experiment_dir, trainable, resume_unfinished=True, resume_errored=True, param_space=space.param_space()
+            f"{fs_root}/{name}",
+            trainable,
+            resume_unfinished=True,
+            resume_errored=True,
+            param_space=space.param_space(),
+            storage_filesystem=sealed_fs,
         )
     else:
         tuner = tune.Tuner(

@@ -27,13 +27,14 @@ import hashlib
 import os
 import platform
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import warnings
 from pathlib import Path
+
+from dmltrain.private import not_private
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -205,22 +206,6 @@ def _library_name() -> str:
     return f"dmltrain-native-{tag}.so"
 
 
-def _not_private(path: Path, *, kind: str, owners: tuple[int, ...]) -> str | None:
-    """Why ``path`` (not followed if a link) cannot be trusted: another owner, writable by others, wrong kind."""
-    try:
-        st = os.lstat(path)
-    except OSError as e:
-        return f"{path}: {e.strerror or e}"
-    is_kind = stat.S_ISDIR(st.st_mode) if kind == "dir" else stat.S_ISREG(st.st_mode)
-    if not is_kind:
-        return f"{path}: not a {'folder' if kind == 'dir' else 'regular file'} (a link or something else)"
-    if st.st_uid not in owners:
-        return f"{path}: owned by uid {st.st_uid}, not by this user ({os.getuid()})"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{path}: writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
-
-
 def _private_cache() -> tuple[Path | None, str | None]:
     """The cache folder, created 0700 and checked; ``(None, reason)`` when it is not this user's alone."""
     folder = _cache_dir()
@@ -236,7 +221,7 @@ def _private_cache() -> tuple[Path | None, str | None]:
     uid = os.getuid()
     # the base (~/.cache) may be root's; the two folders below it must be ours
     for path, owners in ((folder.parent.parent, (uid, 0)), (folder.parent, (uid,)), (folder, (uid,))):
-        problem = _not_private(path, kind="dir", owners=owners)
+        problem = not_private(path, kind="dir", owners=owners)
         if problem:
             return None, problem
     return folder, None
@@ -280,7 +265,7 @@ def _build() -> ctypes.CDLL:
             lib_path = folder / name
             if not lib_path.exists():
                 _compile(lib_path)
-            why = _not_private(lib_path, kind="file", owners=(os.getuid(),))
+            why = not_private(lib_path, kind="file", owners=(os.getuid(),))
             if why is None:
                 return _load(lib_path)
         # no trustworthy cache: a fresh private folder, removed once the library is mapped

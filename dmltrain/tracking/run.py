@@ -78,6 +78,7 @@ class RunHandle:
         self._client = None if run_id is None else (client or MlflowClient(tracking_uri=uri))
         self._monitor: SystemMetricsMonitor | None = None
         self._models = True  # model logging still on
+        self._logged_through: int | None = None  # metrics at steps up to this one are not logged (skip_logged_steps)
 
     # -- opening ---------------------------------------------------------------------------------------------
     @classmethod
@@ -198,6 +199,8 @@ class RunHandle:
     def log_metrics(self, metrics: Mapping[str, Any], step: int = 0) -> None:
         """Log ``metrics`` at ``step`` under their MLflow keys (:func:`~dmltrain.tracking.names.metric_key`);
         NaN and values that are not numbers are left out."""
+        if self._logged_through is not None and step <= self._logged_through:
+            return  # the run holds this step already: a resumed run replaying the steps after its checkpoint
         ts = int(time.time() * 1000)
         items = [
             Metric(metric_key(k), float(v), ts, step)
@@ -212,6 +215,18 @@ class RunHandle:
                 c.log_batch(self.run_id, metrics=items[i : i + METRICS_PER_BATCH])
 
         self.query("log metrics", send)
+
+    def skip_logged_steps(self) -> int | None:
+        """From now on log no metric at a step up to the last one the run already holds, so that a resumed run,
+        which replays the steps after its checkpoint, leaves one value per step in the history; returns that
+        step (None: the run holds none, or it cannot be read). System metrics count their own steps: left out."""
+
+        def last(c: MlflowClient) -> int | None:
+            metrics = c.get_run(self.run_id).data.to_proto().metrics
+            return max((m.step for m in metrics if not m.key.startswith("system/")), default=None)
+
+        self._logged_through = self.query("read the run's last logged step", last)
+        return self._logged_through
 
     def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
         self.query("log an artifact", lambda c: c.log_artifact(self.run_id, str(path), artifact_path))

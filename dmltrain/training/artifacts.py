@@ -20,6 +20,7 @@ import pyarrow.fs
 
 from dmltrain.models import load_model, save_model
 from dmltrain.training.dp_state import full_module_state_dict
+from shards.storage.location import is_url
 
 
 def log_run_files(logger, cfg, ds_config: dict[str, Any], manifest) -> None:
@@ -91,7 +92,7 @@ def publish_model(
 def _storage(storage_dir: str) -> tuple[pyarrow.fs.FileSystem, str]:
     fs, root = (
         pyarrow.fs.FileSystem.from_uri(storage_dir)
-        if "://" in storage_dir
+        if is_url(storage_dir)
         else (pyarrow.fs.LocalFileSystem(), storage_dir)
     )
     return fs, root.rstrip("/")

@@ -7,19 +7,16 @@ rank reaches the same verdict at the same call; the trainer calls it where it st
 host anyway (log points) and before every evaluation and checkpoint, so nothing computed after
 a non-finite loss is ever saved or evaluated.
 
-Fault injection for tests: ``DMLTRAIN_FAULT_NAN_AT_STEP=k`` in a worker's environment makes the
-embeddings NaN at step ``k`` (``dmltrain train`` passes the variable on to its workers).
+Tests make a loss diverge with ``DMLTRAIN_FAULT_NAN_AT_STEP`` (:mod:`.faults`).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-FAULT_ENV = "DMLTRAIN_FAULT_NAN_AT_STEP"
 _NEVER = 2**62
 
 
@@ -59,9 +56,3 @@ class DivergenceGuard:
         seen_here = int(self.first_bad[i]) == step
         value = str(float(self.value[i])) if seen_here else "not finite"  # another rank saw it
         raise Diverged(f"loss diverged: the {self.terms[i]} loss is {value} at step {step}")
-
-
-def injected_nan_step() -> int | None:
-    """The step at which a test asked for NaN embeddings (:data:`FAULT_ENV`), or None."""
-    raw = os.environ.get(FAULT_ENV, "").strip()
-    return int(raw) if raw else None

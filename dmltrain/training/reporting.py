@@ -36,6 +36,7 @@ class RunContext:
     mlflow_run_id: str | None
     board_name: str | None = None
     report_to_ray: bool = True
+    driver: dict[str, Any] | None = None  # the driver to watch (:class:`~.fence.DriverInfo`); None: none
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunContext:

@@ -13,7 +13,9 @@ Anything else is refused before any of it is built, with one line naming the fil
   :func:`load_file`, and any other ``torch.load`` in the process is forced weights-only
   (``TORCH_FORCE_WEIGHTS_ONLY_LOAD``) with the same allow-list, whatever its caller passed;
 * :func:`scan_checkpoint`: the driver's check of a checkpoint folder before any worker starts;
-  it reads the pickles' opcodes and builds nothing.
+  it reads the pickles' opcodes and builds nothing;
+* :func:`checkpoint_files`: a checkpoint's files, symbolic links included (one leaving the folder is
+  refused: by the scan, and again by :func:`restricted_loads` on the workers).
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class _WeightsOnlyCheckpointEngine:
 def restricted_loads(engine: Any, directory: str | os.PathLike[str]) -> Iterator[None]:
     """Within the block, ``engine.load_checkpoint`` and any other ``torch.load`` unpickle data and allowed types only;
     a refusal outside :func:`load_file` becomes a one-line :class:`UserError` naming ``directory``."""
+    checkpoint_files(directory)  # a link leaving the checkpoint: refused before anything is read
     inner = engine.checkpoint_engine
     engine.checkpoint_engine = _WeightsOnlyCheckpointEngine(inner)
     before = os.environ.get(FORCE_WEIGHTS_ONLY)
@@ -111,11 +114,44 @@ def restricted_loads(engine: Any, directory: str | os.PathLike[str]) -> Iterator
             os.environ[FORCE_WEIGHTS_ONLY] = before
 
 
+def checkpoint_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """The files of a checkpoint folder as a resume would read them, symbolic links included.
+
+    The folder is walked without following links; a link to a file or a folder inside the checkpoint
+    stands for its target (listed under the link's name, as a reader would open it), and a link
+    leaving the checkpoint (or a broken one) is refused with one line: it would make the resume
+    read whatever it points at (pathlib's ``rglob`` of Python 3.11 does not follow folder links, so a
+    scan by it would not even see those files)."""
+    root = Path(directory).resolve()
+    out = []
+    for here, dirs, files in os.walk(root):
+        for name in [*dirs, *files]:
+            path = Path(here, name)
+            if not path.is_symlink():
+                if name in files:
+                    out.append(path)
+                continue
+            target = path.resolve()
+            if not target.exists() or not target.is_relative_to(root):
+                raise UserError(
+                    f"{path}: a symbolic link to {target}, outside the checkpoint {root}; refused "
+                    f"(a checkpoint holds its own files only: {TRUST_NOTE})"
+                )
+            if target.is_dir():  # a link inside: its files are read under its name too
+                out.extend(path / Path(here, f).relative_to(target) for here, _, fs in os.walk(target) for f in fs)
+            else:
+                out.append(path)
+    return sorted(out)
+
+
 def scan_checkpoint(directory: str | os.PathLike[str]) -> None:
     """Refuse (one-line :class:`UserError`) a checkpoint folder holding a ``.pt`` file that names a type
-    :func:`load_file` would not load, or that is not a ``torch.save`` zip file. Nothing is unpickled: the
-    pickles' opcodes are read (an opcode the weights-only reader does not know is refused too)."""
-    for path in sorted(Path(directory).rglob("*.pt")):
+    :func:`load_file` would not load, or that is not a ``torch.save`` zip file, or a symbolic link leaving the
+    folder (:func:`checkpoint_files`). Nothing is unpickled: the pickles' opcodes are read (an opcode the
+    weights-only reader does not know is refused too)."""
+    for path in checkpoint_files(directory):
+        if path.suffix != ".pt":
+            continue
         try:
             names = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
         except Exception as e:  # noqa: BLE001 — a damaged or foreign file: refused the same way whatever torch raised

@@ -19,7 +19,10 @@ One :class:`Trainer` per worker process. It builds its parts, each in its own mo
 Every decision that involves a collective (when to evaluate, checkpoint or report) is a
 pure function of the step, identical on every rank, so no rank ever waits alone. So is the
 :class:`~.divergence.DivergenceGuard`'s check before each of them: a NaN or infinite loss
-term stops every rank at the same point, with the last checkpoint taken before it kept.
+term stops every rank at the same point, with the last checkpoint taken before it kept; and
+the :class:`~.fence.Fence`'s: a group whose driver died, or whose run another driver took over,
+stops there too, writing nothing more. A resumed run logs no metric at a step its MLflow run
+already holds (the steps replayed after the checkpoint), so its history has one value per step.
 """
 
 from __future__ import annotations
@@ -55,9 +58,11 @@ from dmltrain.training.artifacts import ModelExporter, log_run_files
 from dmltrain.training.async_eval import load_record, record_summary, validation_request
 from dmltrain.training.cadence import Cadence, Due
 from dmltrain.training.checkpoint import Checkpointer
-from dmltrain.training.divergence import Diverged, DivergenceGuard, injected_nan_step
+from dmltrain.training.divergence import Diverged, DivergenceGuard
 from dmltrain.training.engine import build_engine, loss_scale
 from dmltrain.training.evaluator import Evaluator
+from dmltrain.training.faults import Hold, injected_nan_step
+from dmltrain.training.fence import Fence
 from dmltrain.training.head import LossHead
 from dmltrain.training.metrics import TrainMetrics, memory_metrics, mlflow_names
 from dmltrain.training.objective import Objective
@@ -156,7 +161,8 @@ class Trainer:
         )
         self.state = TrainState(world_size=self.world, zero_stage=t.zero_stage, plan=self.stream.plan_signature())
         self.guard = DivergenceGuard(self.objective.terms, self.device)
-        self.nan_at = injected_nan_step()
+        self.fence = Fence(run.driver, self.rank, self.device)
+        self.nan_at, self.hold = injected_nan_step(), Hold.from_env(self.rank)  # tests' fault injection
 
     # -- the algorithm ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -210,6 +216,7 @@ class Trainer:
                 # validated one would otherwise be two checkpoints of the same step
                 self._act(step_due | self.cadence.due(st.step, epoch_end=st.epoch))
         self.guard.check()
+        self.fence.check()
         inline = self.cfg.eval.mode == "inline"
         if inline:
             self.evaluator.evaluate(st, step=st.step, phase="final")
@@ -222,6 +229,8 @@ class Trainer:
 
     def _train_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         st, engine, timer = self.state, self.engine, self.timer  # images, labels: on the device (self.input)
+        if self.hold is not None:
+            self.hold.before(st.step + 1)
         lr = self.lr.apply(st.step)
         timer.lap("data")
         embeddings = engine(images)
@@ -243,6 +252,7 @@ class Trainer:
     def _act(self, due: Due) -> None:
         if due.log or due.evaluate or due.checkpoint:
             self.guard.check()  # the same calls on every rank: all stop together, before anything is saved
+            self.fence.check()  # ... and when their driver is gone or another took the run over
         if due.log:
             self._log_train()
         with self.timer.aside():
@@ -292,6 +302,7 @@ class Trainer:
             self.logger.set_tag(RESUMED_AT_EPOCH_START_TAG, f"plan changed: {', '.join(changed)}")
         if self.logger is not None:
             self.logger.set_tag(RESUMED_FROM_STEP_TAG, str(st.step))
+            self.logger.skip_logged_steps()  # the steps replayed after the checkpoint keep their first values
         self.state = st
         return True
 
