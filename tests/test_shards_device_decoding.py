@@ -284,7 +284,10 @@ def test_decode_setting():
     assert resolve_decode("auto", "cpu", AugmentConfig()) == "cpu"
     assert resolve_decode("auto", "cuda", AugmentConfig()) == "device"
     assert resolve_decode("auto", "cuda", AugmentConfig(rotation=10)) == "cpu"
+    assert resolve_decode("auto", "cuda", AugmentConfig(randaugment=2)) == "cpu"  # RandAugment: CPU decoding
     assert resolve_decode("device", "cpu", AugmentConfig()) == "device"
     assert load_config(None, ["data.decode=cpu"]).data.decode == "cpu"
-    with pytest.raises(ConfigError, match=r"data.decode: device decoding does not rotate"):
+    with pytest.raises(ConfigError, match=r"data.decode: device decoding does not apply data.augment.rotation"):
         load_config(None, ["data.decode=device", "data.augment.rotation=10"])
+    with pytest.raises(ConfigError, match=r"data.decode: device decoding does not apply data.augment.randaugment"):
+        load_config(None, ["data.decode=device", "data.augment.randaugment=[2,9]"])
