@@ -85,15 +85,17 @@ class Backbone(nn.Module):
 @contextlib.contextmanager
 def _recomputing(module: nn.Module) -> Iterator[None]:
     """A checkpointed stage's recomputation: training BatchNorm layers normalise by the batch as in the forward
-    pass but leave their running statistics alone (the forward pass already moved them once)."""
+    pass, and their running statistics are put back afterwards (the forward pass already moved them once)."""
     layers = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
-    for m in layers:
-        m.track_running_stats = False
+    saved = [[b.clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked)] for m in layers]
     try:
         yield
     finally:
-        for m in layers:
-            m.track_running_stats = True
+        with torch.no_grad():
+            for m, (mean, var, count) in zip(layers, saved):
+                m.running_mean.copy_(mean)
+                m.running_var.copy_(var)
+                m.num_batches_tracked.copy_(count)
 
 
 class LayerChain(Backbone):
