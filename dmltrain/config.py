@@ -427,15 +427,29 @@ class Config(Section):
 
     # -- views -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict of the resolved config (tuples become lists)."""
-        return self.model_dump(mode="json")
+        """Plain JSON-able dict of the resolved config (tuples become lists).
+
+        What the backbone fills in (``data.mean``, ``data.std``, ``data.interpolation``, ``model.image_size``) is
+        written as null where it is the backbone's own, so that the dict, validated again (by a worker, a Tune
+        trial that changes the backbone, a file written from ``config show``), follows the backbone it then names;
+        :meth:`flat` (the MLflow params) holds the values in use.
+        """
+        out = self.model_dump(mode="json")
+        data, model = out["data"], out["model"]
+        for key, own in zip(("mean", "std", "interpolation"), backbone_input(self.model.backbone)):
+            if data[key] == (list(own) if isinstance(own, tuple) else own):
+                data[key] = None
+        if model["image_size"] == self.data.image_size:
+            model["image_size"] = None
+        return out
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
 
     def flat(self) -> dict[str, Any]:
-        """Dotted keys to scalar values (lists rendered as strings): MLflow params, report diffs."""
-        return flatten(self.to_dict())
+        """Dotted keys to scalar values (lists rendered as strings), those filled in from the backbone included:
+        MLflow params, report diffs."""
+        return flatten(self.model_dump(mode="json"))
 
 
 def backbone_input(backbone: str) -> tuple[tuple[float, ...], tuple[float, ...], str]:

@@ -27,6 +27,7 @@ it is convolutional), from the model built on the meta device (no memory, no wei
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,11 +88,8 @@ def timm_facts(name: str) -> TimmFacts:
         raise UserError(f"model.backbone: timm knows no model '{name}'")
     with torch.device("meta"):
         net = _create(arch)
-        try:
-            _create(arch, img_size=64)
-            takes_image_size = True
-        except TypeError:  # convolutional models have no fixed input size
-            takes_image_size = False
+    # built for an input size (position embeddings): its constructor takes one; convolutional models do not
+    takes_image_size = "img_size" in inspect.signature(type(net).__init__).parameters
     cfg = dict(net.pretrained_cfg)
     interpolation = cfg.get("interpolation", "bicubic")
     patch = getattr(getattr(net, "patch_embed", None), "patch_size", None)
@@ -229,6 +227,8 @@ def build_timm_backbone(
         net = _create(facts.name, **kwargs)
     except TypeError as e:  # a model without stochastic depth
         raise UserError(f"model.drop_path: timm model {name} does not take it ({e})") from None
+    except (AssertionError, ValueError, RuntimeError) as e:  # e.g. a window size that does not divide the grid
+        raise UserError(f"model.backbone: timm cannot build {name} for data.image_size {image_size} ({e})") from None
     _force_fused_attention(net)
     return TimmBackbone(name, net, features)
 
