@@ -194,7 +194,8 @@ class OptimConfig(Section):
         gt=0,
         le=1,
         description="layer-wise lr decay: a backbone parameter of layer i (0 at the input, L the last) trains at "
-        "lr × layer_decay^(L - i) (timm's grouping: stem, each block, final norm; torchvision: stem, each stage); "
+        "lr × layer_decay^(L - i) (timm's grouping: stem, then each block, the final norm with the last; "
+        "torchvision: stem, then each stage); "
         "None: off",
     )
 
@@ -241,8 +242,10 @@ class TrainConfig(Section):
         le=1024,
         description="micro-batches of data.batch_size per optimizer step (DeepSpeed's gradient_accumulation_steps; "
         "the classifier rows step once per step). Exact for the classifier loss (a mean over samples): its gradients, "
-        "the rows' and the backbone's, equal those of one batch of grad_accum × data.batch_size (class subsampling "
-        "draws per micro-batch). An instance loss sees each micro-batch's gathered embeddings only",
+        "the rows' and the backbone's, equal those of one batch of grad_accum × data.batch_size (with sample_ratio < 1 "
+        "each micro-batch's softmax holds its own classes plus the step's draw). An instance loss sees each "
+        "micro-batch's gathered embeddings only (a mean of per-micro-batch losses). Steps, not micro-batches, are "
+        "what train.max_steps, the schedule and checkpoints count",
     )
     ema_decay: float | None = Field(
         None,

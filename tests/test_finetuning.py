@@ -233,6 +233,28 @@ def test_weight_average_follows_its_formula_and_swaps():
     assert again.updates == 5 and all(torch.equal(again.shadow[n], v) for n, v in ema.shadow.items())
 
 
+def test_a_checkpoints_average_is_what_an_asynchronous_evaluation_loads(tmp_path):
+    """``eval.mode: async`` evaluates a checkpoint's ``model.pt``: with ``ema.pt`` beside it, the average."""
+    from dmltrain.models import build_model, save_model
+    from dmltrain.training.checkpoint import load_checkpoint_model
+    from dmltrain.training.ema import WeightEMA
+
+    cfg = load_config(None, [*SMALL, "model.backbone=small_cnn", "model.grad_checkpointing=true"])
+    model = build_model(cfg.model)
+    ema = WeightEMA(model, 0.5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update()
+    save_model(tmp_path / "model.pt", model, cfg.to_dict())
+    plain = load_checkpoint_model(tmp_path)
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters()))
+    assert not plain.backbone.grad_checkpointing  # a loaded model is for inference
+    torch.save(ema.state_dict(), tmp_path / "ema.pt")
+    averaged = dict(load_checkpoint_model(tmp_path).named_parameters())
+    assert all(torch.equal(averaged[n], v) for n, v in ema.shadow.items())
+
+
 def test_a_position_is_resumed_only_with_its_own_accumulation():
     """Checkpoints are taken between optimizer steps, so a saved position is a whole number of steps; resuming it
     with another train.grad_accum (a step would mean other batches) is refused in one line."""

@@ -6,7 +6,8 @@ it loads with ``weights_only=True``: ``format``, ``version``, the run ``config``
 ``features``, offline), the ``state_dict`` (on CPU), ``input`` (what the model expects of its images:
 ``mean``, ``std``, ``interpolation``, from the run's ``data`` section, else the backbone's own) and ``extra``
 (metrics, step, anything plain). Loading rebuilds the model from ``model_config`` without
-reading or downloading the pretrained weights it was started from, and sets ``model.input_spec``.
+reading or downloading the pretrained weights it was started from (gradient checkpointing off: a loaded
+model is for inference and export), and sets ``model.input_spec``.
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ def load_model(
         reason = " ".join(str(e).split())[:200]
         raise UserError(f"{path}: weights do not fit the stored model config ({reason})") from None
     model.input_spec = obj.get("input") or input_spec(obj.get("config") or {}, obj["model_config"])
+    model.backbone.set_grad_checkpointing(
+        False
+    )  # a training-memory setting; inference and export trace the plain graph
     model.to(map_location).eval()
     return model, obj["config"], obj["extra"]
 

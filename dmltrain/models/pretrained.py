@@ -91,7 +91,7 @@ def weights_file(
     if spec == "imagenet" and not timm:
         return imagenet_file(backbone_name)
     if spec in ("imagenet", "timm") or spec.startswith(HF_PREFIX):
-        if spec in ("imagenet", "timm") and not timm:
+        if spec == "timm" and not timm:
             raise UserError(
                 f"model.pretrained={spec}: {backbone_name} is a torchvision backbone; use imagenet or a file path"
             )
@@ -132,7 +132,7 @@ def _cached_weights(backbone_name: str, spec: str, allow_download: bool, missing
             if isinstance(found, str):
                 return Path(found)
         looked.append(f"{repo} in the Hugging Face cache ({cache or huggingface_hub.constants.HF_HUB_CACHE})")
-    if url is not None:
+    if url is not None and url.endswith((".pth", ".pt", ".bin", ".safetensors")):  # not big_vision's .npz
         hub_file = Path(torch.hub.get_dir()) / "checkpoints" / url.rsplit("/", 1)[-1]
         if hub_file.is_file():
             return hub_file

@@ -1,11 +1,12 @@
 """An exponential moving average of the model's weights (``train.ema_decay``), evaluated and exported in their place.
 
 After every optimizer step :meth:`WeightEMA.update` moves each float parameter's average towards the
-parameter: ``ema ← d·ema + (1 − d)·w``, in float32 whatever the engine's precision (a bf16 model's
-average keeps the small steps bf16 would round away), starting from the weights as built (the
-pretrained ones). Buffers (BatchNorm statistics) are not averaged: the model's current ones are used.
-The average covers the engine's model, backbone and embedding head; the classifier rows are not part
-of it (nothing that is evaluated or exported uses them).
+parameter: ``ema ← d·ema + (1 − d)·w``, starting from the weights as built (the pretrained ones). The
+average is kept in float32 whatever the engine's precision, so its small updates are not rounded away;
+under bf16 the ``w`` it averages are the engine's bf16 copies of the fp32 master weights. Buffers
+(BatchNorm statistics) are not averaged: the model's current ones are used. The average covers the
+engine's model, backbone and embedding head; the classifier rows are not part of it (nothing that is
+evaluated or exported uses them).
 
 :meth:`WeightEMA.swapped` puts the average into the model for an evaluation or an export and the
 trained weights back afterwards. Every rank keeps the same average (ZeRO 0-2 give every rank whole,
