@@ -47,11 +47,12 @@ def test_vit_features_stages_and_sdpa_attention(monkeypatch):
         "bicubic",
         32,
     )
+    was = timm.layers.use_fused_attn()
     timm.layers.set_fused_attn(False)  # as TIMM_FUSED_ATTN=0 would: dmltrain turns it back on per layer
     try:
         model = _model(f"model.backbone={VIT}").eval()
     finally:
-        timm.layers.set_fused_attn(True)
+        timm.layers.set_fused_attn(was)
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(
