@@ -197,7 +197,7 @@ def check_run(cfg: Config) -> None:
 
     c = cfg.cluster
     deepspeed_config(cfg, c.num_workers)  # reads and checks a user DeepSpeed JSON
-    check_pretrained(cfg.model.backbone, cfg.model.pretrained)
+    check_pretrained(cfg.model.backbone, cfg.model.pretrained, cfg.model)
     # refuses (UserError) a global batch the split cannot fill once per epoch at this worker count
     TrainStream.from_config(cfg.data, cfg.train.seed, 0, c.num_workers, loader_workers=0)
 
@@ -225,7 +225,7 @@ def absolutize(cfg: Config) -> Config:
     if train.deepspeed_config:
         train = train.model_copy(update={"deepspeed_config": str(Path(train.deepspeed_config).resolve())})
     model = cfg.model
-    if model.pretrained not in ("none", "imagenet"):
+    if model.pretrained_is_file():  # not none, imagenet, timm or hf-hub:REPO
         model = model.model_copy(update={"pretrained": str(Path(model.pretrained).expanduser().resolve())})
     tracking = cfg.tracking.model_copy(update={"uri": cfg.tracking.resolved_uri()})
     return cfg.model_copy(update={"data": data, "train": train, "model": model, "tracking": tracking})

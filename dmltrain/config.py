@@ -26,11 +26,19 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from dmltrain.config_tree import apply_overrides, flatten, read_tree
-from dmltrain.errors import ConfigError
-from shards.config import DataConfig, Section
+from dmltrain.errors import ConfigError, UserError
+from shards.config import IMAGENET_MEAN, IMAGENET_STD, DataConfig, Section
 from shards.read.sampler import batch_shape
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # a folder name: no separators, no leading dot
+PRETRAINED_KEYWORDS = ("", "none", "imagenet", "timm")  # model.pretrained values that are not files
+HF_PREFIX = "hf-hub:"  # model.pretrained=hf-hub:ORG/NAME: a Hugging Face repository in the local cache
+# dmltrain.models.backbones.BACKBONES' names (kept here so that checking a config imports no torchvision);
+# any other name is looked up in timm
+TORCHVISION_BACKBONES = (
+    "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "wide_resnet50_2",
+    "googlenet", "small_cnn",
+)  # fmt: skip
 
 #: ``train.precision``: the autocast of the model's forward pass
 TrainPrecision = Literal["fp32", "bf16", "fp16"]
@@ -58,8 +66,43 @@ def gpu_only(key: str, value: str) -> str | None:
 
 
 class ModelConfig(Section):
-    backbone: str = Field("resnet50", description="resnet18/34/50/101, googlenet, or small_cnn")
-    pretrained: str = Field("none", description="none, imagenet, or the path of a torchvision state dict")
+    backbone: str = Field(
+        "resnet50",
+        description="resnet18/34/50/101/152, resnext50_32x4d, wide_resnet50_2, googlenet, small_cnn (torchvision), "
+        "or any timm model name (vit_small_patch16_224, vit_base_patch14_dinov2, vit_base_patch16_clip_224, "
+        "convnext_base, ...; a pretrained tag may follow a dot; timm:NAME for timm's model of one of the former names)",
+    )
+    pretrained: str = Field(
+        "none",
+        description="none; imagenet (torchvision's weights; for a timm model its default pretrained tag); timm (the "
+        "timm model's pretrained weights from the local Hugging Face cache); hf-hub:ORG/NAME (a Hugging Face repository "
+        "from the local cache); or a file: safetensors or a torch state dict (read weights-only)",
+    )
+    pretrained_download: bool = Field(
+        False,
+        description="allow downloading timm / Hugging Face weights missing from the local cache (default: never "
+        "downloaded at training time)",
+    )
+    image_size: int | None = Field(
+        None,
+        ge=8,
+        description="input side a timm model is built for (a ViT's position embeddings, resampled from the "
+        "pretrained ones); None: data.image_size (filled in); convolutional models ignore it",
+    )
+    features: Literal["auto", "pooled", "cls", "patches"] = Field(
+        "auto",
+        description="timm models: pooled (auto: the model's own pooled features as pretrained, the class token of a "
+        "ViT), cls (the class token), patches (patch tokens or a convnet's last map, pooled by model.pooling); "
+        "torchvision backbones: their last feature map",
+    )
+    drop_path: float = Field(
+        0.0, ge=0.0, lt=1.0, description="stochastic depth rate of a timm model (timm's drop_path_rate)"
+    )
+    grad_checkpointing: bool = Field(
+        False,
+        description="recompute activations in the backward pass (timm's set_grad_checkpointing; each stage of a "
+        "torchvision backbone under torch.utils.checkpoint): less memory, about a third more compute",
+    )
     embedding_dim: int | None = Field(
         512, ge=64, le=4096, description="none: the pooled backbone features, unprojected"
     )
@@ -67,14 +110,25 @@ class ModelConfig(Section):
         "layernorm",
         description="layernorm: NormSoftmax head (LayerNorm, Linear, L2); batchnorm: CE head (BatchNorm1d); none: pooled features",
     )
-    pooling: Literal["avg", "max", "avgmax"] = "avg"
-    multilevel: list[str] | None = Field(None, description="backbone stages pooled, projected and concatenated")
+    pooling: Literal["avg", "max", "avgmax", "gem"] = Field(
+        "avg", description="global pooling of the feature maps: avg, max, (avg + max) / 2, or GeM (model.gem_p)"
+    )
+    gem_p: float = Field(3.0, ge=1.0, le=16.0, description="exponent of GeM pooling (generalised mean)")
+    multilevel: list[str] | None = Field(
+        None,
+        description="backbone stages pooled, projected and concatenated (timm: feature points such as blocks.8 or "
+        "stages.2, and output)",
+    )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the classifier branch only")
     freeze_bn: bool = Field(False, description="keep BatchNorm running statistics fixed")
     sync_bn: bool = Field(
         False, description="BatchNorm statistics over the global batch (all workers), not each worker's part"
     )
-    channels_last: bool = False
+    channels_last: bool = Field(False, description="channels_last memory format (convolutional backbones only)")
+
+    def pretrained_is_file(self) -> bool:
+        """Whether ``pretrained`` names a file (a path to make absolute), not a keyword or an ``hf-hub:`` repository."""
+        return self.pretrained not in PRETRAINED_KEYWORDS and not self.pretrained.startswith(HF_PREFIX)
 
 
 class ClassifierLoss(Section):
@@ -159,6 +213,15 @@ class OptimConfig(Section):
     decay_norm_and_bias: bool = Field(True, description="False: no weight decay on biases and norm parameters")
     betas: tuple[float, float] = (0.9, 0.999)
     new_param_lr_mult: float = Field(1.0, gt=0, description="lr multiplier of the head and the classifier")
+    layer_decay: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="layer-wise lr decay: a backbone parameter of layer i (0 at the input, L the last) trains at "
+        "lr × layer_decay^(L - i) (timm's grouping: stem, then each block, the final norm with the last; "
+        "torchvision: stem, then each stage); "
+        "None: off",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> OptimConfig:
@@ -197,6 +260,24 @@ class TrainConfig(Section):
         2, ge=1, description="most recent training checkpoints kept (the best model is kept apart)"
     )
     log_every: int = Field(10, ge=1)
+    grad_accum: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="micro-batches of data.batch_size per optimizer step (DeepSpeed's gradient_accumulation_steps; "
+        "the classifier rows step once per step). Exact for the classifier loss (a mean over samples): its gradients, "
+        "the rows' and the backbone's, equal those of one batch of grad_accum × data.batch_size (with sample_ratio < 1 "
+        "each micro-batch's softmax holds its own classes plus the step's draw). An instance loss sees each "
+        "micro-batch's gathered embeddings only (a mean of per-micro-batch losses). Steps, not micro-batches, are "
+        "what train.max_steps, the schedule and checkpoints count",
+    )
+    ema_decay: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="keep an exponential moving average of the model's weights (backbone and embedding head), "
+        "ema = d·ema + (1 − d)·w after each optimizer step, and evaluate and export it; None: off",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -319,19 +400,98 @@ class Config(Section):
                     raise ValueError(reason)
         if self.schedule.unit == "step" and self.train.max_steps is None and self.schedule.kind == "cosine":
             raise ValueError("schedule.unit: a cosine schedule in steps needs train.max_steps")
+        if self.train.ema_decay is not None and self.train.zero_stage >= 3:
+            raise ValueError("train.ema_decay: needs whole parameters on every worker; use train.zero_stage <= 2")
+        if self.model.grad_checkpointing and self.model.sync_bn:
+            raise ValueError(
+                "model.grad_checkpointing: not with model.sync_bn (recomputation would repeat its collectives)"
+            )
+        try:
+            self._resolve_backbone()
+        except UserError as e:
+            raise ValueError(str(e)) from None
         return self
+
+    def _resolve_backbone(self) -> None:
+        """Fill in what comes from the backbone (``data.mean``, ``.std``, ``.interpolation``, ``model.image_size``)
+        and refuse what it cannot take."""
+        m, d = self.model, self.data
+        mean, std, interpolation = backbone_input(m.backbone)  # refuses an unknown name first
+        if m.backbone in TORCHVISION_BACKBONES:
+            if m.drop_path:
+                raise UserError(
+                    f"model.drop_path: {m.backbone} (torchvision) has no stochastic depth; use 0, or a timm backbone "
+                    f"(e.g. timm:{m.backbone})"
+                )
+            if m.features not in ("auto", "patches"):
+                raise UserError(
+                    f"model.features: {m.features} is for timm models; {m.backbone} gives its last feature map"
+                )
+        else:
+            from dmltrain.models.timm_backbones import check_timm_model, timm_facts
+
+            facts = timm_facts(m.backbone)
+            if m.channels_last and not facts.convolutional:
+                raise UserError(
+                    f"model.channels_last: {m.backbone} is a transformer over patch tokens; channels_last helps "
+                    f"convolutional models only"
+                )
+            if m.image_size is not None and m.image_size != d.image_size and facts.takes_image_size:
+                raise UserError(
+                    f"model.image_size: {m.image_size} differs from data.image_size {d.image_size}; "
+                    f"{m.backbone} is built for the size it is trained at"
+                )
+            check_timm_model(m.backbone, m.features, m.pooling, d.image_size, d.eval_crop)
+        if m.image_size is None:
+            m.image_size = d.image_size
+        if d.mean is None:
+            d.mean = mean
+        if d.std is None:
+            d.std = std
+        if d.interpolation is None:
+            d.interpolation = interpolation
 
     # -- views -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict of the resolved config (tuples become lists)."""
-        return self.model_dump(mode="json")
+        """Plain JSON-able dict of the resolved config (tuples become lists).
+
+        What the backbone fills in (``data.mean``, ``data.std``, ``data.interpolation``, ``model.image_size``) is
+        written as null where it is the backbone's own, so that the dict, validated again (by a worker, a Tune
+        trial that changes the backbone, a file written from ``config show``), follows the backbone it then names;
+        :meth:`flat` (the MLflow params) holds the values in use.
+        """
+        out = self.model_dump(mode="json")
+        data, model = out["data"], out["model"]
+        for key, own in zip(("mean", "std", "interpolation"), backbone_input(self.model.backbone)):
+            if data[key] == (list(own) if isinstance(own, tuple) else own):
+                data[key] = None
+        if model["image_size"] == self.data.image_size:
+            model["image_size"] = None
+        return out
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
 
     def flat(self) -> dict[str, Any]:
-        """Dotted keys to scalar values (lists rendered as strings): MLflow params, report diffs."""
-        return flatten(self.to_dict())
+        """Dotted keys to scalar values (lists rendered as strings), those filled in from the backbone included:
+        MLflow params, report diffs."""
+        return flatten(self.model_dump(mode="json"))
+
+
+def backbone_input(backbone: str) -> tuple[tuple[float, ...], tuple[float, ...], str]:
+    """``(mean, std, interpolation)`` that backbone ``backbone`` expects: ImageNet's and bilinear for the torchvision
+    backbones, the pretrained config's for a timm model; a one-line :class:`UserError` for an unknown name."""
+    if backbone in TORCHVISION_BACKBONES:
+        return IMAGENET_MEAN, IMAGENET_STD, "bilinear"
+    from dmltrain.models.timm_backbones import timm_facts, timm_name
+
+    if timm_name(backbone) is None:
+        raise UserError(
+            f"model.backbone: unknown backbone '{backbone}' (choose from {', '.join(TORCHVISION_BACKBONES)}, "
+            f"or a timm model name)"
+        )
+    facts = timm_facts(backbone)
+    return facts.mean, facts.std, facts.interpolation
 
 
 # ------------------------------------------------------------------------------------------

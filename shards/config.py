@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from shards.storage.location import RemoteSettings, check_storage_options
 
 _REMOTE = RemoteSettings()
+# torchvision's ImageNet normalization: the input of the torchvision backbones (timm models bring their own)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class Section(BaseModel):
@@ -82,13 +85,41 @@ def _check_range(key: str, pair: tuple[float, float], upper: float | None = None
         raise ValueError(f"{key}: need 0 < low <= high{bound}, got {list(pair)}")
 
 
+class RandAugment(Section):
+    """torchvision's ``RandAugment``: ``ops`` operations per image, each drawn uniformly from its 14 (identity,
+    shear x/y, translate x/y, rotate, brightness, colour, contrast, sharpness, posterize, solarize, autocontrast,
+    equalize) at ``magnitude`` out of ``bins`` levels, a signed operation's sign a coin flip, geometric ones filled
+    black. A number ``n`` stands for ``ops = n`` at the default magnitude; ``[n, m]`` for ops and magnitude.
+    """
+
+    ops: int = Field(0, ge=0, le=8, description="operations per image; 0 disables (timm's rand-m9-n2: ops 2)")
+    magnitude: int = Field(9, ge=0, description="strength, 0 .. bins - 1 (timm's rand-m9: 9)")
+    bins: int = Field(31, ge=2, le=256, description="magnitude levels (torchvision's num_magnitude_bins)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool):
+            return {"ops": v}
+        if isinstance(v, (list, tuple)) and len(v) == 2:
+            return {"ops": v[0], "magnitude": v[1]}
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> RandAugment:
+        if self.magnitude >= self.bins:
+            raise ValueError(f"data.augment.randaugment.magnitude: {self.magnitude} is not below bins ({self.bins})")
+        return self
+
+
 class AugmentConfig(Section):
     """Training augmentation, with torchvision's names and semantics; evaluation only resizes and centre-crops
     (``data.eval_resize``, ``data.eval_crop``), converted to grayscale when ``grayscale`` is set.
 
     Order: ``resize`` (the frame the crop is drawn in) -> ``rotation`` -> RandomResizedCrop (``scale``,
-    ``ratio``) to ``data.image_size`` -> ``flip`` -> ``color_jitter`` -> ``grayscale`` -> normalization ->
-    ``erase`` -> ``noise``. Every random choice is drawn from (train.seed, epoch, rank, batch, slot).
+    ``ratio``) to ``data.image_size`` -> ``flip`` -> ``randaugment`` -> ``color_jitter`` -> ``grayscale`` ->
+    normalization -> ``erase`` -> ``noise``. Every random choice is drawn from (train.seed, epoch, rank, batch,
+    slot).
     """
 
     resize: int | tuple[int, int] | None = Field(
@@ -106,6 +137,10 @@ class AugmentConfig(Section):
     )
     noise: float = Field(0.0, ge=0.0, description="std of Gaussian noise added to the normalized pixels; 0 disables")
     erase: RandomErasing = Field(default_factory=RandomErasing)
+    randaugment: RandAugment = Field(
+        default_factory=RandAugment,
+        description="RandAugment after the crop and flip: {ops, magnitude, bins}, or ops alone; CPU decoding only",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AugmentConfig:
@@ -124,6 +159,14 @@ class AugmentConfig(Section):
         """(min, max) rotation in degrees, counter-clockwise."""
         r = self.rotation
         return (-abs(r), abs(r)) if isinstance(r, (int, float)) else (float(r[0]), float(r[1]))
+
+    def cpu_only(self) -> str | None:
+        """The option that the device path does not apply (``rotation``, ``randaugment``), or None."""
+        if self.rotation_range != (0.0, 0.0):
+            return "rotation"
+        if self.randaugment.ops:
+            return "randaugment"
+        return None
 
 
 class RemoteConfig(Section):
@@ -185,6 +228,19 @@ class DataConfig(Section):
         "by resampling detail",
     )
     eval_batch_size: int = Field(128, ge=1)
+    mean: tuple[float, float, float] | None = Field(
+        None,
+        description="per-channel mean of the normalization, training and evaluation; None: the backbone's own "
+        "(its pretrained config: timm's mean, ImageNet's for the torchvision backbones), filled in by the run config",
+    )
+    std: tuple[float, float, float] | None = Field(
+        None, description="per-channel std of the normalization; None: the backbone's own, as data.mean"
+    )
+    interpolation: Literal["bilinear", "bicubic"] | None = Field(
+        None,
+        description="the resampling of crops and resizes (Pillow's, antialiased); None: the backbone's own "
+        "(timm's pretrained config; bilinear for the torchvision backbones)",
+    )
     synthetic: SyntheticData | None = Field(None, description="build synthetic shards at data.shards if missing")
 
     @model_validator(mode="before")
@@ -205,10 +261,13 @@ class DataConfig(Section):
     def _check(self) -> DataConfig:
         if self.eval_crop > self.eval_resize:
             raise ValueError(f"data.eval_crop: {self.eval_crop} is larger than data.eval_resize {self.eval_resize}")
-        if self.decode == "device" and self.augment.rotation_range != (0.0, 0.0):
+        option = self.augment.cpu_only()
+        if self.decode == "device" and option:
             raise ValueError(
-                "data.decode: device decoding does not rotate (data.augment.rotation); use data.decode=cpu or auto"
+                f"data.decode: device decoding does not apply data.augment.{option}; use data.decode=cpu or auto"
             )
+        if self.std is not None and min(self.std) <= 0:
+            raise ValueError(f"data.std: every channel's std must be positive, got {list(self.std)}")
         return self
 
     @property
@@ -222,11 +281,10 @@ MOVED_DATA_KEYS = {"crop_scale": "augment.scale", "color_jitter": "augment.color
 
 def resolve_decode(setting: str, device: Any, augment: AugmentConfig) -> str:
     """``data.decode`` for a worker on ``device`` (a ``torch.device`` or its name): ``cpu`` or ``device`` as
-    given; ``auto`` is ``device`` on a CUDA device unless the augmentation rotates (the device path does not),
-    else ``cpu``."""
+    given; ``auto`` is ``device`` on a CUDA device unless the augmentation rotates or runs RandAugment (the
+    device path does neither), else ``cpu``."""
     if setting in ("cpu", "device"):
         return setting
     if setting != "auto":
         raise ValueError(f"data.decode: unknown setting {setting!r} (auto, cpu or device)")
-    rotates = augment.rotation_range != (0.0, 0.0)
-    return "device" if str(device).split(":")[0] == "cuda" and not rotates else "cpu"
+    return "device" if str(device).split(":")[0] == "cuda" and not augment.cpu_only() else "cpu"

@@ -19,9 +19,10 @@ CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "tune" not in 
 def test_configs_exist():
     names = {str(p.relative_to(ROOT / "configs")) for p in CONFIGS}
     assert "demo.yaml" in names
-    for method in ("normsoftmax", "ce_ls", "ice", "rll"):
+    for method in ("normsoftmax", "ce_ls", "ice", "rll", "vit"):
         for dataset in ("sop", "cub", "cars", "inshop"):
             assert f"{method}/{dataset}.yaml" in names
+    assert "vit/dinov2_sop.yaml" in names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))

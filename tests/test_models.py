@@ -580,7 +580,7 @@ def test_load_model_errors(tmp_path):
     save_model(good, small(), {})
     payload = torch.load(good, weights_only=True)
     for change, key in (
-        ({"pooling": "gem"}, "model.pooling"),
+        ({"pooling": "median"}, "model.pooling"),
         ({"removed_option": 1}, "model.removed_option"),
         ({"backbone": "vit"}, "model.backbone"),
     ):

@@ -33,7 +33,7 @@ from shards.config import AugmentConfig, resolve_decode
 from shards.decode.device import DeviceDecoder, DeviceInput, _runs
 from shards.decode.encoded import Encoded, EncodedImages, EncodedTransform
 from shards.decode.pixel_ops import adjust, blend, luma, shift_hue
-from shards.decode.transforms import IMAGENET_STD, TrainTransform, _hue, normalize_batch
+from shards.decode.transforms import IMAGENET_STD, PixelNorm, TrainTransform, _hue, normalize_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -103,6 +103,25 @@ def test_device_pixels_match_the_cpu_path(name):
     )
     wide = [i for i, data in enumerate(IMAGES) if np.subtract(*Image.open(io.BytesIO(data)).size) > 0]
     assert (levels[wide] < 0.5).float().mean() > 0.99  # the same pass order as the reference: (nearly) exact
+
+
+def test_device_bicubic_and_the_backbones_normalization_match_the_cpu_path():
+    """A timm ViT's input (bicubic resampling, mean and std 0.5): Pillow's bicubic coefficients (negative lobes,
+    halves rounded away from zero) on the device give the CPU path's pixels as the bilinear ones do; erasing fills
+    with that normalization's mean colour."""
+    aug, norm = AugmentConfig(scale=(0.05, 1.0), erase=0.5), PixelNorm((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+    enc = EncodedTransform(TrainTransform(S, aug, norm=norm, interpolation="bicubic"))
+    batch = enc.collate([enc(data, random.Random(100 + i)) for i, data in enumerate(IMAGES)])
+    got, _ = DeviceDecoder(aug, "cpu", norm=norm, interpolation="bicubic")(batch, torch.arange(len(IMAGES)))
+    cpu = TrainTransform(S, aug, draft=False, norm=norm, interpolation="bicubic")
+    ref = np.stack([cpu(data, random.Random(100 + i)) for i, data in enumerate(IMAGES)]).transpose(0, 3, 1, 2)
+    levels = (got - normalize_batch(torch.from_numpy(np.ascontiguousarray(ref)), norm=norm)).abs() * (255 * 0.5)
+    assert levels.max() <= 1.01 and levels.mean() < 0.2, float(levels.max())
+    wide = [i for i, data in enumerate(IMAGES) if np.subtract(*Image.open(io.BytesIO(data)).size) > 0]
+    assert (levels[wide] < 0.5).float().mean() > 0.99
+    bilinear, _ = DeviceDecoder(aug, "cpu", norm=norm)(batch, torch.arange(len(IMAGES)))
+    assert (bilinear - got).abs().max() > 0.05  # the filter matters
+    assert any(p.erase is not None for p in batch.params)
 
 
 def _levels(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -284,7 +303,10 @@ def test_decode_setting():
     assert resolve_decode("auto", "cpu", AugmentConfig()) == "cpu"
     assert resolve_decode("auto", "cuda", AugmentConfig()) == "device"
     assert resolve_decode("auto", "cuda", AugmentConfig(rotation=10)) == "cpu"
+    assert resolve_decode("auto", "cuda", AugmentConfig(randaugment=2)) == "cpu"  # RandAugment: CPU decoding
     assert resolve_decode("device", "cpu", AugmentConfig()) == "device"
     assert load_config(None, ["data.decode=cpu"]).data.decode == "cpu"
-    with pytest.raises(ConfigError, match=r"data.decode: device decoding does not rotate"):
+    with pytest.raises(ConfigError, match=r"data.decode: device decoding does not apply data.augment.rotation"):
         load_config(None, ["data.decode=device", "data.augment.rotation=10"])
+    with pytest.raises(ConfigError, match=r"data.decode: device decoding does not apply data.augment.randaugment"):
+        load_config(None, ["data.decode=device", "data.augment.randaugment=[2,9]"])

@@ -18,8 +18,22 @@ from torchvision.transforms import functional as F
 from dmltrain.config import load_config
 from dmltrain.errors import ConfigError
 from shards.config import AugmentConfig
-from shards.decode.augment import AugmentParams, draw_params, random_resized_crop_params
-from shards.decode.transforms import ERASE_RGB, IMAGENET_STD, EvalTransform, TrainTransform, normalize_batch
+from shards.decode.augment import (
+    RANDAUGMENT_OPS,
+    AugmentParams,
+    draw_params,
+    randaugment_magnitude,
+    random_resized_crop_params,
+)
+from shards.decode.transforms import (
+    ERASE_RGB,
+    IMAGENET_STD,
+    EvalTransform,
+    PixelNorm,
+    TrainTransform,
+    _randaugment,
+    normalize_batch,
+)
 from shards.read.datasets import slot_rngs
 
 
@@ -117,6 +131,7 @@ _OPTIONS = {
     "grayscale": ({**_FIXED, "grayscale": 1}, None),
     "noise": ({**_FIXED, "noise": 0.1}, lambda p: p.noise_seed),
     "erase": ({**_FIXED, "erase": 0.5}, lambda p: p.erase),
+    "randaugment": ({**_FIXED, "randaugment": [2, 9]}, lambda p: p.randaugment),
 }
 
 
@@ -313,3 +328,75 @@ def test_augment_config_keys():
         with pytest.raises(ConfigError) as e:
             load_config(None, [override])
         assert text in str(e.value) and "\n" not in str(e.value), (override, str(e.value))
+
+
+def test_bicubic_and_the_backbones_normalization_as_torchvision():
+    """``data.interpolation=bicubic`` is torchvision's BICUBIC (Pillow's, antialiased) in training and evaluation;
+    the backbone's mean and std normalize (here timm's ViT: 0.5, 0.5), and erasing fills with its mean colour."""
+    img, png = _png()
+    norm = PixelNorm((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+    t = TrainTransform(S, AugmentConfig(scale=(0.3, 1.0), flip=0), draft=False, norm=norm, interpolation="bicubic")
+    ours = t(png, random.Random(4))
+    top, left, h, w = random_resized_crop_params(W, H, (0.3, 1.0), (3 / 4, 4 / 3), random.Random(4))
+    ref = np.asarray(F.resized_crop(img, top, left, h, w, [S, S], F.InterpolationMode.BICUBIC))
+    bilinear = np.asarray(F.resized_crop(img, top, left, h, w, [S, S], F.InterpolationMode.BILINEAR))
+    assert np.array_equal(ours[4:-4, 4:-4], ref[4:-4, 4:-4]) and not np.array_equal(ours, bilinear)
+    ev = EvalTransform(64, 56, draft=False, interpolation="bicubic")(png)
+    ref = np.asarray(CenterCrop(56)(Resize(64, interpolation=F.InterpolationMode.BICUBIC)(img))).astype(float)
+    assert np.abs(ev.astype(float) - ref).mean() < 4
+    x = torch.from_numpy(ours.transpose(2, 0, 1)[None].copy())
+    torch.testing.assert_close(normalize_batch(x, norm=norm), (x.float() / 255 - 0.5) / 0.5, rtol=0, atol=1e-6)
+    erasing = TrainTransform(S, AugmentConfig(erase=1.0, flip=0), draft=False, norm=norm)
+    p = erasing.draw(W, H, random.Random(1))
+    top, left, h, w = p.erase
+    assert (erasing.apply(Image.open(io.BytesIO(png)), p)[top : top + h, left : left + w] == 128).all()
+
+
+_TORCHVISION_RANDAUGMENT = {
+    "Identity": "identity", "ShearX": "shear_x", "ShearY": "shear_y", "TranslateX": "translate_x",
+    "TranslateY": "translate_y", "Rotate": "rotate", "Brightness": "brightness", "Color": "color",
+    "Contrast": "contrast", "Sharpness": "sharpness", "Posterize": "posterize", "Solarize": "solarize",
+    "AutoContrast": "autocontrast", "Equalize": "equalize",
+}  # fmt: skip
+
+
+def test_randaugment_as_torchvision():
+    """torchvision's RandAugment: its 14 operations in its order (the draw indexes them), its magnitude table, its
+    ``_apply_op`` on PIL images (the same pixels), two operations per image, both signs drawn; the other draws
+    of the record are those of the same options without RandAugment."""
+    from torchvision.transforms import InterpolationMode, RandAugment
+    from torchvision.transforms.autoaugment import _apply_op
+
+    space = RandAugment(num_ops=2, magnitude=9, num_magnitude_bins=31)._augmentation_space(31, (S, S))
+    assert [_TORCHVISION_RANDAUGMENT[k] for k in space] == list(RANDAUGMENT_OPS)
+    img = class_image(3, 1, (S, S))
+    for name, op in _TORCHVISION_RANDAUGMENT.items():
+        magnitudes, signed = space[name]
+        for level in (0, 9, 30):
+            m, ours_signed = randaugment_magnitude(op, level, 31, S)
+            want = float(magnitudes[level]) if magnitudes.ndim > 0 else 0.0
+            assert ours_signed == signed and m == pytest.approx(want, rel=1e-6, abs=1e-5), (op, level)
+        m = randaugment_magnitude(op, 9, 31, S)[0]
+        for value in (m, -m) if signed else (m,):
+            ref = _apply_op(img, name, value, interpolation=InterpolationMode.NEAREST, fill=None)
+            assert np.array_equal(np.asarray(_randaugment(img, op, value)), np.asarray(ref)), (op, value)
+    aug, plain = AugmentConfig(randaugment=[2, 9], flip=0.5), AugmentConfig(flip=0.5)
+    recs = [draw_params(aug, W, H, S, random.Random(s)) for s in range(200)]
+    assert all(len(r.randaugment) == 2 for r in recs)
+    assert {op for r in recs for op, _ in r.randaugment} == set(RANDAUGMENT_OPS)
+    assert {m > 0 for r in recs for op, m in r.randaugment if op == "rotate"} == {True, False}
+    assert [dataclasses.replace(r, randaugment=()) for r in recs] == [
+        draw_params(plain, W, H, S, random.Random(s)) for s in range(200)
+    ]
+    _, png = _png()
+    t, base = TrainTransform(S, aug, draft=False), TrainTransform(S, plain, draft=False)
+    for seed in range(5):
+        p = t.draw(W, H, random.Random(seed))
+        want = Image.fromarray(base.apply(Image.open(io.BytesIO(png)), dataclasses.replace(p, randaugment=())))
+        for o, m in p.randaugment:
+            tv = next(k for k, v in _TORCHVISION_RANDAUGMENT.items() if v == o)
+            want = _apply_op(want, tv, m, interpolation=InterpolationMode.NEAREST, fill=None)
+        assert np.array_equal(t(png, random.Random(seed)), np.asarray(want))
+    assert load_config(None, ["data.augment.randaugment=2"]).data.augment.randaugment.ops == 2
+    with pytest.raises(ConfigError, match="data.augment.randaugment.magnitude: 31 is not below bins"):
+        load_config(None, ["data.augment.randaugment=[2, 31]"])

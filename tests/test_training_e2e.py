@@ -14,6 +14,8 @@ synthetic shards, sharded NormSoftmax with class subsampling plus ICE):
 6. a `dmltrain train` process killed outright (SIGKILL) while its workers hold before step 4: its
    workers, released, log nothing more; `dmltrain train CONFIG --resume` (no run name) continues the
    run in the same MLflow run, which ends FINISHED with one value per step.
+7. a timm ViT fine-tunes from weights timm saved, with the fine-tuning controls on, and exports its
+   weights' average.
 """
 
 from __future__ import annotations
@@ -268,6 +270,67 @@ def test_resume_at_a_different_worker_count(env):
     assert tags["dmltrain.resumed_from_step"] == "2" and tags["resumed.cluster.num_workers"] == "1"
     # step 2 was mid-epoch under a 2-worker batch plan: the 1-worker run starts the next epoch instead
     assert "world_size" in tags["dmltrain.resumed_at_epoch_start"]
+
+
+def test_a_timm_vit_fine_tunes_end_to_end(env, tmp_path):
+    """timm's test_vit at 32 px through the whole system: started from a state dict timm saved at 160 px (position
+    embeddings resampled), normalized with its own mean and std, bicubic crops with RandAugment, 2 micro-batches per
+    optimizer step, layer-wise lr decay with a 10x head, drop path, gradient checkpointing, and the weights' average,
+    which is what is evaluated and exported; checkpoints fall between optimizer steps."""
+    import json
+
+    import timm
+
+    from cluster.launch import train
+    from dmltrain.models import load_model
+
+    root, shards = env
+    torch.manual_seed(0)
+    torch.save(timm.create_model("test_vit").state_dict(), tmp_path / "vit.pth")
+    over = {
+        "train.run_name": "vit",
+        "model.backbone": "test_vit",
+        "model.pretrained": str(tmp_path / "vit.pth"),
+        "data.image_size": 32,
+        "data.eval_resize": 32,
+        "data.batch_size": 16,
+        "data.augment.randaugment": "[2,9]",
+        "model.drop_path": 0.1,
+        "model.grad_checkpointing": "true",
+        "optim.layer_decay": 0.75,
+        "optim.new_param_lr_mult": 10,
+        "train.grad_accum": 2,
+        "train.ema_decay": 0.5,
+        "train.epochs": 1,
+        "eval.plots": "false",
+        "eval.before_training": "false",
+    }
+    summary = train(_config(root, shards, **over), progress=False)
+    assert summary.ok, summary.error
+    # 8 batches of 16 in the epoch: 4 optimizer steps
+    assert summary.metrics["step"] == 4 and 0 <= summary.metrics["final"]["recall@1"] <= 1
+    run_dir = Path(summary.storage_dir)
+    last = sorted(run_dir.glob("checkpoint-step*"))[-1]
+    state = json.loads((last / "train_state.json").read_text())
+    assert (state["step"], state["grad_accum"], state["batch"] % 2) == (4, 2, 0)
+    model, config, extra = load_model(run_dir / "model" / "model.pt")
+    assert type(model.backbone.net).__name__ == "VisionTransformer" and extra["step"] == 4
+    assert model.input_spec == {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "interpolation": "bicubic"}
+    exported = torch.load(run_dir / "model" / "model.pt", weights_only=True)["state_dict"]
+    average = torch.load(last / "ema.pt", weights_only=True)["shadow"]
+    trained = torch.load(last / "model.pt", weights_only=True)["state_dict"]
+    assert average.keys() == {k for k, v in trained.items() if v.is_floating_point()} - {
+        k for k in trained if k.endswith(("running_mean", "running_var"))
+    }
+    assert all(torch.equal(exported[k], average[k]) for k in average)
+    assert any(not torch.equal(average[k], trained[k]) for k in average)
+    _, runs = _runs(root, "vit")
+    params = runs[0].data.params
+    assert (params["train.grad_accum"], params["data.interpolation"], params["model.image_size"]) == (
+        "2",
+        "bicubic",
+        "32",
+    )
 
 
 class _Planted:

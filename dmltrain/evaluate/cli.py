@@ -167,6 +167,7 @@ def _embed_splits(
     import torch
 
     from dmltrain.evaluate.embedding import embed_batches, gather_to_rank0
+    from shards.decode.transforms import PixelNorm
     from shards.read.stream import eval_batches
 
     data = _section(config, "data")
@@ -181,6 +182,8 @@ def _embed_splits(
         raise UserError(f"--batch-size: must be >= 1, got {batch_size}")
     workers = args.loader_workers if args.loader_workers is not None else int(data.get("loader_workers", 2))
     _check_shard_files(shards, splits, args.allow_missing)
+    spec = model.input_spec or {}  # the model file's normalization and resampling (its backbone's)
+    norm, interpolation = PixelNorm.of(spec.get("mean"), spec.get("std")), spec.get("interpolation")
     out, unreadable = {}, {}
     for split in splits:
         print(f"embedding split '{split}' of {shards} on {device}", file=sys.stderr)
@@ -194,6 +197,8 @@ def _embed_splits(
             crop=int(data.get("eval_crop", 224)),
             grayscale=int((data.get("augment") or {}).get("grayscale", 0)),
             loader_workers=workers,
+            norm=norm,
+            interpolation=interpolation,
         )
         layout = bool(_section(config, "model").get("channels_last")) and device.startswith(
             "cuda"

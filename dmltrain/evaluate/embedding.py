@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from dmltrain.evaluate.retrieval import retrieval_metrics
 from dmltrain.models.precision import autocast, to_channels_last
+from shards.decode.transforms import PixelNorm
 from shards.read.stream import eval_batches
 
 
@@ -181,7 +182,9 @@ def evaluate_model(
 
     ``splits``: ``['test']`` (self-retrieval) or ``['query', 'gallery']`` (query→gallery).
     Uses ``eval_cfg.ks``, ``nmi``, ``map_at_r``, ``binary`` and ``data_cfg.eval_batch_size``
-    (per worker), ``eval_resize``, ``eval_crop``, ``augment.grayscale``, ``loader_workers``. Every rank must call it.
+    (per worker), ``eval_resize``, ``eval_crop``, ``augment.grayscale``, ``loader_workers``, and the model's input
+    normalization ``mean``, ``std`` and resampling ``interpolation`` (ImageNet's and bilinear when None). Every rank
+    must call it.
     ``progress``: rank 0 draws bars (off inside training, where the driver shows progress).
     ``precision`` and ``channels_last``: as in :func:`embed_batches`; the metrics run on
     ``device`` when it is a GPU.
@@ -212,6 +215,8 @@ def evaluate_model(
             loader_workers=data_cfg.loader_workers,
             storage_options=getattr(data_cfg, "storage_options", None),
             remote=getattr(data_cfg, "remote", None),
+            norm=PixelNorm.of(getattr(data_cfg, "mean", None), getattr(data_cfg, "std", None)),
+            interpolation=getattr(data_cfg, "interpolation", None),
         )
         emb, labels, index = embed_batches(
             model,

@@ -1,10 +1,11 @@
-"""Embedding models: torchvision backbones by name, embedding heads, saving and loading.
+"""Embedding models: torchvision and timm backbones by name, embedding heads, saving and loading.
 
     from dmltrain.models import build_model, param_groups, save_model, load_model, autocast
     model = build_model(cfg.model)        # EmbeddingModel: images -> B × D embeddings
 
-Modules: :mod:`.backbones` (networks by name, named stages), :mod:`.pretrained` (local file /
-ImageNet weights), :mod:`.heads` (layernorm, batchnorm, none; multi-level),
+Modules: :mod:`.backbones` (networks by name, named stages), :mod:`.timm_backbones` (any timm model:
+ViT, DINOv2, CLIP, ConvNeXt, ...), :mod:`.pretrained` (local file, ImageNet, timm / Hugging Face cache
+weights), :mod:`.heads` (layernorm, batchnorm, none; multi-level; avg, max, GeM pooling),
 :mod:`.embedding_model` (the model, parameter groups, BN freezing), :mod:`.export` (files),
 :mod:`.precision` (autocast, channels_last), :mod:`.binary` (sign bits, Hamming distance).
 
@@ -17,6 +18,8 @@ from dmltrain.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "Backbone": "backbones",
+    "LayerChain": "backbones",
+    "TimmBackbone": "timm_backbones",
     "BACKBONES": "backbones",
     "build_backbone": "backbones",
     "Head": "heads",

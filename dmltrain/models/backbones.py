@@ -1,25 +1,36 @@
-"""Feature extractors by name: torchvision ResNets and GoogLeNet, and a small CNN for CPU runs.
+"""Feature extractors by name: torchvision ResNets and GoogLeNet, a small CNN for CPU runs, and any timm model.
 
-A :class:`Backbone` is the network up to its last feature map, without the ImageNet pooling
-and classifier. It registers the torchvision submodules under their torchvision names, so its
-``state_dict`` keys are exactly torchvision's minus the classifier (``fc.*``, ``aux1.*``,
-``aux2.*``): a torchvision state dict loads into it directly. Its *stages* are the named
-points whose feature maps can be tapped for multi-level embeddings:
+A :class:`Backbone` is the network up to its features, without the ImageNet classifier. Its
+*stages* are the named points whose feature maps can be tapped for multi-level embeddings.
+The torchvision ones are :class:`LayerChain` s, which register the torchvision submodules under
+their torchvision names, so their ``state_dict`` keys are exactly torchvision's minus the
+classifier (``fc.*``, ``aux1.*``, ``aux2.*``): a torchvision state dict loads into them directly.
 
 * ResNets: ``layer1`` .. ``layer4``;
 * GoogLeNet: ``conv3``, ``inception3a`` .. ``inception5b`` (the RLL paper's L, M, H levels
   are ``inception3b``, ``inception4e``, ``inception5b`` here; torchvision's GoogLeNet has
   BatchNorm in every convolution, the closest torchvision network to BN-Inception);
-* ``small_cnn``: ``stage1`` .. ``stage4``.
+* ``small_cnn``: ``stage1`` .. ``stage4``;
+* any other name timm knows (``vit_small_patch16_224``, ``vit_base_patch14_dinov2``, ``convnext_base``, ...;
+  ``timm:NAME`` for a name that is also one of the above): a
+  :class:`~dmltrain.models.timm_backbones.TimmBackbone`, whose stages are timm's feature points
+  (``blocks.0`` .., ``stages.0`` ..) plus ``output``, the features the single-level head takes.
+
+Gradient checkpointing (:meth:`Backbone.set_grad_checkpointing`) recomputes each stage in the backward
+pass instead of keeping its activations; :meth:`Backbone.layer_ids` numbers the parameters from the
+input side for layer-wise learning-rate decay.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torchvision.models as tvm
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from dmltrain.errors import UserError
@@ -29,31 +40,17 @@ CLASSIFIER_PREFIXES = ("fc.", "aux1.", "aux2.", "classifier.")
 
 
 class Backbone(nn.Module):
-    """A feed-forward chain of named layers whose chosen stage outputs are returned.
+    """What the embedding model needs of a network: named stages and their channels, ``forward(x, stages)``.
 
     ``stage_channels`` maps each tappable stage name (in network order) to its output
-    channels. ``forward(x, stages)`` returns the feature maps of ``stages`` in the order asked
-    and stops after the deepest of them; with ``stages=None`` it returns ``[last stage]``.
+    channels. ``forward(x, stages)`` returns the feature maps (``B × C × H × W``) of ``stages`` in the
+    order asked; with ``stages=None`` it returns ``[last stage]``.
     """
 
-    def __init__(
-        self,
-        name: str,
-        layers: Sequence[tuple[str, nn.Module]],
-        stage_channels: dict[str, int],
-        input_transform: Callable[[Tensor], Tensor] | None = None,
-    ) -> None:
-        super().__init__()
-        self.name = name
-        for layer_name, module in layers:
-            self.add_module(layer_name, module)
-        self._order = [layer_name for layer_name, _ in layers]
-        unknown = [s for s in stage_channels if s not in self._order]
-        if unknown:
-            raise ValueError(f"{name}: stages {unknown} are not layers of the network")
-        # network order, whatever order the dict was written in
-        self.stage_channels = {s: stage_channels[s] for s in self._order if s in stage_channels}
-        self.input_transform = input_transform
+    name: str
+    stage_channels: dict[str, int]
+    #: convolutional (channels_last helps) rather than a transformer over patch tokens
+    convolutional: bool = True
 
     @property
     def stage_names(self) -> tuple[str, ...]:
@@ -74,6 +71,81 @@ class Backbone(nn.Module):
         if len(set(stages)) != len(stages):
             raise UserError(f"model.multilevel: a stage is listed twice in {list(stages)}")
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def layer_ids(self) -> dict[str, int]:  # pragma: no cover - abstract
+        """Each parameter's layer, 0 at the input, rising towards the output (layer-wise learning-rate decay)."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, stages: Sequence[str] | None = None) -> list[Tensor]:  # pragma: no cover
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def _recomputing(module: nn.Module) -> Iterator[None]:
+    """A checkpointed stage's recomputation: training BatchNorm layers normalise by the batch as in the forward
+    pass, and their running statistics are put back afterwards (the forward pass already moved them once)."""
+    layers = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+    saved = [[b.clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked)] for m in layers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, (mean, var, count) in zip(layers, saved):
+                m.running_mean.copy_(mean)
+                m.running_var.copy_(var)
+                m.num_batches_tracked.copy_(count)
+
+
+class LayerChain(Backbone):
+    """A feed-forward chain of named layers whose chosen stage outputs are returned.
+
+    ``forward`` stops after the deepest stage asked for. With gradient checkpointing each stage
+    layer runs under ``torch.utils.checkpoint`` (non-reentrant) while autograd records: its
+    activations are recomputed in the backward pass, its BatchNorm statistics updated once.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        layers: Sequence[tuple[str, nn.Module]],
+        stage_channels: dict[str, int],
+        input_transform: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
+        super().__init__()
+        self.name = name
+        for layer_name, module in layers:
+            self.add_module(layer_name, module)
+        self._order = [layer_name for layer_name, _ in layers]
+        unknown = [s for s in stage_channels if s not in self._order]
+        if unknown:
+            raise ValueError(f"{name}: stages {unknown} are not layers of the network")
+        # network order, whatever order the dict was written in
+        self.stage_channels = {s: stage_channels[s] for s in self._order if s in stage_channels}
+        self.input_transform = input_transform
+        self.grad_checkpointing = False
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = bool(enable)
+
+    def layer_ids(self) -> dict[str, int]:
+        """The layers before the first stage are layer 0, the i-th stage (and what follows it) layer i."""
+        ids, level = {}, 0
+        for layer_name in self._order:
+            if layer_name in self.stage_channels:
+                level += 1
+            for p_name, _ in getattr(self, layer_name).named_parameters():
+                ids[f"{layer_name}.{p_name}"] = level
+        return ids
+
+    def _run(self, layer_name: str, x: Tensor) -> Tensor:
+        layer = getattr(self, layer_name)
+        if self.grad_checkpointing and layer_name in self.stage_channels and torch.is_grad_enabled():
+            recompute = lambda: (contextlib.nullcontext(), _recomputing(layer))  # noqa: E731
+            return checkpoint(layer, x, use_reentrant=False, context_fn=recompute)
+        return layer(x)
+
     def forward(self, x: Tensor, stages: Sequence[str] | None = None) -> list[Tensor]:
         wanted = list(stages) if stages else [self.stage_names[-1]]
         last = max(self._order.index(s) for s in wanted)
@@ -81,14 +153,14 @@ class Backbone(nn.Module):
             x = self.input_transform(x)
         taps: dict[str, Tensor] = {}
         for layer_name in self._order[: last + 1]:
-            x = getattr(self, layer_name)(x)
+            x = self._run(layer_name, x)
             if layer_name in self.stage_channels:
                 taps[layer_name] = x
         return [taps[s] for s in wanted]
 
 
 # -- torchvision ResNets ---------------------------------------------------------------------------
-def _resnet(name: str) -> Backbone:
+def _resnet(name: str) -> LayerChain:
     net = getattr(tvm, name)(weights=None)
     layers = [(n, getattr(net, n)) for n in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4")]
     channels = {}
@@ -100,7 +172,7 @@ def _resnet(name: str) -> Backbone:
             channels[n] = block.bn2.num_features
         else:  # pragma: no cover - torchvision ResNets only have these two blocks
             raise TypeError(f"{name}: unexpected block {type(block).__name__}")
-    return Backbone(name, layers, channels)
+    return LayerChain(name, layers, channels)
 
 
 # -- torchvision GoogLeNet ----------------------------------------------------------------------
@@ -113,7 +185,7 @@ def _googlenet_transform(x: Tensor) -> Tensor:
     return torch.cat((x0, x1, x2), 1)
 
 
-def _googlenet(name: str, *, transform_input: bool) -> Backbone:
+def _googlenet(name: str, *, transform_input: bool) -> LayerChain:
     # as torchvision does: its (slow) truncated-normal init is skipped when weights will be loaded
     net = tvm.googlenet(weights=None, aux_logits=False, init_weights=not transform_input)
     order = (
@@ -130,7 +202,7 @@ def _googlenet(name: str, *, transform_input: bool) -> Backbone:
             channels[n] = block.branch1.conv.out_channels + sum(
                 getattr(block, b)[-1].conv.out_channels for b in ("branch2", "branch3", "branch4")
             )
-    return Backbone(name, layers, channels, input_transform=_googlenet_transform if transform_input else None)
+    return LayerChain(name, layers, channels, input_transform=_googlenet_transform if transform_input else None)
 
 
 # -- small CNN ---------------------------------------------------------------------------------------
@@ -141,7 +213,7 @@ def _conv_bn_relu(cin: int, cout: int) -> list[nn.Module]:
 SMALL_CNN_CHANNELS = (32, 64, 128, 192)
 
 
-def small_cnn(name: str = "small_cnn") -> Backbone:
+def small_cnn(name: str = "small_cnn") -> LayerChain:
     """Four stages of two 3×3 conv-BN-ReLU blocks (stride 1), each stage halving the resolution by 2×2 max-pooling.
 
     Max-pooling, not strided convolutions, as the Conv-4 networks of the few-shot and metric-learning
@@ -158,7 +230,7 @@ def small_cnn(name: str = "small_cnn") -> Backbone:
         layers.append(
             (f"stage{i}", nn.Sequential(nn.MaxPool2d(2), *_conv_bn_relu(cin, cout), *_conv_bn_relu(cout, cout)))
         )
-    backbone = Backbone(name, layers, {f"stage{i}": c for i, c in enumerate(SMALL_CNN_CHANNELS, 1)})
+    backbone = LayerChain(name, layers, {f"stage{i}": c for i, c in enumerate(SMALL_CNN_CHANNELS, 1)})
     for m in backbone.modules():
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
@@ -166,8 +238,8 @@ def small_cnn(name: str = "small_cnn") -> Backbone:
 
 
 # -- registry -------------------------------------------------------------------------------------------
-# name -> (builder(pretrained: bool) -> Backbone, torchvision ImageNet weights "Enum.MEMBER" or None)
-BACKBONES: dict[str, tuple[Callable[[bool], Backbone], str | None]] = {
+# name -> (builder(pretrained: bool) -> LayerChain, torchvision ImageNet weights "Enum.MEMBER" or None)
+BACKBONES: dict[str, tuple[Callable[[bool], LayerChain], str | None]] = {
     "resnet18": (lambda _: _resnet("resnet18"), "ResNet18_Weights.IMAGENET1K_V1"),
     "resnet34": (lambda _: _resnet("resnet34"), "ResNet34_Weights.IMAGENET1K_V1"),
     "resnet50": (lambda _: _resnet("resnet50"), "ResNet50_Weights.IMAGENET1K_V2"),
@@ -183,15 +255,39 @@ BACKBONES: dict[str, tuple[Callable[[bool], Backbone], str | None]] = {
 }
 
 
-def build_backbone(name: str, pretrained: bool = False) -> Backbone:
+def build_backbone(
+    name: str,
+    pretrained: bool = False,
+    *,
+    image_size: int | None = None,
+    drop_path: float = 0.0,
+    features: str = "auto",
+) -> Backbone:
     """A randomly initialised backbone by name (weights are loaded by :mod:`.pretrained`).
 
     ``pretrained`` only changes the architecture where torchvision does: GoogLeNet's ported
-    weights expect ``transform_input``, so it is on whenever weights will be loaded.
+    weights expect ``transform_input``, so it is on whenever weights will be loaded. ``image_size``,
+    ``drop_path`` and ``features`` concern timm models (see :func:`~.timm_backbones.build_timm_backbone`);
+    a torchvision backbone refuses a drop-path rate (it has no stochastic depth).
     """
-    if name not in BACKBONES:
-        raise UserError(f"model.backbone: unknown backbone '{name}' (choose from {', '.join(BACKBONES)})")
-    return BACKBONES[name][0](pretrained)
+    if name in BACKBONES:
+        if drop_path:
+            raise UserError(
+                f"model.drop_path: {name} (torchvision) has no stochastic depth; use 0, or a timm backbone "
+                f"(e.g. timm:{name})"
+            )
+        if features not in ("auto", "patches"):
+            raise UserError(
+                f"model.features: {features} is for timm models; {name} gives its last feature map (auto or patches)"
+            )
+        return BACKBONES[name][0](pretrained)
+    from dmltrain.models.timm_backbones import build_timm_backbone, timm_name
+
+    if timm_name(name) is None:
+        raise UserError(
+            f"model.backbone: unknown backbone '{name}' (choose from {', '.join(BACKBONES)}, or a timm model name)"
+        )
+    return build_timm_backbone(name, image_size=image_size, drop_path=drop_path, features=features)
 
 
 def imagenet_weights(name: str):

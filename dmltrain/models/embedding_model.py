@@ -2,7 +2,7 @@
 
 :func:`build_model` turns a ``ModelConfig`` into an :class:`EmbeddingModel`;
 :func:`param_groups` splits its parameters into optimizer groups (pretrained vs new,
-decayed vs not).
+decayed vs not, and with ``optim.layer_decay`` by backbone layer).
 
 Decisions worth knowing:
 
@@ -69,6 +69,7 @@ class EmbeddingModel(nn.Module):
         self.classifier_dropout = float(classifier_dropout)
         self.channels_last = channels_last
         self.config = config  # the ModelConfig as a dict, stored by save_model to rebuild the model
+        self.input_spec: dict[str, Any] | None = None  # mean, std, interpolation of a loaded model file (load_model)
         self._backbone_trainable = True
         self.train()  # applies freeze_bn from the start
 
@@ -169,12 +170,20 @@ def build_model(cfg: Any, *, load_pretrained: bool = True) -> EmbeddingModel:
 
     if not isinstance(cfg, ModelConfig):
         cfg = ModelConfig.model_validate(cfg)
-    backbone = build_backbone(cfg.backbone, pretrained=cfg.pretrained not in ("", "none"))
+    backbone = build_backbone(
+        cfg.backbone,
+        pretrained=cfg.pretrained not in ("", "none"),
+        image_size=cfg.image_size,
+        drop_path=cfg.drop_path,
+        features=cfg.features,
+    )
     stages = tuple(cfg.multilevel) if cfg.multilevel else (backbone.stage_names[-1],)
     backbone.check_stages(stages)
     if load_pretrained:
-        load_weights(backbone, cfg.pretrained)
-    head = build_head(cfg.head, [backbone.stage_channels[s] for s in stages], cfg.embedding_dim, cfg.pooling)
+        load_weights(backbone, cfg.pretrained, allow_download=cfg.pretrained_download)
+    if cfg.grad_checkpointing:
+        backbone.set_grad_checkpointing(True)
+    head = build_head(cfg.head, [backbone.stage_channels[s] for s in stages], cfg.embedding_dim, cfg.pooling, cfg.gem_p)
     model = EmbeddingModel(
         backbone,
         head,
@@ -202,12 +211,25 @@ def param_groups(model: nn.Module, optim_cfg: Any, extra_new: Iterable[nn.Module
     ``name``. With ``decay_norm_and_bias=False`` every parameter of at most one dimension
     (biases, BatchNorm and LayerNorm scales) goes to a ``*_no_decay`` group: only conv and
     linear weights are decayed. Empty groups are left out.
+
+    With ``optim_cfg.layer_decay = d`` the backbone groups are split by layer as well (named
+    ``backbone.layer<i>`` and ``backbone_no_decay.layer<i>``): a parameter of layer ``i``
+    (:meth:`~.backbones.Backbone.layer_ids`, the last layer ``L``) gets ``lr_mult = d^(L - i)``, so the
+    schedule, which scales every group's rate, keeps the ratios. The head's groups keep theirs.
     """
     model = getattr(model, "module", model)  # DeepSpeed engine / DDP wrapper
     if not isinstance(model, EmbeddingModel):
         raise TypeError(f"param_groups: expected an EmbeddingModel, got {type(model).__name__}")
     split = not optim_cfg.decay_norm_and_bias
-    groups: dict[str, list[nn.Parameter]] = {name: [] for name in GROUP_NAMES}
+    decay = getattr(optim_cfg, "layer_decay", None)
+    layer_of: dict[int, int] = {}
+    last = 0
+    if decay is not None:
+        ids = model.backbone.layer_ids()
+        last = max(ids.values(), default=0)
+        layer_of = {id(p): ids[n] for n, p in model.backbone.named_parameters()}
+    groups: dict[str, list[nn.Parameter]] = {}
+    mults: dict[str, float] = {}
     seen: set[int] = set()
     sources = [("backbone", model.backbone.parameters()), ("head", model.head.parameters())]
     sources += [("head", m.parameters()) for m in extra_new]
@@ -216,17 +238,25 @@ def param_groups(model: nn.Module, optim_cfg: Any, extra_new: Iterable[nn.Module
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            groups[f"{section}_no_decay" if split and p.ndim <= 1 else section].append(p)
-    out = []
-    for name, params in groups.items():
-        if params:
-            new = name.startswith("head")
-            out.append(
-                {
-                    "params": params,
-                    "weight_decay": 0.0 if name.endswith("no_decay") else float(optim_cfg.weight_decay),
-                    "lr_mult": float(optim_cfg.new_param_lr_mult) if new else 1.0,
-                    "name": name,
-                }
-            )
-    return out
+            name = f"{section}_no_decay" if split and p.ndim <= 1 else section
+            mult = float(optim_cfg.new_param_lr_mult) if section == "head" else 1.0
+            if section == "backbone" and decay is not None:
+                layer = layer_of[id(p)]
+                name, mult = f"{name}.layer{layer}", float(decay) ** (last - layer)
+            groups.setdefault(name, []).append(p)
+            mults[name] = mult
+    order = {n: i for i, n in enumerate(GROUP_NAMES)}
+
+    def key(name: str) -> tuple[int, int]:
+        base, _, layer = name.partition(".layer")
+        return order[base], int(layer or 0)
+
+    return [
+        {
+            "params": groups[name],
+            "weight_decay": 0.0 if name.split(".")[0].endswith("no_decay") else float(optim_cfg.weight_decay),
+            "lr_mult": mults[name],
+            "name": name,
+        }
+        for name in sorted(groups, key=key)
+    ]

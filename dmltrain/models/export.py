@@ -2,9 +2,12 @@
 
 The file is a ``torch.save`` of plain data only (dicts, lists, numbers, strings, tensors), so
 it loads with ``weights_only=True``: ``format``, ``version``, the run ``config`` as given, the
-``model_config`` that rebuilds the architecture, the ``state_dict`` (on CPU), and ``extra``
+``model_config`` that rebuilds the architecture (a timm model from its name, ``image_size`` and
+``features``, offline), the ``state_dict`` (on CPU), ``input`` (what the model expects of its images:
+``mean``, ``std``, ``interpolation``, from the run's ``data`` section, else the backbone's own) and ``extra``
 (metrics, step, anything plain). Loading rebuilds the model from ``model_config`` without
-reading or downloading the pretrained weights it was started from.
+reading or downloading the pretrained weights it was started from (gradient checkpointing off: a loaded
+model is for inference and export), and sets ``model.input_spec``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from pydantic import ValidationError
 from torch import Tensor
 
-from dmltrain.config import _format_validation_error
+from dmltrain.config import _format_validation_error, backbone_input
 from dmltrain.errors import UserError
 from dmltrain.fileio import atomic_path
 from dmltrain.models.embedding_model import EmbeddingModel, build_model
@@ -62,6 +65,7 @@ def save_model(
         "config": _plain(config, "config"),
         "model_config": _plain(model_config, "model_config"),
         "state_dict": {k: v.detach().cpu().clone() for k, v in state_dict.items()},
+        "input": input_spec(config, model_config),
         "extra": _plain(extra or {}, "extra"),
     }
     with atomic_path(path) as tmp:
@@ -95,8 +99,25 @@ def load_model(
     except RuntimeError as e:
         reason = " ".join(str(e).split())[:200]
         raise UserError(f"{path}: weights do not fit the stored model config ({reason})") from None
+    model.input_spec = obj.get("input") or input_spec(obj.get("config") or {}, obj["model_config"])
+    model.backbone.set_grad_checkpointing(
+        False
+    )  # a training-memory setting; inference and export trace the plain graph
     model.to(map_location).eval()
     return model, obj["config"], obj["extra"]
+
+
+def input_spec(config: dict[str, Any], model_config: dict[str, Any]) -> dict[str, Any]:
+    """What a model expects of its images: ``{mean, std, interpolation}`` (lists and a string) from the run
+    config's ``data`` section, with the backbone's own (:func:`~dmltrain.config.backbone_input`) where it has none
+    (a file written before these keys, or saved with its model section only)."""
+    data = config.get("data") if isinstance(config.get("data"), dict) else {}
+    mean, std, interpolation = backbone_input(str(model_config.get("backbone", "")))
+    return {
+        "mean": [float(v) for v in (data.get("mean") or mean)],
+        "std": [float(v) for v in (data.get("std") or std)],
+        "interpolation": str(data.get("interpolation") or interpolation),
+    }
 
 
 def _rebuild(path: Path, model_config: Any) -> EmbeddingModel:

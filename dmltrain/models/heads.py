@@ -31,25 +31,30 @@ from torch import Tensor, nn
 
 
 class GlobalPool(nn.Module):
-    """``B × C × H × W -> B × C``: ``avg``, ``max``, or ``avgmax`` = (avg + max) / 2."""
+    """``B × C × H × W -> B × C``: ``avg``, ``max``, ``avgmax`` = (avg + max) / 2, or ``gem``, the generalised
+    mean (mean of clamp(x, 1e-6)^p)^(1/p) (Radenović et al.; p = 1 is avg, p → ∞ max), computed in float32.
+    GeM is meant for non-negative maps (a CNN's ReLU outputs): negative values count as 1e-6."""
 
-    KINDS = ("avg", "max", "avgmax")
+    KINDS = ("avg", "max", "avgmax", "gem")
+    GEM_EPS = 1e-6
 
-    def __init__(self, kind: str = "avg") -> None:
+    def __init__(self, kind: str = "avg", p: float = 3.0) -> None:
         super().__init__()
         if kind not in self.KINDS:
             raise ValueError(f"pooling must be one of {self.KINDS}, got {kind!r}")
-        self.kind = kind
+        self.kind, self.p = kind, float(p)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kind == "avg":
             return x.mean((2, 3))
         if self.kind == "max":
             return x.amax((2, 3))
+        if self.kind == "gem":
+            return _fp32(x).clamp(min=self.GEM_EPS).pow(self.p).mean((2, 3)).pow(1.0 / self.p)
         return 0.5 * (x.mean((2, 3)) + x.amax((2, 3)))
 
     def extra_repr(self) -> str:
-        return self.kind
+        return f"gem, p={self.p:g}" if self.kind == "gem" else self.kind
 
 
 def split_dim(total: int, levels: int) -> list[int]:
@@ -70,7 +75,9 @@ class Head(nn.Module):
     normalized: ClassVar[bool] = False  # forward() returns unit-norm rows
     centred: ClassVar[bool] = True  # features are centred at zero, so sign bits carry information
 
-    def __init__(self, in_channels: Sequence[int], embedding_dim: int | None, pooling: str = "avg") -> None:
+    def __init__(
+        self, in_channels: Sequence[int], embedding_dim: int | None, pooling: str = "avg", gem_p: float = 3.0
+    ) -> None:
         super().__init__()
         if not in_channels:
             raise ValueError("a head needs at least one level")
@@ -78,7 +85,7 @@ class Head(nn.Module):
         self.projected = embedding_dim is not None
         self.level_dims = split_dim(embedding_dim, len(in_channels)) if self.projected else list(self.in_channels)
         self.embedding_dim = sum(self.level_dims)
-        self.pool = GlobalPool(pooling)
+        self.pool = GlobalPool(pooling, gem_p)
 
     def _check(self, features: Sequence[Tensor]) -> None:
         if len(features) != len(self.in_channels):
@@ -114,8 +121,10 @@ class LayerNormHead(Head):
     kind = "layernorm"
     normalized = True
 
-    def __init__(self, in_channels: Sequence[int], embedding_dim: int | None, pooling: str = "avg") -> None:
-        super().__init__(in_channels, embedding_dim, pooling)
+    def __init__(
+        self, in_channels: Sequence[int], embedding_dim: int | None, pooling: str = "avg", gem_p: float = 3.0
+    ) -> None:
+        super().__init__(in_channels, embedding_dim, pooling, gem_p)
         self.norms = nn.ModuleList(nn.LayerNorm(c, elementwise_affine=False) for c in self.in_channels)
         self.proj = (
             nn.ModuleList(nn.Linear(c, d, bias=False) for c, d in zip(self.in_channels, self.level_dims))
@@ -145,8 +154,10 @@ class BatchNormHead(Head):
 
     kind = "batchnorm"
 
-    def __init__(self, in_channels: Sequence[int], embedding_dim: int | None, pooling: str = "avg") -> None:
-        super().__init__(in_channels, embedding_dim, pooling)
+    def __init__(
+        self, in_channels: Sequence[int], embedding_dim: int | None, pooling: str = "avg", gem_p: float = 3.0
+    ) -> None:
+        super().__init__(in_channels, embedding_dim, pooling, gem_p)
         self.proj = (
             nn.ModuleList(nn.Linear(c, d, bias=False) for c, d in zip(self.in_channels, self.level_dims))
             if self.projected
@@ -171,8 +182,10 @@ class PlainHead(Head):
 
     kind = "none"
 
-    def __init__(self, in_channels: Sequence[int], embedding_dim: int | None, pooling: str = "avg") -> None:
-        super().__init__(in_channels, embedding_dim, pooling)
+    def __init__(
+        self, in_channels: Sequence[int], embedding_dim: int | None, pooling: str = "avg", gem_p: float = 3.0
+    ) -> None:
+        super().__init__(in_channels, embedding_dim, pooling, gem_p)
         self.proj = (
             nn.ModuleList(nn.Linear(c, d) for c, d in zip(self.in_channels, self.level_dims))
             if self.projected
@@ -192,7 +205,9 @@ class PlainHead(Head):
 HEADS: dict[str, type[Head]] = {h.kind: h for h in (LayerNormHead, BatchNormHead, PlainHead)}
 
 
-def build_head(kind: str, in_channels: Sequence[int], embedding_dim: int | None, pooling: str = "avg") -> Head:
+def build_head(
+    kind: str, in_channels: Sequence[int], embedding_dim: int | None, pooling: str = "avg", gem_p: float = 3.0
+) -> Head:
     if kind not in HEADS:
         raise ValueError(f"unknown head {kind!r} (choose from {', '.join(HEADS)})")
-    return HEADS[kind](in_channels, embedding_dim, pooling)
+    return HEADS[kind](in_channels, embedding_dim, pooling, gem_p)

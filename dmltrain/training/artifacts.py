@@ -41,15 +41,18 @@ def log_run_files(logger, cfg, ds_config: dict[str, Any], manifest) -> None:
 
 
 class ModelExporter:
-    """Exports the engine's model: every rank calls :meth:`export` (a collective under ZeRO-3); rank 0 writes."""
+    """Exports the engine's model: every rank calls :meth:`export` (a collective under ZeRO-3); rank 0 writes.
+    With ``ema`` (a :class:`~dmltrain.training.ema.WeightEMA`) the exported weights are the average."""
 
-    def __init__(self, engine, logger, *, rank: int, storage_dir: str, config: dict[str, Any]):
+    def __init__(self, engine, logger, *, rank: int, storage_dir: str, config: dict[str, Any], ema=None):
         self.engine, self.logger, self.rank = engine, logger, rank
-        self.storage_dir, self.config = storage_dir, config
+        self.storage_dir, self.config, self.ema = storage_dir, config, ema
 
     def export(self, name: str, extra: dict[str, Any]) -> None:
         """``<name>/model.pt`` with ``extra`` (step, metrics) to MLflow and to the run's storage directory."""
         weights = full_module_state_dict(self.engine)
+        if self.ema is not None:
+            weights.update({k: v.detach().cpu().clone() for k, v in self.ema.shadow.items()})
         if self.rank != 0:
             return
         publish_model(

@@ -52,14 +52,20 @@ from shards.read.stream import TrainStream
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument(
-        "--backbone", default="resnet50", help="model.backbone (default resnet50; small_cnn for a quick CPU run)"
+        "--backbone",
+        default="resnet50",
+        help="model.backbone: a torchvision name or any timm model (vit_base_patch16_224, convnext_base, ...; "
+        "default resnet50; small_cnn or test_vit for a quick CPU run)",
     )
     parser.add_argument("--batch", type=int, default=128, help="batch size (default 128 = 32 classes x 4)")
     parser.add_argument("--image-size", type=int, default=224, help="training crop (default 224)")
     parser.add_argument(
         "--precision", default="bf16", choices=["fp32", "bf16", "fp16"], help="train.precision (default bf16)"
     )
-    parser.add_argument("--channels-last", action="store_true", help="model.channels_last")
+    parser.add_argument("--channels-last", action="store_true", help="model.channels_last (convolutional models)")
+    parser.add_argument(
+        "--grad-checkpointing", action="store_true", help="model.grad_checkpointing: recompute activations in backward"
+    )
     parser.add_argument(
         "--decode", default="auto", choices=["auto", "cpu", "device"], help="data.decode (default auto)"
     )
@@ -97,10 +103,13 @@ def _config(args: argparse.Namespace, shards: str) -> Config:
             f"data.batch_size={args.batch}",
             "data.samples_per_class=4",
             f"data.image_size={args.image_size}",
+            f"data.eval_crop={args.image_size}",  # a ViT is built for one input size
+            f"data.eval_resize={args.image_size}",
             f"data.loader_workers={workers}",
             f"data.decode={args.decode}",
             f"model.backbone={args.backbone}",
             f"model.channels_last={str(args.channels_last).lower()}",
+            f"model.grad_checkpointing={str(args.grad_checkpointing).lower()}",
             f"train.precision={args.precision}",
             "loss.instance.kind=ice",
             "cluster.num_workers=1",
@@ -130,9 +139,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> str:
+    """The CUDA memory peak since :func:`_reset_peak`, for the printed line ('' on the CPU: no per-loop peak)."""
+    return f"  peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else ""
+
+
 def bare_backbone(cfg: Config, device: torch.device, steps: int, warmup: int) -> float:
     """Images/s of forward + backward + SGD of the embedding model on one random on-device batch."""
     dtype = autocast_dtype(cfg.train.precision) or torch.float32
+    _reset_peak(device)
     model = build_model(cfg.model).to(device=device, dtype=dtype).train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     S, b = cfg.data.image_size, cfg.data.batch_size
@@ -154,6 +174,7 @@ def full_pipeline(cfg: Config, device: torch.device, steps: int, warmup: int) ->
     """Images/s of the training step from shards, the step timer's split of the timed steps, and the decoding used."""
 
     ensure_process_group()
+    _reset_peak(device)
     decode = resolve_decode(cfg.data.decode, device, cfg.data.augment)
     stream = TrainStream.from_config(
         cfg.data, cfg.train.seed, 0, 1, normalize=False, pin_memory=device.type == "cuda", decode=decode
@@ -165,7 +186,9 @@ def full_pipeline(cfg: Config, device: torch.device, steps: int, warmup: int) ->
         cfg, stream.num_classes, model.embedding_dim, 1, classifier_dropout=model.classifier_dropout
     ).to(device)
     head = LossHead(objective, cfg.optim)
-    prefetch = Prefetcher(DeviceInput(cfg.data.augment, device, dtype, channels_last=cfg.model.channels_last), device)
+    prefetch = Prefetcher(
+        DeviceInput.from_config(cfg.data, device, dtype, channels_last=cfg.model.channels_last), device
+    )
     batches = (batch for epoch in count() for batch in stream.epoch(epoch))
     timer = StepTimer(device)
     engine.train()
@@ -209,20 +232,24 @@ def run(args: argparse.Namespace) -> int:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         print(
             f"train bench: {cfg.model.backbone}, batch {cfg.data.batch_size} ({cfg.data.P}x4), {cfg.data.image_size} px, {cfg.train.precision}, "
-            f"{'channels_last' if cfg.model.channels_last else 'contiguous'}, {device.type} ({name}); {info.num_images} train images in "
+            f"{'channels_last' if cfg.model.channels_last else 'contiguous'}"
+            f"{', gradient checkpointing' if cfg.model.grad_checkpointing else ''}, {device.type} ({name}); "
+            f"{info.num_images} train images in "
             f"{shards}, {cfg.data.loader_workers} loader processes; {args.steps} steps after {args.warmup} warm-up"
         )
         bare = bare_backbone(cfg, device, args.steps, args.warmup)
         print(
-            f"bare backbone (random batch on the device, SGD)     {bare:9.1f} images/s  {1000 * cfg.data.batch_size / bare:8.1f} ms/step",
+            f"bare backbone (random batch on the device, SGD)     {bare:9.1f} images/s  {1000 * cfg.data.batch_size / bare:8.1f} ms/step"
+            + _peak(device),
             flush=True,
         )
         full, split, decode = full_pipeline(cfg, device, args.steps, args.warmup)
+        full_peak = _peak(device)
         parts = {k: split[f"time/{k}_ms"] for k in StepTimer.PARTS}
         wait = parts["data"] / max(1e-9, sum(parts.values()))
         print(
             f"full pipeline (shards, decode={decode}, DeepSpeed, sharded NormSoftmax + ICE) {full:9.1f} images/s  "
-            f"{1000 * cfg.data.batch_size / full:8.1f} ms/step"
+            f"{1000 * cfg.data.batch_size / full:8.1f} ms/step{full_peak}"
         )
         print(
             "  step split: "

@@ -9,7 +9,8 @@ workers into one checkpoint, so every per-rank file has a rank-unique name:
 ``model.pt``                rank 0  full fp32 weights + resolved config (``dmltrain eval`` reads it)
 ``dp_optimizer.pt``         rank 0  per-parameter optimizer state of the data-parallel model
 ``<name>.pt``               rank 0  each replicated stateful object's ``state_dict()``: the loss
-                                    head's proxies and their optimizer as ``instance_loss.pt``
+                                    head's proxies and their optimizer as ``instance_loss.pt``,
+                                    the weights' average (``train.ema_decay``) as ``ema.pt``
 ``classifier/``             each    classifier rows and their optimizer state by global class id:
                                     one piece per rank plus an index (no rank ever holds all C rows)
 ``rng-rank{r}.pt``          each    torch / numpy / python RNG states of rank r
@@ -187,10 +188,23 @@ class Checkpointer:
         module.load_state_dict({**module.state_dict(), **buffers})
 
 
+EMA_STATE = "ema"  # the stem of the weights' average in a checkpoint (train.ema_decay)
+
+
 def load_checkpoint_model(directory: Path, map_location: str | torch.device = "cpu") -> EmbeddingModel:
     """The model of a merged checkpoint directory (its ``model.pt``: full fp32 weights, read weights-only),
-    in eval mode on ``map_location``: what an asynchronous evaluation evaluates and exports."""
-    return load_model(directory / "model.pt", map_location=map_location)[0]
+    in eval mode on ``map_location``: what an asynchronous evaluation evaluates and exports. With a weights'
+    average in the checkpoint (``ema.pt``), the average in place of the trained weights, as inline
+    evaluation and export use it."""
+    model = load_model(directory / "model.pt", map_location=map_location)[0]
+    ema_file = directory / f"{EMA_STATE}.pt"
+    if ema_file.exists():
+        shadow = _load(ema_file)["shadow"]
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in shadow:
+                    p.copy_(shadow[name])
+    return model
 
 
 def _load(path: Path) -> Any:

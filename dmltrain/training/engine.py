@@ -28,7 +28,8 @@ from dmltrain.config import Config, OptimConfig
 from dmltrain.config_tree import deep_merge
 from dmltrain.errors import UserError
 
-# Keys the data pipeline owns; a user DeepSpeed JSON may not change them.
+# Keys the data pipeline (data.batch_size, cluster.num_workers, train.grad_accum) owns; a user DeepSpeed JSON may
+# not change them.
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
@@ -54,14 +55,17 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     """The engine's JSON, generated from ``cfg`` and overridden by ``train.deepspeed_config`` if set.
 
     Gradient clipping acts on the data-parallel parameters only (backbone and head);
-    the sharded classifier's rows are not clipped.
+    the sharded classifier's rows are not clipped. ``train.grad_accum`` micro-batches of
+    ``data.batch_size`` make one optimizer step (DeepSpeed's ``gradient_accumulation_steps``:
+    ``engine.backward`` divides the loss by it, ``engine.step`` steps at every ``grad_accum``-th call).
     """
     local_batch = cfg.data.batch_size // world_size
+    accum = cfg.train.grad_accum
     precision = cfg.train.precision
     generated: dict[str, Any] = {
-        "train_batch_size": local_batch * world_size,
+        "train_batch_size": local_batch * world_size * accum,
         "train_micro_batch_size_per_gpu": local_batch,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": accum,
         "zero_optimization": {"stage": cfg.train.zero_stage},
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": cfg.train.grad_clip or 0.0,
@@ -92,7 +96,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     for key in _BATCH_KEYS:
         if key in user and user[key] != generated[key]:
             raise UserError(
-                f"{path}: '{key}' is set by data.batch_size and cluster.num_workers; remove it from the JSON"
+                f"{path}: '{key}' is set by data.batch_size, cluster.num_workers and train.grad_accum; "
+                f"remove it from the JSON"
             )
     return deep_merge(generated, user)
 

@@ -7,6 +7,9 @@ MLflow at ``step`` as ``eval/<name>`` (``initial/<name>`` for the untrained mode
 plots, exports ``best_model`` when the tracked metric improved, and reports the evaluation to
 Ray (Tune reads these reports). Every rank calls it: it holds collectives.
 
+With ``train.ema_decay`` the model holds the weights' average while it is evaluated
+(:meth:`~dmltrain.training.ema.WeightEMA.swapped`), and the exporter writes the average.
+
 The metrics come from the model alone, so the same steps run on a saved checkpoint's
 ``model.pt`` elsewhere (``eval.mode: async``, :mod:`.async_eval`, through :func:`log_evaluation`)
 and land at that checkpoint's step.
@@ -14,6 +17,7 @@ and land at that checkpoint's step.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -48,8 +52,9 @@ class Evaluator:
         rank: int,
         world_size: int,
         device: torch.device,
+        ema=None,
     ):
-        self.model, self.cfg = model, cfg
+        self.model, self.cfg, self.ema = model, cfg, ema
         self.exporter, self.reporter, self.logger = exporter, reporter, logger
         self.rank, self.world_size, self.device = rank, world_size, device
 
@@ -80,7 +85,8 @@ class Evaluator:
         """The metrics on every rank; the embeddings (for plots) on rank 0, None elsewhere."""
         was_training = self.model.training
         self.model.eval()
-        with torch.no_grad():
+        # with train.ema_decay the weights' average is what is evaluated (and exported)
+        with torch.no_grad(), self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
             metrics, embeddings = evaluate_model(
                 self.model,
                 self.cfg.data.shards,

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dmltrain.errors import UserError
+
 
 @dataclass
 class TrainState:
@@ -14,7 +16,8 @@ class TrainState:
 
     step: int = 0  # optimizer steps taken
     epoch: int = 0  # epoch the next batch belongs to
-    batch: int = 0  # batches of ``epoch`` already consumed
+    batch: int = 0  # batches of ``epoch`` already consumed (micro-batches: grad_accum of them per step)
+    grad_accum: int = 1  # micro-batches per optimizer step (train.grad_accum) the position was reached with
     world_size: int = 1
     zero_stage: int = 0
     finished: bool = False
@@ -54,6 +57,18 @@ class TrainState:
             "best_step": self.best_step,
             "metric": metric,
         }
+
+
+def check_accumulation(state: TrainState, grad_accum: int) -> None:
+    """Refuse to resume a position reached with another ``train.grad_accum``: a step would stand for another
+    number of batches (the schedule, the cadence and ``train.max_steps`` count steps). Positions are saved only
+    between optimizer steps, so a resumed run never starts in the middle of an accumulation; a position that
+    would (a batch count that is not a whole number of steps) is refused too."""
+    if state.grad_accum != grad_accum or state.batch % grad_accum:
+        raise UserError(
+            f"train.grad_accum: the checkpoint at step {state.step} was saved with train.grad_accum={state.grad_accum} "
+            f"(batch {state.batch} of epoch {state.epoch}); resume it with train.grad_accum={state.grad_accum}"
+        )
 
 
 def realign_to_plan(state: TrainState, plan: dict[str, Any]) -> list[str]:

@@ -12,9 +12,15 @@ One :class:`Trainer` per worker process. It builds its parts, each in its own mo
 * :class:`~.schedule.ScheduledLR` (learning rates per step), :class:`~.cadence.Cadence`
   (when to log, evaluate, checkpoint), :class:`~.timing.StepTimer` and
   :class:`~.metrics.TrainMetrics` (what is logged);
+* with ``train.ema_decay``, the :class:`~.ema.WeightEMA` of the model's weights (evaluated and exported);
 * the :class:`~.evaluator.Evaluator` (metrics, best model, plots, export), the
   :class:`~.checkpoint.Checkpointer` (save and resume) and the
   :class:`~.reporting.Reporter` (Ray Train reports, the driver's progress line).
+
+A step is ``train.grad_accum`` micro-batches: each is embedded, scored and back-propagated (DeepSpeed
+accumulates the engine's gradients, the classifier adds its rows' into theirs), and the last one's
+``engine.step()`` and :meth:`LossHead.step` make the one optimizer step of both. Checkpoints and every
+other action happen between steps only, so a run never resumes in the middle of an accumulation.
 
 Every decision that involves a collective (when to evaluate, checkpoint or report) is a
 pure function of the step, identical on every rank, so no rank ever waits alone. So is the
@@ -39,6 +45,7 @@ import torch
 from dmltrain.config import Config
 from dmltrain.distributed.collectives import all_reduce_sum
 from dmltrain.distributed.process_group import ensure_process_group
+from dmltrain.errors import UserError
 from dmltrain.models import build_model, param_groups
 from dmltrain.models.precision import autocast_dtype
 from dmltrain.models.sync_bn import convert_sync_batchnorm
@@ -57,8 +64,9 @@ from dmltrain.tracking.run import RunHandle
 from dmltrain.training.artifacts import ModelExporter, log_run_files
 from dmltrain.training.async_eval import load_record, record_summary, validation_request
 from dmltrain.training.cadence import Cadence, Due
-from dmltrain.training.checkpoint import Checkpointer
+from dmltrain.training.checkpoint import EMA_STATE, Checkpointer
 from dmltrain.training.divergence import Diverged, DivergenceGuard
+from dmltrain.training.ema import WeightEMA
 from dmltrain.training.engine import build_engine, loss_scale
 from dmltrain.training.evaluator import Evaluator
 from dmltrain.training.faults import Hold, injected_nan_step
@@ -70,7 +78,7 @@ from dmltrain.training.prefetch import Prefetcher
 from dmltrain.training.reporting import Reporter, RunContext, position_metrics
 from dmltrain.training.rng import seed_rngs
 from dmltrain.training.schedule import LRSchedule, ScheduledLR
-from dmltrain.training.state import TrainState, realign_to_plan
+from dmltrain.training.state import TrainState, check_accumulation, realign_to_plan
 from dmltrain.training.timing import StepTimer
 from shards.config import resolve_decode
 from shards.decode.device import DeviceInput
@@ -109,7 +117,15 @@ class Trainer:
             pin_memory=self.device.type == "cuda",
             decode=resolve_decode(cfg.data.decode, self.device, cfg.data.augment),
         )
-        self.steps_per_epoch = self.stream.batches_per_epoch  # >= 1: TrainStream refuses a batch no epoch can fill
+        self.accum = t.grad_accum  # micro-batches per optimizer step
+        self.steps_per_epoch = self.stream.batches_per_epoch // self.accum
+        if self.steps_per_epoch < 1:
+            raise UserError(
+                f"train.grad_accum: {self.accum} micro-batches per step, but an epoch holds {self.stream.batches_per_epoch} "
+                f"batches of data.batch_size {cfg.data.batch_size} at {self.world} workers; lower train.grad_accum"
+            )
+        # an epoch's last batches_per_epoch % grad_accum batches would not fill a step: they are left out
+        self.epoch_batches = self.steps_per_epoch * self.accum
         self.total_steps = t.max_steps if t.max_steps is not None else t.epochs * self.steps_per_epoch
         self.num_epochs = math.ceil(self.total_steps / self.steps_per_epoch)
 
@@ -120,9 +136,12 @@ class Trainer:
             model = model.to(memory_format=torch.channels_last)
         self.engine, self.ds_config = build_engine(model, param_groups(model, cfg.optim), cfg, self.world)
         self.model = self.engine.module
+        self.ema = WeightEMA(self.model, t.ema_decay) if t.ema_decay is not None else None
         self.input_dtype = autocast_dtype(t.precision) or torch.float32
         # the next batch is copied (or decoded and augmented) on a side stream while this one trains
-        self.input = DeviceInput(cfg.data.augment, self.device, self.input_dtype, channels_last=cfg.model.channels_last)
+        self.input = DeviceInput.from_config(
+            cfg.data, self.device, self.input_dtype, channels_last=cfg.model.channels_last
+        )
         self.prefetch = Prefetcher(self.input, self.device)
         # the label space, not the classes with images: a class whose images were all skipped keeps its id
         self.objective = Objective(
@@ -137,7 +156,7 @@ class Trainer:
         self.metrics = TrainMetrics()
         self.reporter = Reporter(run, self.rank, self.total_steps, self.num_epochs)
         exporter = ModelExporter(
-            self.engine, self.logger, rank=self.rank, storage_dir=run.storage_dir, config=cfg.to_dict()
+            self.engine, self.logger, rank=self.rank, storage_dir=run.storage_dir, config=cfg.to_dict(), ema=self.ema
         )
         self.evaluator = Evaluator(
             self.model,
@@ -148,6 +167,7 @@ class Trainer:
             rank=self.rank,
             world_size=self.world,
             device=self.device,
+            ema=self.ema,
         )
         self.checkpointer = Checkpointer(
             self.engine,
@@ -158,8 +178,12 @@ class Trainer:
             zero_stage=t.zero_stage,
             seed=t.seed,
             model_config=cfg.to_dict(),
+            states={EMA_STATE: self.ema} if self.ema is not None else None,
         )
-        self.state = TrainState(world_size=self.world, zero_stage=t.zero_stage, plan=self.stream.plan_signature())
+        self.state = TrainState(
+            world_size=self.world, zero_stage=t.zero_stage, grad_accum=self.accum, plan=self.stream.plan_signature()
+        )
+        self._micro = 0  # micro-batches of the step in progress
         self.guard = DivergenceGuard(self.objective.terms, self.device)
         self.fence = Fence(run.driver, self.rank, self.device)
         self.nan_at, self.hold = injected_nan_step(), Hold.from_env(self.rank)  # tests' fault injection
@@ -203,14 +227,16 @@ class Trainer:
         while st.step < self.total_steps:
             epoch = st.epoch
             self.timer.start()
-            batches = islice(self.stream.epoch(epoch, start_batch=st.batch), self.total_steps - st.step)
+            # whole steps only: this epoch's usable batches, or the batches of the steps left
+            left = min(self.epoch_batches - st.batch, (self.total_steps - st.step) * self.accum)
+            batches = islice(self.stream.epoch(epoch, start_batch=st.batch), max(0, left))
             for images, labels in self.prefetch(batches):
-                self._train_step(images, labels)
-                if st.batch < self.steps_per_epoch:  # an epoch's last step acts once, with its epoch end
+                stepped = self._train_step(images, labels)
+                if stepped and st.batch < self.epoch_batches:  # an epoch's last step acts once, with its epoch end
                     self._act(self.cadence.due(st.step))
                 self.timer.start()
-            if st.batch >= self.steps_per_epoch or st.step < self.total_steps:
-                step_due = self.cadence.due(st.step) if st.batch >= self.steps_per_epoch else Due()
+            if st.batch >= self.epoch_batches or st.step < self.total_steps:
+                step_due = self.cadence.due(st.step) if st.batch >= self.epoch_batches else Due()
                 st.epoch, st.batch = epoch + 1, 0  # the epoch is complete (or the stream ended it)
                 # one save for both: with asynchronous evaluation, a step checkpoint and the epoch's
                 # validated one would otherwise be two checkpoints of the same step
@@ -227,7 +253,8 @@ class Trainer:
         self.reporter.summary(summary)
         return summary
 
-    def _train_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+    def _train_step(self, images: torch.Tensor, labels: torch.Tensor) -> bool:
+        """One micro-batch; True when it completed an optimizer step (every ``train.grad_accum``-th)."""
         st, engine, timer = self.state, self.engine, self.timer  # images, labels: on the device (self.input)
         if self.hold is not None:
             self.hold.before(st.step + 1)
@@ -236,18 +263,27 @@ class Trainer:
         embeddings = engine(images)
         if self.nan_at == st.step + 1:  # fault injection (tests): a diverged step
             embeddings = embeddings * float("nan")
+        # every micro-batch of a step draws the same classes (seed, step) besides its own
         loss = self.objective(embeddings, labels, step=st.step)
         timer.lap("forward")
-        engine.backward(loss)
+        engine.backward(loss)  # divided by grad_accum; the classifier rows' gradients add up in their .grad
         timer.lap("backward")
+        self._micro += 1
+        boundary = self._micro == self.accum
         scale = loss_scale(engine)  # read before engine.step(), which may change it
-        engine.step()
-        self.head.step(scale, applied=not engine.fp16_enabled() or engine.was_step_applied())
+        engine.step()  # DeepSpeed steps at the accumulation boundary only (and averages over ranks there)
+        if boundary:
+            self.head.step(scale, applied=not engine.fp16_enabled() or engine.was_step_applied())
+            if self.ema is not None:
+                self.ema.update()
         timer.lap("optimizer")
         self.metrics.add({**self.objective.device_stats, LR: lr})  # summed on the device, read at log points
-        st.step += 1
         st.batch += 1
-        self.guard.observe(st.step, self.objective.losses)
+        if boundary:
+            st.step += 1
+            self._micro = 0
+        self.guard.observe(st.step if boundary else st.step + 1, self.objective.losses)
+        return boundary
 
     def _act(self, due: Due) -> None:
         if due.log or due.evaluate or due.checkpoint:
@@ -288,6 +324,7 @@ class Trainer:
         if st is None:
             return False
         st.finished = st.step >= self.total_steps  # a longer schedule continues a finished run
+        check_accumulation(st, self.accum)
         was = (st.epoch, st.batch)
         changed = realign_to_plan(st, self.stream.plan_signature())
         if changed and (st.epoch, st.batch) != was and self.rank == 0:
@@ -320,12 +357,12 @@ class Trainer:
             return
         summary.update({REMOTE_PREFIX + k: v for k, v in io.items()})
         st = self.state
-        summary[EPOCH] = st.epoch + st.batch / self.steps_per_epoch
+        summary[EPOCH] = st.epoch + st.batch / self.epoch_batches
         summary.update(memory_metrics(self.device, self.head.classifier_memory_mb()))
         if self.stream.skipped + self.input.skipped:
             summary[SKIPPED_SAMPLES] = float(self.stream.skipped + self.input.skipped)
         self.logger.log_metrics(mlflow_names(summary), step=st.step)
-        eta = (self.total_steps - st.step) * summary[STEP_MS] / 1000
+        eta = (self.total_steps - st.step) * self.accum * summary[STEP_MS] / 1000  # STEP_MS: per micro-batch
         self.reporter.progress(
             st, loss=summary.get(LOSS, float("nan")), images_per_s=summary[IMAGES_PER_S], eta_s=eta, phase="train"
         )

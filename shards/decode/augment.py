@@ -8,9 +8,9 @@ rectangle, noise seed), with torchvision's sampling rules for every option of
 (e.g. on a GPU) can apply the very same record: the geometry and factors of each image are
 a function of (seed, epoch, rank, batch, slot) alone, whoever draws them.
 
-The draws come in a fixed order (crop, flip, rotation, jitter, erase, noise), each only when
-its option is on, so with the default options the draws are those of a plain
-RandomResizedCrop + horizontal flip.
+The draws come in a fixed order (crop, flip, rotation, jitter, erase, noise, RandAugment), each
+only when its option is on, so with the default options the draws are those of a plain
+RandomResizedCrop + horizontal flip, and turning RandAugment on leaves every other draw as it was.
 """
 
 from __future__ import annotations
@@ -20,9 +20,14 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shards.config import AugmentConfig
+from shards.config import AugmentConfig, RandAugment
 
 JITTER_OPS = ("brightness", "contrast", "saturation", "hue")
+# torchvision's RandAugment operations, in its order (the draw is an index into this tuple)
+RANDAUGMENT_OPS = (
+    "identity", "shear_x", "shear_y", "translate_x", "translate_y", "rotate", "brightness", "color", "contrast",
+    "sharpness", "posterize", "solarize", "autocontrast", "equalize",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,10 @@ class AugmentParams:
     in this order; brightness, contrast and saturation factors as in PIL's ``ImageEnhance``,
     hue a shift in [-0.5, 0.5] of the hue circle. ``erase``: (top, left, height, width) of the
     output rectangle set to the mean colour, or None. ``noise_seed``: seed of the Gaussian noise
-    field (numpy ``default_rng``), or None for no noise.
+    field (numpy ``default_rng``), or None for no noise. ``randaugment``: (operation, signed magnitude)
+    pairs of :data:`RANDAUGMENT_OPS`, applied in this order after the flip (magnitudes in torchvision's
+    units for an ``S × S`` image: shear as a tangent, translation in pixels, rotation in degrees, enhance
+    factors minus 1, posterize bits, solarize threshold).
     """
 
     box: tuple[float, float, float, float]
@@ -45,6 +53,7 @@ class AugmentParams:
     jitter: tuple[tuple[str, float], ...] = ()
     erase: tuple[int, int, int, int] | None = None
     noise_seed: int | None = None
+    randaugment: tuple[tuple[str, float], ...] = ()
 
 
 def _sides(
@@ -118,4 +127,37 @@ def draw_params(aug: AugmentConfig, width: int, height: int, size: int, rng: ran
     if aug.erase.p > 0 and rng.random() < aug.erase.p:
         erase = erase_params(size, aug.erase.scale, aug.erase.ratio, rng)
     noise_seed = rng.getrandbits(63) if aug.noise > 0 else None
-    return AugmentParams(box, flip, angle, jitter, erase, noise_seed)
+    randaug = randaugment_ops(aug.randaugment, size, rng) if aug.randaugment.ops else ()
+    return AugmentParams(box, flip, angle, jitter, erase, noise_seed, randaug)
+
+
+def randaugment_magnitude(op: str, level: int, bins: int, size: int) -> tuple[float, bool]:
+    """(unsigned magnitude, signed?) of ``op`` at ``level`` of ``bins`` on a ``size``-pixel square image, as
+    torchvision's ``RandAugment._augmentation_space`` (in float64 rather than float32)."""
+    t = level / (bins - 1)  # torch.linspace(0, x, bins)[level] = x * t
+    if op in ("shear_x", "shear_y"):
+        return 0.3 * t, True
+    if op in ("translate_x", "translate_y"):
+        return 150.0 / 331.0 * size * t, True
+    if op == "rotate":
+        return 30.0 * t, True
+    if op in ("brightness", "color", "contrast", "sharpness"):
+        return 0.9 * t, True
+    if op == "posterize":
+        return float(8 - int(round(level / ((bins - 1) / 4)))), False
+    if op == "solarize":
+        return 255.0 * (1 - t), False
+    return 0.0, False  # identity, autocontrast, equalize
+
+
+def randaugment_ops(cfg: RandAugment, size: int, rng: random.Random) -> tuple[tuple[str, float], ...]:
+    """``cfg.ops`` (operation, signed magnitude) pairs: torchvision's ``RandAugment.forward`` draws (an operation
+    uniformly, then a sign for the signed ones) from ``rng``."""
+    out = []
+    for _ in range(cfg.ops):
+        op = RANDAUGMENT_OPS[rng.randrange(len(RANDAUGMENT_OPS))]
+        magnitude, signed = randaugment_magnitude(op, cfg.magnitude, cfg.bins, size)
+        if signed and rng.random() < 0.5:
+            magnitude = -magnitude
+        out.append((op, magnitude))
+    return tuple(out)

@@ -7,7 +7,7 @@ in one non-blocking copy from pinned memory; then, in runs of images of similar 
 by a pixel budget (:data:`PIXEL_BUDGET`: decoded plus padded crop pixels, so multi-megapixel photos do
 not allocate gigabytes at once), one batched ``torchvision.io.decode_jpeg`` (nvJPEG on CUDA) and
 each record applied with PIL's arithmetic on tensors (:mod:`shards.decode.pixel_ops`): the crop box
-resampled (antialiased bilinear, horizontal then vertical, rounded to 8 bits after each pass), the
+resampled (antialiased bilinear or bicubic, horizontal then vertical, rounded to 8 bits after each pass), the
 flip folded into the horizontal weights, colour jitter, grayscale, erasing, normalization, then
 Gaussian noise from a generator seeded by the record's noise seed (the same distribution as the
 CPU path's numpy field, not the same numbers). Nothing waits for the device (see
@@ -22,9 +22,10 @@ on average, tens of levels at single sharp edges), not in geometry: the crop, fl
 are the same. Where draft does not apply, and against ``TrainTransform(draft=False)`` always, the
 device path on the CPU (libjpeg-turbo, as PIL; float64 resampling) gives PIL's pixels but for
 rare float32 roundings of the colour-jitter blends; on CUDA (float32 resampling: rare ±1)
-nvJPEG's inverse DCT and chroma upsampling differ from libjpeg's by a few levels. Rotation is not
-applied on the device (configs refuse ``data.decode=device`` with ``data.augment.rotation``; a
-record with an angle is decoded on the CPU).
+nvJPEG's inverse DCT and chroma upsampling differ from libjpeg's by a few levels. Rotation and
+RandAugment are not applied on the device (configs refuse ``data.decode=device`` with
+``data.augment.rotation`` or ``.randaugment``; a record with an angle or RandAugment operations is decoded
+on the CPU).
 
 An encoded image the device cannot decode (a corrupt entropy stream: headers are checked in the
 loader, members at read time) takes a decoded image of its batch, with that image's label, and is
@@ -42,11 +43,11 @@ import torch
 from torch import Tensor
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from shards.config import AugmentConfig
+from shards.config import AugmentConfig, DataConfig
 from shards.decode.augment import AugmentParams
 from shards.decode.encoded import EncodedImages
-from shards.decode.pixel_ops import adjust, bilinear_taps, dense_weights, luma, round8, shift_hue, tap_entries
-from shards.decode.transforms import ERASE_GRAY, ERASE_RGB, normalize_batch
+from shards.decode.pixel_ops import FILTERS, adjust, dense_weights, luma, resample_taps, round8, shift_hue, tap_entries
+from shards.decode.transforms import IMAGENET, PixelNorm, normalize_batch
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,8 @@ class DeviceDecoder:
     channels_last if asked) on ``device`` and the labels (changed only where an image would not decode).
 
     ``augment`` must be the config the loader drew the records with (grayscale, noise and the
-    erase colour are read from it). A batch is decoded and resampled in runs of images (taken in order
+    erase colour are read from it); ``norm`` and ``interpolation`` the loader's too (the erase colour is
+    ``norm``'s mean). A batch is decoded and resampled in runs of images (taken in order
     of crop area, so that a run's crops pad to similar sizes) whose decoded pixels plus padded crop buffer
     (images × largest crop height × largest crop width)
     stay within ``pixel_budget`` pixels (default :data:`PIXEL_BUDGET`, 2^25: on a GPU at most about
@@ -160,8 +162,13 @@ class DeviceDecoder:
         channels_last: bool = False,
         resample_dtype: torch.dtype | None = None,
         pixel_budget: int = PIXEL_BUDGET,
+        norm: PixelNorm = IMAGENET,
+        interpolation: str | None = None,
     ):
         self.augment, self.device, self.dtype = augment, torch.device(device), dtype
+        self.norm, self.interpolation = norm, interpolation or "bilinear"
+        if self.interpolation not in FILTERS:
+            raise ValueError(f"DeviceDecoder: interpolation must be one of {', '.join(FILTERS)}, got {interpolation!r}")
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         # float64 resampling is PIL's exactly; GPUs default to float32 (rare ±1, see shards.decode.pixel_ops)
         self.resample_dtype = resample_dtype or (torch.float32 if self.device.type == "cuda" else torch.float64)
@@ -186,7 +193,7 @@ class DeviceDecoder:
             bad += [int(batch.slots[j]) for j, im in zip(c.idx, images) if im is None]
             out.index_copy_(0, sent[c.slots], self._augment(images, batch, c, sent, S))
         if batch.pixel_slots.numel():
-            out.index_copy_(0, sent[pix_slots], normalize_batch(sent[pix]))
+            out.index_copy_(0, sent[pix_slots], normalize_batch(sent[pix], norm=self.norm))
         if bad:
             labels = self._borrow(out, labels, bad, n)
         return out.to(dtype=self.dtype, memory_format=self.memory_format), labels
@@ -200,8 +207,8 @@ class DeviceDecoder:
         heights, widths = batch.sizes[:, 0].numpy(), batch.sizes[:, 1].numpy()
         boxes = np.array([p.box for p in batch.params], np.float64)
         flips = np.array([p.flip for p in batch.params], bool)
-        fx, tx = bilinear_taps(widths, boxes[:, 0], boxes[:, 2], S)
-        fy, ty = bilinear_taps(heights, boxes[:, 1], boxes[:, 3], S)
+        fx, tx = resample_taps(widths, boxes[:, 0], boxes[:, 2], S, self.interpolation)
+        fy, ty = resample_taps(heights, boxes[:, 1], boxes[:, 3], S, self.interpolation)
         x0, x1 = _crop_bounds(fx, tx, widths)
         y0, y1 = _crop_bounds(fy, ty, heights)
         chunks = []
@@ -308,7 +315,8 @@ class DeviceDecoder:
                 j = donors[k % len(donors)]
                 out[i], labels[i] = out[j], labels[j]
             else:
-                out[i] = normalize_batch(torch.zeros((1, 3, out.shape[2], out.shape[3]), device=out.device))[0]
+                black = torch.zeros((1, 3, out.shape[2], out.shape[3]), device=out.device)
+                out[i] = normalize_batch(black, norm=self.norm)[0]
         return labels
 
     # -- augmentation -----------------------------------------------------------------------------
@@ -336,10 +344,10 @@ class DeviceDecoder:
         for i, p in enumerate(params):
             if p.erase is not None:  # python scalars: a fill, no copy from the host
                 top, left, h, w = p.erase
-                colour = (ERASE_GRAY,) if a.grayscale else ERASE_RGB
+                colour = (self.norm.erase_gray,) if a.grayscale else self.norm.erase_rgb
                 for ch, v in enumerate(colour):
                     x[i, ch, top : top + h, left : left + w] = float(v)
-        x = normalize_batch(x)
+        x = normalize_batch(x, norm=self.norm)
         noisy = [(i, p.noise_seed) for i, p in enumerate(params) if p.noise_seed is not None]
         for i, seed in noisy:
             g = torch.Generator(device=dev)
@@ -353,8 +361,9 @@ class DeviceInput:
     ``b × 3 × S × S`` in ``dtype``, channels_last if asked.
 
     A CPU-decoded batch (uint8, pinned by the stream on CUDA) is copied without blocking and normalized
-    on the device (a quarter of the bytes cross the bus); an :class:`EncodedImages` batch goes through
-    a :class:`DeviceDecoder`. Nothing here waits for the device.
+    on the device (a quarter of the bytes cross the bus) with ``norm`` (the backbone's mean and std); an
+    :class:`EncodedImages` batch goes through a :class:`DeviceDecoder` (``norm``, ``interpolation``).
+    Nothing here waits for the device.
     """
 
     def __init__(
@@ -363,9 +372,24 @@ class DeviceInput:
         device: torch.device | str,
         dtype: torch.dtype = torch.float32,
         channels_last: bool = False,
+        norm: PixelNorm = IMAGENET,
+        interpolation: str | None = None,
     ):
-        self.device, self.dtype, self.channels_last = torch.device(device), dtype, channels_last
-        self.decoder = DeviceDecoder(augment, self.device, dtype, channels_last)
+        self.device, self.dtype, self.channels_last, self.norm = torch.device(device), dtype, channels_last, norm
+        self.decoder = DeviceDecoder(augment, self.device, dtype, channels_last, norm=norm, interpolation=interpolation)
+
+    @classmethod
+    def from_config(
+        cls,
+        data: DataConfig,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+        channels_last: bool = False,
+    ) -> DeviceInput:
+        """The input of a run's ``data`` section: its augmentation, normalization (``data.mean``, ``data.std``) and
+        resampling (``data.interpolation``)."""
+        norm = PixelNorm.of(data.mean, data.std)
+        return cls(data.augment, device, dtype, channels_last, norm=norm, interpolation=data.interpolation)
 
     @property
     def skipped(self) -> int:
@@ -378,4 +402,4 @@ class DeviceInput:
         x = images.to(self.device, non_blocking=True)
         if self.channels_last:  # on the uint8 batch: a quarter of the bytes; normalize_batch keeps the format
             x = x.contiguous(memory_format=torch.channels_last)
-        return normalize_batch(x, self.dtype), labels.to(self.device, non_blocking=True)
+        return normalize_batch(x, self.dtype, norm=self.norm), labels.to(self.device, non_blocking=True)

@@ -4,8 +4,8 @@
 image slot it reads the stored image's header, draws the slot's :class:`~shards.decode.augment.AugmentParams`
 exactly as :class:`~shards.decode.transforms.TrainTransform` does (the same generator, the same draws in the
 same order, so the same crop, flip and factors for every (seed, epoch, rank, batch, slot)), and hands over
-the bytes with the record. What the device path does not decode (anything but an RGB or grayscale JPEG, or
-a rotated crop) is decoded and augmented right there by the CPU transform and handed over as pixels. A
+the bytes with the record. What the device path does not decode (anything but an RGB or grayscale JPEG, a
+rotated crop, or RandAugment operations) is decoded and augmented right there by the CPU transform and handed over as pixels. A
 batch travels as one :class:`EncodedImages`; :mod:`shards.decode.device` is the other half.
 """
 
@@ -74,7 +74,7 @@ class EncodedTransform:
             warnings.simplefilter("ignore")
             img = Image.open(io.BytesIO(data))  # the header only; raises like the CPU path on a bad one
         p = self.train.draw(*img.size, rng)
-        if img.format == "JPEG" and img.mode in DEVICE_MODES and not p.angle:
+        if img.format == "JPEG" and img.mode in DEVICE_MODES and not p.angle and not p.randaugment:
             return Encoded(data, p, img.size)
         return self.train.apply(img, p)
 

@@ -4,8 +4,8 @@ one image with PIL, done to a batch on any device with the same rounding.
 Images here are float32 tensors holding 8-bit values (integers 0..255), ``b × C × H × W``, so every
 step can round exactly where PIL rounds to 8 bits:
 
-* :func:`bilinear_taps`: PIL's antialiased bilinear resampling of a float box (``Image.resize(size,
-  BILINEAR, box=...)``) as per-output-pixel taps, with PIL's 22-bit fixed-point coefficients, computed
+* :func:`resample_taps`: PIL's antialiased bilinear or bicubic resampling of a float box (``Image.resize(size,
+  BILINEAR or BICUBIC, box=...)``) as per-output-pixel taps, with PIL's 22-bit fixed-point coefficients, computed
   on the host (:func:`tap_entries`) and made into one matrix per axis on the device
   (:func:`dense_weights`); applied as one matrix product per axis, horizontal pass first, each
   rounded to 8 bits as PIL does.
@@ -28,35 +28,53 @@ from torch import Tensor
 PRECISION_BITS = 22  # PIL's fixed-point coefficients for 8-bit images: 32 - 8 - 2 bits
 
 
-def bilinear_taps(in_size: np.ndarray, lo: np.ndarray, hi: np.ndarray, out: int) -> tuple[np.ndarray, np.ndarray]:
-    """PIL's ``precompute_coeffs`` for a bilinear resample of ``[lo, hi)`` (source pixels, per image) to ``out``
-    pixels, for a batch: ``(first, taps)`` with ``first`` (``b × out``, int64) the first source pixel of each
-    output pixel and ``taps`` (``b × out × K``, float64 multiples of 2^-22) its weights; a tap past the
-    image has weight 0."""
+def _bilinear(t: np.ndarray) -> np.ndarray:
+    return np.where(t < 1.0, 1.0 - t, 0.0)
+
+
+def _bicubic(t: np.ndarray) -> np.ndarray:
+    a = -0.5  # PIL's bicubic_filter (Keys' cubic convolution with a = -0.5)
+    near = ((a + 2.0) * t - (a + 3.0)) * t * t + 1
+    far = (((t - 5) * t + 8) * t - 4) * a
+    return np.where(t < 1.0, near, np.where(t < 2.0, far, 0.0))
+
+
+FILTERS = {"bilinear": (_bilinear, 1.0), "bicubic": (_bicubic, 2.0)}  # PIL's filter function and support
+
+
+def resample_taps(
+    in_size: np.ndarray, lo: np.ndarray, hi: np.ndarray, out: int, interpolation: str = "bilinear"
+) -> tuple[np.ndarray, np.ndarray]:
+    """PIL's ``precompute_coeffs`` for a bilinear or bicubic resample of ``[lo, hi)`` (source pixels, per image)
+    to ``out`` pixels, for a batch: ``(first, taps)`` with ``first`` (``b × out``, int64) the first source pixel
+    of each output pixel and ``taps`` (``b × out × K``, float64 multiples of 2^-22, negative ones for bicubic)
+    its weights; a tap past the image has weight 0."""
+    fn, filter_support = FILTERS[interpolation]
     in_size = np.asarray(in_size, np.int64)[:, None]
     lo = np.asarray(lo, np.float32).astype(np.float64)[:, None]  # PIL takes the box as C floats
     hi = np.asarray(hi, np.float32).astype(np.float64)[:, None]
     scale = (hi - lo) / out
     filterscale = np.maximum(scale, 1.0)
-    support = filterscale  # the bilinear filter's support is 1
+    support = filterscale * filter_support
     k = int(np.ceil(support).max()) * 2 + 1
     center = lo + (np.arange(out) + 0.5) * scale  # b × out
     first = np.maximum(np.trunc(center - support + 0.5).astype(np.int64), 0)
     last = np.minimum(np.trunc(center + support + 0.5).astype(np.int64), in_size)
     x = first[..., None] + np.arange(k)  # b × out × K source pixels
     t = np.abs((x - center[..., None] + 0.5) * (1.0 / filterscale)[..., None])
-    w = np.where((x < last[..., None]) & (t < 1.0), 1.0 - t, 0.0)
+    w = np.where(x < last[..., None], fn(t), 0.0)
     total = np.zeros_like(center)
     for j in range(k):  # PIL sums in order; keep its rounding
         total = total + w[..., j]
     w = np.divide(w, total[..., None], out=np.zeros_like(w), where=total[..., None] != 0)
-    return first, np.floor(0.5 + w * (1 << PRECISION_BITS)) / (1 << PRECISION_BITS)
+    # PIL's normalize_coeffs_8bpc: (int)(±0.5 + w·2^22), i.e. halves rounded away from zero
+    return first, np.trunc(w * (1 << PRECISION_BITS) + np.copysign(0.5, w)) / (1 << PRECISION_BITS)
 
 
 def tap_entries(
     first: np.ndarray, taps: np.ndarray, origin: np.ndarray, width: int, flip: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The host half of :func:`dense_weights`: each tap of :func:`bilinear_taps` as (column, weight) in a source
+    """The host half of :func:`dense_weights`: each tap of :func:`resample_taps` as (column, weight) in a source
     axis that starts at pixel ``origin`` (per image) and is ``width`` wide, ``b × out × K`` int64 and float64.
     A zero tap, or one past the axis, becomes weight 0 at column 0 (summed there, it changes nothing).
     ``flip`` (bool per image) reverses an image's output pixels: a left-right mirror folded into the weights."""

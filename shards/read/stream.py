@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from dmltrain.errors import UserError
 from shards.config import AugmentConfig, DataConfig
 from shards.decode.encoded import EncodedImages, EncodedTransform
-from shards.decode.transforms import EvalTransform, TrainTransform, normalize_batch
+from shards.decode.transforms import IMAGENET, EvalTransform, PixelNorm, TrainTransform, normalize_batch
 from shards.manifest import Manifest, SplitInfo
 from shards.read.datasets import EvalBatchDataset, TrainBatchDataset
 from shards.read.sampler import PLAN_VERSION, EpochPlanner, Piece, batch_shape, eval_batch_ranges, plan_digest
@@ -118,15 +118,17 @@ def _pin_available(pin_memory: bool) -> bool:
     return bool(pin_memory) and torch.cuda.is_available()
 
 
-def _deliver(images: torch.Tensor | EncodedImages, normalize: bool, pin: bool) -> torch.Tensor | EncodedImages:
-    """The tensor handed to the caller: normalized float32 (written straight into pinned memory when ``pin``)
+def _deliver(
+    images: torch.Tensor | EncodedImages, normalize: bool, pin: bool, norm: PixelNorm = IMAGENET
+) -> torch.Tensor | EncodedImages:
+    """The tensor handed to the caller: normalized float32 with ``norm`` (written straight into pinned memory when ``pin``)
     or the uint8 batch itself (pinned when ``pin``; the DataLoader's pin thread already did it when it ran);
     encoded batches as they are (the device decoder reads the bytes on the host)."""
     if isinstance(images, EncodedImages):
         return images
     if normalize:
         b, _, h, w = images.shape  # a grayscale channel is broadcast to 3
-        return normalize_batch(images, out=torch.empty((b, 3, h, w), dtype=torch.float32, pin_memory=pin))
+        return normalize_batch(images, out=torch.empty((b, 3, h, w), dtype=torch.float32, pin_memory=pin), norm=norm)
     return images.pin_memory() if pin and not images.is_pinned() else images
 
 
@@ -144,12 +146,13 @@ class TrainStream:
     ``data.*`` key (:func:`shards.read.sampler.batch_shape`, the config check's own test).
 
     Images: ``image_size`` crops augmented as ``augment`` says (:class:`~shards.config.AugmentConfig`,
-    default: RandomResizedCrop + flip). With ``normalize=True`` (default) float32 ``b×3×S×S``
-    normalized with the ImageNet mean and std in this process; with ``normalize=False`` the
+    default: RandomResizedCrop + flip), resampled with ``interpolation`` (bilinear by default). With
+    ``normalize=True`` (default) float32 ``b×3×S×S`` normalized with ``norm`` (the backbone's mean and std;
+    ImageNet's by default) in this process; with ``normalize=False`` the
     ``b×C×S×S`` batch as decoded (uint8, a quarter of the bytes to pin and copy; C = 1 with
     ``augment.grayscale=1``; float32 pixel values with ``augment.noise``), which the caller
     normalizes where it wants, usually after the copy to the accelerator:
-    ``shards.decode.transforms.normalize_batch(images.to(device))``.
+    ``shards.decode.transforms.normalize_batch(images.to(device), norm=norm)``.
     ``pin_memory`` (only with CUDA) pins what is yielded: the decoded batch, or the float32 one.
     ``decode="device"``: the images of a batch come as :class:`~shards.decode.encoded.EncodedImages`
     (JPEG bytes and augmentation records, the same records the CPU path would apply), for a
@@ -182,6 +185,8 @@ class TrainStream:
         decode: str = "cpu",
         storage_options: dict[str, Any] | None = None,
         remote: Any = None,
+        norm: PixelNorm = IMAGENET,
+        interpolation: str | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
@@ -219,7 +224,8 @@ class TrainStream:
                 f"({shape.pieces_per_rank * world_size}); lower data.batch_size"
             )
         self.num_classes = self.split.num_labels
-        self.transform = TrainTransform(image_size, augment, draft=draft)
+        self.norm = norm
+        self.transform = TrainTransform(image_size, augment, draft=draft, norm=norm, interpolation=interpolation)
         self._skips = _SkipLog()
 
     @classmethod
@@ -237,7 +243,8 @@ class TrainStream:
         decode: str = "cpu",
     ) -> TrainStream:
         """The training stream a run's ``data`` section describes (shards, train split, sampler, P×K, image
-        size, augmentation, loader processes), drawn from ``seed``, for ``rank`` of ``world_size``.
+        size, augmentation, normalization and resampling, loader processes), drawn from ``seed``, for ``rank``
+        of ``world_size``.
 
         The keywords are how this process consumes it: ``loader_workers`` (default
         ``data.loader_workers``), ``normalize``, ``pin_memory``, ``draft`` and ``decode`` (resolved:
@@ -262,6 +269,8 @@ class TrainStream:
             decode=decode,
             storage_options=d.storage_options,
             remote=d.remote,
+            norm=PixelNorm.of(d.mean, d.std),
+            interpolation=d.interpolation,
         )
 
     @property
@@ -351,7 +360,7 @@ class TrainStream:
         # the loader pins uint8 batches itself; normalized ones are written straight into pinned memory here
         for item in _in_order(ds, self.loader_workers, start_batch, pin and not self.normalize):
             self._skips.add(item)
-            images = _deliver(item["images"], self.normalize, pin)
+            images = _deliver(item["images"], self.normalize, pin, self.norm)
             n += 1
             yield (images, item["labels"], item["index"]) if with_index else (images, item["labels"])
         if n != self.batches_per_epoch - start_batch:
@@ -384,9 +393,11 @@ class EvalBatches:
         loader_workers: int,
         pin_memory: bool,
         normalize: bool,
+        norm: PixelNorm = IMAGENET,
     ):
         self.split, self.root, self.ranges, self.transform = info, root, ranges, transform
         self.rank, self.loader_workers, self.pin_memory, self.normalize = rank, loader_workers, pin_memory, normalize
+        self.norm = norm
         self.num_samples = info.num_images
         self.skipped = 0
         self.io: dict[
@@ -404,7 +415,7 @@ class EvalBatches:
         for item in _in_order(ds, self.loader_workers, 0, pin and not self.normalize):
             skips.add(item)
             self.skipped, self.io = skips.count, skips.io
-            yield _deliver(item["images"], self.normalize, pin), item["labels"], item["index"]
+            yield _deliver(item["images"], self.normalize, pin, self.norm), item["labels"], item["index"]
         if self.skipped:
             log.warning(
                 "rank %d: %d unreadable samples of split %r (%s) left out of the evaluation",
@@ -431,6 +442,8 @@ def eval_batches(
     normalize: bool = True,
     storage_options: dict[str, Any] | None = None,
     remote: Any = None,
+    norm: PixelNorm = IMAGENET,
+    interpolation: str | None = None,
 ) -> EvalBatches:
     """``(images, labels, index)`` batches of ``rank``'s contiguous share of ``split`` (an :class:`EvalBatches`).
 
@@ -440,8 +453,9 @@ def eval_batches(
     split. An unreadable sample is *dropped*, never replaced (a stand-in image would inflate
     the retrieval metrics): its batch comes out smaller, its index is absent, it is logged and
     counted in the returned object's ``skipped``. Images: shorter side to ``resize``, centre
-    ``crop``, ``grayscale`` as in training (:class:`shards.decode.transforms.EvalTransform`); otherwise
-    as in :class:`TrainStream` (``normalize``, ``pin_memory``, and for a URL ``storage_options``, ``remote``).
+    ``crop``, ``grayscale`` and ``interpolation`` as in training (:class:`shards.decode.transforms.EvalTransform`);
+    otherwise as in :class:`TrainStream` (``normalize`` with ``norm``, ``pin_memory``, and for a URL
+    ``storage_options``, ``remote``).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world_size {world_size}")
@@ -454,9 +468,10 @@ def eval_batches(
         info,
         manifest.root,
         ranges,
-        EvalTransform(resize, crop, draft=draft, grayscale=grayscale),
+        EvalTransform(resize, crop, draft=draft, grayscale=grayscale, interpolation=interpolation),
         rank=rank,
         loader_workers=loader_workers,
         pin_memory=pin_memory,
         normalize=normalize,
+        norm=norm,
     )

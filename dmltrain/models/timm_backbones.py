@@ -1,0 +1,239 @@
+"""Backbones from timm: any timm model name as ``model.backbone`` (ViT, DINOv2, CLIP ViTs, ConvNeXt, ...).
+
+:class:`TimmBackbone` holds the timm model as ``net``, built with ``num_classes=0`` (no classifier), so
+``backbone.net`` has timm's own parameter names and a state dict that timm saved loads into it
+(:mod:`.pretrained`, with timm's checkpoint filter: position embeddings resampled to another image
+size, original DINOv2 / OpenAI CLIP layouts converted). Its stages are timm's feature points
+(``feature_info``: ``blocks.0`` .. for a ViT, ``stages.0`` .. for a ConvNeXt), tapped through timm's
+``forward_intermediates`` as ``B × C × h × w`` maps (a ViT's patch tokens on their grid), plus
+``output``: what a single-level head takes, by ``model.features``:
+
+* ``pooled`` (``auto``): the model's own pooled features as pretrained (``forward_head(pre_logits=True)``:
+  the class token after the final norm for ViT, DINOv2 and CLIP; average pooling + LayerNorm for ConvNeXt);
+* ``cls``: the class token after the final norm (models with one);
+* ``patches``: the patch tokens after the final norm on their grid (a convolutional model: its last feature
+  map), pooled by the head's ``model.pooling`` (avg, max, avgmax, gem).
+
+``pooled`` and ``cls`` give ``B × C × 1 × 1``. Built for ``image_size`` (a ViT's position embeddings
+and patch grid: the size must be a multiple of the patch size), with timm's drop-path rate and
+gradient checkpointing; attention runs through ``F.scaled_dot_product_attention`` (timm's
+``fused_attn``, forced on: flash or memory-efficient kernels on GPUs in bf16).
+
+:func:`timm_facts` answers what the run config must know before anything is built (the
+normalization and interpolation of the model's pretrained config, its patch size, stages, whether
+it is convolutional), from the model built on the meta device (no memory, no weights).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dmltrain.errors import UserError
+from dmltrain.models.backbones import BACKBONES, Backbone
+from shards.config import IMAGENET_MEAN, IMAGENET_STD
+
+TIMM_PREFIX = "timm:"
+OUTPUT = "output"  # the stage that holds model.features
+FEATURES = ("auto", "pooled", "cls", "patches")
+
+
+def timm_name(name: str) -> str | None:
+    """The timm model name (with its pretrained tag, if any) that ``model.backbone`` = ``name`` stands for, or
+    None: one of dmltrain's torchvision names (``timm:NAME`` forces timm's), or a name timm does not know."""
+    if name in BACKBONES:
+        return None
+    name = name.removeprefix(TIMM_PREFIX)
+    import timm
+
+    return name if timm.is_model(name) else None
+
+
+@dataclass(frozen=True)
+class TimmFacts:
+    """What a timm model's run needs to know before building it (see :func:`timm_facts`)."""
+
+    name: str
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    interpolation: str  # bilinear or bicubic
+    patch_size: tuple[int, int] | None  # a ViT's patches; None for a convolutional model
+    takes_image_size: bool  # built for an input size (position embeddings)
+    has_cls: bool
+    stages: tuple[str, ...]  # feature points forward_intermediates can tap (empty: none)
+    convolutional: bool
+    classifier: tuple[str, ...]  # the pretrained config's classifier module names (their keys are dropped)
+    hf_hub_id: str | None
+    url: str | None
+
+
+def _create(name: str, **kwargs: Any) -> nn.Module:
+    import timm
+
+    return timm.create_model(name, pretrained=False, num_classes=0, **kwargs)
+
+
+@functools.lru_cache(maxsize=32)
+def timm_facts(name: str) -> TimmFacts:
+    """The facts of timm model ``name`` (a ``model.backbone`` value), from the model built on the meta device."""
+    arch = timm_name(name)
+    if arch is None:
+        raise UserError(f"model.backbone: timm knows no model '{name}'")
+    with torch.device("meta"):
+        net = _create(arch)
+    # built for an input size (position embeddings): its constructor takes one; convolutional models do not
+    takes_image_size = "img_size" in inspect.signature(type(net).__init__).parameters
+    cfg = dict(net.pretrained_cfg)
+    interpolation = cfg.get("interpolation", "bicubic")
+    patch = getattr(getattr(net, "patch_embed", None), "patch_size", None)
+    classifier = cfg.get("classifier") or ()
+    return TimmFacts(
+        name=arch,
+        mean=tuple(float(v) for v in cfg.get("mean", IMAGENET_MEAN)),
+        std=tuple(float(v) for v in cfg.get("std", IMAGENET_STD)),
+        interpolation=interpolation if interpolation in ("bilinear", "bicubic") else "bicubic",
+        patch_size=tuple(patch) if patch is not None else None,
+        takes_image_size=takes_image_size,
+        has_cls=getattr(net, "cls_token", None) is not None,
+        stages=tuple(f["module"] for f in net.feature_info) if hasattr(net, "forward_intermediates") else (),
+        convolutional=getattr(net, "patch_embed", None) is None,
+        classifier=(classifier,) if isinstance(classifier, str) else tuple(classifier),
+        hf_hub_id=cfg.get("hf_hub_id"),
+        url=cfg.get("url") or None,
+    )
+
+
+def check_timm_model(name: str, features: str, pooling: str, image_size: int, eval_crop: int) -> None:
+    """A one-line :class:`UserError` for settings timm model ``name`` cannot take: ``model.features=cls`` without
+    a class token, GeM pooling of a single pooled vector, or (models built for an input size) an image size
+    that is not a multiple of the patch size or an evaluation crop of another size."""
+    facts = timm_facts(name)
+    if features == "cls" and not facts.has_cls:
+        raise UserError(f"model.features: {name} has no class token; use pooled or patches")
+    if pooling == "gem" and features in ("auto", "pooled", "cls") and not facts.convolutional:
+        raise UserError(
+            f"model.pooling: gem pools patch tokens; with model.features={features} {name} gives one vector "
+            f"(set model.features=patches)"
+        )
+    if facts.takes_image_size:
+        ph, pw = facts.patch_size or (1, 1)
+        if image_size % ph or image_size % pw:
+            raise UserError(
+                f"data.image_size: {image_size} is not a multiple of {name}'s patch size {ph}; "
+                f"use {max(ph, image_size // ph * ph)} or {(image_size // ph + 1) * ph}"
+            )
+        if eval_crop != image_size:
+            raise UserError(
+                f"data.eval_crop: {eval_crop} differs from data.image_size {image_size}; {name} is built for one input "
+                f"size (its position embeddings): set data.eval_crop={image_size}"
+            )
+
+
+def _force_fused_attention(net: nn.Module) -> int:
+    """Every timm attention layer on ``F.scaled_dot_product_attention`` (whatever ``TIMM_FUSED_ATTN`` says); the count."""
+    n = 0
+    for m in net.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = True
+            n += 1
+    return n
+
+
+class TimmBackbone(Backbone):
+    """A timm model without its classifier as a :class:`~.backbones.Backbone` (see the module doc)."""
+
+    def __init__(self, name: str, net: nn.Module, features: str = "auto") -> None:
+        super().__init__()
+        if features not in FEATURES:
+            raise ValueError(f"features must be one of {FEATURES}, got {features!r}")
+        self.name, self.net = name, net
+        self.features = "pooled" if features == "auto" else features
+        self.convolutional = getattr(net, "patch_embed", None) is None
+        self._taps = (
+            [f["module"] for f in net.feature_info] if hasattr(net, "forward_intermediates") else []
+        )  # positions are forward_intermediates' indices
+        width = net.num_features if self.features != "pooled" else getattr(net, "head_hidden_size", net.num_features)
+        self.stage_channels = {**{f["module"]: int(f["num_chs"]) for f in net.feature_info}, OUTPUT: int(width)}
+        if not self._taps:  # no forward_intermediates: the output alone
+            self.stage_channels = {OUTPUT: int(width)}
+        self.num_prefix_tokens = int(getattr(net, "num_prefix_tokens", 0))
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.net.set_grad_checkpointing(enable)
+
+    def layer_ids(self) -> dict[str, int]:
+        """timm's own grouping (``group_matcher``, as its layer-decay optimizer factory): the stem 0, block i
+        i + 1, the final norm last; parameters it leaves out (the pooling head) share the last id."""
+        from timm.models import group_parameters
+
+        if not hasattr(self.net, "group_matcher"):
+            return {f"net.{n}": 0 for n, _ in self.net.named_parameters()}
+        ids = group_parameters(self.net, self.net.group_matcher(coarse=False), reverse=True)
+        last = max(ids.values(), default=0)
+        return {f"net.{n}": ids.get(n, last) for n, _ in self.net.named_parameters()}
+
+    def _output(self, final: Tensor, x: Tensor) -> Tensor:
+        """``model.features`` of the final features (tokens ``B × N × C``, or a ``B × C × h × w`` map)."""
+        net = self.net
+        if self.features == "pooled":
+            out = net.forward_head(final, pre_logits=True)
+            return out.reshape(out.shape[0], -1, 1, 1)
+        if final.dim() == 3:  # tokens: prefix (class, registers) then patches
+            if self.features == "cls":
+                return final[:, 0, :, None, None]
+            patches = final[:, self.num_prefix_tokens :]
+            h, w = net.patch_embed.dynamic_feat_size(x.shape[-2:])
+            return patches.transpose(1, 2).reshape(final.shape[0], -1, h, w)
+        if getattr(net, "output_fmt", "NCHW") == "NHWC":
+            final = final.permute(0, 3, 1, 2)
+        return final
+
+    def forward(self, x: Tensor, stages: Sequence[str] | None = None) -> list[Tensor]:
+        wanted = list(stages) if stages else [OUTPUT]
+        inner = sorted((self._taps.index(s), s) for s in wanted if s != OUTPUT)
+        taps: dict[str, Tensor] = {}
+        if not inner:
+            taps[OUTPUT] = self._output(self.net.forward_features(x), x)
+        else:
+            indices = [i for i, _ in inner]
+            if OUTPUT in wanted:
+                final, maps = self.net.forward_intermediates(x, indices=indices, output_fmt="NCHW")
+                taps[OUTPUT] = self._output(final, x)
+            else:
+                maps = self.net.forward_intermediates(
+                    x, indices=indices, output_fmt="NCHW", intermediates_only=True, stop_early=True
+                )
+            taps.update(zip((s for _, s in inner), maps))
+        return [taps[s] for s in wanted]
+
+
+def build_timm_backbone(
+    name: str, *, image_size: int | None = None, drop_path: float = 0.0, features: str = "auto"
+) -> TimmBackbone:
+    """timm model ``name`` (randomly initialised, classifier removed) as a backbone; a model built for an input
+    size is built for ``image_size`` (its default when None). Offline: nothing is downloaded here."""
+    facts = timm_facts(name)
+    kwargs: dict[str, Any] = {"drop_path_rate": float(drop_path)} if drop_path else {}
+    if facts.takes_image_size and image_size is not None:
+        kwargs["img_size"] = int(image_size)
+    try:
+        net = _create(facts.name, **kwargs)
+    except TypeError as e:  # a model without stochastic depth
+        raise UserError(f"model.drop_path: timm model {name} does not take it ({e})") from None
+    except (AssertionError, ValueError, RuntimeError) as e:  # e.g. a window size that does not divide the grid
+        raise UserError(f"model.backbone: timm cannot build {name} for data.image_size {image_size} ({e})") from None
+    _force_fused_attention(net)
+    return TimmBackbone(name, net, features)
+
+
+def checkpoint_filter(net: nn.Module):
+    """timm's state-dict filter for ``net``'s architecture (``checkpoint_filter_fn`` of its module: converts
+    original layouts, resamples position embeddings and patch kernels to ``net``'s), or None."""
+    return getattr(sys.modules.get(type(net).__module__), "checkpoint_filter_fn", None)
