@@ -38,6 +38,7 @@ from cluster.run_records import Heartbeat, RunRecord
 from dmltrain.config import Config
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
+from dmltrain.redact import redact_url
 from dmltrain.text import safe_name
 from dmltrain.tracking.names import ERROR_TAG, STORAGE_DIR_TAG
 from dmltrain.tracking.run import RunHandle
@@ -133,7 +134,7 @@ class TrainSummary:
             lines.append(f"  open MLflow: mlflow ui --backend-store-uri {self.tracking_uri}")
         else:
             lines.append(f"  open MLflow: {self.tracking_uri}")
-        return "\n".join(lines)
+        return redact_url("\n".join(lines))
 
     def written_models(self) -> list[str]:
         """The exported model files that exist (on remote storage: those a finished run writes)."""

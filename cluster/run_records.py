@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 
 from dmltrain.fileio import write_json
+from dmltrain.redact import redact
 
 RECORD_FILE = "driver.json"
 HEARTBEAT_S = 30.0
@@ -72,7 +73,7 @@ class RunRecord:
             return None
 
     def write(self, run_dir: Path) -> None:
-        write_json(run_dir / RECORD_FILE, asdict(self))
+        write_json(run_dir / RECORD_FILE, redact(asdict(self)))  # a run folder is shared: no URL password in it
 
     def is_this_process(self) -> bool:
         return self.host == socket.gethostname() and self.pid == os.getpid()

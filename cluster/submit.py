@@ -40,6 +40,7 @@ from cluster.upload import Upload, plan_upload
 from dmltrain.config import load_config
 from dmltrain.config_tree import config_files
 from dmltrain.errors import UserError
+from dmltrain.redact import redact, redact_url
 from dmltrain.text import format_duration, safe_name
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -474,7 +475,7 @@ def run(args: argparse.Namespace) -> int:
     upload = spec.upload.summary() if spec.upload else "nothing"
     if args.dry_run:
         job = spec.submit_kwargs("<a zip of the files under 'upload', made at submission>")
-        print(json.dumps({**job, "upload": spec.upload.describe() if spec.upload else None}, indent=2))
+        print(json.dumps(redact({**job, "upload": spec.upload.describe() if spec.upload else None}), indent=2))
         print(f"would upload {upload} (listed under 'upload')", file=sys.stderr)
         return 0
     address = resolve_address(args.address)
@@ -482,7 +483,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"uploading {upload}", file=sys.stderr)
     job_id = submit(client, spec)
     print(f"submitted job {job_id} to {address}", file=sys.stderr)
-    print(f"  entrypoint: {spec.entrypoint}", file=sys.stderr)
+    print(f"  entrypoint: {redact_url(spec.entrypoint)}", file=sys.stderr)
     print(f"  dashboard:  {address}/#/jobs/{job_id}", file=sys.stderr)
     if args.no_wait:
         print(job_id)

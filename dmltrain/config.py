@@ -27,6 +27,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from dmltrain.config_tree import apply_overrides, flatten, read_tree
 from dmltrain.errors import ConfigError
+from dmltrain.redact import redact
 from shards.config import DataConfig, Section
 from shards.read.sampler import batch_shape
 
@@ -304,7 +305,10 @@ class Config(Section):
         return self.model_dump(mode="json")
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+        """The config as YAML to print or write (``config show``, the ``config.yaml`` artifact, a search's best
+        config), redacted (:func:`dmltrain.redact.redact`): URL userinfo and storage options outside the
+        allow-list are ``<redacted>``. What runs is :meth:`to_dict`, whole."""
+        return yaml.safe_dump(redact(self.to_dict()), sort_keys=False, default_flow_style=None)
 
     def flat(self) -> dict[str, Any]:
         """Dotted keys to scalar values (lists rendered as strings): MLflow params, report diffs."""

@@ -14,6 +14,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dmltrain.redact import redact_url
+
 MISSING = "—"  # a cell with no value
 
 
@@ -49,16 +51,17 @@ def clip(text: str, limit: int) -> str:
 def one_line(error: BaseException | str, limit: int = 300) -> str:
     """The gist of an error for a table cell or a progress line: ``Type: message``'s first line, clipped."""
     text = str(error).strip() if isinstance(error, str) else f"{type(error).__name__}: {str(error).strip()}"
-    return clip(text.splitlines()[0] if text else "", limit)
+    return clip(redact_url(text.splitlines()[0]) if text else "", limit)
 
 
 def cell(value: Any) -> str:
-    """A table cell: :data:`MISSING` for None and non-finite floats, 4 significant digits for floats, else ``str``."""
+    """A table cell: :data:`MISSING` for None and non-finite floats, 4 significant digits for floats, else ``str``
+    (URL userinfo redacted: tables are printed and written)."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return MISSING
     if isinstance(value, float):
         return f"{value:.4g}"
-    return str(value)
+    return redact_url(str(value))
 
 
 def _md(value: Any) -> str:
@@ -98,5 +101,5 @@ def csv_text(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     w = csv.writer(buf)
     w.writerow(head)
     for r in rows:
-        w.writerow(["" if x is None else (repr(x) if isinstance(x, float) else x) for x in r])
+        w.writerow(["" if x is None else (repr(x) if isinstance(x, float) else redact_url(str(x))) for x in r])
     return buf.getvalue()

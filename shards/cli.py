@@ -134,7 +134,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
         print(json.dumps(summary, indent=2))
     else:
-        print(f"{m.root}: layout {summary['layout']}, source {summary['source']}, built {summary['created']}")
+        print(f"{summary['path']}: layout {summary['layout']}, source {summary['source']}, built {summary['created']}")
         for name, s in summary["splits"].items():
             shared = (
                 f" (labels shared with {', '.join(x for x in s['label_space'] if x != name)})"

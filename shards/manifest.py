@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from dmltrain.errors import UserError
+from dmltrain.redact import redact, redact_url
 from shards.storage.location import Location, is_url, open_location, read_chunks
 from shards.storage.retries import IOStats
 
@@ -235,26 +236,29 @@ class Manifest:
         return self._splits[name]
 
     def summary(self) -> dict[str, Any]:
-        """A JSON-ready digest: layout, source, options, and per split the images, classes, shards, bytes, skipped."""
-        return {
-            "path": str(self.root),
-            "layout": self.data.get("layout"),
-            "source": self.data.get("source"),
-            "created": self.data.get("created"),
-            "options": self.data.get("options", {}),
-            "splits": {
-                name: {
-                    "images": s.num_images,
-                    "classes": s.num_classes,
-                    "labels": s.num_labels,
-                    "label_space": s.label_space,
-                    "shards": len(s.shards),
-                    "bytes": s.bytes,
-                    "skipped": len(s.skipped),
-                }
-                for name, s in self._splits.items()
-            },
-        }
+        """A JSON-ready digest: layout, source, options, and per split the images, classes, shards, bytes, skipped;
+        redacted (:func:`dmltrain.redact.redact`), as it is printed and logged."""
+        return redact(
+            {
+                "path": str(self.root),
+                "layout": self.data.get("layout"),
+                "source": self.data.get("source"),
+                "created": self.data.get("created"),
+                "options": self.data.get("options", {}),
+                "splits": {
+                    name: {
+                        "images": s.num_images,
+                        "classes": s.num_classes,
+                        "labels": s.num_labels,
+                        "label_space": s.label_space,
+                        "shards": len(s.shards),
+                        "bytes": s.bytes,
+                        "skipped": len(s.skipped),
+                    }
+                    for name, s in self._splits.items()
+                },
+            }
+        )
 
     def verify(self, progress: bool = False, stats: IOStats | None = None) -> list[str]:
         """Re-hash every shard (a remote one streamed by ranged GETs); one problem line per missing, resized or
@@ -296,7 +300,7 @@ class Manifest:
                 )
         if bar is not None:
             bar.close()
-        return problems
+        return [redact_url(p) for p in problems]
 
 
 def _local_chunks(path: Path):

@@ -1,7 +1,8 @@
 """Saving and loading a trained embedding model as one self-describing file.
 
 The file is a ``torch.save`` of plain data only (dicts, lists, numbers, strings, tensors), so
-it loads with ``weights_only=True``: ``format``, ``version``, the run ``config`` as given, the
+it loads with ``weights_only=True``: ``format``, ``version``, the run ``config`` (redacted as every
+written config is: :func:`dmltrain.redact.redact`), the
 ``model_config`` that rebuilds the architecture, the ``state_dict`` (on CPU), and ``extra``
 (metrics, step, anything plain). Loading rebuilds the model from ``model_config`` without
 reading or downloading the pretrained weights it was started from.
@@ -22,6 +23,7 @@ from dmltrain.config import _format_validation_error
 from dmltrain.errors import UserError
 from dmltrain.fileio import atomic_path
 from dmltrain.models.embedding_model import EmbeddingModel, build_model
+from dmltrain.redact import redact
 
 FORMAT = "dmltrain.model"
 VERSION = 1
@@ -59,7 +61,7 @@ def save_model(
     payload = {
         "format": FORMAT,
         "version": VERSION,
-        "config": _plain(config, "config"),
+        "config": _plain(redact(config), "config"),  # a model file travels: no URL password, no secret option
         "model_config": _plain(model_config, "model_config"),
         "state_dict": {k: v.detach().cpu().clone() for k, v in state_dict.items()},
         "extra": _plain(extra or {}, "extra"),

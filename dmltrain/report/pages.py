@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
+from dmltrain.redact import redact_url
 from dmltrain.report.compare import best_rows, differing_params, metric_columns, tables
 from dmltrain.report.runs import RunRecord
 from dmltrain.text import markdown_table
@@ -58,7 +59,7 @@ def render_markdown(
     parts = [
         f"# Experiment `{exp_name}`: {len(records)} run{'s' * (len(records) != 1)}",
         "",
-        f"Tracking store `{uri}` · [experiment in MLflow]({links.experiment()}) · [compare in MLflow]({links.compare()}) · "
+        f"Tracking store `{redact_url(uri)}` · [experiment in MLflow]({links.experiment()}) · [compare in MLflow]({links.compare()}) · "
         f"generated {time.strftime('%Y-%m-%d %H:%M')}",
         "",
         "## Runs",
@@ -148,7 +149,7 @@ def render_html(
     run_links = [links.run(r) for r in records]
     body = [
         f"<h1>Experiment <code>{esc(exp_name)}</code>: {len(records)} run{'s' * (len(records) != 1)}</h1>",
-        f'<p class="meta">Tracking store <code>{esc(uri)}</code> · <a href="{esc(links.experiment())}">experiment in MLflow</a> · '
+        f'<p class="meta">Tracking store <code>{esc(redact_url(uri))}</code> · <a href="{esc(links.experiment())}">experiment in MLflow</a> · '
         f'<a href="{esc(links.compare())}">compare in MLflow</a> · generated {esc(time.strftime("%Y-%m-%d %H:%M"))}</p>',
         "<h2>Runs</h2>",
     ]

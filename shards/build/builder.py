@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from dmltrain.errors import UserError
+from dmltrain.redact import redact_url
 from shards.build.ingest import ingest_file, load_or_skip
 from shards.build.layouts import Entry, Layout, class_sort_key, read_layout
 from shards.build.publish import Publisher
@@ -170,7 +171,7 @@ def build_shards(
             "format": FORMAT,
             "version": VERSION,
             "layout": layout.name,
-            "source": layout.root,
+            "source": redact_url(layout.root),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "options": {
                 "shard_size": shard_size,
@@ -181,7 +182,7 @@ def build_shards(
             "splits": {name: splits_json[name] for name in layout.splits},
         }
         publisher.finish(manifest_json(manifest) + "\n")
-    shown = out.root if out.remote else out.path
+    shown = str(out) if out.remote else out.path  # a URL as messages show it (no password)
     return BuildResult(
         shown, {name: results[name] for name in layout.splits}, time.perf_counter() - t0, publisher.summary()
     )
