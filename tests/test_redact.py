@@ -39,7 +39,7 @@ def _clean(text: str) -> bool:
 def test_urls_lose_their_userinfo_and_options_outside_the_allow_list_their_values():
     assert redact_url(f"https://user:{PASSWORD}@host/shards") == "https://<redacted>@host/shards"
     assert redact_url(f"see http://KEY:{SECRET}@minio:9000/x, then") == "see http://<redacted>@minio:9000/x, then"
-    assert redact_url(f"postgresql://u:p@ss@db/mlflow?x=@") == "postgresql://<redacted>@db/mlflow?x=@"
+    assert redact_url("postgresql://u:p@ss@db/mlflow?x=@") == "postgresql://<redacted>@db/mlflow?x=@"
     for same in ("s3://bucket/key@v2", "sqlite:////tmp/mlflow.db", "me@example.com", '"http://x","me@y"'):
         assert redact_url(same) == same
     tree = {"data": {"shards": f"https://u:{PASSWORD}@h/s", "storage_options": {"anon": True, "token": "anon"}}}
@@ -48,7 +48,9 @@ def test_urls_lose_their_userinfo_and_options_outside_the_allow_list_their_value
     out = redact(tree)
     opts = out["data"]["storage_options"]
     assert opts["headers"] == {"Authorization": REDACTED, "User-Agent": REDACTED}
-    assert opts["anon"] is True and opts["token"] == "anon" and opts["config_kwargs"]["s3"]["addressing_style"] == "path"
+    assert (
+        opts["anon"] is True and opts["token"] == "anon" and opts["config_kwargs"]["s3"]["addressing_style"] == "path"
+    )
     assert out["data"]["shards"] == "https://<redacted>@h/s" and tree["data"]["shards"].count(PASSWORD) == 1
     # the flattened MLflow params are redacted alike, key by dotted key
     flat = redact({"data.storage_options.headers.Authorization": SECRET, "data.storage_options.anon": True})
@@ -88,7 +90,9 @@ def test_config_show_and_the_model_file_hold_no_secret(tmp_path, capsys):
     save_model(tmp_path / "model.pt", model, cfg.to_dict())
     raw = torch.load(tmp_path / "model.pt", weights_only=True)
     assert _clean(json.dumps(raw["config"])) and raw["config"]["data"]["storage_options"]["anon"] is True
-    assert load_model(tmp_path / "model.pt")[1]["data"]["storage_options"]["endpoint_url"] == "http://minio.example:9000"
+    assert (
+        load_model(tmp_path / "model.pt")[1]["data"]["storage_options"]["endpoint_url"] == "http://minio.example:9000"
+    )
 
 
 def test_mlflow_params_tags_and_config_artifact_are_redacted(tmp_path, capsys):
