@@ -139,12 +139,14 @@ def plan_job(
     includes: list[str] | None = None,
     env: dict[str, str] | None = None,
     submission_id: str | None = None,
+    allow_files: list[str] | None = None,
 ) -> JobSpec:
     """Check the config here and describe the job; raises :class:`UserError` before anything is sent.
 
     The config (and every file it extends) must lie inside ``working_dir`` (default: the
     current directory), whose allow-list (:func:`cluster.upload.plan_upload`, with ``includes``
-    added and ``excludes`` left out) is uploaded; the entrypoint names the config by its relative path.
+    added and ``excludes`` left out, ``allow_files`` sent although they look like credentials) is uploaded;
+    the entrypoint names the config by its relative path.
     ``cluster.address=auto`` is added so the driver joins the job's cluster, and
     ``train.run_name`` is set to the submission id unless the config or an override names
     the run (re-submitting with the same run name resumes that run).
@@ -155,7 +157,9 @@ def plan_job(
     if not wd.is_dir():
         raise UserError(f"--working-dir {working_dir}: not a directory")
     cfg = load_config(config, overrides)  # a bad config fails here, not minutes later on the cluster
-    upload = plan_upload(wd, [path for path, _ in config_files(config)], includes or [], excludes or [])
+    upload = plan_upload(
+        wd, [path for path, _ in config_files(config)], includes or [], excludes or [], allow_files or []
+    )
     rel_config = Path(config).resolve().relative_to(wd).as_posix()
 
     sid = submission_id or submission_id_for(config)
@@ -414,6 +418,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "databases, caches and .gitignore'd files always are)",
     )
     parser.add_argument(
+        "--allow-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="upload this file of the working directory although it looks like a credential (repeatable; "
+        "a deliberate exception: its content travels with the job)",
+    )
+    parser.add_argument(
         "--requirements", metavar="FILE", help="pip requirements installed in the job's runtime environment"
     )
     parser.add_argument(
@@ -469,6 +481,7 @@ def run(args: argparse.Namespace) -> int:
         includes=args.include,
         env=_parse_env(args.env),
         submission_id=args.submission_id,
+        allow_files=args.allow_file,
     )
     for w in spec.warnings:
         print(f"dmltrain: warning: {w}", file=sys.stderr)
