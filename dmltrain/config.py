@@ -338,8 +338,34 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return f"{source}: {text}" + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
 
 
+def _nul_byte(value: Any, key: str = "") -> str | None:
+    """The dotted key of the first string (or mapping key) in ``value`` holding a NUL byte, or None."""
+    if isinstance(value, str):
+        return key if "\0" in value else None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            name = f"{key}.{k}" if key else str(k)
+            if "\0" in str(k):
+                return name
+            found = _nul_byte(v, name)
+            if found is not None:
+                return found
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _nul_byte(v, f"{key}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
 def build_config(tree: dict[str, Any], source: str = "config") -> Config:
-    """Validate a raw tree into a :class:`Config`, raising a one-line :class:`ConfigError`."""
+    """Validate a raw tree into a :class:`Config`, raising a one-line :class:`ConfigError`.
+
+    A NUL byte in any string is refused first: no path, URL or name can hold one (the OS would refuse it
+    later, with a traceback, in whatever first used the value)."""
+    bad = _nul_byte(tree)
+    if bad is not None:
+        raise ConfigError(f"{source}: {bad}: contains a NUL byte (\\0), which no path, URL or name may hold")
     try:
         return Config.model_validate(tree)
     except ValidationError as e:

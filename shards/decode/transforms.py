@@ -24,7 +24,6 @@ given, whichever process decodes it.
 from __future__ import annotations
 
 import functools
-import io
 import math
 import random
 import warnings
@@ -35,7 +34,7 @@ from PIL import Image, ImageEnhance
 
 from shards.config import AugmentConfig
 from shards.decode.augment import AugmentParams, draw_params
-from shards.decode.rgb import to_rgb
+from shards.decode.rgb import open_image, to_rgb
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -46,7 +45,7 @@ ERASE_GRAY = np.uint8(round(255 * sum(w * m for w, m in zip(LUMA, IMAGENET_MEAN)
 
 
 def _open(data: bytes) -> Image.Image:
-    return Image.open(io.BytesIO(data))
+    return open_image(data)
 
 
 def _draft_scale(img: Image.Image, bw: float, bh: float, out_w: int, out_h: int) -> tuple[float, float]:
