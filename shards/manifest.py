@@ -11,13 +11,16 @@ Splits that share a label space (In-Shop ``query`` and ``gallery``) carry the sa
 built over their union, so an item has the same label in both.
 
 The folder may be a URL (:mod:`shards.storage.location`): the manifest is then fetched, and shard file names
-stay confined to the URL's prefix as they do to a local folder.
+stay confined to the URL's prefix as they do to a local folder. In a local folder a shard must be a regular
+file of the folder itself: a symbolic link (which could point anywhere) is refused when the manifest is
+loaded, and never followed when a shard is opened (:func:`open_shard`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,7 +222,10 @@ class Manifest:
             raise UserError(
                 f"{path}: manifest version {data.get('version')} is newer than this dmltrain reads ({VERSION})"
             )
-        return cls(root, data, loc)
+        m = cls(root, data, loc)
+        if not loc.remote:
+            _check_no_links(m)
+        return m
 
     # -- queries ----------------------------------------------------------------------------
     @property
@@ -304,9 +310,25 @@ class Manifest:
 
 
 def _local_chunks(path: Path):
-    with open(path, "rb") as f:
+    with open_shard(path) as f:
         while chunk := f.read(1 << 20):
             yield chunk
+
+
+def open_shard(path: str | os.PathLike[str]):
+    """A local shard opened for reading, never through a symbolic link (``OSError`` if ``path`` is one)."""
+    return os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb")
+
+
+def _check_no_links(m: Manifest) -> None:
+    """Refuse a shard of a local manifest's (resolved) folder that is a symbolic link, or reached through one."""
+    for sh in (sh for name in m.splits for sh in m.split(name).shards):
+        p = sh.path
+        if p.is_symlink() or (p.exists() and Path(os.path.realpath(p)) != p):
+            raise UserError(
+                f"{p}: a symbolic link (to {os.path.realpath(p)}); shards are read only as regular files of the shard "
+                "folder: copy the file there"
+            )
 
 
 def _shard_file(name: Any, where: str) -> str:

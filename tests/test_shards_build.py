@@ -600,3 +600,35 @@ def test_an_image_too_large_to_decode_is_skipped_or_refused_in_one_line(tmp_path
     assert cli(*args, "--out", str(tmp_path / "strict"), "--strict") == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "bomb.png: too large to decode" in err, err
+
+
+def test_images_outside_the_root_are_refused_unless_links_are_followed(tmp_path, capsys):
+    """A symbolic link (an image, or a class folder) pointing outside --root is refused in one line unless
+    --follow-symlinks; a link inside the root is fine; an index naming ../ is always refused."""
+    fx = make_folder_tree(tmp_path / "src", {"train": {"a": 2, "b": 2}, "test": {"c": 2, "d": 2}})
+    outside = make_folder_tree(tmp_path / "private", {"train": {"x": 2}})
+    secret = outside.root / "train" / "x" / "img0.jpg"
+    (fx.root / "train" / "a" / "inside.jpg").symlink_to(fx.root / "train" / "b" / "img0.jpg")
+    args = ("build", "--layout", "folder", "--root", str(fx.root), "--quiet", "--workers", "1")
+    assert cli(*args, "--out", str(tmp_path / "ok")) == 0  # a link inside the root
+    link = fx.root / "train" / "a" / "zz.jpg"
+    link.symlink_to(secret)
+    assert cli(*args, "--out", str(tmp_path / "no")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{link}: a symbolic link to {secret}, outside the dataset root" in err, err
+    assert not (tmp_path / "no").exists()
+    assert cli(*args, "--out", str(tmp_path / "yes"), "--follow-symlinks") == 0
+    packed = Manifest.load(tmp_path / "yes").split("train")
+    urls = [str(sh.path) for sh in packed.shards]
+    paths = [json.loads(s["json"])["path"] for s in wds.WebDataset(urls, shardshuffle=False, nodesplitter=None)]
+    assert "train/a/zz.jpg" in paths
+    link.unlink()
+    (fx.root / "train" / "linked").symlink_to(outside.root / "train" / "x")  # a whole class folder
+    assert cli(*args, "--out", str(tmp_path / "no2")) == 2
+    assert "train/linked/img0.jpg: a symbolic link to" in capsys.readouterr().err
+    sop = make_sop(tmp_path / "sop")
+    index = sop.root / "Ebay_train.txt"
+    index.write_text(index.read_text() + "99 99 1 ../private/train/x/img0.jpg\n")
+    sop_args = ("build", "--layout", "sop", "--root", str(sop.root), "--quiet", "--follow-symlinks")
+    assert cli(*sop_args, "--out", str(tmp_path / "sop-out")) == 2
+    assert "outside the dataset root" in capsys.readouterr().err

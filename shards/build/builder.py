@@ -32,7 +32,7 @@ import numpy as np
 from dmltrain.errors import UserError
 from dmltrain.redact import redact_url
 from shards.build.ingest import ingest_file, load_or_skip
-from shards.build.layouts import Entry, Layout, class_sort_key, read_layout
+from shards.build.layouts import Entry, Layout, class_sort_key, confine, read_layout
 from shards.build.publish import Publisher
 from shards.build.writer import SplitWriter
 from shards.config import MAX_IMAGE_SIDE
@@ -338,11 +338,16 @@ def build_layout(
     allow_shared_classes: bool = False,
     resume: bool = False,
     storage_options: dict[str, Any] | None = None,
+    follow_symlinks: bool = False,
 ) -> BuildResult:
-    """``dmltrain shards build --layout NAME --root ROOT --out DIR``: shards from an official layout or a folder tree."""
+    """``dmltrain shards build --layout NAME --root ROOT --out DIR``: shards from an official layout or a folder tree.
+
+    Every image must lie inside ``root`` (:func:`~shards.build.layouts.confine`); with ``follow_symlinks``
+    symbolic links may point outside it."""
     if resize is not None and not 8 <= resize <= MAX_IMAGE_SIDE:
         raise UserError(f"--resize: must be in [8, {MAX_IMAGE_SIDE}] pixels, got {resize}")
     layout = read_layout(layout_name, root)
+    confine(layout, follow_symlinks)
     load = functools.partial(ingest_file, resize=resize)
     args = {s: [e.path for e in entries] for s, entries in layout.splits.items()}
     return build_shards(
