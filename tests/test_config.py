@@ -113,6 +113,17 @@ def test_bad_values_stop_train_in_one_line_before_anything_starts(tmp_path, monk
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_billion_laughs_config_is_one_short_line(tmp_path):
+    """YAML aliases nest one list a billion times: refused at once in one line, never expanded (validating the
+    storage options, or printing the value in the message, would not end)."""
+    lines = ['a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"{b}: &{b} [{', '.join(['*' + a] * 9)}]" for a, b in zip("abcdefgh", "bcdefghi")]
+    (tmp_path / "lol.yaml").write_text("\n".join([*lines, "data: {eval_splits: *i, storage_options: {x: *i}}", ""]))
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "lol.yaml")
+    assert "more than 100,000 values once its YAML aliases are expanded" in str(err.value)
+
+
 def test_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
