@@ -75,7 +75,7 @@ def _value(text: str) -> tuple[str, bool]:
     if text[:1] in ("'", '"'):
         end = text.find(text[0], 1)
         return (text[1:end], True) if end > 0 else (text[1:], False)  # unclosed: the key was inside a string
-    return re.split(r"[\s#,;})\]]", text, maxsplit=1)[0], False
+    return re.split(r"[\s#,;})\]`]", text, maxsplit=1)[0], False
 
 
 def _literal(value: str) -> bool:
