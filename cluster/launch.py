@@ -40,6 +40,7 @@ from cluster.run_records import RECORD_FILE, Heartbeat, RunRecord
 from dmltrain.config import Config
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
+from dmltrain.redact import redact_url
 from dmltrain.text import safe_name
 from dmltrain.tracking.names import ERROR_TAG, KIND_TAG, STORAGE_DIR_TAG
 from dmltrain.tracking.run import RunHandle
@@ -134,7 +135,7 @@ class TrainSummary:
             lines.append(f"  models: {', '.join(models)}")
         if self.mlflow_run_id:  # tracking off (or its store unreachable): no store to point at
             lines.append(f"  open MLflow: {mlflow_hint(self.tracking_uri)}")
-        return "\n".join(lines)
+        return redact_url("\n".join(lines))
 
     def written_models(self) -> list[str]:
         """The exported model files that exist (on remote storage: those a finished run writes)."""

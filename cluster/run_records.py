@@ -43,6 +43,7 @@ import psutil
 from dmltrain.config import RUN_NAME_PATTERN
 from dmltrain.errors import UserError
 from dmltrain.fileio import write_json
+from dmltrain.redact import redact
 from dmltrain.text import printable
 from dmltrain.training.fence import driver_alive, pid_namespace
 
@@ -109,7 +110,7 @@ class RunRecord:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
     def write(self, run_dir: Path) -> None:
-        write_json(run_dir / RECORD_FILE, asdict(self))
+        write_json(run_dir / RECORD_FILE, redact(asdict(self)))  # a run folder is shared: no URL password in it
 
     def is_this_process(self) -> bool:
         return self.host == socket.gethostname() and self.pid == os.getpid()

@@ -15,6 +15,7 @@ from typing import Any
 
 from dmltrain.evaluate.plots import Panel, plot_panels
 from dmltrain.fileio import write_text
+from dmltrain.redact import redact_url
 from dmltrain.text import csv_text, finite_number, markdown_table
 from dmltrain.tracking.names import ACTIVE_CLASSES, ACTIVE_ROWS, CLASSIFIER_MB, IMAGES_PER_S, RSS_MB, STEP_MS
 
@@ -200,4 +201,4 @@ def render(summary: StudySummary) -> str:
     lines.append("files: " + ", ".join(str(p) for p in summary.files.values()))
     if summary.parent_run_id:
         lines.append(f"MLflow parent run: {summary.parent_run_id}")
-    return "\n".join(lines)
+    return redact_url("\n".join(lines))

@@ -41,6 +41,7 @@ from cluster.upload import Upload, plan_upload
 from dmltrain.config import load_config
 from dmltrain.config_tree import config_files
 from dmltrain.errors import UserError
+from dmltrain.redact import redact, redact_url
 from dmltrain.text import format_duration, safe_name
 from shards.storage.location import is_url
 
@@ -132,12 +133,14 @@ def plan_job(
     includes: list[str] | None = None,
     env: dict[str, str] | None = None,
     submission_id: str | None = None,
+    allow_files: list[str] | None = None,
 ) -> JobSpec:
     """Check the config here and describe the job; raises :class:`UserError` before anything is sent.
 
     The config (and every file it extends) must lie inside ``working_dir`` (default: the
     current directory), whose allow-list (:func:`cluster.upload.plan_upload`, with ``includes``
-    added and ``excludes`` left out) is uploaded; the entrypoint names the config by its relative path.
+    added and ``excludes`` left out, ``allow_files`` sent although they look like credentials) is uploaded;
+    the entrypoint names the config by its relative path.
     ``cluster.address=auto`` is added so the driver joins the job's cluster, and
     ``train.run_name`` is set to the submission id unless the config or an override names
     the run (re-submitting with the same run name resumes that run).
@@ -148,7 +151,9 @@ def plan_job(
     if not wd.is_dir():
         raise UserError(f"--working-dir {working_dir}: not a directory")
     cfg = load_config(config, overrides)  # a bad config fails here, not minutes later on the cluster
-    upload = plan_upload(wd, [path for path, _ in config_files(config)], includes or [], excludes or [])
+    upload = plan_upload(
+        wd, [path for path, _ in config_files(config)], includes or [], excludes or [], allow_files or []
+    )
     rel_config = Path(config).resolve().relative_to(wd).as_posix()
 
     sid = submission_id or submission_id_for(config)
@@ -407,6 +412,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "databases, caches and .gitignore'd files always are)",
     )
     parser.add_argument(
+        "--allow-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="upload this file of the working directory although it looks like a credential (repeatable; "
+        "a deliberate exception: its content travels with the job)",
+    )
+    parser.add_argument(
         "--requirements", metavar="FILE", help="pip requirements installed in the job's runtime environment"
     )
     parser.add_argument(
@@ -462,13 +475,14 @@ def run(args: argparse.Namespace) -> int:
         includes=args.include,
         env=_parse_env(args.env),
         submission_id=args.submission_id,
+        allow_files=args.allow_file,
     )
     for w in spec.warnings:
         print(f"dmltrain: warning: {w}", file=sys.stderr)
     upload = spec.upload.summary() if spec.upload else "nothing"
     if args.dry_run:
         job = spec.submit_kwargs("<a zip of the files under 'upload', made at submission>")
-        print(json.dumps({**job, "upload": spec.upload.describe() if spec.upload else None}, indent=2))
+        print(json.dumps(redact({**job, "upload": spec.upload.describe() if spec.upload else None}), indent=2))
         print(f"would upload {upload} (listed under 'upload')", file=sys.stderr)
         return 0
     address = resolve_address(args.address)
@@ -476,7 +490,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"uploading {upload}", file=sys.stderr)
     job_id = submit(client, spec)
     print(f"submitted job {job_id} to {address}", file=sys.stderr)
-    print(f"  entrypoint: {spec.entrypoint}", file=sys.stderr)
+    print(f"  entrypoint: {redact_url(spec.entrypoint)}", file=sys.stderr)
     print(f"  dashboard:  {address}/#/jobs/{job_id}", file=sys.stderr)
     if args.no_wait:
         print(job_id)

@@ -13,19 +13,22 @@ control, caches and bytecode, virtual environments (any folder holding ``pyvenv.
 outputs (shard tars, arrays, model weights, archives), databases (MLflow's ``mlflow.db`` and its
 ``-wal``/``-journal``, any ``*.sqlite``), shared objects; so is whatever ``.gitignore`` or
 ``.rayignore`` files (at any level) and ``--exclude`` patterns name. A file that looks like a
-credential (SSH, cloud and Ray tokens, ``.env``, ``*.pem``, a private key or an AWS key inside a
-text file, ...) stops the submission with one line naming it: move it out, or ``--exclude`` it.
+credential stops the submission with one line naming it (and the line, never the secret): by its name
+(SSH, cloud and Ray tokens, ``.env``, ``*.pem``, ...) or by its content, every file read whole
+(:mod:`cluster.credential_scan`: private keys, AWS, GCP, GitHub keys, bearer tokens, passwords in URLs
+and ``.netrc`` lines, ``password``/``secret``/``token`` assignments). Move it out, ``--exclude`` it, or,
+deliberately, ``--allow-file`` it.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import zipfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.credential_scan import find_secret
 from dmltrain.errors import UserError
 
 #: Top-level entries of the working directory that go with every job (when present).
@@ -51,14 +54,6 @@ CREDENTIALS = (
     "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", "kubeconfig", "*.kubeconfig",
 )  # fmt: skip
 
-# secrets pasted into a text file (the first bytes of each file are read)
-_SECRET_TEXT = re.compile(
-    rb"-----BEGIN [A-Z ]*PRIVATE KEY-----"  # PEM / OpenSSH private keys
-    rb"|\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"  # AWS access key ids
-    rb"|aws_secret_access_key\s*[=:]"
-    rb"|\bgh[pousr]_[A-Za-z0-9]{36,}"  # GitHub tokens
-)
-_SCAN_BYTES = 1 << 16
 _IGNORE_FILES = (".gitignore", ".rayignore")
 # a fixed timestamp: the same files give the same zip, so Ray reuses an upload it already has
 _ZIP_TIME = (1980, 1, 1, 0, 0, 0)
@@ -136,20 +131,18 @@ class _Rules:
         return False
 
     def credential(self, rel: str, path: Path) -> str | None:
-        """Why ``rel`` looks like a credential, or None."""
+        """Why ``rel`` looks like a credential (its name, or a line of its content), or None."""
         parts = rel.split("/")
         for i in range(len(parts)):  # the file's name, or a folder it sits in (.ssh/, .aws/ ...)
             sub = "/".join(parts[i:])
             if self.credentials.match_file(sub) or any(self.credentials.match_file(d + "/") for d in parts[i:-1]):
                 return "its name is that of a credential file"
         try:
-            with open(path, "rb") as f:
-                head = f.read(_SCAN_BYTES)
+            found = find_secret(path)
         except OSError as e:
             raise UserError(f"{path}: cannot read it ({e.strerror or e})") from None
-        m = _SECRET_TEXT.search(head)
-        if m:
-            return f"it contains what looks like a secret ({m.group(0)[:24].decode(errors='replace')}...)"
+        if found is not None:
+            return f"line {found.line} looks like a secret ({found.what})"
         return None
 
 
@@ -180,12 +173,18 @@ def _check_link(root: Path, link: Path) -> None:
 
 
 def plan_upload(
-    root: Path, config_files: Iterable[Path], includes: Iterable[str] = (), excludes: Iterable[str] = ()
+    root: Path,
+    config_files: Iterable[Path],
+    includes: Iterable[str] = (),
+    excludes: Iterable[str] = (),
+    allow_files: Iterable[str] = (),
 ) -> Upload:
     """The allow-listed files of ``root`` plus ``config_files`` and ``includes``; :class:`UserError` for a credential.
 
     ``config_files`` must lie inside ``root`` and must not be left out by the rules (the job could not
     start without them); ``includes`` are paths relative to ``root`` (or absolute, inside it).
+    ``allow_files`` (``--allow-file``) are files of the upload that look like credentials and go anyway:
+    the user's deliberate exception, one file at a time; one that is not in the upload is an error.
     """
     root = root.resolve()
     rules = _Rules(root, list(excludes))
@@ -215,11 +214,18 @@ def plan_upload(
                 "move it or change --exclude"
             )
         chosen[rel] = root / rel
+    allowed = set()
+    for item in allow_files:
+        p = Path(os.path.normpath(root / Path(item).expanduser()))
+        rel = p.relative_to(root).as_posix() if root in p.parents else None
+        if rel not in chosen:
+            raise UserError(f"--allow-file {item}: not a file of the upload (see the list of --dry-run)")
+        allowed.add(rel)
     for rel, path in sorted(chosen.items()):
-        why = rules.credential(rel, path)
+        why = None if rel in allowed else rules.credential(rel, path)
         if why:
             raise UserError(
-                f"{path}: would be uploaded with the job, but {why}; move it out of the upload "
-                f"or leave it out with --exclude '{rel}'"
+                f"{path}: would be uploaded with the job, but {why}; move it out of the upload, "
+                f"leave it out with --exclude '{rel}', or send it anyway with --allow-file '{rel}'"
             )
     return Upload(root, tuple((rel, chosen[rel].stat().st_size) for rel in sorted(chosen)))

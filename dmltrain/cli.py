@@ -5,7 +5,8 @@ Each subcommand lives in the module that owns its work and exposes two functions
 imported, so ``dmltrain --help`` and ``dmltrain config show`` stay fast. A
 :class:`~dmltrain.errors.UserError` anywhere becomes one line on stderr and its exit code; so
 does an ``OSError`` (a folder that cannot be written, a disk that filled up), naming the path,
-with exit code 1. Dotted overrides may also follow a command's options
+with exit code 1. Both lines are redacted (:func:`dmltrain.redact.redact_url`): a URL's password
+never reaches the terminal. Dotted overrides may also follow a command's options
 (``dmltrain train cfg.yaml --no-progress optim.lr=0.1``).
 """
 
@@ -17,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from dmltrain.errors import UserError
+from dmltrain.redact import redact_url
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config:  # `dmltrain config show optim.lr=1`: defaults + overrides
         config, overrides = None, [config, *overrides]
-    print(load_config(config, overrides).to_yaml(), end="")
+    print(load_config(config, overrides).to_yaml(), end="")  # redacted: secrets are not shown
     return 0
 
 
@@ -102,10 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse(argv)
         return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
     except UserError as e:
-        print(f"dmltrain: error: {e}", file=sys.stderr)
+        print(f"dmltrain: error: {redact_url(str(e))}", file=sys.stderr)
         return e.exit_code
     except OSError as e:
-        print(f"dmltrain: error: {os_error_line(e)}", file=sys.stderr)
+        print(f"dmltrain: error: {redact_url(os_error_line(e))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("dmltrain: interrupted", file=sys.stderr)

@@ -19,6 +19,7 @@ its default, bounds and description are read in one place (the YAML tree handlin
 from __future__ import annotations
 
 import os
+import reprlib
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -27,6 +28,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from dmltrain.config_tree import apply_overrides, flatten, read_tree
 from dmltrain.errors import ConfigError, UserError
+from dmltrain.redact import redact
+from dmltrain.text import clip
 from shards.config import IMAGENET_MEAN, IMAGENET_STD, DataConfig, Section
 from shards.read.sampler import batch_shape
 
@@ -470,7 +473,10 @@ class Config(Section):
         return out
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+        """The config as YAML to print or write (``config show``, the ``config.yaml`` artifact, a search's best
+        config), redacted (:func:`dmltrain.redact.redact`): URL userinfo and storage options outside the
+        allow-list are ``<redacted>``. What runs is :meth:`to_dict`, whole."""
+        return yaml.safe_dump(redact(self.to_dict()), sort_keys=False, default_flow_style=None)
 
     def flat(self) -> dict[str, Any]:
         """Dotted keys to scalar values (lists rendered as strings), those filled in from the backbone included:
@@ -498,6 +504,14 @@ def backbone_input(backbone: str) -> tuple[tuple[float, ...], tuple[float, ...],
 # loading
 
 
+def _short_repr(value: Any) -> str:
+    """``repr`` of a value as a message quotes it: nested containers cut short (a billion-laughs file's value,
+    a billion strings through YAML aliases, would otherwise be printed whole), and the whole clipped."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxlist, short.maxdict, short.maxstring, short.maxother = 2, 4, 4, 80, 80
+    return clip(short.repr(value), 200)
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
@@ -511,14 +525,45 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         and "input" in first
         and not isinstance(first["input"], dict)
     ):
-        msg = f"{msg} (got {first['input']!r})"
+        msg = f"{msg} (got {_short_repr(first['input'])})"
     text = f"{loc}: {msg}" if loc and not msg.startswith(loc) else msg
     more = len(err.errors()) - 1
     return f"{source}: {text}" + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
 
 
+MAX_TREE_VALUES = 100_000  # far beyond any config (a few hundred values): past it, a YAML alias bomb
+
+
+def _check_tree(tree: Any, source: str) -> None:
+    """Refuse, in one line, a config holding a NUL byte in a string (no path, URL or name can hold one: the OS
+    would refuse it later, with a traceback) or more than :data:`MAX_TREE_VALUES` values once its YAML aliases are
+    expanded (a billion-laughs file names one list a billion times; validating or printing it would never end)."""
+    count = 0
+    stack: list[tuple[str, Any]] = [("", tree)]
+    while stack:
+        key, value = stack.pop()
+        count += 1
+        if count > MAX_TREE_VALUES:
+            raise ConfigError(
+                f"{source}: more than {MAX_TREE_VALUES:,} values once its YAML aliases are expanded "
+                "(an alias bomb?); a config holds a few hundred"
+            )
+        if isinstance(value, str) and "\0" in value:
+            raise ConfigError(f"{source}: {key}: contains a NUL byte (\\0), which no path, URL or name may hold")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                name = f"{key}.{k}" if key else str(k)
+                if "\0" in str(k):
+                    raise ConfigError(f"{source}: {name}: a key with a NUL byte (\\0)")
+                stack.append((name, v))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((f"{key}[{i}]", v) for i, v in enumerate(value))
+
+
 def build_config(tree: dict[str, Any], source: str = "config") -> Config:
-    """Validate a raw tree into a :class:`Config`, raising a one-line :class:`ConfigError`."""
+    """Validate a raw tree into a :class:`Config`, raising a one-line :class:`ConfigError` (first
+    :func:`_check_tree`: no NUL byte, no alias bomb)."""
+    _check_tree(tree, source)
     try:
         return Config.model_validate(tree)
     except ValidationError as e:

@@ -2,6 +2,11 @@
 
 Tables take a header and rows of plain values (numbers, strings, None) and format the cells
 themselves, so ``tune``, ``study`` and ``report`` print and save the same table the same way.
+
+What goes into a table or a page may come from anyone who can write to the MLflow store (run names,
+params, tags): :func:`md_text`, :func:`md_code` and :func:`md_url` make it inert in Markdown (no raw HTML,
+no links or images of its own), :func:`csv_text` keeps spreadsheets from running it as a formula, and
+:func:`safe_name` keeps it from naming a path outside the folder it is joined to.
 """
 
 from __future__ import annotations
@@ -15,13 +20,16 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dmltrain.redact import redact_url
+
 MISSING = "—"  # a cell with no value
 
 
 def safe_name(text: str | None, default: str = "run") -> str:
     """``text`` as a name for files, Ray jobs and MLflow runs: runs of characters other than
-    letters, digits, ``_ . -`` become ``-``, no ``-`` at either end; ``default`` when nothing is left."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text or "").strip("-") or default
+    letters, digits, ``_ . -`` become ``-``, no ``-`` or ``.`` at either end (so never ``.``, ``..`` or a
+    hidden file: joined to a folder, the name stays inside it); ``default`` when nothing is left."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text or "").strip("-.") or default
 
 
 def format_duration(seconds: float | None, *, exact: bool = False) -> str:
@@ -50,7 +58,7 @@ def clip(text: str, limit: int) -> str:
 def one_line(error: BaseException | str, limit: int = 300) -> str:
     """The gist of an error for a table cell or a progress line: ``Type: message``'s first line, clipped."""
     text = str(error).strip() if isinstance(error, str) else f"{type(error).__name__}: {str(error).strip()}"
-    return clip(text.splitlines()[0] if text else "", limit)
+    return clip(redact_url(text.splitlines()[0]) if text else "", limit)
 
 
 def printable(text: Any, limit: int = 300) -> str:
@@ -61,16 +69,45 @@ def printable(text: Any, limit: int = 300) -> str:
 
 
 def cell(value: Any) -> str:
-    """A table cell: :data:`MISSING` for None and non-finite floats, 4 significant digits for floats, else ``str``."""
+    """A table cell: :data:`MISSING` for None and non-finite floats, 4 significant digits for floats, else ``str``
+    (URL userinfo redacted: tables are printed and written)."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return MISSING
     if isinstance(value, float):
         return f"{value:.4g}"
-    return str(value)
+    return redact_url(str(value))
+
+
+# Markdown's inline syntax: escaped with a backslash (an underscore only where it could open or close emphasis)
+_MD_PUNCT = re.compile(r"[\\`*\[\]|~]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
+_URL_SAFE = ":/?#[]@!$&*+,;=%~-._"  # kept as they are in a link target; anything else is percent-encoded
+
+
+def md_text(text: Any) -> str:
+    """``text`` as inert Markdown on one line: HTML's ``& < >`` as entities (no tag, no autolink), Markdown's
+    punctuation backslash-escaped (no link, image, emphasis or code of its own), ``|`` escaped for tables."""
+    s = " ".join(str(text).splitlines())
+    s = s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return _MD_PUNCT.sub(lambda m: "\\" + m.group(0), s)
+
+
+def md_code(text: Any) -> str:
+    """``text`` as a Markdown code span, on one line, whatever backticks it holds (its content is never markup)."""
+    s = " ".join(str(text).splitlines())
+    fence = "`" * (max((len(r) for r in re.findall(r"`+", s)), default=0) + 1)
+    pad = " " if s.startswith("`") or s.endswith("`") or not s.strip() else ""
+    return f"{fence}{pad}{s}{pad}{fence}"
+
+
+def md_url(url: str) -> str:
+    """``url`` as a Markdown link target: spaces, parentheses, quotes and angle brackets percent-encoded."""
+    from urllib.parse import quote
+
+    return quote(str(url), safe=_URL_SAFE)
 
 
 def _md(value: Any) -> str:
-    return cell(value).replace("|", "\\|").replace("\n", " ")
+    return md_text(cell(value))
 
 
 def markdown_table(
@@ -80,7 +117,7 @@ def markdown_table(
     bold: Mapping[int, set[int]] | None = None,
     links: Sequence[str] | None = None,
 ) -> str:
-    """A Markdown table of ``rows`` (cells formatted by :func:`cell`, ``|`` escaped).
+    """A Markdown table of ``rows`` (cells formatted by :func:`cell`, made inert by :func:`md_text`).
 
     ``bold`` maps a column index to the row indices shown in bold; ``links`` gives each row's first
     cell a link target.
@@ -92,7 +129,7 @@ def markdown_table(
         for j, value in enumerate(row):
             text = _md(value)
             if j == 0 and links:
-                text = f"[{text}]({links[i]})"
+                text = f"[{text}]({md_url(links[i])})"
             elif i in bold.get(j, ()):
                 text = f"**{text}**"
             cells.append(text)
@@ -100,11 +137,28 @@ def markdown_table(
     return "\n".join(lines)
 
 
+# a spreadsheet reads a cell starting with one of these as a formula (=HYPERLINK(...), +cmd|..., @SUM(...))
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def csv_cell(value: Any) -> str:
+    """A CSV cell: None empty, a float with every digit (``repr``), text with URL userinfo redacted, and text a
+    spreadsheet would run as a formula (starting with ``= + - @``, a tab or a CR) prefixed with ``'``; numbers,
+    negative ones included, stay numbers."""
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return repr(value)
+    s = redact_url(str(value))
+    return "'" + s if s.startswith(_FORMULA_START) and not _NUMBER.fullmatch(s) else s
+
+
 def csv_text(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """``head`` and ``rows`` as CSV: None is an empty cell, floats keep every digit (``repr``)."""
+    """``head`` and ``rows`` as CSV, every cell (the header's too) through :func:`csv_cell`."""
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(head)
+    w.writerow([csv_cell(h) for h in head])
     for r in rows:
-        w.writerow(["" if x is None else (repr(x) if isinstance(x, float) else x) for x in r])
+        w.writerow([csv_cell(x) for x in r])
     return buf.getvalue()

@@ -226,7 +226,7 @@ def _run_url(args: argparse.Namespace) -> int:
             "URL, ranged GETs": lambda: _time_stream(url.root, args, {**base, "cache": False}, None),
         }
         print(
-            f"input bench: {args.shards} [{args.split}] against the same shards on local disk ({nbytes / 1e6:,.1f} MB downloaded in "
+            f"input bench: {url} [{args.split}] against the same shards on local disk ({nbytes / 1e6:,.1f} MB downloaded in "
             f"{seconds:.1f}s); P×K batches of {args.batch} (K {args.k}), RandomResizedCrop {args.image_size} + flip, "
             f"{args.loader_workers} loader process(es), {args.requests_in_flight} requests in flight each, best of {args.repeat}"
         )

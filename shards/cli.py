@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="re-encode as JPEG with the shorter side at most S (default: store bytes as they are)",
     )
     b.add_argument("--strict", action="store_true", help="stop at the first unreadable image instead of skipping it")
+    b.add_argument(
+        "--follow-symlinks",
+        action="store_true",
+        help="pack images that are (or lie in folders that are) symbolic links to places outside --root "
+        "(refused by default)",
+    )
     b.add_argument("--overwrite", action="store_true", help="replace the shards of a non-empty --out")
     b.add_argument(
         "--resume",
@@ -79,6 +85,8 @@ def _build(args: argparse.Namespace) -> int:
             raise UserError("--root: not used with --layout synthetic (the images are generated)")
         if args.resize is not None:
             raise UserError("--resize: not used with --layout synthetic (use --image-size)")
+        if args.follow_symlinks:
+            raise UserError("--follow-symlinks: not used with --layout synthetic (the images are generated)")
         missing = [n for n, v in (("--classes", args.classes), ("--per-class", args.per_class)) if v is None]
         if missing:
             raise UserError(f"{' and '.join(missing)}: required with --layout synthetic")
@@ -119,6 +127,7 @@ def _build(args: argparse.Namespace) -> int:
             allow_shared_classes=args.allow_shared_classes,
             resume=args.resume,
             storage_options=opts,
+            follow_symlinks=args.follow_symlinks,
         )
     print("\n".join(result.summary_lines()))
     return 0
@@ -134,7 +143,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
         print(json.dumps(summary, indent=2))
     else:
-        print(f"{m.root}: layout {summary['layout']}, source {summary['source']}, built {summary['created']}")
+        print(f"{summary['path']}: layout {summary['layout']}, source {summary['source']}, built {summary['created']}")
         for name, s in summary["splits"].items():
             shared = (
                 f" (labels shared with {', '.join(x for x in s['label_space'] if x != name)})"

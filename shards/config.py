@@ -17,6 +17,9 @@ _REMOTE = RemoteSettings()
 # torchvision's ImageNet normalization: the input of the torchvision backbones (timm models bring their own)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+#: the largest side, in pixels, of a crop, a resize or a generated image: far above any recipe (224-518), and a
+#: bound on what one decoded batch can ask of memory (a typo such as 1000000 would otherwise spin the loaders)
+MAX_IMAGE_SIDE = 4096
 
 
 class Section(BaseModel):
@@ -31,7 +34,7 @@ class SyntheticData(Section):
 
     classes: int = Field(200, ge=2, description="train classes; as many disjoint test classes")
     per_class: int = Field(10, ge=1, description="images per class")
-    image_size: int = Field(32, ge=8)
+    image_size: int = Field(32, ge=8, le=MAX_IMAGE_SIDE)
     seed: int = 0
     shard_size: int = Field(2000, ge=1, description="samples per shard")
 
@@ -147,8 +150,8 @@ class AugmentConfig(Section):
         _check_range("data.augment.scale", self.scale, upper=1.0)
         _check_range("data.augment.ratio", self.ratio)
         sizes = (self.resize,) if isinstance(self.resize, int) else self.resize or ()
-        if any(s < 8 for s in sizes):
-            raise ValueError(f"data.augment.resize: sizes must be >= 8, got {self.resize}")
+        if any(not 8 <= s <= MAX_IMAGE_SIDE for s in sizes):
+            raise ValueError(f"data.augment.resize: sizes must be in [8, {MAX_IMAGE_SIDE}], got {self.resize}")
         lo, hi = self.rotation_range
         if not -180 <= lo <= hi <= 180:
             raise ValueError(f"data.augment.rotation: need -180 <= min <= max <= 180 degrees, got {self.rotation}")
@@ -214,10 +217,12 @@ class DataConfig(Section):
         None, ge=1, description="P; derived as batch_size // samples_per_class when unset"
     )
     samples_per_class: int = Field(4, ge=1, description="K images of each class in a P×K batch")
-    image_size: int = Field(224, ge=8, description="train crop (RandomResizedCrop)")
+    image_size: int = Field(
+        224, ge=8, le=MAX_IMAGE_SIDE, description=f"train crop (RandomResizedCrop), at most {MAX_IMAGE_SIDE}"
+    )
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
-    eval_resize: int = Field(256, ge=8)
-    eval_crop: int = Field(224, ge=8)
+    eval_resize: int = Field(256, ge=8, le=MAX_IMAGE_SIDE)
+    eval_crop: int = Field(224, ge=8, le=MAX_IMAGE_SIDE)
     loader_workers: int = Field(2, ge=0, description="decoding processes per training worker")
     decode: Literal["auto", "cpu", "device"] = Field(
         "auto",

@@ -11,13 +11,16 @@ Splits that share a label space (In-Shop ``query`` and ``gallery``) carry the sa
 built over their union, so an item has the same label in both.
 
 The folder may be a URL (:mod:`shards.storage.location`): the manifest is then fetched, and shard file names
-stay confined to the URL's prefix as they do to a local folder.
+stay confined to the URL's prefix as they do to a local folder. In a local folder a shard must be a regular
+file of the folder itself: a symbolic link (which could point anywhere) is refused when the manifest is
+loaded, and never followed when a shard is opened (:func:`open_shard`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from dmltrain.errors import UserError
+from dmltrain.redact import redact, redact_url
 from shards.storage.location import Location, is_url, open_location, read_chunks
 from shards.storage.retries import IOStats
 
@@ -218,7 +222,10 @@ class Manifest:
             raise UserError(
                 f"{path}: manifest version {data.get('version')} is newer than this dmltrain reads ({VERSION})"
             )
-        return cls(root, data, loc)
+        m = cls(root, data, loc)
+        if not loc.remote:
+            _check_no_links(m)
+        return m
 
     # -- queries ----------------------------------------------------------------------------
     @property
@@ -235,26 +242,29 @@ class Manifest:
         return self._splits[name]
 
     def summary(self) -> dict[str, Any]:
-        """A JSON-ready digest: layout, source, options, and per split the images, classes, shards, bytes, skipped."""
-        return {
-            "path": str(self.root),
-            "layout": self.data.get("layout"),
-            "source": self.data.get("source"),
-            "created": self.data.get("created"),
-            "options": self.data.get("options", {}),
-            "splits": {
-                name: {
-                    "images": s.num_images,
-                    "classes": s.num_classes,
-                    "labels": s.num_labels,
-                    "label_space": s.label_space,
-                    "shards": len(s.shards),
-                    "bytes": s.bytes,
-                    "skipped": len(s.skipped),
-                }
-                for name, s in self._splits.items()
-            },
-        }
+        """A JSON-ready digest: layout, source, options, and per split the images, classes, shards, bytes, skipped;
+        redacted (:func:`dmltrain.redact.redact`), as it is printed and logged."""
+        return redact(
+            {
+                "path": str(self.root),
+                "layout": self.data.get("layout"),
+                "source": self.data.get("source"),
+                "created": self.data.get("created"),
+                "options": self.data.get("options", {}),
+                "splits": {
+                    name: {
+                        "images": s.num_images,
+                        "classes": s.num_classes,
+                        "labels": s.num_labels,
+                        "label_space": s.label_space,
+                        "shards": len(s.shards),
+                        "bytes": s.bytes,
+                        "skipped": len(s.skipped),
+                    }
+                    for name, s in self._splits.items()
+                },
+            }
+        )
 
     def verify(self, progress: bool = False, stats: IOStats | None = None) -> list[str]:
         """Re-hash every shard (a remote one streamed by ranged GETs); one problem line per missing, resized or
@@ -296,13 +306,29 @@ class Manifest:
                 )
         if bar is not None:
             bar.close()
-        return problems
+        return [redact_url(p) for p in problems]
 
 
 def _local_chunks(path: Path):
-    with open(path, "rb") as f:
+    with open_shard(path) as f:
         while chunk := f.read(1 << 20):
             yield chunk
+
+
+def open_shard(path: str | os.PathLike[str]):
+    """A local shard opened for reading, never through a symbolic link (``OSError`` if ``path`` is one)."""
+    return os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb")
+
+
+def _check_no_links(m: Manifest) -> None:
+    """Refuse a shard of a local manifest's (resolved) folder that is a symbolic link, or reached through one."""
+    for sh in (sh for name in m.splits for sh in m.split(name).shards):
+        p = sh.path
+        if p.is_symlink() or (p.exists() and Path(os.path.realpath(p)) != p):
+            raise UserError(
+                f"{p}: a symbolic link (to {os.path.realpath(p)}); shards are read only as regular files of the shard "
+                "folder: copy the file there"
+            )
 
 
 def _shard_file(name: Any, where: str) -> str:

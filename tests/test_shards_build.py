@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import io
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
 import tarfile
+import time
+from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import webdataset as wds
-from dataset_fixtures import MAKERS, make_folder_shared_class, make_folder_tree, make_sop, write_truncated_jpeg
+from dataset_fixtures import (
+    MAKERS,
+    bomb_png,
+    make_folder_shared_class,
+    make_folder_tree,
+    make_sop,
+    write_truncated_jpeg,
+)
 from PIL import Image
 
 from dmltrain.cli import main
@@ -395,21 +411,25 @@ def test_interrupted_build_leaves_no_half_shard(built, tmp_path, monkeypatch):
     import shards.build.writer
 
     fx, _ = built["sop"]
-    real_write = shards.build.writer.SplitWriter.write
+    real_write = shards.build.writer._HashingFile.write
     calls = {"n": 0}
 
-    def dying_write(self, *a, **kw):
+    def dying_write(self, data):  # Ctrl-C in the middle of the tar stream: tarfile's frames still hold it
         calls["n"] += 1
         if calls["n"] == 8:
             raise KeyboardInterrupt
-        return real_write(self, *a, **kw)
+        return real_write(self, data)
 
-    monkeypatch.setattr(shards.build.writer.SplitWriter, "write", dying_write)
+    monkeypatch.setattr(shards.build.writer._HashingFile, "write", dying_write)
+    unraisable = []  # tarfile's finalizer writing to the closed shard printed "Exception ignored ... Traceback"
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     out = tmp_path / "out"
     assert (
         cli("build", "--layout", "sop", "--root", str(fx.root), "--out", str(out), "--shard-size", "5", "--quiet")
         == 130
     )
+    gc.collect()
+    assert not unraisable, [u.exc_value for u in unraisable]
     names = sorted(p.name for p in out.iterdir())
     assert names and all(n.startswith("train-") and n.endswith(".tar") for n in names), (
         names
@@ -491,3 +511,124 @@ def test_synthetic_build(built):
     assert list(train.classes) == [str(i) for i in range(6)] and list(test.classes) == [str(i) for i in range(6, 12)]
     assert m.data["options"]["synthetic"] == {"classes": 6, "per_class": 4, "image_size": 24, "seed": 0}
     assert [sh.samples for sh in train.shards] == [4, 4, 4, 4, 4, 4], "a class never straddles shards when it fits"
+
+
+def _interrupted_builds(tmp_path: Path, moments: dict) -> dict[str, tuple[int, str, list[int]]]:
+    """One ``dmltrain shards build`` per moment, run side by side, each in its own process group and Ctrl-C'd
+    (SIGINT to the group, as a terminal does) once ``moment(out)`` holds for its ``out``: per moment, the exit
+    code, stderr and the pids of the child processes seen while it ran."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = {}
+    for name in moments:
+        cmd = [sys.executable, "-m", "dmltrain", "shards", "build", *SIGINT_BUILD, "--workers", "2"]
+        cmd += ["--out", str(tmp_path / name)]
+        procs[name] = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True
+        )
+    children: dict[str, set[int]] = {name: set() for name in moments}
+    waiting, deadline = set(moments), time.monotonic() + 240
+    while waiting and time.monotonic() < deadline:
+        for name in sorted(waiting):
+            p = procs[name]
+            assert p.poll() is None, f"{name}: the build ended before the moment: {p.stderr.read().decode()}"
+            with contextlib.suppress(psutil.Error):
+                children[name] |= {c.pid for c in psutil.Process(p.pid).children(recursive=True)}
+            if moments[name](tmp_path / name):
+                os.killpg(p.pid, signal.SIGINT)
+                waiting.discard(name)
+        time.sleep(0.005)
+    out = {}
+    for name, p in procs.items():
+        try:
+            _, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # the hang this guards against: end it (and its group), then fail
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            pytest.fail(f"{name}: the interrupted build did not end within 60 s")
+        out[name] = (p.returncode, err.decode(), sorted(children[name]))
+    return out
+
+
+REPO = Path(__file__).resolve().parents[1]
+# 1,200 images: enough for the pool of image-checking processes, a second or two of work
+SIGINT_BUILD = ("--layout", "synthetic", "--classes", "40", "--per-class", "15", "--image-size", "32")
+SIGINT_BUILD += ("--shard-size", "25", "--quiet")
+
+
+def _tars(out: Path) -> list[Path]:
+    return sorted(out.glob("*.tar")) if out.is_dir() else []
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_during_a_build_is_one_line_and_leaves_shards_to_resume(tmp_path):
+    """Ctrl-C at two moments of real builds (the pool of workers starting; a shard being written after others
+    were): each time the one line ``dmltrain: interrupted`` and exit 130, no traceback (tarfile's, the
+    workers'), no hang, no worker left behind, no half shard; ``--resume`` then finishes the build."""
+    moments = {
+        "starting": lambda out: out.is_dir(),
+        "writing": lambda out: len(_tars(out)) >= 4 and any(out.glob(".*.tar.*.tmp")),
+    }
+    for name, (code, err, children) in _interrupted_builds(tmp_path, moments).items():
+        out = tmp_path / name
+        assert (code, err.strip()) == (130, "dmltrain: interrupted"), f"{name}: {err}"
+        gone, alive = psutil.wait_procs([psutil.Process(pid) for pid in children if psutil.pid_exists(pid)], 10)
+        assert not alive, f"{name}: processes of the build outlived it: {[p.pid for p in alive]}"
+        assert not any(out.glob(".*.tmp")) and not (out / "manifest.json").exists()
+        for tar in _tars(out):  # whole shards only
+            with tarfile.open(tar) as tf:
+                assert len(tf.getmembers()) % 3 == 0
+    out = tmp_path / "writing"
+    assert len(_tars(out)) >= 4
+    assert cli("build", *SIGINT_BUILD, "--workers", "1", "--out", str(out), "--resume") == 0  # in-process: quick
+    m = Manifest.load(out)
+    assert m.verify() == [] and m.split("train").num_images == m.split("test").num_images == 600
+
+
+def test_an_image_too_large_to_decode_is_skipped_or_refused_in_one_line(tmp_path, capsys):
+    """A decompression bomb (a small PNG claiming 10,000² or 30,000² pixels) is never decoded: skipped with the
+    reason, or with --strict one line naming the file."""
+    fx = make_folder_tree(tmp_path / "src", {"train": {"a": 2, "b": 2}, "test": {"c": 2, "d": 2}})
+    for name, side in (("bomb.png", 10_000), ("huge.png", 30_000)):
+        (fx.root / "train" / "a" / name).write_bytes(bomb_png(side, side))
+    args = ("build", "--layout", "folder", "--root", str(fx.root), "--quiet", "--workers", "1")
+    assert cli(*args, "--out", str(tmp_path / "out")) == 0
+    skipped = {s["path"]: s["reason"] for s in Manifest.load(tmp_path / "out").split("train").skipped}
+    assert skipped.keys() == {"train/a/bomb.png", "train/a/huge.png"}
+    assert "10000 x 10000 = 100,000,000 pixels" in skipped["train/a/bomb.png"]
+    assert all("too large to decode" in r for r in skipped.values())
+    assert "skipped train/a/bomb.png: too large to decode" in capsys.readouterr().out
+    assert cli(*args, "--out", str(tmp_path / "strict"), "--strict") == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "bomb.png: too large to decode" in err, err
+
+
+def test_images_outside_the_root_are_refused_unless_links_are_followed(tmp_path, capsys):
+    """A symbolic link (an image, or a class folder) pointing outside --root is refused in one line unless
+    --follow-symlinks; a link inside the root is fine; an index naming ../ is always refused."""
+    fx = make_folder_tree(tmp_path / "src", {"train": {"a": 2, "b": 2}, "test": {"c": 2, "d": 2}})
+    outside = make_folder_tree(tmp_path / "private", {"train": {"x": 2}})
+    secret = outside.root / "train" / "x" / "img0.jpg"
+    (fx.root / "train" / "a" / "inside.jpg").symlink_to(fx.root / "train" / "b" / "img0.jpg")
+    args = ("build", "--layout", "folder", "--root", str(fx.root), "--quiet", "--workers", "1")
+    assert cli(*args, "--out", str(tmp_path / "ok")) == 0  # a link inside the root
+    link = fx.root / "train" / "a" / "zz.jpg"
+    link.symlink_to(secret)
+    assert cli(*args, "--out", str(tmp_path / "no")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{link}: a symbolic link to {secret}, outside the dataset root" in err, err
+    assert not (tmp_path / "no").exists()
+    assert cli(*args, "--out", str(tmp_path / "yes"), "--follow-symlinks") == 0
+    packed = Manifest.load(tmp_path / "yes").split("train")
+    urls = [str(sh.path) for sh in packed.shards]
+    paths = [json.loads(s["json"])["path"] for s in wds.WebDataset(urls, shardshuffle=False, nodesplitter=None)]
+    assert "train/a/zz.jpg" in paths
+    link.unlink()
+    (fx.root / "train" / "linked").symlink_to(outside.root / "train" / "x")  # a whole class folder
+    assert cli(*args, "--out", str(tmp_path / "no2")) == 2
+    assert "train/linked/img0.jpg: a symbolic link to" in capsys.readouterr().err
+    sop = make_sop(tmp_path / "sop")
+    index = sop.root / "Ebay_train.txt"
+    index.write_text(index.read_text() + "99 99 1 ../private/train/x/img0.jpg\n")
+    sop_args = ("build", "--layout", "sop", "--root", str(sop.root), "--quiet", "--follow-symlinks")
+    assert cli(*sop_args, "--out", str(tmp_path / "sop-out")) == 2
+    assert "outside the dataset root" in capsys.readouterr().err

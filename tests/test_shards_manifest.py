@@ -109,3 +109,26 @@ def test_a_valid_manifest_still_loads_and_reads(built):
         eval_batches(built, "test", rank=0, world_size=1, batch_size=5, resize=16, crop=16, loader_workers=0)
     )
     assert sum(len(b[1]) for b in batches) == m.split("test").num_images
+
+
+def test_a_shard_that_is_a_symbolic_link_is_refused_in_one_line(built, tmp_path, capsys):
+    """A shard replaced by a link to a file elsewhere (same bytes, so every checksum would match) is refused when
+    the manifest is loaded, by ``inspect``, training and evaluation alike; a shard is never opened through a link."""
+    from shards.manifest import open_shard
+
+    out = tmp_path / "shards"
+    shutil.copytree(built, out)
+    name = _first_shard(json.loads((out / "manifest.json").read_text()))["file"]
+    elsewhere = tmp_path / "elsewhere.tar"
+    (out / name).rename(elsewhere)
+    (out / name).symlink_to(elsewhere)
+    assert main(["shards", "inspect", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{out / name}: a symbolic link (to {elsewhere})" in err, err
+    with pytest.raises(UserError, match="a symbolic link"):
+        eval_batches(out, "test", rank=0, world_size=1, batch_size=5, resize=16, crop=16, loader_workers=0)
+    with pytest.raises(OSError):
+        open_shard(out / name)
+    (out / name).unlink()
+    elsewhere.rename(out / name)
+    assert Manifest.load(out).verify() == []  # the same bytes as a regular file: fine

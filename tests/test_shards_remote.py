@@ -370,6 +370,19 @@ def test_http_shards_stream_inspect_and_refuse_writes(http, local, capsys):
     assert "read-only" in capsys.readouterr().err
 
 
+def test_a_url_password_is_used_but_never_printed(http, local, capsys):
+    """``shards inspect https://user:PASSWORD@host/...`` reads the shards and prints the URL without the password,
+    in the summary, the JSON summary and the problem lines alike."""
+    url = http.url.replace("http://", "http://reader:hunter2-PASSWORD@") + f"/{local.name}"
+    for extra in ([], ["--json"]):
+        assert _cli("shards", "inspect", url, *extra) == 0
+        out, err = capsys.readouterr()
+        assert "http://<redacted>@127.0.0.1" in out and "PASSWORD" not in out + err
+    assert _cli("shards", "inspect", url.replace(local.name, "missing")) == 2
+    err = capsys.readouterr().err
+    assert "not found" in err and "PASSWORD" not in err
+
+
 def test_eval_cli_reads_a_url(http, local, tmp_path, capsys):
     """``dmltrain eval --shards URL`` gives the metrics of the same shards on local disk."""
     from dmltrain.config import ModelConfig

@@ -400,3 +400,36 @@ def test_randaugment_as_torchvision():
     assert load_config(None, ["data.augment.randaugment=2"]).data.augment.randaugment.ops == 2
     with pytest.raises(ConfigError, match="data.augment.randaugment.magnitude: 31 is not below bins"):
         load_config(None, ["data.augment.randaugment=[2, 31]"])
+
+
+def test_an_image_too_large_to_decode_is_refused_before_decoding():
+    """A decompression bomb in a shard (built elsewhere) is refused from its header by every decoding path, and
+    the loader notes one line naming the shard member; a large real image still decodes."""
+    from dataset_fixtures import bomb_png
+
+    from shards.decode.encoded import EncodedTransform
+    from shards.decode.rgb import MAX_IMAGE_PIXELS, ImageTooLarge
+    from shards.read.datasets import _decode
+
+    train = TrainTransform(S, AugmentConfig())
+    for side in (10_000, 30_000):  # above our bound; above PIL's own hard limit
+        bomb = bomb_png(side, side)
+        for transform in (EvalTransform(64, 56), train, EncodedTransform(train)):
+            with pytest.raises(ImageTooLarge, match="too large to decode"):
+                transform(bomb, random.Random(0))
+
+    class Shard:  # one member, the bomb
+        def sample(self, g, pos):
+            return ("00000007", "png", bomb_png(10_000, 10_000))
+
+        def shard_name(self, g):
+            return "train-000003.tar"
+
+    notes: list[str] = []
+    assert _decode(Shard(), 0, 0, train, random.Random(0), notes, set()) is None
+    assert notes == [
+        "train-000003.tar:00000007.png: cannot decode (ImageTooLarge: too large to decode: 10000 x 10000 = "
+        f"100,000,000 pixels, more than the {MAX_IMAGE_PIXELS:,} any image may have (a decompression bomb?))"
+    ]
+    _, ok = _png((1200, 900))
+    assert EvalTransform(64, 56)(ok).shape == (56, 56, 3)

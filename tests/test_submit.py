@@ -196,27 +196,54 @@ def test_dry_run_uploads_the_allow_list_only(tmp_path, monkeypatch, capsys):
     assert "would upload 6 files" in err and "working_dir" in printed["runtime_env"]
 
 
+# files a deny-list of names misses: what gives them away is their content, reported by line, never quoted
+SECRET_TEXT = {
+    "configs/notes.txt": ("-----BEGIN OPENSSH " + "PRIVATE KEY-----\nb3Blbn\n", 1),
+    "configs/aws.yaml": ("key: AKIA" + "ABCDEFGHIJKLMNOP\n", 1),
+    "configs/kube/config": ("apiVersion: v1\nusers:\n- name: ci\n  user:\n    token: eyJhbGciOi.JSUzI1Ni.Isx9Q\n", 5),
+    "configs/mlflow.ini": ("[mlflow]\nmlflow_tracking_username = admin\nmlflow_tracking_password = Pw-0f-mine\n", 3),
+    "configs/netrc.txt": ("machine mlflow.example login admin password Pw-0f-mine\n", 1),
+    "configs/db.txt": ("# the database\nDB_HOST=db\nDB_PASSWORD=Pw-0f-mine\n", 3),
+    "cluster/sa.json": ('{"type": "service_account",\n "private_key": "MIIEvQIBADAN"}\n', 2),
+    "configs/curl.sh": ("curl -H 'Authorization: Bearer 0123456789abcdefXYZ' https://x\n", 1),
+    "dmltrain/keys.py": ('API_TOKEN = "0123456789abcdef"\n', 1),
+}
+
+
 @pytest.mark.parametrize("planted, why", [
     ("configs/.env", "name is that of a credential"), ("configs/secrets.yaml", "name is that of a credential"),
     ("cluster/deploy.pem", "name is that of a credential"), ("configs/.ssh/id_ed25519", "name is that of a credential"),
-    ("dmltrain/.ray/auth_token", "name is that of a credential"), ("configs/notes.txt", "looks like a secret"),
-    ("configs/aws.yaml", "looks like a secret"),
+    ("dmltrain/.ray/auth_token", "name is that of a credential"),
+    *((name, f"line {line} looks like a secret") for name, (_, line) in SECRET_TEXT.items()),
 ])  # fmt: skip
 def test_a_credential_that_would_go_is_refused_with_one_line(tmp_path, monkeypatch, capsys, planted, why):
     wd = _minimal_project(tmp_path / "proj")
-    secret = {
-        "configs/notes.txt": "-----BEGIN OPENSSH " + "PRIVATE KEY-----\nb3Blbn\n",
-        "configs/aws.yaml": "key: AKIA" + "ABCDEFGHIJKLMNOP\n",
-    }
-    _project(wd, {planted: secret.get(planted, "x\n")})
+    _project(wd, {planted: SECRET_TEXT.get(planted, ("x\n", 0))[0]})
     monkeypatch.chdir(wd)
     monkeypatch.setattr(sub, "connect", lambda address: pytest.fail("refused before contacting the cluster"))
     assert main(["submit", DEMO, "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith(f"dmltrain: error: {wd / planted}: would be uploaded") and why in err, err
-    # leaving it out is the user's explicit choice
+    assert not any(s in err for s in ("Pw-0f-mine", "eyJhbGci", "0123456789", "MIIEvQ", "AKIAABCD")), err
+    # leaving it out, or sending it anyway, is the user's explicit choice
     assert main(["submit", DEMO, "--dry-run", "--exclude", planted]) == 0
     assert planted not in json.loads(capsys.readouterr().out)["upload"]["list"]
+    assert main(["submit", DEMO, "--dry-run", "--allow-file", planted]) == 0
+    assert planted in json.loads(capsys.readouterr().out)["upload"]["list"]
+    assert main(["submit", DEMO, "--dry-run", "--allow-file", "configs/nothing.yaml"]) == 2
+    assert "--allow-file configs/nothing.yaml: not a file of the upload" in capsys.readouterr().err
+
+
+def test_the_repository_itself_is_accepted_and_its_dry_run_shows_no_password(in_repo, monkeypatch, capsys):
+    """The project's own code, configs, cluster files and README pass the content scan (no false positive), and
+    the job printed by --dry-run hides a tracking URI's password."""
+    monkeypatch.setattr(sub, "connect", lambda address: pytest.fail("a dry run must not contact the cluster"))
+    uri = "tracking.uri=http://admin:Pw-0f-mine@mlflow.example:5000"
+    assert main(["submit", DEMO, "--dry-run", "--include", "README.md", "--include", "Makefile", uri]) == 0
+    out, err = capsys.readouterr()
+    listed = json.loads(out)["upload"]["list"]
+    assert {"README.md", "cluster/ray-cluster.yaml", "cluster/rayjob.yaml", "dmltrain/cli.py"} <= set(listed)
+    assert "http://<redacted>@mlflow.example:5000" in out and "Pw-0f-mine" not in out + err
 
 
 def test_upload_honours_ignore_files_includes_and_links(tmp_path):

@@ -6,7 +6,20 @@ import csv
 import io
 import math
 
-from dmltrain.text import cell, clip, csv_text, finite_number, format_duration, markdown_table, one_line, safe_name
+from dmltrain.text import (
+    cell,
+    clip,
+    csv_cell,
+    csv_text,
+    finite_number,
+    format_duration,
+    markdown_table,
+    md_code,
+    md_text,
+    md_url,
+    one_line,
+    safe_name,
+)
 
 
 def test_names_are_file_safe():
@@ -62,3 +75,18 @@ def test_tables():
     parsed = list(csv.reader(io.StringIO(csv_text(head, [["r1", "x|y", 1 / 3], ["r2", None, math.pi]]))))
     assert parsed == [head, ["r1", "x|y", repr(1 / 3)], ["r2", "", repr(math.pi)]]
     assert float(parsed[1][2]) == 1 / 3  # every digit kept
+
+
+def test_untrusted_text_is_inert_in_markdown_csv_and_paths():
+    assert md_text("<img src=x onerror=alert(1)> & [a](javascript:b) *c* `d` e|f") == (
+        "&lt;img src=x onerror=alert(1)&gt; &amp; \\[a\\](javascript:b) \\*c\\* \\`d\\` e\\|f"
+    )
+    assert md_text("sample_ratio _x_") == "sample_ratio \\_x\\_"  # only an underscore that could emphasize
+    assert md_code("a``b") == "```a``b```" and md_code("`x") == "`` `x ``" and md_code("two\nlines") == "`two lines`"
+    assert md_url('http://u/#/x?a=[1] (y) "z" <w>') == "http://u/#/x?a=[1]%20%28y%29%20%22z%22%20%3Cw%3E"
+    assert [csv_cell(x) for x in ("=1+2", "+a", "-a", "@a", "\tx", "-0.5", "+1e3", "a=b", 3, -2, None)] == [
+        "'=1+2", "'+a", "'-a", "'@a", "'\tx", "-0.5", "+1e3", "a=b", "3", "-2", ""
+    ]  # fmt: skip
+    assert [safe_name(x) for x in ("..", ".", ".hidden", "../../etc", "a..b", "v1.")] == [
+        "run", "run", "hidden", "etc", "a..b", "v1"
+    ]  # fmt: skip

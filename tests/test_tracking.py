@@ -161,3 +161,44 @@ def test_queries_find_runs_children_histories_and_the_best_point(store):
     points = history(client, kids[0].run_id, "m")
     assert points == [(1, 0.1), (2, 0.5), (2, 0.7), (3, 0.7)]
     assert best_point(points) == (2, 0.7) and best_point(points, "min") == (1, 0.1) and best_point([]) is None
+
+
+def test_params_tags_and_the_config_artifact_are_redacted(store, tmp_path, capsys):
+    """No URL password and no storage option outside the allow-list reaches MLflow (:mod:`dmltrain.redact`): params
+    (also a resumed run's ``resumed.*`` tags), tags, the config and manifest artifacts, warnings."""
+    from dmltrain.tracking.names import STORAGE_DIR_TAG
+    from dmltrain.training.artifacts import log_run_files
+    from shards.manifest import Manifest
+    from shards.storage.location import Location
+
+    leaks = ("hunter2", "s3cr3t")
+    cfg = load_config(
+        None,
+        [
+            "data.shards=https://reader:hunter2@files.example/shards",
+            "data.storage_options.headers.X-Custom-Header=s3cr3t",
+            "data.storage_options.anon=true",
+        ],
+    )
+    run = RunHandle.open(store, "redacted", "r", cfg.flat(), tags={STORAGE_DIR_TAG: "s3://KEY:s3cr3t@bucket/runs/r"})
+    run.set_tags({"note": "from https://u:hunter2@h/x"})
+    loc = Location("https://reader:hunter2@files.example/shards")
+    assert "hunter2" in loc.root and "hunter2" not in str(loc) + repr(loc)  # fsspec gets it; messages do not
+    log_run_files(run, cfg, {"train_batch_size": 8}, Manifest(loc.root, {"splits": {}}, loc))
+    again = RunHandle.open(store, "redacted", "r", {**cfg.flat(), "data.storage_options.headers.X-Custom-Header": "x"})
+    assert again.resumed
+    got = MlflowClient(tracking_uri=store).get_run(run.run_id).data
+    assert got.params["data.storage_options.headers.X-Custom-Header"] == "<redacted>"
+    assert got.params["data.storage_options.anon"] == "True" and got.params["data.shards"].startswith(
+        "https://<redacted>@"
+    )
+    assert got.tags[STORAGE_DIR_TAG] == "s3://<redacted>@bucket/runs/r"
+    assert not any(s in repr(got.params) + repr(got.tags) for s in leaks)
+    artifacts = Path(MlflowClient(tracking_uri=store).download_artifacts(run.run_id, "", str(tmp_path / "art")))
+    assert sorted(p.name for p in artifacts.rglob("*.*")) == ["config.yaml", "deepspeed.json", "manifest_summary.json"]
+    for f in artifacts.rglob("*.*"):
+        assert not any(s in f.read_text() for s in leaks), f
+    assert "X-Custom-Header: <redacted>" in (artifacts / "config" / "config.yaml").read_text()
+    RunHandle.open("http://u:hunter2@127.0.0.1:9", "redacted", "r", {})  # discard port: unreachable at once
+    err = capsys.readouterr().err
+    assert "unreachable" in err and "http://<redacted>@127.0.0.1:9" in err and "hunter2" not in err

@@ -15,6 +15,7 @@ from typing import Any
 from cluster.tune.space import SearchSpace, apply_params
 from cluster.tune.trial import trial_index, trial_run_name
 from dmltrain.config import build_config
+from dmltrain.redact import redact, redact_url
 from dmltrain.text import finite_number, markdown_table
 from dmltrain.tracking.names import ERROR_TAG, EVAL_PREFIX, REPORT_STEP, RUN_NAME_TAG, TUNE_STOPPED_TAG, metric_key
 from dmltrain.tracking.queries import best_point, history, values_at_step
@@ -199,7 +200,7 @@ def best_config_yaml(
     """The best trial's full config as YAML, ready for ``dmltrain train``, with a header saying where it came from."""
     tree = apply_params(base_tree, {**best.params, "train.run_name": None, "cluster.storage_path": base_storage})
     cfg = build_config(tree, source="best trial")
-    sampled = "\n".join(f"#   {k}: {v!r}" for k, v in best.params.items())
+    sampled = "\n".join(f"#   {k}: {v!r}" for k, v in redact(best.params).items())
     header = (
         f"# Best trial of Ray Tune search {summary_name}: {best.run_name}, {space.metric} {best.best:.4f} "
         f"at step {best.best_step} (MLflow run {best.mlflow_run_id or '-'}).\n"
@@ -236,4 +237,4 @@ def render(summary: TuneSummary) -> str:
     lines.append(f"results: {summary.out_dir / 'results.md'}, {summary.out_dir / 'results.csv'}")
     if summary.parent_run_id:
         lines.append(f"MLflow parent run: {summary.parent_run_id} ({len(summary.rows)} child runs)")
-    return "\n".join(lines)
+    return redact_url("\n".join(lines))

@@ -26,6 +26,7 @@ from typing import Any
 
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
+from dmltrain.redact import REDACTED, redact_url, without_redacted
 from shards.storage.location import Location, add_storage_option, location_of, parse_storage_options
 
 DEFAULT_KS = [1, 2, 4, 8]
@@ -173,7 +174,19 @@ def _embed_splits(
     data = _section(config, "data")
     if not (args.shards or data.get("shards")):
         raise UserError("--shards: needed (the checkpoint's config names no data.shards)")
-    options = {**(data.get("storage_options") or {}), **parse_storage_options(args.storage_option)}
+    if not args.shards and REDACTED in str(data.get("shards")):
+        raise UserError(
+            "--shards: needed (the checkpoint's data.shards held a password, which model files do not keep)"
+        )
+    # a model file keeps its config redacted: the options it lost must come from --storage-option (or the environment)
+    stored, lost = without_redacted(data.get("storage_options") or {})
+    if lost:
+        print(
+            f"dmltrain: warning: the checkpoint's data.storage_options {', '.join(lost)} were not stored (redacted); "
+            "pass them with --storage-option if the shards need them",
+            file=sys.stderr,
+        )
+    options = {**stored, **parse_storage_options(args.storage_option)}
     shards = location_of({**data, "storage_options": options}, args.shards or data.get("shards"))
     if not shards.remote and not shards.path.is_dir():
         raise UserError(f"{shards}: shard folder not found")
@@ -331,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
         "splits": splits,
         "ks": ks,
         "checkpoint": str(ckpt_path) if ckpt_path else None,
-        "shards": None if args.embeddings else str(args.shards),
+        "shards": None if args.embeddings else redact_url(str(args.shards)),
         "embeddings": args.embeddings,
         # samples of the shards left out because they could not be read (null for saved embeddings)
         "eval/unreadable_samples": None if unreadable is None else lost,

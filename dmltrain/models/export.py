@@ -1,10 +1,11 @@
 """Saving and loading a trained embedding model as one self-describing file.
 
 The file is a ``torch.save`` of plain data only (dicts, lists, numbers, strings, tensors), so
-it loads with ``weights_only=True``: ``format``, ``version``, the run ``config`` as given, the
-``model_config`` that rebuilds the architecture (a timm model from its name, ``image_size`` and
-``features``, offline), the ``state_dict`` (on CPU), ``input`` (what the model expects of its images:
-``mean``, ``std``, ``interpolation``, from the run's ``data`` section, else the backbone's own) and ``extra``
+it loads with ``weights_only=True``: ``format``, ``version``, the run ``config`` (redacted as every
+written config is: :func:`dmltrain.redact.redact`), the ``model_config`` that rebuilds the architecture (a
+timm model from its name, ``image_size`` and ``features``, offline), the ``state_dict`` (on CPU), ``input``
+(what the model expects of its images: ``mean``, ``std``, ``interpolation``, from the run's ``data`` section,
+else the backbone's own) and ``extra``
 (metrics, step, anything plain). Loading rebuilds the model from ``model_config`` without
 reading or downloading the pretrained weights it was started from (gradient checkpointing off: a loaded
 model is for inference and export), and sets ``model.input_spec``.
@@ -25,6 +26,7 @@ from dmltrain.config import _format_validation_error, backbone_input
 from dmltrain.errors import UserError
 from dmltrain.fileio import atomic_path
 from dmltrain.models.embedding_model import EmbeddingModel, build_model
+from dmltrain.redact import redact
 
 FORMAT = "dmltrain.model"
 VERSION = 1
@@ -62,7 +64,7 @@ def save_model(
     payload = {
         "format": FORMAT,
         "version": VERSION,
-        "config": _plain(config, "config"),
+        "config": _plain(redact(config), "config"),  # a model file travels: no URL password, no secret option
         "model_config": _plain(model_config, "model_config"),
         "state_dict": {k: v.detach().cpu().clone() for k, v in state_dict.items()},
         "input": input_spec(config, model_config),

@@ -45,7 +45,7 @@ def build_report(
     client = MlflowClient(tracking_uri=uri)
     exp = get_experiment(client, experiment, uri)
     chosen = select_runs(client, exp, runs, max_runs=max_runs)
-    out_dir = Path(out) if out else Path("reports") / safe_name(experiment)
+    out_dir = Path(out) if out else Path("reports") / safe_name(experiment, "experiment")  # inside reports/
     out_dir.mkdir(parents=True, exist_ok=True)
     records = collect(client, chosen, out_dir, progress=progress)
     colors = run_colors([r.name for r in records])

@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
+from dmltrain.redact import redact_url
 from dmltrain.report.compare import best_rows, differing_params, metric_columns, tables
 from dmltrain.report.runs import RunRecord
-from dmltrain.text import markdown_table
+from dmltrain.text import markdown_table, md_code, md_text, md_url
 from dmltrain.tracking.names import STORAGE_DIR_TAG
 
 
@@ -56,10 +57,10 @@ def render_markdown(
     bold = {j + 1: best.get(c, set()) for j, c in enumerate(cols)}
     run_links = [links.run(r) for r in records]
     parts = [
-        f"# Experiment `{exp_name}`: {len(records)} run{'s' * (len(records) != 1)}",
+        f"# Experiment {md_code(exp_name)}: {len(records)} run{'s' * (len(records) != 1)}",
         "",
-        f"Tracking store `{uri}` · [experiment in MLflow]({links.experiment()}) · [compare in MLflow]({links.compare()}) · "
-        f"generated {time.strftime('%Y-%m-%d %H:%M')}",
+        f"Tracking store {md_code(redact_url(uri))} · [experiment in MLflow]({md_url(links.experiment())}) · "
+        f"[compare in MLflow]({md_url(links.compare())}) · generated {time.strftime('%Y-%m-%d %H:%M')}",
         "",
         "## Runs",
         "",
@@ -76,21 +77,22 @@ def render_markdown(
     ]
     for key, title in (("loss", "Loss"), ("recall_at_1", "Recall@1")):
         if key in figures:
-            parts += [f"## {title}", "", f"![{title}]({figures[key].relative_to(out_dir).as_posix()})", ""]
+            parts += [f"## {title}", "", f"![{title}]({md_url(figures[key].relative_to(out_dir).as_posix())})", ""]
     parts += ["## Runs' plots", ""]
     for r in records:
-        parts += [f"### [{r.name}]({links.run(r)})", ""]
+        parts += [f"### [{md_text(r.name)}]({md_url(links.run(r))})", ""]
         storage = r.tags.get(STORAGE_DIR_TAG)
         if storage:
-            parts += [f"Checkpoints and models: `{storage}`", ""]
+            parts += [f"Checkpoints and models: {md_code(redact_url(storage))}", ""]
         if not r.plots:
             parts += ["No plots logged.", ""]
             continue
         for kind, paths in _plot_groups(r.plots).items():
             latest = paths[-1]
-            parts += [f"![{kind}]({latest.relative_to(out_dir).as_posix()})", ""]
+            parts += [f"![{md_text(kind)}]({md_url(latest.relative_to(out_dir).as_posix())})", ""]
             if len(paths) > 1:
-                parts += ["All: " + ", ".join(f"[{p.stem}]({p.relative_to(out_dir).as_posix()})" for p in paths), ""]
+                links_ = (f"[{md_text(p.stem)}]({md_url(p.relative_to(out_dir).as_posix())})" for p in paths)
+                parts += ["All: " + ", ".join(links_), ""]
     return "\n".join(parts)
 
 
@@ -148,7 +150,7 @@ def render_html(
     run_links = [links.run(r) for r in records]
     body = [
         f"<h1>Experiment <code>{esc(exp_name)}</code>: {len(records)} run{'s' * (len(records) != 1)}</h1>",
-        f'<p class="meta">Tracking store <code>{esc(uri)}</code> · <a href="{esc(links.experiment())}">experiment in MLflow</a> · '
+        f'<p class="meta">Tracking store <code>{esc(redact_url(uri))}</code> · <a href="{esc(links.experiment())}">experiment in MLflow</a> · '
         f'<a href="{esc(links.compare())}">compare in MLflow</a> · generated {esc(time.strftime("%Y-%m-%d %H:%M"))}</p>',
         "<h2>Runs</h2>",
     ]
@@ -171,7 +173,7 @@ def render_html(
         )
         storage = r.tags.get(STORAGE_DIR_TAG)
         if storage:
-            body.append(f'<p class="meta">Checkpoints and models: <code>{esc(storage)}</code></p>')
+            body.append(f'<p class="meta">Checkpoints and models: <code>{esc(redact_url(storage))}</code></p>')
         if not r.plots:
             body.append("<p>No plots logged.</p>")
             continue

@@ -13,7 +13,7 @@ from typing import Any
 from tqdm import tqdm
 
 from dmltrain.errors import UserError
-from dmltrain.text import safe_name
+from dmltrain.text import one_line, safe_name
 from dmltrain.tracking.names import LOSS, RUN_NAME_TAG, eval_key, initial_key
 from dmltrain.tracking.queries import child_runs, experiment_runs, find_run, history, leaf_runs
 
@@ -156,7 +156,7 @@ def collect(client, runs, out_dir: Path, progress: bool = True) -> list[RunRecor
                 rec.plots = _download_plots(client, info.run_id, out_dir / "runs" / safe_name(name) / "plots")
         except Exception as e:  # noqa: BLE001 — a missing artifact store costs the plots, not the report
             print(
-                f"dmltrain: warning: run {name}: cannot read its artifacts ({type(e).__name__}: {str(e)[:150]})",
+                f"dmltrain: warning: run {name}: cannot read its artifacts ({one_line(e, 150)})",
                 file=sys.stderr,
             )
         records.append(rec)

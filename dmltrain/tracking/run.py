@@ -11,6 +11,9 @@ Tracking never stops the work it records: the first failure to reach MLflow or t
 reported once on stderr (``dmltrain: warning: ...; training continues without tracking``), and
 the handle is off for the rest of the process. A model that cannot be logged to MLflow's Models
 (:meth:`RunHandle.log_model`) is reported once too, and only model logging stops.
+
+What a handle writes as text (params, tags, text artifacts) and every warning it prints is redacted first
+(:mod:`dmltrain.redact`): no URL's password and no storage option outside the allow-list reaches MLflow.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from mlflow.entities import LoggedModelStatus, Metric, Param
 from mlflow.entities.run import Run
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+from dmltrain.redact import redact, redact_url
 from dmltrain.tracking.names import PARENT_RUN_TAG, RESUMED_PARAM_PREFIX, RUN_NAME_TAG, metric_key
 from dmltrain.tracking.queries import child_runs, run_by_name
 
@@ -45,7 +49,7 @@ T = TypeVar("T")
 
 
 def warn(message: str) -> None:
-    print(f"dmltrain: warning: {message}", file=sys.stderr, flush=True)
+    print(f"dmltrain: warning: {redact_url(message)}", file=sys.stderr, flush=True)
 
 
 def _reason(error: BaseException) -> str:
@@ -111,7 +115,7 @@ class RunHandle:
                 handle = cls(uri, found.info.run_id, owner=owner, client=client)
                 handle.resumed = True
                 old = found.data.params
-                for k, v in params.items():
+                for k, v in redact(dict(params)).items():
                     if k in old and old[k] != str(v)[:PARAM_CHARS]:
                         client.set_tag(handle.run_id, RESUMED_PARAM_PREFIX + k, str(v)[:TAG_CHARS])
                 client.update_run(handle.run_id, status="RUNNING")
@@ -119,7 +123,7 @@ class RunHandle:
             all_tags = {RUN_NAME_TAG: run_name, **(tags or {})}
             if parent_run_id:
                 all_tags[PARENT_RUN_TAG] = parent_run_id
-            run = client.create_run(exp_id, run_name=run_name, tags=all_tags)
+            run = client.create_run(exp_id, run_name=run_name, tags=redact(all_tags))
             handle = cls(uri, run.info.run_id, owner=owner, client=client)
             _log_params(client, handle.run_id, params)
             return handle
@@ -232,13 +236,14 @@ class RunHandle:
         self.query("log an artifact", lambda c: c.log_artifact(self.run_id, str(path), artifact_path))
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        """``text`` as the artifact ``artifact_file`` (e.g. ``tune/space.yaml``)."""
-        self.query("log a text artifact", lambda c: c.log_text(self.run_id, text, artifact_file))
+        """``text`` as the artifact ``artifact_file`` (e.g. ``tune/space.yaml``), URL userinfo redacted."""
+        self.query("log a text artifact", lambda c: c.log_text(self.run_id, redact_url(text), artifact_file))
 
     def set_tag(self, key: str, value: Any) -> None:
         self.set_tags({key: value})
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
+        tags = redact(dict(tags))
         self.query("set tags", lambda c: [c.set_tag(self.run_id, k, str(v)[:TAG_CHARS]) for k, v in tags.items()])
 
     def delete_tag(self, key: str) -> None:
@@ -315,7 +320,9 @@ class RunHandle:
 
 
 def _log_params(client: MlflowClient, run_id: str, params: Mapping[str, Any]) -> None:
-    items = [Param(k, str(v)[:PARAM_CHARS]) for k, v in params.items()]
+    """Params as MLflow keeps them, redacted (:func:`dmltrain.redact.redact`): no URL userinfo, and storage
+    options outside the allow-list as ``<redacted>``."""
+    items = [Param(k, str(v)[:PARAM_CHARS]) for k, v in redact(dict(params)).items()]
     for i in range(0, len(items), PARAMS_PER_BATCH):
         client.log_batch(run_id, params=items[i : i + PARAMS_PER_BATCH])
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -28,10 +30,12 @@ from typing import Any
 import numpy as np
 
 from dmltrain.errors import UserError
+from dmltrain.redact import redact_url
 from shards.build.ingest import ingest_file, load_or_skip
-from shards.build.layouts import Entry, Layout, class_sort_key, read_layout
+from shards.build.layouts import Entry, Layout, class_sort_key, confine, read_layout
 from shards.build.publish import Publisher
 from shards.build.writer import SplitWriter
+from shards.config import MAX_IMAGE_SIDE
 from shards.manifest import FORMAT, MANIFEST_NAME, VERSION
 from shards.storage.location import Location, open_location
 
@@ -170,7 +174,7 @@ def build_shards(
             "format": FORMAT,
             "version": VERSION,
             "layout": layout.name,
-            "source": layout.root,
+            "source": redact_url(layout.root),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "options": {
                 "shard_size": shard_size,
@@ -181,7 +185,7 @@ def build_shards(
             "splits": {name: splits_json[name] for name in layout.splits},
         }
         publisher.finish(manifest_json(manifest) + "\n")
-    shown = out.root if out.remote else out.path
+    shown = str(out) if out.remote else out.path  # a URL as messages show it (no password)
     return BuildResult(
         shown, {name: results[name] for name in layout.splits}, time.perf_counter() - t0, publisher.summary()
     )
@@ -192,13 +196,7 @@ def _write_splits(publisher: Publisher, layout: Layout, shard_size, seed, worker
 
     workers = max(1, workers if workers is not None else min(8, os.cpu_count() or 1))
     total = sum(len(v) for v in layout.splits.values())
-    pool = None
-    if workers > 1 and total >= POOL_MIN_IMAGES:
-        import multiprocessing as mp
-
-        # spawn, not fork: the caller may be a threaded process (Ray, DeepSpeed); the jobs live in
-        # light modules (shards.build.ingest, shards.build.synthetic) so the children never import torch
-        pool = mp.get_context("spawn").Pool(workers)
+    pool = _pool(workers) if workers > 1 and total >= POOL_MIN_IMAGES else None
     t0 = time.perf_counter()
     splits_json: dict[str, Any] = {}
     results: dict[str, SplitResult] = {}
@@ -237,6 +235,42 @@ def _write_splits(publisher: Publisher, layout: Layout, shard_size, seed, worker
             pool.terminate()
             pool.join()
     return splits_json, results, t0
+
+
+def _pool(workers: int):
+    """A pool of ``workers`` image-checking processes that a Ctrl-C ends with the build's one line.
+
+    Ctrl-C signals the terminal's whole process group. A worker interrupted while it imports would print a
+    traceback, and one interrupted while it holds the pool's task queue would deadlock ``terminate()``. So the
+    workers ignore SIGINT from their first step, their stderr is ``/dev/null`` (what they raise comes back
+    through the pool; an interrupt during their start-up dies silently), and a Ctrl-C that arrives while the
+    pool starts is held and raised once it stands, so that the pool is always ended (``terminate``) by the
+    build, never orphaned half-made.
+    """
+    import multiprocessing as mp
+
+    # spawn, not fork: the caller may be a threaded process (Ray, DeepSpeed); the jobs live in
+    # light modules (shards.build.ingest, shards.build.synthetic) so the children never import torch
+    ctx = mp.get_context("spawn")
+    ignore = {"initializer": signal.signal, "initargs": (signal.SIGINT, signal.SIG_IGN)}
+    if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
+        return ctx.Pool(workers, **ignore)
+    held: list[int] = []
+    handler = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    stderr, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)  # what the workers inherit as their stderr
+        pool = ctx.Pool(workers, **ignore)
+    finally:
+        os.dup2(stderr, 2)
+        os.close(stderr)
+        os.close(devnull)
+        signal.signal(signal.SIGINT, handler)
+    if held:
+        pool.terminate()
+        pool.join()
+        raise KeyboardInterrupt
+    return pool
 
 
 def _write_split(
@@ -304,11 +338,16 @@ def build_layout(
     allow_shared_classes: bool = False,
     resume: bool = False,
     storage_options: dict[str, Any] | None = None,
+    follow_symlinks: bool = False,
 ) -> BuildResult:
-    """``dmltrain shards build --layout NAME --root ROOT --out DIR``: shards from an official layout or a folder tree."""
-    if resize is not None and resize < 8:
-        raise UserError(f"--resize: must be at least 8 pixels, got {resize}")
+    """``dmltrain shards build --layout NAME --root ROOT --out DIR``: shards from an official layout or a folder tree.
+
+    Every image must lie inside ``root`` (:func:`~shards.build.layouts.confine`); with ``follow_symlinks``
+    symbolic links may point outside it."""
+    if resize is not None and not 8 <= resize <= MAX_IMAGE_SIDE:
+        raise UserError(f"--resize: must be in [8, {MAX_IMAGE_SIDE}] pixels, got {resize}")
     layout = read_layout(layout_name, root)
+    confine(layout, follow_symlinks)
     load = functools.partial(ingest_file, resize=resize)
     args = {s: [e.path for e in entries] for s, entries in layout.splits.items()}
     return build_shards(

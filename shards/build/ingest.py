@@ -9,7 +9,8 @@ quality 95.
 
 Every image is fully decoded once during the build so a truncated or corrupt file is caught
 there (JPEGs at 1/8 scale through PIL's draft mode, which still reads the whole entropy
-stream and so still sees a truncation).
+stream and so still sees a truncation); one whose header claims more than
+:data:`~shards.decode.rgb.MAX_IMAGE_PIXELS` pixels is skipped before any decoding.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 from PIL import Image
 
-from shards.decode.rgb import to_rgb
+from shards.decode.rgb import ImageTooLarge, open_image, to_rgb
 from shards.manifest import EXTENSIONS
 
 RESIZE_QUALITY = 95
@@ -42,7 +43,7 @@ def check_image(data: bytes) -> tuple[str, tuple[int, int]]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DecompressionBombWarning, EXIF warnings: not our business here
-            img = Image.open(io.BytesIO(data))
+            img = open_image(data)
             fmt, size = img.format, img.size
             if fmt == "JPEG":
                 img.draft(img.mode, (max(1, size[0] // 8), max(1, size[1] // 8)))
@@ -50,6 +51,8 @@ def check_image(data: bytes) -> tuple[str, tuple[int, int]]:
             to_rgb(img)  # what every reader will do with it
     except SkipImage:
         raise
+    except ImageTooLarge as e:
+        raise SkipImage(str(e)) from None
     except Image.UnidentifiedImageError:
         raise SkipImage("not an image PIL can read") from None
     except Exception as e:  # noqa: BLE001 — PIL raises many types (OSError, SyntaxError, ValueError...) for bad files
@@ -62,7 +65,7 @@ def reencode(data: bytes, resize: int) -> bytes:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            img = Image.open(io.BytesIO(data))
+            img = open_image(data)
             w, h = img.size
             scale = resize / min(w, h)
             if scale < 1 and img.format == "JPEG":

@@ -4,7 +4,8 @@ A reader only parses index files and lists folders; it never opens an image (the
 checks images in parallel and skips the unreadable ones). A missing, unreadable or
 malformed index file (an empty or truncated ``.mat``, a MATLAB v7.3 one), a missing image
 folder or a malformed index line raises :class:`~dmltrain.errors.UserError` naming the
-path (and line). Train and test classes are disjoint by construction in the four benchmarks:
+path (and line). :func:`confine` then keeps the images inside the root (no ``../`` in an index, no
+symbolic link pointing out of it unless the user allows it). Train and test classes are disjoint by construction in the four benchmarks:
 
 ==========  ==============================================  ==================================
 layout      index                                           splits
@@ -223,6 +224,35 @@ def read_folder(root: Path) -> Layout:
                     entries.append(Entry(str(path), class_dir.name, str(path.relative_to(root))))
         splits[split] = entries
     return Layout("folder", str(root), splits)
+
+
+def confine(layout: Layout, follow_symlinks: bool = False) -> None:
+    """Refuse, in one line, an image outside the dataset root: named there by an index (``../x.jpg``), always;
+    or reached through a symbolic link (the file, or a folder on its way) that points outside, unless
+    ``follow_symlinks`` (``--follow-symlinks``: the user vouches for the links). Links within the root are
+    fine. One ``lstat`` per image and one ``realpath`` per folder."""
+    root = os.path.realpath(layout.root)
+
+    def inside(p: str) -> bool:
+        return p == root or p.startswith(root.rstrip(os.sep) + os.sep)
+
+    folders: dict[str, str] = {}
+    for entries in layout.splits.values():
+        for e in entries:
+            path = os.path.normpath(e.path)
+            if not inside(path):
+                raise UserError(f"{e.path}: outside the dataset root {root} (the index lists {e.relpath!r})")
+            if follow_symlinks:
+                continue
+            folder, name = os.path.split(path)
+            if folder not in folders:
+                folders[folder] = os.path.realpath(folder)
+            real = os.path.realpath(path) if os.path.islink(path) else os.path.join(folders[folder], name)
+            if not inside(real):
+                raise UserError(
+                    f"{e.path}: a symbolic link to {real}, outside the dataset root {root}; images are packed only "
+                    "from inside it (pass --follow-symlinks to pack what the links point to)"
+                )
 
 
 READERS = {"sop": read_sop, "cub": read_cub, "cars": read_cars, "inshop": read_inshop, "folder": read_folder}

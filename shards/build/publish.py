@@ -46,7 +46,7 @@ class Publisher:
             )
         if out.remote and out.protocol in ("http", "https"):
             raise UserError(
-                f"{out.root}: http(s) URLs are read-only here; build to a local folder or object storage "
+                f"{out}: http(s) URLs are read-only here; build to a local folder or object storage "
                 "(s3://, gs://) and serve that folder over HTTP"
             )
         self.out, self.overwrite, self.resume = out, overwrite, resume
@@ -78,14 +78,14 @@ class Publisher:
         """Check (and with ``overwrite`` clear) the folder; see the module docstring."""
         out = self.out
         if not out.remote and out.path.exists() and not out.path.is_dir():
-            raise UserError(f"{out.root}: exists and is not a directory")
+            raise UserError(f"{out}: exists and is not a directory")
         try:
             present = out.listing()
         except OSError as e:
-            raise UserError(f"{out.root}: cannot list the output folder ({e})") from None
+            raise UserError(f"{out}: cannot list the output folder ({e})") from None
         if present and not (self.overwrite or self.resume):
             raise UserError(
-                f"{out.root}: directory is not empty (pass --overwrite to replace the shards in it, "
+                f"{out}: directory is not empty (pass --overwrite to replace the shards in it, "
                 "or --resume to finish an interrupted build)"
             )
         listed: set[str] = set()
@@ -200,4 +200,4 @@ class Publisher:
             return None
         retries = self.stats.retries
         kept = f", {self.kept} already there with the same checksum (kept)" if self.resume else ""
-        return f"uploaded {self.uploaded} shards to {self.out.root}{kept}; {retries} retr{'y' if retries == 1 else 'ies'} after transient errors"
+        return f"uploaded {self.uploaded} shards to {self.out}{kept}; {retries} retr{'y' if retries == 1 else 'ies'} after transient errors"

@@ -28,6 +28,7 @@ from PIL import Image, ImageDraw
 from dmltrain.errors import UserError
 from shards.build.builder import build_shards
 from shards.build.layouts import Entry, Layout
+from shards.config import MAX_IMAGE_SIDE
 
 JPEG_QUALITY = 90
 
@@ -229,6 +230,8 @@ def build_synthetic_shards(
     for name, value, low in (("--classes", classes, 1), ("--per-class", per_class, 1), ("--image-size", image_size, 8)):
         if value is None or value < low:
             raise UserError(f"{name}: must be at least {low} for --layout synthetic, got {value}")
+    if image_size > MAX_IMAGE_SIDE:
+        raise UserError(f"--image-size: at most {MAX_IMAGE_SIDE} pixels, got {image_size}")
     layout, jobs = synthetic_layout(classes, per_class, image_size, seed)
     return build_shards(
         out_dir,

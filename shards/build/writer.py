@@ -117,6 +117,10 @@ class SplitWriter:
         if exc_type is None:
             self._close_shard()
         elif self._stack is not None:
+            # close the tar stream into the file that is about to go: left open, tarfile's own finalizer would
+            # write to the closed file later and print a traceback (an interrupted build, Ctrl-C)
+            with contextlib.suppress(Exception):
+                self._tar.close()
             self._tar = None
             self._stack.__exit__(exc_type, exc, tb)  # atomic_path removes the temporary file
             self._stack = None

@@ -11,17 +11,16 @@ batch travels as one :class:`EncodedImages`; :mod:`shards.decode.device` is the 
 
 from __future__ import annotations
 
-import io
 import random
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from PIL import Image
 from torch import Tensor
 
 from shards.decode.augment import AugmentParams
+from shards.decode.rgb import open_image
 from shards.decode.transforms import TrainTransform
 
 DEVICE_MODES = ("RGB", "L")  # JPEG colour modes nvJPEG turns into RGB the way PIL does
@@ -72,7 +71,7 @@ class EncodedTransform:
     def __call__(self, data: bytes, rng: random.Random) -> Encoded | np.ndarray:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            img = Image.open(io.BytesIO(data))  # the header only; raises like the CPU path on a bad one
+            img = open_image(data)  # the header only; raises like the CPU path on a bad (or too large) one
         p = self.train.draw(*img.size, rng)
         if img.format == "JPEG" and img.mode in DEVICE_MODES and not p.angle and not p.randaugment:
             return Encoded(data, p, img.size)

@@ -29,7 +29,6 @@ PIL image (``torchvision.transforms.functional``), with the operations and magni
 from __future__ import annotations
 
 import functools
-import io
 import math
 import random
 import warnings
@@ -44,7 +43,7 @@ from torchvision.transforms import InterpolationMode
 
 from shards.config import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig
 from shards.decode.augment import AugmentParams, draw_params
-from shards.decode.rgb import to_rgb
+from shards.decode.rgb import open_image, to_rgb
 
 LUMA = (0.299, 0.587, 0.114)  # PIL's convert("L") weights
 RESAMPLE = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}
@@ -90,7 +89,7 @@ def resample_filter(interpolation: str | None) -> int:
 
 
 def _open(data: bytes) -> Image.Image:
-    return Image.open(io.BytesIO(data))
+    return open_image(data)
 
 
 def _draft_scale(img: Image.Image, bw: float, bh: float, out_w: int, out_h: int) -> tuple[float, float]:

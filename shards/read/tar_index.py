@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, Protocol
 
 import webdataset as wds
 
-from shards.manifest import IMAGE_EXTENSIONS, GroupTable, SplitInfo
+from shards.manifest import IMAGE_EXTENSIONS, GroupTable, SplitInfo, open_shard
 from shards.read.sampler import Piece
 from shards.storage.remote_reads import RemoteSource
 
@@ -52,7 +52,7 @@ class LocalFiles:
     def read(self, shard: int, offset: int, size: int) -> bytes:
         f = self._files.get(shard)
         if f is None:
-            f = self._files[shard] = open(self.split.shards[shard].path, "rb")
+            f = self._files[shard] = open_shard(self.split.shards[shard].path)  # never through a link
         f.seek(offset)
         return f.read(size)
 

@@ -6,7 +6,9 @@ strings are local paths, handled with ``open()`` alone (no fsspec, no cloud SDK)
 filesystem is fsspec's, created once per process with the location's storage options
 (``data.storage_options``: endpoint, region, anonymous access); credentials come from where the
 SDKs look (environment, ``~/.aws``, fsspec configuration) and are refused in the options, which
-end up in MLflow params and job uploads. The SDK for a scheme (s3fs, gcsfs) is imported when a URL
+end up in MLflow params and job uploads (what passes is still written redacted: :mod:`dmltrain.redact`).
+A URL may carry a user name and password (``https://USER:PASSWORD@host/shards``): fsspec uses them,
+and a :class:`Location` prints as the URL without them. The SDK for a scheme (s3fs, gcsfs) is imported when a URL
 of that scheme is first used; a missing one is one line naming the package.
 
 Every remote call goes through :meth:`Location.call`: a time limit per request, and retries with
@@ -32,6 +34,7 @@ from typing import Any, TypeVar
 import yaml
 
 from dmltrain.errors import UserError
+from dmltrain.redact import TOKEN_MODES, redact, redact_url
 from shards.storage.retries import IOStats, ShortRead, backoff_s, transient_kind
 
 T = TypeVar("T")
@@ -49,24 +52,14 @@ PACKAGES = {
     "abfs": ("adlfs", None),
 }
 READ_ONLY = ("http", "https")
-# option keys that carry secrets; gcsfs's `token` may also name a mode, which is no secret
-SECRET_KEYS = {
-    "key",
-    "secret",
-    "password",
-    "passwd",
-    "session_token",
-    "client_secret",
-    "secret_access_key",
-    "access_key_id",
-    "aws_access_key_id",
-    "aws_secret_access_key",
-    "aws_session_token",
-    "account_key",
-    "sas_token",
-    "connection_string",
-}
-TOKEN_MODES = {"anon", "google_default", "cloud", "browser", None}
+# option names that hold credentials, compared lower-cased without "_" and "-": these exact names, or names
+# containing one of the parts (aws_secret_access_key, headers.Authorization, sse_customer_key, ...)
+SECRET_NAMES = {"key", "auth", "token", "credential", "credentials", "sig", "signature"}
+SECRET_PARTS = (
+    "secret", "password", "passwd", "credential", "authorization", "bearer", "cookie", "apikey", "accesskey",
+    "privatekey", "sessiontoken", "sastoken", "accesstoken", "refreshtoken", "customerkey", "accountkey",
+    "connectionstring",
+)  # fmt: skip
 
 
 def is_url(where: Any) -> bool:
@@ -75,21 +68,38 @@ def is_url(where: Any) -> bool:
 
 
 def check_storage_options(options: Mapping[str, Any], where: str = "data.storage_options") -> dict[str, Any]:
-    """``options`` as a plain dict, refusing keys that hold credentials (anywhere in the nesting), with one line."""
+    """``options`` as a plain dict, refusing with one line what is plainly a credential, anywhere in the nesting:
+    a key named like one (:data:`SECRET_NAMES`, :data:`SECRET_PARTS`; gcsfs's ``token`` only when it is not an
+    authentication mode) or a URL with userinfo (``endpoint_url=http://KEY:SECRET@host``).
+
+    A refusal is the first line of defence only: whatever passes is still written redacted
+    (:func:`dmltrain.redact.redact`: every option outside an allow-list), so a secret under a name this
+    check does not know stays out of MLflow and run files all the same.
+    """
     if not isinstance(options, Mapping):
         raise UserError(f"{where}: expected a mapping of fsspec options, got {type(options).__name__}")
 
-    def walk(d: Mapping[str, Any], prefix: str) -> None:
-        for k, v in d.items():
-            key = f"{prefix}.{k}"
-            if str(k).lower() in SECRET_KEYS or (str(k).lower() == "token" and v not in TOKEN_MODES):
-                raise UserError(
-                    f"{key}: credentials do not belong in storage options (they are logged with the config); "
-                    "use the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS), "
-                    "~/.aws/credentials or a cloud role"
-                )
-            if isinstance(v, Mapping):
+    def refuse(key: str, what: str) -> UserError:
+        return UserError(
+            f"{key}: {what} do not belong in storage options (the config is logged to MLflow and uploaded with "
+            "jobs); give credentials through the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            "GOOGLE_APPLICATION_CREDENTIALS, or FSSPEC_<PROTOCOL> as JSON for fsspec options such as headers), "
+            "~/.aws/credentials or a cloud role"
+        )
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                name = re.sub(r"[-_]", "", str(k).lower())
+                secret = name in SECRET_NAMES or any(part in name for part in SECRET_PARTS)
+                if secret and not (name == "token" and isinstance(v, str) and v in TOKEN_MODES):
+                    raise refuse(f"{key}.{k}", "credentials")
+                walk(v, f"{key}.{k}")
+        elif isinstance(value, (list, tuple)):
+            for v in value:
                 walk(v, key)
+        elif isinstance(value, str) and redact_url(value) != value:
+            raise refuse(key, "user names and passwords in URLs")
 
     walk(options, where)
     return {str(k): v for k, v in options.items()}
@@ -192,7 +202,7 @@ class Location:
             rest = root[len(m.group(0)) :]
             if not rest.strip("/") or "?" in rest or "#" in rest:
                 raise UserError(
-                    f"{root}: not a folder URL (it needs a bucket or host and path, and no query or fragment)"
+                    f"{redact_url(root)}: not a folder URL (it needs a bucket or host and path, and no query or fragment)"
                 )
             self.root = root.rstrip("/")
         else:
@@ -205,16 +215,17 @@ class Location:
         return {**self.__dict__, "_fs": None, "_fs_pid": -1}
 
     def __str__(self) -> str:
-        return self.root
+        """The folder as messages show it: a URL's user name and password redacted (:attr:`root` keeps them)."""
+        return redact_url(self.root)
 
     def __repr__(self) -> str:
-        return f"Location({self.root!r})"
+        return f"Location({str(self)!r})"
 
     @property
     def path(self) -> Path:
         """The local folder (only for local locations)."""
         if self.remote:
-            raise ValueError(f"{self.root}: a URL, not a local folder")
+            raise ValueError(f"{self}: a URL, not a local folder")
         return Path(self.root)
 
     def url(self, name: str) -> str:
@@ -238,15 +249,15 @@ class Location:
         try:
             fs = fsspec.filesystem(self.protocol, skip_instance_cache=True, **opts)
         except ImportError as e:
-            raise _missing_package(self.root, self.protocol, e) from None
+            raise _missing_package(str(self), self.protocol, e) from None
         except ValueError as e:
             if "Protocol not known" in str(e):
                 raise UserError(
-                    f"{self.root}: unknown URL scheme {self.protocol!r} (fsspec knows s3, gs, https, ...)"
+                    f"{self}: unknown URL scheme {self.protocol!r} (fsspec knows s3, gs, https, ...)"
                 ) from None
-            raise UserError(f"{self.root}: bad storage options ({e})") from None
+            raise UserError(f"{self}: bad storage options ({redact_url(str(e))})") from None
         except TypeError as e:
-            raise UserError(f"{self.root}: bad storage options ({e})") from None
+            raise UserError(f"{self}: bad storage options ({redact_url(str(e))})") from None
         if isinstance(getattr(type(fs), "retries", None), int):
             fs.retries = 1  # s3fs's own retry loop: one attempt, ours retry
         return fs
@@ -312,7 +323,7 @@ class Location:
                     why = "timed out" if kind == "timeout" else f"{type(e).__name__}: {e}".rstrip(": ")
                     tries = f" after {attempt + 1} attempts" if attempt else ""
                     err = FileNotFoundError if isinstance(e, FileNotFoundError) else OSError
-                    raise err(f"{args[0] if args else self.root}: {name} failed{tries} ({why})") from e
+                    raise err(redact_url(f"{args[0] if args else self.root}: {name} failed{tries} ({why})")) from e
                 stats.add(f"retries/{kind}")
             finally:
                 stats.end(nbytes)
@@ -403,7 +414,8 @@ class Location:
             pass
 
     def describe(self) -> dict[str, Any]:
-        return {"root": self.root, "storage_options": self.storage_options, "remote": asdict(self.settings)}
+        """What the location is, as it may be printed or logged (redacted: :func:`dmltrain.redact.redact`)."""
+        return redact({"root": self.root, "storage_options": self.storage_options, "remote": asdict(self.settings)})
 
 
 def open_location(
