@@ -39,6 +39,7 @@ from dmltrain.config import Config
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
 from dmltrain.text import safe_name
+from dmltrain.tracking.links import how_to_open
 from dmltrain.tracking.names import ERROR_TAG, STORAGE_DIR_TAG
 from dmltrain.tracking.run import RunHandle
 from shards.storage import is_url, location_of
@@ -102,6 +103,7 @@ class TrainSummary:
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     seconds: float = 0.0
+    mlflow_url: str | None = None  # the run's page in MLflow's UI (model-training view)
 
     def render(self) -> str:
         m = self.metrics or {}
@@ -129,10 +131,10 @@ class TrainSummary:
         models = self.written_models()
         if models:
             lines.append(f"  models: {', '.join(models)}")
+        if self.mlflow_url:
+            lines.append(f"  MLflow: {self.mlflow_url}")
         if self.tracking_uri.startswith("sqlite:///"):
-            lines.append(f"  open MLflow: mlflow ui --backend-store-uri {self.tracking_uri}")
-        else:
-            lines.append(f"  open MLflow: {self.tracking_uri}")
+            lines.append(f"  open MLflow: {how_to_open(self.tracking_uri)}")
         return "\n".join(lines)
 
     def written_models(self) -> list[str]:
@@ -452,4 +454,6 @@ def train(
             record.status = status
             record.write(run_dir)
     ckpt = result.checkpoint.path if result is not None and result.checkpoint is not None else None
-    return TrainSummary(run_name, error is None, run_id, uri, ckpt, storage_dir, summary, error, time.time() - started)
+    return TrainSummary(
+        run_name, error is None, run_id, uri, ckpt, storage_dir, summary, error, time.time() - started, tracked.url()
+    )
