@@ -270,12 +270,18 @@ def run_measures(uri: str, run_id: str | None, measures: list[Measure]) -> dict[
 
 # -- the study -----------------------------------------------------------------------------------------------
 def _train_repeat(
-    cfg, point: Point, repeat: Repeat, runs_root: str, parent_run_id: str | None, progress: bool, index: str
+    cfg,
+    point: Point,
+    repeat: Repeat,
+    runs_root: str,
+    parent_run_id: str | None,
+    progress: bool,
+    index: str,
+    measures: list[Measure],
 ) -> Repeat:
-    """Train one run of ``point`` and read its measures; a failure is recorded on ``repeat``, never raised
-    (a user error, which would fail every run alike, is)."""
+    """Train one run of ``point`` and read its ``measures``; a failure is recorded on ``repeat``, never
+    raised (a user error, which would fail every run alike, is)."""
     pcfg = point_config(cfg, point, repeat, runs_root)
-    measures = default_measures(cfg.eval.ks)
     what = f"{point.label} seed {repeat.seed}"
     print(f"{index} {what}: started (run {repeat.run_name})", file=sys.stderr, flush=True)
     try:
@@ -338,9 +344,13 @@ def run_study(
     parallel: int = 1,
     progress: bool = True,
     config_name: str | None = None,
+    variants: list[tuple[str, dict[str, Any]]] | None = None,
+    measures: list[Measure] | None = None,
 ) -> StudySummary:
     """Train every point ``repeats`` times (see the module doc), write the table and plots, log them to the
-    parent run; returns the summary."""
+    parent run; returns the summary. ``variants``: a further axis of points, ``(label, dotted overrides)``
+    each (:func:`plan_points`); ``measures``: what is read of each run (default: :func:`default_measures`;
+    a study that logs more, such as a gradient probe, adds its own)."""
     started = time.time()
     if cfg.loss.classifier is None:
         raise UserError(
@@ -357,7 +367,8 @@ def run_study(
     study_dir = f"{root}/{name}"
     out_dir = Path(out) if out else (Path(study_dir) if "://" not in study_dir else Path.cwd() / "runs" / name)
     runs_root = f"{study_dir}/runs"
-    points = plan_points(ratios, shards, repeats, name, cfg.train.seed)
+    points = plan_points(ratios, shards, repeats, name, cfg.train.seed, variants)
+    measures = measures or default_measures(cfg.eval.ks)
     for p in points:  # every run's config is checked before anything starts
         point_config(cfg, p, p.repeats[0], runs_root)
     parent = RunHandle.for_config(
@@ -387,11 +398,13 @@ def run_study(
     try:
         if parallel == 1:
             for i, (p, r) in enumerate(runs):
-                _train_repeat(cfg, p, r, runs_root, parent.run_id, live, f"[{i + 1}/{len(runs)}]")
+                _train_repeat(cfg, p, r, runs_root, parent.run_id, live, f"[{i + 1}/{len(runs)}]", measures)
         else:
             with ThreadPoolExecutor(max_workers=parallel) as pool:
                 futures = [
-                    pool.submit(_train_repeat, cfg, p, r, runs_root, parent.run_id, False, f"[{i + 1}/{len(runs)}]")
+                    pool.submit(
+                        _train_repeat, cfg, p, r, runs_root, parent.run_id, False, f"[{i + 1}/{len(runs)}]", measures
+                    )
                     for i, (p, r) in enumerate(runs)
                 ]
                 for f in futures:
@@ -400,7 +413,7 @@ def run_study(
         parent.finish("KILLED")
         raise
     summary = StudySummary(
-        name, list(cfg.eval.ks), points, out_dir, {}, parent.run_id, parent.uri, time.time() - started
+        name, list(cfg.eval.ks), points, out_dir, {}, parent.run_id, parent.uri, time.time() - started, measures
     )
     summary.parent_url = parent.url()
     summary.files = write_outputs(summary)

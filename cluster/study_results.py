@@ -7,8 +7,9 @@ run names and tables (``r0.1-c100k``). It is trained once per repeat (:class:`Re
 each). What is read of each run is a list of :class:`Measure` (an evaluation metric, an MLflow metric
 history summarised one way, a tag, the wall time): add one and it is read, tabled and logged.
 
-**Trade-off.** Every point is compared with its *reference*, the point of the same class count and
-variant with the largest ratio (ratio 1 when the study has it; :func:`reference_of`), repeat by
+**Trade-off.** Every point is compared with its *reference*, the point of the same class count with
+the largest ratio (ratio 1 when the study has it; of the same variant when there is one there,
+:func:`reference_of`), repeat by
 repeat (the same seed on both sides, :func:`relative`): the change of Recall@1 in points, the
 speed-up of a step (the reference's step time over the point's), the classifier memory as a factor
 of the reference's. Each figure is the mean over the paired seeds and its spread the standard
@@ -209,10 +210,15 @@ def stat(point: Point, name: str) -> Stat:
 
 
 def reference_of(point: Point, points: Sequence[Point]) -> Point | None:
-    """The point ``point`` is compared with: the same class count and variant, the largest ratio among
-    those with a finished run (ratio 1 when the study has it); None when there is none."""
-    same = [p for p in points if p.classes == point.classes and p.variant == point.variant and p.finished]
-    return max(same, key=lambda p: p.ratio) if same else None
+    """The point ``point`` is compared with: of the same class count, the largest ratio with a finished run
+    (ratio 1 when the study has it), of the same variant when that one has it, else of the first variant
+    that does (a full softmax is the same whatever draws the subsets); None when there is none."""
+    same = [p for p in points if p.classes == point.classes and p.finished]
+    if not same:
+        return None
+    top = max(p.ratio for p in same)
+    at_top = [p for p in same if p.ratio == top]
+    return next((p for p in at_top if p.variant == point.variant), at_top[0])
 
 
 def relative(point: Point, ref: Point | None, rel: Relative) -> Stat:

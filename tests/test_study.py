@@ -177,6 +177,14 @@ def test_the_trade_off_against_ratio_1_seed_by_seed(tmp_path):
     assert metrics["speedup/r0.1-c100"] == pytest.approx(2.25) and metrics["recall_at_1/r1-c100"] == pytest.approx(0.81)
     text = sr.describe_study(summary, "Each run: ...")
     assert "- **r0.1-c100**: Recall@1 -2.50 ± 0.71 points, 2.25 ± 0.35× step speed" in text
+    # a variant (a later study's sampling mode) without its own ratio-1 point is compared with the full softmax
+    variants = st.plan_points([1.0, 0.1], {100: "/s"}, 1, "v", 0, [("uniform", {}), ("hard", {"x.y": 1})])
+    assert [p.label for p in variants] == ["uniform-r1-c100", "uniform-r0.1-c100", "hard-r1-c100", "hard-r0.1-c100"]
+    assert variants[3].overrides["x.y"] == 1 and variants[3].repeats[0].run_name == "hard-r0.1-c100-v"
+    for p in variants:
+        p.repeats[0].status = "finished"
+    variants[2].repeats[0].status = "failed"
+    assert reference_of(variants[3], variants) is variants[0] and reference_of(variants[1], variants) is variants[0]
 
 
 def test_outputs_of_a_study(tmp_path):
