@@ -132,15 +132,18 @@ def test_a_run_describes_itself_and_names_its_data(store, tmp_path):
     build_synthetic_shards(shards, classes=6, per_class=2, image_size=16, seed=0, shard_size=5, progress=False)
     manifest = Manifest.load(shards)
     cfg = load_config(None, ["model.backbone=small_cnn", "model.embedding_dim=64", "loss.classifier.sample_ratio=0.5"])
-    run = RunHandle.open(store, "described", "r", {})
+    params = {"data.remote.retries": 8, "tracking.uri": "x", "data.shards": "s", "model.backbone": "b", "loss.w": 1}
+    run = RunHandle.open(store, "described", "r", params)
     run.set_description(describe_run(cfg, manifest.summary(), total_steps=30, steps_per_epoch=3))
     run.log_inputs(dataset_inputs(manifest, "train", ["test"]))
     results = describe_results("recall@1", {"recall@1": 0.1}, {"recall@1": 0.3}, {"recall@1": 0.35}, 20, 30, 30, True)
     run.set_description(with_results(run.description(), results))
 
     got = MlflowClient(tracking_uri=store).get_run(run.run_id)
+    # MLflow lists params as logged: what defines the run first, remote-read plumbing last
+    assert list(got.data.params) == ["model.backbone", "loss.w", "data.shards", "tracking.uri", "data.remote.retries"]
     note = got.data.tags["mlflow.note.content"]
-    assert note.startswith("**normsoftmax (50% of the classes) on small_cnn → 64-d, 30 steps**")
+    assert note.startswith("**normsoftmax (50% of the classes) on small_cnn → 64-d, 30 steps**\n\n### Results\n\n- **")
     assert "`syn` (synthetic layout): train 6 classes, 12 images; test 6 classes, 12 images" in note
     assert "30 steps = 10 epochs" in note and note.count("### Results") == 1 and "no evaluation yet" not in note
     assert "**recall@1 0.3000** at step 30 (final); best 0.3500 at step 20; untrained 0.1000: **+25.0 points**" in note

@@ -93,7 +93,8 @@ def render_markdown(
         "",
     ]
     if single and records[0].description:
-        parts += ["## What was trained", "", records[0].description.replace("### Results", "#### Results"), ""]
+        about = records[0].description.replace("\n### ", "\n#### ")  # under the page's own headings
+        parts += ["## What was trained", "", about, ""]
     parts += ["## Runs", ""]
     note = _runs_note(records)
     if note:

@@ -1,11 +1,13 @@
 """A run's description: the Markdown MLflow shows on the run's page (its note, ``mlflow.note.content``).
 
-Written by rank 0 when a run starts (:func:`describe_run`: what is trained, on what data, with
-which losses and for how many steps) and completed after every evaluation (:func:`describe_results`,
-placed by :func:`with_results` under the ``### Results`` heading, which it replaces): the latest and
-the best value of ``eval.metric`` with their steps against the untrained model's, and Recall@1 the
-same way when the metric is another one. After the final evaluation the description says how the
-run ended. A study's parent run has one too (:mod:`cluster.study`).
+Written by rank 0 when a run starts (:func:`describe_run`: a title line, then the Results, then the
+Setup: what is trained, on what data, with which losses and for how many steps) and completed after
+every evaluation (:func:`describe_results`, placed by :func:`with_results` under the ``### Results``
+heading, whose section it replaces): the latest and the best value of ``eval.metric`` with their
+steps against the untrained model's, and Recall@1 the same way when the metric is another one. The
+Results come first because MLflow shows the first lines of a long description only. After the final
+evaluation the description says how the run ended. A study's parent run has one too
+(:mod:`cluster.study`).
 
 The text is plain Markdown (bullets and bold), which MLflow's note renders as it is.
 """
@@ -16,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 RESULTS_HEADING = "### Results"
+SETUP_HEADING = "### Setup"
 
 
 def _count(n: Any) -> str:
@@ -85,6 +88,12 @@ def describe_run(cfg: Any, manifest_summary: Mapping[str, Any], total_steps: int
     lines = [
         title(cfg, total_steps),
         "",
+        RESULTS_HEADING,
+        "",
+        "Training: no evaluation yet.",
+        "",
+        SETUP_HEADING,
+        "",
         f"- **Data**: {data_line(manifest_summary, d.train_split, list(d.eval_splits))}",
         f"- **Model**: {m.backbone}, {m.embedding_dim or 'backbone'}-d embedding ({m.head} head), {pretrained}",
         f"- **Losses**: {loss_line(cfg)}",
@@ -93,10 +102,6 @@ def describe_run(cfg: Any, manifest_summary: Mapping[str, Any], total_steps: int
         f"seed {t.seed}",
         f"- **Evaluation**: {', '.join(what)} on {' → '.join(d.eval_splits)}, {when}"
         + (", and the untrained model at step 0" if e.before_training else ""),
-        "",
-        RESULTS_HEADING,
-        "",
-        "Training: no evaluation yet.",
     ]
     return "\n".join(lines)
 
@@ -141,6 +146,12 @@ def describe_results(
 
 
 def with_results(description: str | None, results: str) -> str:
-    """``description`` with its Results section replaced by ``results`` (appended when there is none)."""
-    head = (description or "").split(RESULTS_HEADING, 1)[0].rstrip()
-    return (head + "\n\n" if head else "") + f"{RESULTS_HEADING}\n\n{results}"
+    """``description`` with the body of its Results section replaced by ``results`` (the section is
+    added at the end when there is none)."""
+    text = description or ""
+    if RESULTS_HEADING not in text:
+        return (text.rstrip() + "\n\n" if text.strip() else "") + f"{RESULTS_HEADING}\n\n{results}"
+    head, rest = text.split(RESULTS_HEADING, 1)
+    nxt = rest.find("\n### ")
+    tail = rest[nxt:] if nxt >= 0 else ""
+    return f"{head}{RESULTS_HEADING}\n\n{results}\n{tail}".rstrip() + ("\n" if tail else "")

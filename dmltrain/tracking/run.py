@@ -378,8 +378,22 @@ def _link_evaluation(client: MlflowClient, run: Run, model_id: str, step: int) -
         client.log_batch(run.info.run_id, metrics=linked[i : i + METRICS_PER_BATCH])
 
 
+# MLflow lists a run's params in the order they were logged: what defines the run first, the plumbing
+# (storage, remote reads, tracking) last; within a group the config's own order
+PARAM_ORDER = ("model.", "loss.", "optim.", "schedule.", "train.", "data.", "eval.", "cluster.", "tracking.")
+PARAMS_LAST = ("data.remote.", "data.storage_options", "data.loader_workers", "data.decode", "eval.async_")
+
+
+def param_rank(key: str) -> int:
+    """Where a param goes in the order it is logged in (:data:`PARAM_ORDER`; :data:`PARAMS_LAST` after all)."""
+    if key.startswith(PARAMS_LAST):
+        return len(PARAM_ORDER) + 1
+    return next((i for i, prefix in enumerate(PARAM_ORDER) if key.startswith(prefix)), len(PARAM_ORDER))
+
+
 def _log_params(client: MlflowClient, run_id: str, params: Mapping[str, Any]) -> None:
-    items = [Param(k, str(v)[:PARAM_CHARS]) for k, v in params.items()]
+    ordered = sorted(params.items(), key=lambda kv: param_rank(kv[0]))  # stable: the config's order within a group
+    items = [Param(k, str(v)[:PARAM_CHARS]) for k, v in ordered]
     for i in range(0, len(items), PARAMS_PER_BATCH):
         client.log_batch(run_id, params=items[i : i + PARAMS_PER_BATCH])
 
