@@ -302,10 +302,10 @@ def test_single_run_report(store, tmp_path):
     assert "**solo: what it trained**" in md and "#### Results" in md
     assert "All runs share" not in md and "compare in MLflow" not in md
     head, rows = md_table(md, "Evaluations")
-    assert head == ["step", "recall@1", "recall@2", "map@r", "binary/recall@1", "binary/recall@2"]
+    assert head == ["step", "recall@1", "recall@2", "map@r", "binary/recall@1"]
     _, _, _, evals, initial = RUNS["solo"]
     assert [r[0] for r in rows] == ["0 (untrained)", *(str(s) for s, _ in evals)]
-    assert rows[0][1:] == [f"{initial:.4f}", "—", "—", "—", "—"] and rows[-1][1] == f"{evals[-1][1]:.4f}"
+    assert rows[0][1:] == [f"{initial:.4f}", "—", "—", "—"] and rows[-1][1] == f"{evals[-1][1]:.4f}"
     assert "**" not in md_table(md, "Final metrics")[1][0][1]  # nothing to be best against
     assert "<b>solo: what it trained</b>" in rep.html.read_text()
     with pytest.raises(UserError, match="--max-runs"):

@@ -27,7 +27,7 @@ from pathlib import Path
 from dmltrain.fileio import write_text
 from dmltrain.report.runs import LOSS_KEY, RECALL1_KEY, RunRecord, natural_key
 from dmltrain.text import MISSING, clip, csv_text, format_duration
-from dmltrain.tracking.names import BINARY_PREFIX, EVAL_PREFIX, IMAGES_PER_S, STEP_MS, eval_name
+from dmltrain.tracking.names import BINARY_PREFIX, EVAL_PREFIX, IMAGES_PER_S, STEP_MS, eval_key, eval_name
 from dmltrain.tracking.queries import STEADY_STATE, best_point, steady_state
 
 IGNORED_PARAMS = frozenset({"train.run_name", "train.output_dir", "cluster.storage_path"})  # differ between any runs
@@ -259,20 +259,15 @@ def metrics_table(records: list[RunRecord], run_links: list[str]) -> Table:
 
 
 def evaluations_table(rec: RunRecord) -> Table:
-    """One run's evaluations, step by step (step 0: the untrained model): Recall@K and the others."""
-    keys = sorted(
-        (k for k in rec.history if k.startswith(EVAL_PREFIX) and not EVAL_COUNTS.search(k)),
-        key=lambda k: (
-            (eval_name(k) or "").startswith(BINARY_PREFIX),
-            not (eval_name(k) or "").startswith("recall@"),
-            natural_key(eval_name(k) or k),
-        ),
-    )
-    steps = sorted({s for k in keys for s, _ in rec.history[k]})
+    """One run's evaluations, step by step (step 0: the untrained model): the columns of
+    :func:`metric_columns` that are evaluation metrics (Recall@K first, binary Recall@1 only)."""
+    cols = [c for c in metric_columns([rec]) if c.kind == "eval" and c.header != "untrained recall@1"]
+    keys = [eval_key(c.header) for c in cols]
+    steps = sorted({s for k in keys for s, _ in rec.history.get(k, [])})
     rows = [
         [str(s) + (" (untrained)" if s == 0 else ""), *(format_value(rec.at_step(k, s)) for k in keys)] for s in steps
     ]
-    return Table(["step", *(eval_name(k) for k in keys)], rows)
+    return Table(["step", *(c.header for c in cols)], rows)
 
 
 def write_csv(path: Path, records: list[RunRecord]) -> None:

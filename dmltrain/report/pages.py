@@ -100,7 +100,9 @@ def render_markdown(
     if note:
         parts += [note, ""]
     parts += [_md_table(runs_table(records, run_links)), "", "## Final metrics", ""]
-    parts += [_md_table(metrics_table(records, run_links)), "", f"*{COMPARABLE_NOTE}*", ""]
+    parts += [_md_table(metrics_table(records, run_links)), ""]
+    if not single:
+        parts += [f"*{COMPARABLE_NOTE}*", ""]
     if single:
         evals = evaluations_table(records[0])
         if evals.rows:
@@ -220,8 +222,9 @@ def render_html(
         _html_table(runs_table(records, run_links)),
         "<h2>Final metrics</h2>",
         _html_table(metrics_table(records, run_links)),
-        f'<p class="meta">{esc(COMPARABLE_NOTE)}</p>',
     ]
+    if not single:
+        body.append(f'<p class="meta">{esc(COMPARABLE_NOTE)}</p>')
     if single:
         evals = evaluations_table(records[0])
         if evals.rows:
