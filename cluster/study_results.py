@@ -344,7 +344,14 @@ def _tradeoff_series(summary: StudySummary) -> list[_Series]:
         return lambda p: relative(p, reference_of(p, pts), rel)
 
     def mean_text(what: str, name: str, digits: int, unit: str) -> Callable[[list[Point]], str]:
-        return lambda done: f"{what} {stat(done[0], name).mean:.{digits}f}{unit}" if done else what
+        def text(done: list[Point]) -> str:  # its value at each class count
+            counts = sorted({p.classes for p in done})
+            values = [summarise([stat(p, name).mean for p in done if p.classes == n]).mean for n in counts]
+            if len(counts) == 1:
+                return f"{what} {values[0]:.{digits}f}{unit}"
+            return f"{what} " + ", ".join(f"{v:.{digits}f}{unit} at {n:,} classes" for v, n in zip(values, counts))
+
+        return text
 
     if "delta_points" in by:
         r = by["delta_points"]
@@ -413,7 +420,7 @@ def plot_tradeoff(summary: StudySummary, path: Path) -> tuple[Path | None, list[
     panels, dropped = _panels(
         summary, _tradeoff_series(summary), lambda p: p.ratio, _line_label(summary), _classes_name
     )
-    note = "Not plotted, the same at every point:\n" + "\n".join(dropped) if dropped else ""
+    note = "Not plotted, the same at every ratio:\n" + "\n".join(dropped) if dropped else ""
     if not panels:
         return None, dropped
     ref = _ref_text(summary)
@@ -505,10 +512,16 @@ def write_outputs(summary: StudySummary) -> dict[str, Path]:
     lines = [f"# Class-subsampling study {summary.name}", "", markdown_table(head, rows), ""]
     lines += [f"- {n}" for n in notes(summary)]
     if dropped:
-        lines.append("- Not plotted (the same at every point): " + "; ".join(dropped) + ".")
+        lines.append("- Not plotted (the same at every ratio): " + "; ".join(dropped) + ".")
     failed = [r for r in summary.runs if r.error]
     lines += [f"- {r.run_name} failed: {r.error}" for r in failed]
-    lines += [""] + [f"![{name}]({name})" for name in figures]
+    described = {
+        "tradeoff.png": "the change of Recall@1, the speed-up, the memory factor and the wall time against the ratio",
+        "recall_vs_ratio.png": "Recall@K against the ratio",
+        "vs_classes.png": "the trade-off and the step time against the number of classes",
+    }
+    if figures:
+        lines += ["", "Figures, beside this file:"] + [f"- `{n}`: {described.get(n, '')}" for n in figures]
     files["study.md"] = out / "study.md"
     write_text(files["study.md"], "\n".join(lines) + "\n")
     files["study.csv"] = out / "study.csv"
@@ -518,30 +531,33 @@ def write_outputs(summary: StudySummary) -> dict[str, Path]:
     return files | figures
 
 
+CHANGE_PREFIX, VALUE_PREFIX = "change/", "value/"  # MLflow sorts sections by name: the trade-off first
+
+
 def parent_metrics(summary: StudySummary) -> dict[str, float]:
-    """The parent run's metrics: ``<figure>/<point label>`` (its mean) for every relative and measure, so
-    that MLflow's charts show one section per figure with a chart per point."""
+    """The parent run's metrics, every point's mean of each figure: ``change/<relative>/<point>`` (against
+    the reference) and ``value/<measure>/<point>``, so that MLflow's charts show one section per figure,
+    the trade-off's first, with a chart per point."""
     out = {}
     for p in summary.points:
         ref = reference_of(p, summary.points)
         for rel in summary.relatives:
             s = relative(p, ref, rel)
             if s.n:
-                out[f"{rel.mlflow}/{p.label}"] = s.mean
+                out[f"{CHANGE_PREFIX}{rel.mlflow}/{p.label}"] = s.mean
         for m in summary.measures:
             s = stat(p, m.name)
             if s.n and m.mlflow:
-                out[f"{m.mlflow}/{p.label}"] = s.mean
+                out[f"{VALUE_PREFIX}{m.mlflow}/{p.label}"] = s.mean
     return out
 
 
 def describe_study(summary: StudySummary, config_line: str) -> str:
     """The parent run's description: what was compared, and per point what it loses and gains."""
+    seeds = max((len(p.repeats) for p in summary.points), default=0)
     lines = [
-        f"**Class-subsampling study: {len(summary.points)} points × "
-        f"{max((len(p.repeats) for p in summary.points), default=0)} seed(s)**",
-        "",
-        config_line,
+        f"**Class-subsampling study: {len(summary.points)} points × {seeds} seed{'s' * (seeds != 1)}: "
+        f"what each share of classes loses and gains against {_ref_text(summary)}**",
         "",
         "### Results",
         "",
@@ -561,7 +577,7 @@ def describe_study(summary: StudySummary, config_line: str) -> str:
             f"{wall.mean:.0f} s per run" if wall.n else None,
         ]
         lines.append(f"- **{p.label}**: " + ", ".join(x for x in parts if x))
-    lines += ["", *notes(summary)]
+    lines += ["", "### Setup", "", config_line, "", *(f"- {n}" for n in notes(summary))]
     return "\n".join(lines)
 
 

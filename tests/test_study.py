@@ -173,8 +173,9 @@ def test_the_trade_off_against_ratio_1_seed_by_seed(tmp_path):
     assert cells["speed-up (×)"][3] == f"{(4 + 4 + 410 / 110) / 3:.2f} ± {statistics.stdev([4, 4, 410 / 110]):.2f}"
     assert cells["wall s"][1] == "35 ± 5" and cells["recall@1"][0] == "0.8100 ± 0.0141"
     metrics = sr.parent_metrics(summary)
-    assert metrics["delta_recall_at_1_points/r0.1-c100"] == pytest.approx(-2.5)
-    assert metrics["speedup/r0.1-c100"] == pytest.approx(2.25) and metrics["recall_at_1/r1-c100"] == pytest.approx(0.81)
+    assert metrics["change/delta_recall_at_1_points/r0.1-c100"] == pytest.approx(-2.5)
+    assert metrics["change/speedup/r0.1-c100"] == pytest.approx(2.25)
+    assert metrics["value/recall_at_1/r1-c100"] == pytest.approx(0.81)
     text = sr.describe_study(summary, "Each run: ...")
     assert "- **r0.1-c100**: Recall@1 -2.50 ± 0.71 points, 2.25 ± 0.35× step speed" in text
     # a variant (a later study's sampling mode) without its own ratio-1 point is compared with the full softmax
@@ -203,7 +204,7 @@ def test_outputs_of_a_study(tmp_path):
     md = files["study.md"].read_text()
     assert "| point | r1-c100 | r0.1-c100 | r1-c1k | r0.1-c1k |" in md and "compare each point with ratio 1" in md
     # the classifier memory is the same everywhere: not plotted, and said so
-    assert "Not plotted (the same at every point): classifier memory 2.000 MB." in md
+    assert "Not plotted (the same at every ratio): classifier memory 2.000 MB at 100 classes, 2.000 MB at 1,000" in md
     rows = list(csv.DictReader(files["study.csv"].open()))
     assert [r["point"] for r in rows] == ["r1-c100", "r0.1-c100", "r1-c1k", "r0.1-c1k"]
     assert float(rows[1]["Δ recall@1 (points)"]) == pytest.approx(-2.5) and rows[0]["runs"] == "2"
@@ -347,8 +348,8 @@ def test_two_point_study_writes_its_table_and_plots_under_one_parent_run(study, 
     assert float(rows["r0.75-c12"]["Δ recall@1 (points)"]) == pytest.approx(delta)
     assert float(rows["r0.75-c12"]["speed-up (×)"]) == pytest.approx(speedup)
     metrics = parent.data.metrics
-    assert metrics["delta_recall_at_1_points/r0.75-c12"] == pytest.approx(delta)
-    assert metrics["speedup/r0.75-c12"] == pytest.approx(speedup) and metrics["speedup/r1-c12"] == 1.0
+    assert metrics["change/delta_recall_at_1_points/r0.75-c12"] == pytest.approx(delta)
+    assert metrics["change/speedup/r0.75-c12"] == pytest.approx(speedup) and metrics["change/speedup/r1-c12"] == 1.0
     note = parent.data.tags["mlflow.note.content"]
     assert f"- **r0.75-c12**: Recall@1 {delta:.2f} points, {speedup:.2f}× step speed" in note
 

@@ -50,13 +50,15 @@ def data_line(summary: Mapping[str, Any], train_split: str, eval_splits: list[st
     return f"`{name}` ({summary.get('layout') or 'unknown'} layout): " + "; ".join(parts)
 
 
-def loss_line(cfg: Any) -> str:
-    """The objective: each loss with its weight, parameters and, for the classifier, its share of classes."""
+def loss_line(cfg: Any, share: bool = True) -> str:
+    """The objective: each loss with its weight, parameters and, for the classifier, its share of classes
+    (not with ``share`` false: a study sets it per point)."""
     parts = []
     c, i = cfg.loss.classifier, cfg.loss.instance
     if c is not None:
         parts.append(
-            f"classifier {c.kind}{_params(c.params)} ×{c.weight:g}, each step's softmax over {_share(c.sample_ratio)}"
+            f"classifier {c.kind}{_params(c.params)} ×{c.weight:g}"
+            + (f", each step's softmax over {_share(c.sample_ratio)}" if share else "")
         )
     if i is not None:
         parts.append(f"instance {i.kind}{_params(i.params)} ×{i.weight:g}")
