@@ -244,8 +244,9 @@ def summarise_history(values: list[float], how: str) -> float:
 
 
 def run_measures(uri: str, run_id: str | None, measures: list[Measure]) -> dict[str, float]:
-    """The ``metric`` and ``tag`` measures of a run from MLflow (NaN when tracking was off or one is absent)."""
-    wanted = [m for m in measures if m.source in ("metric", "tag")]
+    """The ``metric``, ``tag`` and recorded ``wall`` measures of a run from MLflow (NaN when tracking was off or
+    one is absent)."""
+    wanted = [m for m in measures if m.source in ("metric", "tag", "wall")]
     out = {m.name: float("nan") for m in wanted}
     if run_id is None or not wanted:
         return out
@@ -254,7 +255,7 @@ def run_measures(uri: str, run_id: str | None, measures: list[Measure]) -> dict[
         tags = client.get_run(run_id).data.tags
         got = {}
         for m in wanted:
-            if m.source == "tag":
+            if m.source in ("tag", "wall"):
                 try:
                     got[m.name] = float(tags[m.key])
                 except (KeyError, ValueError):
@@ -300,13 +301,16 @@ def _train_repeat(
     repeat.final = dict((summary.metrics or {}).get("final") or {})
     repeat.values = {m.name: repeat.final.get(m.key, float("nan")) for m in measures if m.source == "eval"}
     repeat.values.update(run_measures(summary.tracking_uri, summary.mlflow_run_id, measures))
-    repeat.values["wall s"] = summary.seconds
     repeat.status = "finished" if summary.ok else "failed"
     repeat.error = None if summary.error is None else one_line(summary.error)
+    tags = {STUDY_POINT_TAG: point.label, STUDY_REPEAT_TAG: repeat.seed - cfg.train.seed}
+    for m in measures:  # the wall time of this training, unless an earlier study recorded the run's own
+        if m.source == "wall" and not finite_number(repeat.values.get(m.name)):
+            repeat.values[m.name] = summary.seconds
+            if summary.ok:
+                tags[m.key] = f"{summary.seconds:.1f}"
     if summary.mlflow_run_id:
-        RunHandle(summary.tracking_uri, summary.mlflow_run_id, owner="the study").set_tags(
-            {STUDY_POINT_TAG: point.label, STUDY_REPEAT_TAG: repeat.seed - cfg.train.seed}
-        )
+        RunHandle(summary.tracking_uri, summary.mlflow_run_id, owner="the study").set_tags(tags)
     if summary.ok:
         r1, step = repeat.values.get("recall@1", float("nan")), repeat.values.get("step ms", float("nan"))
         print(

@@ -47,6 +47,7 @@ from dmltrain.tracking.names import (
     IMAGES_PER_S,
     RSS_MB,
     STEP_MS,
+    STUDY_WALL_TAG,
 )
 from dmltrain.tracking.queries import STEADY_STATE
 
@@ -56,7 +57,8 @@ from dmltrain.tracking.queries import STEADY_STATE
 class Measure:
     """A figure read of each run: ``source`` ``eval`` (the final evaluation's metric ``key``), ``metric``
     (an MLflow metric history, summarised by ``how``: ``steady``, ``max``, ``mean`` or ``last``), ``tag``
-    (an MLflow tag) or ``wall`` (the run's wall time). ``name`` heads its column; ``mlflow`` is its key
+    (an MLflow tag) or ``wall`` (the wall time of the run's training, kept as the tag ``key`` so that a
+    study run again reads the first training's, not the resumed no-op's). ``name`` heads its column; ``mlflow`` is its key
     among the parent run's metrics; ``digits`` its decimals in the tables."""
 
     name: str
@@ -89,7 +91,7 @@ def default_measures(ks: Sequence[int]) -> list[Measure]:
         Measure("RSS MB", "metric", RSS_MB, "max", "rss_mb", digits=0),
         Measure("active classes", "tag", ACTIVE_CLASSES_TAG, mlflow="active_classes", digits=0),
         Measure("active rows", "tag", ACTIVE_ROWS_TAG, mlflow="active_rows", digits=1),
-        Measure("wall s", "wall", mlflow="wall_s", digits=0),
+        Measure("wall s", "wall", STUDY_WALL_TAG, mlflow="wall_s", digits=0),
     ]
 
 
@@ -335,6 +337,19 @@ class _Series:
     dropped: Callable[[list[Point]], str]  # the note when it does not vary
 
 
+def _values_text(what: str, name: str, digits: int, unit: str) -> Callable[[list[Point]], str]:
+    """A dropped panel's note: measure ``name`` at each class count of the points it is given."""
+
+    def text(done: list[Point]) -> str:  # its value at each class count
+        counts = sorted({p.classes for p in done})
+        values = [summarise([stat(p, name).mean for p in done if p.classes == n]).mean for n in counts]
+        if len(counts) == 1:
+            return f"{what} {values[0]:.{digits}f}{unit}"
+        return f"{what} " + ", ".join(f"{v:.{digits}f}{unit} at {n:,} classes" for v, n in zip(values, counts))
+
+    return text
+
+
 def _tradeoff_series(summary: StudySummary) -> list[_Series]:
     pts = summary.points
     by = {r.kind: r for r in summary.relatives}
@@ -343,27 +358,17 @@ def _tradeoff_series(summary: StudySummary) -> list[_Series]:
     def rel_of(rel: Relative) -> Callable[[Point], Stat]:
         return lambda p: relative(p, reference_of(p, pts), rel)
 
-    def mean_text(what: str, name: str, digits: int, unit: str) -> Callable[[list[Point]], str]:
-        def text(done: list[Point]) -> str:  # its value at each class count
-            counts = sorted({p.classes for p in done})
-            values = [summarise([stat(p, name).mean for p in done if p.classes == n]).mean for n in counts]
-            if len(counts) == 1:
-                return f"{what} {values[0]:.{digits}f}{unit}"
-            return f"{what} " + ", ".join(f"{v:.{digits}f}{unit} at {n:,} classes" for v, n in zip(values, counts))
-
-        return text
-
     if "delta_points" in by:
         r = by["delta_points"]
         out.append(_Series(r.axis, rel_of(r), 0.0, False, "{:+.1f}", lambda d: "Recall@1: no change"))
     if "speedup" in by:
         r = by["speedup"]
-        out.append(_Series(r.axis, rel_of(r), 1.0, True, "{:.2f}×", mean_text("step time", "step ms", 1, " ms")))
+        out.append(_Series(r.axis, rel_of(r), 1.0, True, "{:.2f}×", _values_text("step time", "step ms", 1, " ms")))
     if "factor" in by:
         r = by["factor"]
-        memory = mean_text("classifier memory", "classifier MB", 3, " MB")
+        memory = _values_text("classifier memory", "classifier MB", 3, " MB")
         out.append(_Series(r.axis, rel_of(r), 1.0, True, "{:.2f}×", memory))
-    wall = mean_text("wall time", "wall s", 0, " s")
+    wall = _values_text("wall time", "wall s", 0, " s")
     out.append(_Series("wall time per run (s)", lambda p: stat(p, "wall s"), None, True, "{:.0f}", wall))
     return out
 
@@ -468,11 +473,27 @@ def plot_recall_vs_ratio(summary: StudySummary, path: Path) -> Path | None:
 
 
 def plot_vs_classes(summary: StudySummary, path: Path) -> tuple[Path | None, list[str]]:
-    """The trade-off and the step time against the number of classes, one line per ratio (and variant)."""
-    series = _tradeoff_series(summary)[:3]
-    series.append(
-        _Series("time per step (ms)", lambda p: stat(p, "step ms"), None, True, "{:.0f}", lambda d: "step time")
-    )
+    """The change of Recall@1 and the speed-up, and the step time and the classifier's memory themselves
+    (which grow with the classes), against the number of classes, one line per ratio (and variant)."""
+    series = _tradeoff_series(summary)[:2]
+    series += [
+        _Series(
+            "time per step (ms)",
+            lambda p: stat(p, "step ms"),
+            None,
+            True,
+            "{:.0f}",
+            _values_text("step time", "step ms", 1, " ms"),
+        ),
+        _Series(
+            "classifier memory (MB, rank 0)",
+            lambda p: stat(p, "classifier MB"),
+            None,
+            True,
+            "{:.3g}",
+            lambda d: "memory",
+        ),
+    ]
     variants = any(p.variant for p in summary.points)
     group = (lambda p: (p.variant, p.ratio)) if variants else (lambda p: p.ratio)
     name = (lambda g: f"{g[0]}, ratio {g[1]:g}") if variants else (lambda g: f"ratio {g:g}")

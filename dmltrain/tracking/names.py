@@ -43,6 +43,7 @@ TUNE_BEST_RUN_TAG = "dmltrain.tune.best_run_id"
 TUNE_BEST_VALUE_PREFIX = "dmltrain.tune.best."  # dmltrain.tune.best.<key>: the best trial's sampled values
 STUDY_POINT_TAG = "dmltrain.study.point"  # a study's child run: the label of its point (r0.1-c100k)
 STUDY_REPEAT_TAG = "dmltrain.study.repeat"  # ... and its repeat (0, 1, ...: the seed is train.seed + repeat)
+STUDY_WALL_TAG = "dmltrain.study.wall_s"  # ... and the wall time of its training (kept when the study is run again)
 
 # What does not change while a run trains: tags set once (the classifier's, at the first log point and
 # again at the end with the run's mean; the evaluation's, at the first evaluation).
