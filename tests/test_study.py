@@ -335,6 +335,8 @@ def test_two_point_study_writes_its_table_and_plots_under_one_parent_run(study, 
         steps = sorted(client.get_metric_history(kid.info.run_id, "time/step_ms"), key=lambda m: m.step)
         assert float(row["step ms"]) == pytest.approx(steady_state(m.value for m in steps))
         assert float(row["classifier MB"]) == float(kid.data.tags["dmltrain.memory.classifier_mb"]) > 0
+        kid = client.get_run(kid.info.run_id)  # the study tagged it after its training
+        assert float(row["wall s"]) == pytest.approx(float(kid.data.tags["dmltrain.study.wall_s"]), abs=0.05)
         measured[row["point"]] = row
     # one worker holds all 12 rows: every class at ratio 1, round(0.75 x 12) = 9 (> the 6 classes of a batch) at 0.75
     assert [float(measured[p]["active rows"]) for p in ("r1-c12", "r0.75-c12")] == [12.0, 9.0]
