@@ -206,5 +206,6 @@ def test_the_validation_task_records_logs_and_exports_the_best(env, tmp_path):
     assert f"**recall@1 {want[9]['recall@1']:.4f}** at step 9 (final)" in note and f"{gain:+.1f} points" in note
     assert (f"best {want[best]['recall@1']:.4f} at step {best}" in note) == (best != 9)
     # one best_model however often it improved, tagged with its step and score
-    (best_model,) = [m for m in client.search_logged_models([run.experiment_id]) if m.name == "best_model"]
+    models = client.search_logged_models([run.experiment_id])
+    (best_model,) = [m for m in models if m.name == "best_model" and m.source_run_id == run.run_id]
     assert best_model.tags["step"] == str(best) and best_model.tags["recall_at_1"] == f"{want[best]['recall@1']:.4f}"
