@@ -557,12 +557,12 @@ CHANGE_PREFIX, VALUE_PREFIX = "change/", "value/"  # MLflow sorts sections by na
 
 def parent_metrics(summary: StudySummary) -> dict[str, float]:
     """The parent run's metrics, every point's mean of each figure: ``change/<relative>/<point>`` (against
-    the reference) and ``value/<measure>/<point>``, so that MLflow's charts show one section per figure,
-    the trade-off's first, with a chart per point."""
+    the reference; not for the reference itself) and ``value/<measure>/<point>``, so that MLflow's charts
+    show one section per figure, the trade-off's first, with a chart per point."""
     out = {}
     for p in summary.points:
         ref = reference_of(p, summary.points)
-        for rel in summary.relatives:
+        for rel in summary.relatives if ref is not p else ():  # the reference against itself says nothing
             s = relative(p, ref, rel)
             if s.n:
                 out[f"{CHANGE_PREFIX}{rel.mlflow}/{p.label}"] = s.mean
@@ -583,21 +583,30 @@ def describe_study(summary: StudySummary, config_line: str) -> str:
         "### Results",
         "",
     ]
+    refs, others = [], []
     for p in summary.points:
         ref = reference_of(p, summary.points)
+        wall, step = stat(p, "wall s"), stat(p, "step ms")
+        if not p.finished:
+            others.append(f"- **{p.label}**: failed")
+            continue
+        if ref is p:  # the baseline: its own figures, not a change of 0 against itself
+            shown = [
+                f"{step.mean:.1f} ms per step" if step.n else None,
+                f"{wall.mean:.0f} s per run" if wall.n else None,
+            ]
+            refs.append(f"- **{p.label}** (the reference): " + ", ".join(x for x in shown if x))
+            continue
         by = {r.kind: relative(p, ref, r) for r in summary.relatives}
         d, sp, mem = (by.get(k, NO_STAT) for k in ("delta_points", "speedup", "factor"))
-        wall = stat(p, "wall s")
-        if not p.finished:
-            lines.append(f"- **{p.label}**: failed")
-            continue
         parts = [
             f"Recall@1 {d.text(2)} points" if d.n else None,
             f"{sp.text(2)}× step speed" if sp.n else None,
             f"classifier memory {mem.text(2)}×" if mem.n else None,
             f"{wall.mean:.0f} s per run" if wall.n else None,
         ]
-        lines.append(f"- **{p.label}**: " + ", ".join(x for x in parts if x))
+        others.append(f"- **{p.label}**: " + ", ".join(x for x in parts if x))
+    lines += others + refs
     lines += ["", "### Setup", "", config_line, "", *(f"- {n}" for n in notes(summary))]
     return "\n".join(lines)
 
