@@ -185,7 +185,7 @@ def plot_curves(
 ) -> Path | None:
     """Each run's ``(steps, values)`` overlaid against the step in one PNG; None (and no file) when ``data`` is empty.
 
-    Points are marked on curves of at most 30 points; beyond 12 runs the legend moves outside.
+    Points are marked on curves of at most 30 points; beyond 4 runs the legend moves beside the axes.
     """
     if not data:
         return None
@@ -206,10 +206,10 @@ def plot_curves(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    if len(data) <= 12:
+    if len(data) <= 4:
         ax.legend(fontsize=8)
-    else:
-        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    else:  # beside the axes, where it hides no curve
+        ax.legend(fontsize=8 if len(data) <= 12 else 6, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _save(fig, path)
 
 
