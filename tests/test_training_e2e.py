@@ -337,7 +337,7 @@ def test_a_diverged_loss_stops_the_run_failed_keeping_the_last_good_checkpoint(e
     assert not (run_dir / "model" / "model.pt").exists() and "models:" not in summary.render()
     client, runs = _runs(root, "diverged")
     assert len(runs) == 1 and runs[0].info.status == "FAILED" and runs[0].data.tags[ERROR_TAG] == summary.error
-    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] == [
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "batch/loss")] == [
         1,
         2,
     ]  # nothing logged from step 3
@@ -413,6 +413,6 @@ def test_a_killed_driver_is_resumed_by_config_in_the_same_mlflow_run(env, tmp_pa
     _, runs = _runs(root, name)
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert runs[0].data.tags[RESUMED_FROM_STEP_TAG] == str(saved)
-    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")]
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "batch/loss")]
     assert saved + 1 in steps and max(steps) == latest_checkpoint_step(run_dir) > saved  # continued to the end
     assert RunRecord.read(run_dir).status == "FINISHED" and (run_dir / "model" / "model.pt").is_file()
