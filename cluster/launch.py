@@ -35,13 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from cluster.resume import announce, claim_run, close_crashed_runs, latest_checkpoint_step, resolve_run_name
-from cluster.run_location import RunLocation, mlflow_hint
+from cluster.run_location import RunLocation
 from cluster.run_records import RECORD_FILE, Heartbeat, RunRecord
 from dmltrain.config import Config
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
 from dmltrain.redact import redact_url
 from dmltrain.text import safe_name
+from dmltrain.tracking.links import how_to_open
 from dmltrain.tracking.names import ERROR_TAG, KIND_TAG, STORAGE_DIR_TAG
 from dmltrain.tracking.run import RunHandle
 from dmltrain.training.fence import DriverInfo
@@ -106,6 +107,7 @@ class TrainSummary:
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     seconds: float = 0.0
+    mlflow_url: str | None = None  # the run's page in MLflow's UI (model-training view)
 
     def render(self) -> str:
         m = self.metrics or {}
@@ -133,8 +135,10 @@ class TrainSummary:
         models = self.written_models()
         if models:
             lines.append(f"  models: {', '.join(models)}")
+        if self.mlflow_url:
+            lines.append(f"  MLflow: {self.mlflow_url}")
         if self.mlflow_run_id:  # tracking off (or its store unreachable): no store to point at
-            lines.append(f"  open MLflow: {mlflow_hint(self.tracking_uri)}")
+            lines.append(f"  open MLflow: {how_to_open(self.tracking_uri)}")
         return redact_url("\n".join(lines))
 
     def written_models(self) -> list[str]:
@@ -255,34 +259,34 @@ def prepare_driver(cfg: Config, shards: Callable[[Config], list[Config]] | None 
 
 @dataclass
 class RunGroup:
-    """A search or a study: runs under one name, in ``<root>/<name>/runs``, children of one MLflow parent run."""
+    """A search or a study: runs under one name, in ``<root>/<name>/runs``, children of one MLflow parent run.
 
+    :meth:`place` names it and says where it lives; :meth:`open` opens its parent run, whose params may
+    depend on what was planned in between (a study's points are named after the group)."""
+
+    kind: str
     name: str
     location: RunLocation
     folder: str  # <root>/<name>
     out_dir: Path  # its tables and plots
     runs_root: str  # <root>/<name>/runs: the Ray Train storage of its runs
-    parent: RunHandle
+    parent: RunHandle | None = None
 
     @classmethod
-    def open(
-        cls,
-        cfg: Config,
-        kind: str,
-        params: dict[str, Any],
-        *,
-        name: str | None,
-        config_name: str | None,
-        out: str | Path | None,
-        owner: str,
+    def place(
+        cls, cfg: Config, kind: str, *, name: str | None, config_name: str | None, out: str | Path | None
     ) -> RunGroup:
-        """Name the group (``<kind>-<config>-<time>-<hex>`` unless ``name``) and open its parent run with ``params``."""
+        """Name the group (``<kind>-<config>-<time>-<hex>`` unless ``name``) under the config's runs root."""
         name = name or default_run_name(f"{kind}-{config_name or 'run'}")
         where = RunLocation.of(cfg)
         folder = where.run(name)
-        tags = {KIND_TAG: kind, STORAGE_DIR_TAG: folder}
-        parent = RunHandle.for_config(cfg, name, params, tags=tags, owner=owner)
-        return cls(name, where, folder, where.outputs(name, out), f"{folder}/runs", parent)
+        return cls(kind, name, where, folder, where.outputs(name, out), f"{folder}/runs")
+
+    def open(self, cfg: Config, params: dict[str, Any], *, owner: str) -> RunGroup:
+        """Open the group's parent run with ``params`` (tagged with its kind and folder); returns the group."""
+        tags = {KIND_TAG: self.kind, STORAGE_DIR_TAG: self.folder}
+        self.parent = RunHandle.for_config(cfg, self.name, params, tags=tags, owner=owner)
+        return self
 
 
 LOOPBACK = "127.0.0.1"
@@ -512,4 +516,6 @@ def train(
             record.status = status
             record.write(run_dir)
     ckpt = result.checkpoint.path if result is not None and result.checkpoint is not None else None
-    return TrainSummary(run_name, error is None, run_id, uri, ckpt, storage_dir, summary, error, time.time() - started)
+    return TrainSummary(
+        run_name, error is None, run_id, uri, ckpt, storage_dir, summary, error, time.time() - started, tracked.url()
+    )

@@ -86,8 +86,3 @@ def tracking_opens_files(uri: str | None) -> bool:
     if uri is None or uri.startswith(("sqlite:", "file:")):
         return True
     return not is_url(uri) and not uri.startswith("databricks")
-
-
-def mlflow_hint(uri: str) -> str:
-    """How to open the MLflow store ``uri``: the ``mlflow ui`` command of a SQLite file, else the URI itself."""
-    return f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:///") else uri

@@ -1,45 +1,43 @@
-"""``dmltrain study subsampling``: accuracy, speed and memory against the share of classes in each softmax.
+"""``dmltrain study subsampling``: what class subsampling loses and gains, against the share of classes in
+each softmax and the number of classes.
 
-``dmltrain study subsampling CONFIG [overrides] --ratios 1,0.1,0.01,0.001 [--classes N1,N2,...]``
-trains the config once per point (every ratio × every class count), each point a Ray Train V2
-training exactly as ``dmltrain train`` runs it, with ``loss.classifier.sample_ratio`` set to the
-point's ratio: NormSoftmax sec. 4.5, where each step's softmax holds the batch's classes plus
-uniformly drawn others, up to that share of all classes. ``configs/study/sop_synthetic.yaml``
-is the built-in study: synthetic data at the scale of Stanford Online Products (11,318
-classes × 5 images); a real dataset's shards work the same way.
+``dmltrain study subsampling CONFIG [overrides] --ratios 1,0.1,0.01 [--classes 1e4,1e5] [--repeats 3]``
+trains the config once per point and seed: a point is a ratio × a class count (× a variant, an
+axis later studies add), each repeat a Ray Train V2 training exactly as ``dmltrain train`` runs it,
+with ``loss.classifier.sample_ratio`` set to the point's ratio and ``train.seed`` to the study's
+seed plus the repeat's index: NormSoftmax sec. 4.5, where each step's softmax holds the batch's
+classes plus uniformly drawn others, up to that share of all classes.
+``configs/study/sop_synthetic.yaml`` is the built-in study: synthetic data at the scale of Stanford
+Online Products (11,318 classes × 5 images); a real dataset's shards work the same way.
 
-Shards are reused: every ratio of a class count trains on the same shards. ``--classes`` needs
-a synthetic config: the shards for ``N`` classes are built once, beside ``data.shards``
-(``<data.shards>-<N>c``, or ``data.shards`` itself when ``N`` is ``data.synthetic.classes``), and
-found there by later studies.
+Shards are reused: every ratio of a class count trains on the same shards. ``--classes`` (integers or
+``1e4`` notation) needs a synthetic config: the shards for ``N`` classes are built once, beside
+``data.shards`` (``<data.shards>-<N>c``, or ``data.shards`` itself when ``N`` is
+``data.synthetic.classes``), and found there by later studies.
 
-Per point the study records the final evaluation (Recall@K for ``eval.ks``) and, from the run's
-MLflow metrics, images/s and step time (medians over the logged windows after the first, which
-holds the start-up), the classifier shard's memory (rows and their optimizer state, rank 0),
-the process's resident memory, and the active rows per worker and active classes per step.
-Then it writes into ``<storage>/<name>/`` (``--out``): ``study.md`` and ``study.csv`` (the
-table, also printed), ``recall_vs_ratio.png`` (Recall@K against the ratio, the paper's Fig. 4),
-``cost_vs_ratio.png`` (images/s, step time, classifier memory, active rows against the ratio)
-and, with two class counts or more, ``vs_classes.png`` (the same and Recall@1 against the number
-of classes). Everything hangs under one MLflow parent run: the points are its children, the
-table and plots its artifacts. A point that fails is reported in the table and the others go
-on. Running the study again with the same ``--name`` finds the points already trained (their
-runs are resumed and end at once) and trains the rest.
+The answer is relative: each point against the largest ratio of its class count (ratio 1 when the
+study has it), seed by seed: the change of Recall@1 in points, the speed-up of a step, the
+classifier memory as a factor, with their spread over the seeds, and the wall time of a run
+(:mod:`cluster.study_results`, which holds the points, the table, the plots and what the parent run
+shows). Everything hangs under one MLflow parent run: the runs are its children (named with their
+point first: ``r0.1-c100k-s1-<study>``), the table, the CSVs and the plots its artifacts, every
+figure of every point one of its metrics, and its description says per point what it loses and
+gains. A run that fails is reported in the table and the others go on. Running the study again with
+the same ``--name`` finds the runs already trained (they are resumed and end at once) and trains the
+rest.
 
-Points run one at a time by default, so their speed figures are comparable; ``--parallel N``
-runs N at once when only the accuracy matters.
+Runs train one at a time by default, so their speed figures are comparable; ``--parallel N`` runs
+N at once when only the accuracy matters.
 
 This module runs the study (inputs, the points' shards and configs, the measurements, the CLI);
-:mod:`cluster.study_results` holds what it produces (points, table, plots). MLflow goes through
-:mod:`dmltrain.tracking`, tables through :mod:`dmltrain.text` and plots through
-:mod:`dmltrain.evaluate.plots`.
+MLflow goes through :mod:`dmltrain.tracking`, tables through :mod:`dmltrain.text` and plots
+through :mod:`dmltrain.evaluate.plots`.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,11 +45,25 @@ from pathlib import Path
 from typing import Any
 
 from cluster.launch import RunGroup, init_ray, prepare_data, prepare_driver, train
-from cluster.study_results import STAT_KEYS, Point, StudySummary, render, write_outputs
-from dmltrain.config import load_config
+from cluster.study_results import (
+    Measure,
+    Point,
+    Repeat,
+    StudySummary,
+    default_measures,
+    describe_study,
+    parent_metrics,
+    point_label,
+    render,
+    write_outputs,
+)
+from dmltrain.config import build_config, load_config
+from dmltrain.config_tree import set_dotted
 from dmltrain.errors import UserError
 from dmltrain.text import finite_number, one_line
-from dmltrain.tracking.queries import history
+from dmltrain.tracking.description import loss_line
+from dmltrain.tracking.names import STUDY_POINT_TAG, STUDY_REPEAT_TAG
+from dmltrain.tracking.queries import history, steady_state
 from dmltrain.tracking.run import RunHandle
 from shards.build.synthetic import build_synthetic_shards
 from shards.manifest import Manifest
@@ -83,10 +95,15 @@ def parse_ratios(text: str) -> list[float]:
 
 
 def parse_classes(text: str | None) -> list[int] | None:
-    """``1000,11318`` -> ``[1000, 11318]`` (deduplicated, ascending); each at least 2; ``None`` stays ``None``."""
+    """``1000,1e4`` -> ``[1000, 10000]`` (deduplicated, ascending); each a whole number of at least 2;
+    ``None`` stays ``None``."""
     if text is None:
         return None
-    out = _parse_list(text, "--classes", int, "an integer", "1000,11318")
+    out = []
+    for value in _parse_list(text, "--classes", float, "a number", "1e4,1e5,1e6"):
+        if not math.isfinite(value) or value != int(value):
+            raise UserError(f"--classes: {value:g} is not a whole number of classes")
+        out.append(int(value))
     for n in out:
         if n < 2:
             raise UserError(f"--classes: {n} classes is too few (at least 2)")
@@ -150,50 +167,102 @@ def prepare_shards(cfg, classes: list[int] | None, progress: bool = True) -> dic
     return out
 
 
-def point_config(cfg, point: Point, runs_root: str):
-    """The config of one point: the ratio, the shards of its class count, its run name and storage."""
-    c = cfg.loss.classifier.model_copy(update={"sample_ratio": point.ratio})
-    data_update: dict[str, Any] = {"shards": point.shards}
-    if cfg.data.synthetic is not None:
-        data_update["synthetic"] = cfg.data.synthetic.model_copy(update={"classes": point.classes})
-    return cfg.model_copy(
-        update={
-            "loss": cfg.loss.model_copy(update={"classifier": c}),
-            "data": cfg.data.model_copy(update=data_update),
-            "train": cfg.train.model_copy(update={"run_name": point.run_name}),
-            "cluster": cfg.cluster.model_copy(update={"storage_path": runs_root}),
-        }
-    )
+def plan_points(
+    ratios: list[float],
+    shards: dict[int, str],
+    repeats: int,
+    study: str,
+    seed: int,
+    variants: list[tuple[str, dict[str, Any]]] | None = None,
+) -> list[Point]:
+    """Every (variant, class count, ratio) point with its overrides and its repeats (seeds ``seed + i``),
+    each run named with its point first: ``r0.1-c100k-<study>`` (``-s<seed>`` before the study with
+    repeats). ``variants``: a further axis, ``(label, overrides)`` each (default: one without either)."""
+    points = []
+    for variant, extra in variants or [("", {})]:
+        for n, d in shards.items():
+            for r in ratios:
+                label = point_label(r, n, variant)
+                overrides = {"loss.classifier.sample_ratio": r, "data.shards": d, "data.synthetic.classes": n, **extra}
+                p = Point(r, n, d, label, overrides, variant)
+                for i in range(repeats):
+                    s = seed + i
+                    p.repeats.append(Repeat(s, f"{label}-s{s}-{study}" if repeats > 1 else f"{label}-{study}"))
+                points.append(p)
+    return points
 
 
-def point_run_name(study: str, ratio: float, classes: int) -> str:
-    return f"{study}-c{classes}-r{ratio:g}"
+def point_config(cfg, point: Point, repeat: Repeat, runs_root: str):
+    """The config of one run: the point's overrides, the repeat's seed and run name, the study's storage.
+
+    ``data.synthetic.classes`` applies to a synthetic config only. A value the config refuses is a
+    one-line :class:`~dmltrain.errors.ConfigError` naming the point."""
+    tree = cfg.to_dict()
+    over = {
+        **point.overrides,
+        "train.seed": repeat.seed,
+        "train.run_name": repeat.run_name,
+        "cluster.storage_path": runs_root,
+    }
+    if tree["data"].get("synthetic") is None:
+        over.pop("data.synthetic.classes", None)
+    for key, value in over.items():
+        set_dotted(tree, key, value)
+    return build_config(tree, source=f"study point {point.label}")
+
+
+def study_params(cfg, points: list[Point], repeats: int) -> dict[str, Any]:
+    """The parent run's params: the config the points share (without what they set: the ratio, the
+    shards, the class count, the seed, the run name), and the study's axes."""
+    varied = {k for p in points for k in p.overrides} | {"train.seed", "train.run_name", "cluster.storage_path"}
+    shared = {k: v for k, v in cfg.flat().items() if k not in varied and not k.startswith("data.synthetic.classes")}
+    return {
+        **shared,
+        "study.kind": "subsampling",
+        "study.ratios": ",".join(f"{r:g}" for r in sorted({p.ratio for p in points}, reverse=True)),
+        "study.classes": ",".join(str(n) for n in sorted({p.classes for p in points})),
+        "study.repeats": repeats,
+        "study.seeds": ",".join(str(r.seed) for r in points[0].repeats) if points else "",
+        "study.points": ",".join(p.label for p in points),
+    }
 
 
 # -- measurements -------------------------------------------------------------------------------------------
 def summarise_history(values: list[float], how: str) -> float:
-    """One figure from a metric's logged values; ``median`` leaves out the first window (start-up) when there are others."""
+    """One figure from a metric's logged values: ``steady`` (:func:`~dmltrain.tracking.queries.steady_state`),
+    ``max``, ``mean`` or ``last``; NaN without values."""
     vals = [v for v in values if v == v]
     if not vals:
         return float("nan")
-    if how == "median":
-        return float(statistics.median(vals[1:] if len(vals) > 1 else vals))
+    if how == "steady":
+        return steady_state(vals)
     if how == "max":
         return float(max(vals))
+    if how == "last":
+        return float(vals[-1])
     return float(sum(vals) / len(vals))
 
 
-def training_stats(uri: str, run_id: str | None) -> dict[str, float]:
-    """The cost columns of a point from its MLflow run (NaN when tracking was off or a metric is absent)."""
-    out = {col: float("nan") for col in STAT_KEYS}
-    if run_id is None:
+def run_measures(uri: str, run_id: str | None, measures: list[Measure]) -> dict[str, float]:
+    """The ``metric``, ``tag`` and recorded ``wall`` measures of a run from MLflow (NaN when tracking was off or
+    one is absent)."""
+    wanted = [m for m in measures if m.source in ("metric", "tag", "wall")]
+    out = {m.name: float("nan") for m in wanted}
+    if run_id is None or not wanted:
         return out
 
     def read(client) -> dict[str, float]:
-        return {
-            col: summarise_history([v for _, v in history(client, run_id, key)], how)
-            for col, (key, how) in STAT_KEYS.items()
-        }
+        tags = client.get_run(run_id).data.tags
+        got = {}
+        for m in wanted:
+            if m.source in ("tag", "wall"):
+                try:
+                    got[m.name] = float(tags[m.key])
+                except (KeyError, ValueError):
+                    got[m.name] = float("nan")
+            else:
+                got[m.name] = summarise_history([v for _, v in history(client, run_id, m.key)], m.how)
+        return got
 
     # the accuracy columns stand without these
     out.update(RunHandle(uri, run_id, owner="the study").query(f"read the metrics of MLflow run {run_id}", read, {}))
@@ -201,47 +270,71 @@ def training_stats(uri: str, run_id: str | None) -> dict[str, float]:
 
 
 # -- the study -----------------------------------------------------------------------------------------------
-def _train_point(cfg, point: Point, runs_root: str, parent_run_id: str | None, progress: bool, index: str) -> Point:
-    pcfg = point_config(cfg, point, runs_root)
-    c = pcfg.loss.classifier
-    drawn = int(
-        point.ratio * point.classes + 0.5
-    )  # the draw's count before the batch's classes (class_sampling.target_total)
-    if drawn < pcfg.data.P:
-        print(
-            f"{index} note: ratio {point.ratio:g} x {point.classes} classes = {drawn} < the {pcfg.data.P} classes of a batch: "
-            "each softmax holds just the batch's classes",
-            file=sys.stderr,
-        )
-    print(f"{index} {point.label}: started (run {point.run_name}, {c.kind})", file=sys.stderr, flush=True)
+def _train_repeat(
+    cfg,
+    point: Point,
+    repeat: Repeat,
+    runs_root: str,
+    parent_run_id: str | None,
+    progress: bool,
+    index: str,
+    measures: list[Measure],
+) -> Repeat:
+    """Train one run of ``point`` and read its ``measures``; a failure is recorded on ``repeat``, never
+    raised (a user error, which would fail every run alike, is)."""
+    pcfg = point_config(cfg, point, repeat, runs_root)
+    what = f"{point.label} seed {repeat.seed}"
+    print(f"{index} {what}: started (run {repeat.run_name})", file=sys.stderr, flush=True)
     try:
-        summary = train(pcfg, progress=progress, config_name=point.run_name, parent_run_id=parent_run_id)
+        summary = train(pcfg, progress=progress, config_name=repeat.run_name, parent_run_id=parent_run_id)
     except UserError:
         raise
-    except Exception as e:  # noqa: BLE001 — one failed point does not end the study
-        point.status, point.error = "failed", one_line(e)
-        print(f"{index} {point.label}: FAILED ({point.error})", file=sys.stderr, flush=True)
-        return point
-    point.mlflow_run_id, point.storage_dir, point.seconds = summary.mlflow_run_id, summary.storage_dir, summary.seconds
-    point.final = dict((summary.metrics or {}).get("final") or {})
-    point.recalls = {k: point.final[f"recall@{k}"] for k in cfg.eval.ks if f"recall@{k}" in point.final}
-    point.stats = training_stats(summary.tracking_uri, summary.mlflow_run_id)
-    point.status = "finished" if summary.ok else "failed"
-    point.error = None if summary.error is None else one_line(summary.error)
+    except Exception as e:  # noqa: BLE001 — one failed run does not end the study
+        repeat.status, repeat.error = "failed", one_line(e)
+        print(f"{index} {what}: FAILED ({repeat.error})", file=sys.stderr, flush=True)
+        return repeat
+    repeat.mlflow_run_id, repeat.storage_dir, repeat.seconds = (
+        summary.mlflow_run_id,
+        summary.storage_dir,
+        summary.seconds,
+    )
+    repeat.final = dict((summary.metrics or {}).get("final") or {})
+    repeat.values = {m.name: repeat.final.get(m.key, float("nan")) for m in measures if m.source == "eval"}
+    repeat.values.update(run_measures(summary.tracking_uri, summary.mlflow_run_id, measures))
+    repeat.status = "finished" if summary.ok else "failed"
+    repeat.error = None if summary.error is None else one_line(summary.error)
+    tags = {STUDY_POINT_TAG: point.label, STUDY_REPEAT_TAG: repeat.seed - cfg.train.seed}
+    for m in measures:  # the wall time of this training, unless an earlier study recorded the run's own
+        if m.source == "wall" and not finite_number(repeat.values.get(m.name)):
+            repeat.values[m.name] = summary.seconds
+            if summary.ok:
+                tags[m.key] = f"{summary.seconds:.1f}"
+    if summary.mlflow_run_id:
+        RunHandle(summary.tracking_uri, summary.mlflow_run_id, owner="the study").set_tags(tags)
     if summary.ok:
-        shown = ", ".join(f"recall@{k} {v:.4f}" for k, v in list(point.recalls.items())[:2])
-        speed = point.stats.get("images/s", float("nan"))
+        r1, step = repeat.values.get("recall@1", float("nan")), repeat.values.get("step ms", float("nan"))
         print(
-            f"{index} {point.label}: finished in {summary.seconds:.0f}s: {shown}"
-            + (f", {speed:.0f} images/s" if finite_number(speed) else ""),
+            f"{index} {what}: finished in {summary.seconds:.0f}s"
+            + (f", recall@1 {r1:.4f}" if finite_number(r1) else "")
+            + (f", {step:.0f} ms per step" if finite_number(step) else ""),
             file=sys.stderr,
             flush=True,
         )
     else:
-        print(
-            f"{index} {point.label}: FAILED after {summary.seconds:.0f}s ({point.error})", file=sys.stderr, flush=True
-        )
-    return point
+        print(f"{index} {what}: FAILED after {summary.seconds:.0f}s ({repeat.error})", file=sys.stderr, flush=True)
+    return repeat
+
+
+def _note_small_draws(cfg, points: list[Point]) -> None:
+    """Say where a ratio draws fewer classes than a batch holds (each softmax is then just the batch's)."""
+    for p in points:
+        drawn = int(p.ratio * p.classes + 0.5)  # the draw's count before the batch's classes (class_sampling)
+        if drawn < cfg.data.P:
+            print(
+                f"note: {p.label}: ratio {p.ratio:g} x {p.classes} classes = {drawn} < the {cfg.data.P} classes of a "
+                "batch: each softmax holds just the batch's classes",
+                file=sys.stderr,
+            )
 
 
 def run_study(
@@ -249,13 +342,19 @@ def run_study(
     ratios: list[float],
     classes: list[int] | None = None,
     *,
+    repeats: int = 1,
     name: str | None = None,
     out: str | Path | None = None,
     parallel: int = 1,
     progress: bool = True,
     config_name: str | None = None,
+    variants: list[tuple[str, dict[str, Any]]] | None = None,
+    measures: list[Measure] | None = None,
 ) -> StudySummary:
-    """Train every point (see the module doc), write the table and plots, log them; returns the summary."""
+    """Train every point ``repeats`` times (see the module doc), write the table and plots, log them to the
+    parent run; returns the summary. ``variants``: a further axis of points, ``(label, dotted overrides)``
+    each (:func:`plan_points`); ``measures``: what is read of each run (default: :func:`default_measures`;
+    a study that logs more, such as a gradient probe, adds its own)."""
     started = time.time()
     if cfg.loss.classifier is None:
         raise UserError(
@@ -263,6 +362,8 @@ def run_study(
         )
     if parallel < 1:
         raise UserError(f"--parallel {parallel}: must be at least 1")
+    if repeats < 1:
+        raise UserError(f"--repeats {repeats}: must be at least 1")
     shards: dict[int, str] = {}
 
     def shard_sets(c):  # every class count's shards (built when missing), each checked as a training
@@ -270,29 +371,22 @@ def run_study(
         return [c.model_copy(update={"data": c.data.model_copy(update={"shards": d})}) for d in shards.values()]
 
     cfg = prepare_driver(cfg, shard_sets)
-    study = RunGroup.open(
-        cfg,
-        "study",
-        {
-            **cfg.flat(),
-            "study.kind": "subsampling",
-            "study.ratios": ",".join(f"{r:g}" for r in ratios),
-            "study.classes": ",".join(str(n) for n in shards),
-        },
-        name=name,
-        config_name=config_name,
-        out=out,
-        owner="the study",
-    )
-    name, parent, out_dir, runs_root = study.name, study.parent, study.out_dir, study.runs_root
-    points = [Point(r, n, d, point_run_name(name, r, n)) for n, d in shards.items() for r in ratios]
+    study = RunGroup.place(cfg, "study", name=name, config_name=config_name, out=out)
+    name, out_dir, runs_root = study.name, study.out_dir, study.runs_root
+    points = plan_points(ratios, shards, repeats, name, cfg.train.seed, variants)
+    measures = measures or default_measures(cfg.eval.ks)
+    for p in points:  # every run's config is checked before anything starts
+        point_config(cfg, p, p.repeats[0], runs_root)
+    parent = study.open(cfg, study_params(cfg, points, repeats), owner="the study").parent
+    runs = [(p, r) for i in range(repeats) for p in points for r in p.repeats[i : i + 1]]  # seed by seed
     print(
         f"study {name}: {len(points)} point{'s' * (len(points) != 1)} (ratios {', '.join(f'{r:g}' for r in ratios)} x "
-        f"{', '.join(str(n) for n in shards)} classes)"
-        + (f"; MLflow parent run {parent.run_id}" if parent.run_id else ""),
+        f"{', '.join(str(n) for n in shards)} classes) x {repeats} seed{'s' * (repeats != 1)} = {len(runs)} runs"
+        + (f"; MLflow parent run {parent.url() or parent.run_id}" if parent.run_id else ""),
         file=sys.stderr,
         flush=True,
     )
+    _note_small_draws(cfg, points)
     if not cfg.tracking.enabled:
         print(
             "dmltrain: warning: tracking.enabled is false: the speed and memory columns come from the points' MLflow runs "
@@ -303,13 +397,15 @@ def run_study(
     live = progress and parallel == 1  # one live progress line at a time
     try:
         if parallel == 1:
-            for i, p in enumerate(points):
-                _train_point(cfg, p, runs_root, parent.run_id, live, f"[{i + 1}/{len(points)}]")
+            for i, (p, r) in enumerate(runs):
+                _train_repeat(cfg, p, r, runs_root, parent.run_id, live, f"[{i + 1}/{len(runs)}]", measures)
         else:
             with ThreadPoolExecutor(max_workers=parallel) as pool:
                 futures = [
-                    pool.submit(_train_point, cfg, p, runs_root, parent.run_id, False, f"[{i + 1}/{len(points)}]")
-                    for i, p in enumerate(points)
+                    pool.submit(
+                        _train_repeat, cfg, p, r, runs_root, parent.run_id, False, f"[{i + 1}/{len(runs)}]", measures
+                    )
+                    for i, (p, r) in enumerate(runs)
                 ]
                 for f in futures:
                     f.result()
@@ -317,13 +413,26 @@ def run_study(
         parent.finish("KILLED")
         raise
     summary = StudySummary(
-        name, list(cfg.eval.ks), points, out_dir, {}, parent.run_id, parent.uri, time.time() - started
+        name, list(cfg.eval.ks), points, out_dir, {}, parent.run_id, parent.uri, time.time() - started, measures
     )
+    summary.parent_url = parent.url()
     summary.files = write_outputs(summary)
-    for fname, path in summary.files.items():
-        parent.log_artifact(path, "study" if fname.endswith((".md", ".csv")) else "study/plots")
+    for path in summary.files.values():
+        parent.log_artifact(path, "study")
+    parent.log_metrics(parent_metrics(summary))
+    parent.set_description(describe_study(summary, _config_line(cfg)))
     parent.finish("FINISHED" if summary.ok else "FAILED")
     return summary
+
+
+def _config_line(cfg) -> str:
+    """What every point trains: backbone, losses, steps (the base config)."""
+    t = cfg.train
+    length = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs} epoch{'s' * (t.epochs != 1)}"
+    return (
+        f"Each run: {cfg.model.backbone} → {cfg.model.embedding_dim}-d, {loss_line(cfg, share=False)}; {length} of "
+        f"{cfg.data.batch_size} images on {cfg.cluster.num_workers} worker{'s' * (cfg.cluster.num_workers != 1)}."
+    )
 
 
 # -- CLI --------------------------------------------------------------------------------------------------------
@@ -331,7 +440,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="study", required=True, metavar="STUDY")
     p = sub.add_parser(
         "subsampling",
-        help="train one run per class sampling ratio (and class count); table and plots",
+        help="train each class sampling ratio (and class count, and seed); what it loses and gains, table and plots",
         description="Class-subsampling scalability study: accuracy, speed and memory against the share of "
         "classes in each softmax and against the number of classes.",
     )
@@ -340,7 +449,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ratios", required=True, help="comma-separated shares of classes per softmax, e.g. 1,0.1,0.01,0.001"
     )
-    p.add_argument("--classes", help="comma-separated class counts (synthetic configs), e.g. 1000,11318")
+    p.add_argument("--classes", help="comma-separated class counts (synthetic configs), e.g. 1e4,1e5,1e6")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs per point, seeds train.seed, +1, ... (default 1; 3 for a spread)"
+    )
     p.add_argument("--name", help="study name (default study-<config>-<time>); the same name resumes a study")
     p.add_argument("--out", help="directory of the table and plots (default <storage>/<name>)")
     p.add_argument(
@@ -357,6 +469,7 @@ def run(args: argparse.Namespace) -> int:
         cfg,
         ratios,
         classes,
+        repeats=args.repeats,
         name=args.name,
         out=args.out,
         parallel=args.parallel,

@@ -1,14 +1,38 @@
-"""What a subsampling study produces: its points, the table and the plots (``dmltrain study``'s outputs).
+"""What a subsampling study produces: its points, their repeats, the trade-off table and plots.
 
-:class:`Point` is one (ratio, class count) training with its measurements; :class:`StudySummary`
-the whole study. :func:`write_outputs` writes ``study.md``, ``study.csv`` and the plots
-(``recall_vs_ratio.png``, ``cost_vs_ratio.png``, ``vs_classes.png`` with two class counts or more)
-atomically; :func:`render` is the text the command prints.
+**Shape.** A :class:`Point` is one configuration: its place on the study's axes (the share of
+classes in each softmax, the number of classes, and an optional ``variant``, another axis such as a
+sampling mode), the dotted config ``overrides`` that make it, and a ``label`` that names it first in
+run names and tables (``r0.1-c100k``). It is trained once per repeat (:class:`Repeat`, one seed
+each). What is read of each run is a list of :class:`Measure` (an evaluation metric, an MLflow metric
+history summarised one way, a tag, the wall time): add one and it is read, tabled and logged.
+
+**Trade-off.** Every point is compared with its *reference*, the point of the same class count with
+the largest ratio (ratio 1 when the study has it; of the same variant when there is one there,
+:func:`reference_of`), repeat by
+repeat (the same seed on both sides, :func:`relative`): the change of Recall@1 in points, the
+speed-up of a step (the reference's step time over the point's), the classifier memory as a factor
+of the reference's. Each figure is the mean over the paired seeds and its spread the standard
+deviation of the per-seed figures (none with one seed). Speed is the
+:func:`~dmltrain.tracking.queries.steady_state` of the run's logged windows, as ``dmltrain report``
+reads it.
+
+**Files** (:func:`write_outputs`, each written atomically): ``study.md`` (the table with the points
+as columns, so that it fits a page and MLflow's Markdown view, its notes and figures), ``study.csv``
+(one row per point: every measure's mean and spread), ``study_runs.csv`` (one row per run),
+``tradeoff.png`` (the study's figure: the change of Recall@1, the speed-up, the memory factor and the
+wall time against the ratio, one line per class count; panels whose values do not vary are left out
+and said so), ``recall_vs_ratio.png`` (Recall@K against the ratio, the paper's Fig. 4, zero-based) and,
+with two class counts or more, ``vs_classes.png`` (the same trade-off and the step time against the
+number of classes, one line per ratio). :func:`render` is the text the command prints,
+:func:`parent_metrics` and :func:`describe_study` what the parent MLflow run shows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,37 +40,119 @@ from typing import Any
 from dmltrain.evaluate.plots import Panel, plot_panels
 from dmltrain.fileio import write_text
 from dmltrain.redact import redact_url
-from dmltrain.text import csv_text, finite_number, markdown_table
-from dmltrain.tracking.names import ACTIVE_CLASSES, ACTIVE_ROWS, CLASSIFIER_MB, IMAGES_PER_S, RSS_MB, STEP_MS
+from dmltrain.text import MISSING, csv_text, finite_number, markdown_table
+from dmltrain.tracking.names import (
+    ACTIVE_CLASSES_TAG,
+    ACTIVE_ROWS_TAG,
+    CLASSIFIER_MB_TAG,
+    IMAGES_PER_S,
+    RSS_MB,
+    STEP_MS,
+    STUDY_WALL_TAG,
+)
+from dmltrain.tracking.queries import STEADY_STATE
 
-STAT_KEYS = {  # column -> (MLflow metric, how its history is summarised)
-    "images/s": (IMAGES_PER_S, "median"),
-    "step ms": (STEP_MS, "median"),
-    "classifier MB": (CLASSIFIER_MB, "max"),
-    "RSS MB": (RSS_MB, "max"),
-    "active rows": (ACTIVE_ROWS, "mean"),
-    "active classes": (ACTIVE_CLASSES, "mean"),
-}
+
+# -- what is read of a run -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Measure:
+    """A figure read of each run: ``source`` ``eval`` (the final evaluation's metric ``key``), ``metric``
+    (an MLflow metric history, summarised by ``how``: ``steady``, ``max``, ``mean`` or ``last``), ``tag``
+    (an MLflow tag) or ``wall`` (the wall time of the run's training, kept as the tag ``key`` so that a
+    study run again reads the first training's, not the resumed no-op's). ``name`` heads its column; ``mlflow`` is its key
+    among the parent run's metrics; ``digits`` its decimals in the tables."""
+
+    name: str
+    source: str
+    key: str = ""
+    how: str = "steady"
+    mlflow: str = ""
+    digits: int = 1
 
 
+@dataclass(frozen=True)
+class Relative:
+    """A figure of a point against its reference, seed by seed: ``delta_points`` (100 × (point − reference),
+    for a fraction), ``speedup`` (reference / point, for a time) or ``factor`` (point / reference)."""
+
+    name: str
+    of: str  # a Measure's name
+    kind: str
+    mlflow: str
+    axis: str  # the plot's y label
+
+
+def default_measures(ks: Sequence[int]) -> list[Measure]:
+    """Recall@K of the final evaluation, speed (steady state), memory, the classifier's draw, the wall time."""
+    return [
+        *(Measure(f"recall@{k}", "eval", f"recall@{k}", mlflow=f"recall_at_{k}", digits=4) for k in ks),
+        Measure("step ms", "metric", STEP_MS, "steady", "step_ms"),
+        Measure("images/s", "metric", IMAGES_PER_S, "steady", "images_per_s"),
+        Measure("classifier MB", "tag", CLASSIFIER_MB_TAG, mlflow="classifier_mb", digits=3),
+        Measure("RSS MB", "metric", RSS_MB, "max", "rss_mb", digits=0),
+        Measure("active classes", "tag", ACTIVE_CLASSES_TAG, mlflow="active_classes", digits=0),
+        Measure("active rows", "tag", ACTIVE_ROWS_TAG, mlflow="active_rows", digits=1),
+        Measure("wall s", "wall", STUDY_WALL_TAG, mlflow="wall_s", digits=0),
+    ]
+
+
+RELATIVES = (
+    Relative("Δ recall@1 (points)", "recall@1", "delta_points", "delta_recall_at_1_points", "Δ Recall@1 (points)"),
+    Relative("speed-up (×)", "step ms", "speedup", "speedup", "speed-up of a step (×)"),
+    Relative("classifier memory (×)", "classifier MB", "factor", "memory_factor", "classifier memory (×)"),
+)
+
+
+# -- the study's shape --------------------------------------------------------------------------------------
 @dataclass
-class Point:
-    ratio: float
-    classes: int
-    shards: str
+class Repeat:
+    """One training of a point, with one seed."""
+
+    seed: int
     run_name: str
     status: str = "pending"  # finished, failed
-    recalls: dict[int, float] = field(default_factory=dict)
-    stats: dict[str, float] = field(default_factory=dict)
-    final: dict[str, float] = field(default_factory=dict)
+    values: dict[str, float] = field(default_factory=dict)  # Measure name -> value
+    final: dict[str, float] = field(default_factory=dict)  # the final evaluation, as the run reported it
     mlflow_run_id: str | None = None
     storage_dir: str | None = None
     seconds: float = 0.0
     error: str | None = None
 
+
+@dataclass
+class Point:
+    """One configuration of the study (see the module doc); ``repeats`` are its trainings."""
+
+    ratio: float
+    classes: int
+    shards: str
+    label: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    variant: str = ""
+    repeats: list[Repeat] = field(default_factory=list)
+
     @property
-    def label(self) -> str:
-        return f"ratio {self.ratio:g}, {self.classes} classes"
+    def finished(self) -> list[Repeat]:
+        return [r for r in self.repeats if r.status == "finished"]
+
+    @property
+    def status(self) -> str:
+        done = len(self.finished)
+        return "finished" if done == len(self.repeats) else "failed" if done == 0 else "partly failed"
+
+
+def classes_label(n: int) -> str:
+    """``100000`` -> ``100k``, ``1000000`` -> ``1M``, ``11318`` -> ``11318``."""
+    if n % 1_000_000 == 0:
+        return f"{n // 1_000_000}M"
+    if n % 1000 == 0:
+        return f"{n // 1000}k"
+    return str(n)
+
+
+def point_label(ratio: float, classes: int, variant: str = "") -> str:
+    """What tells a point apart, first: ``r0.1-c100k`` (``hard-r0.1-c100k`` with a variant)."""
+    return (f"{variant}-" if variant else "") + f"r{ratio:g}-c{classes_label(classes)}"
 
 
 @dataclass
@@ -59,146 +165,465 @@ class StudySummary:
     parent_run_id: str | None
     tracking_uri: str
     seconds: float
+    measures: list[Measure] = field(default_factory=list)
+    relatives: Sequence[Relative] = RELATIVES
+    parent_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.measures:
+            self.measures = default_measures(self.ks)
 
     @property
     def ok(self) -> bool:
         return all(p.status == "finished" for p in self.points)
 
+    @property
+    def runs(self) -> list[Repeat]:
+        return [r for p in self.points for r in p.repeats]
 
-def table(summary: StudySummary) -> tuple[list[str], list[list[Any]]]:
-    head = ["ratio", "classes", "status", *(f"recall@{k}" for k in summary.ks), *STAT_KEYS, "run"]
+
+# -- figures -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stat:
+    """A mean over seeds and its spread (sample standard deviation; None with one seed); ``n`` seeds."""
+
+    mean: float
+    sd: float | None
+    n: int
+
+    def text(self, digits: int) -> str:
+        if self.n == 0 or not math.isfinite(self.mean):
+            return MISSING
+        return f"{self.mean:.{digits}f}" + (f" ± {self.sd:.{digits}f}" if self.sd is not None else "")
+
+
+NO_STAT = Stat(float("nan"), None, 0)
+
+
+def summarise(values: Sequence[float]) -> Stat:
+    vals = [float(v) for v in values if finite_number(v)]
+    if not vals:
+        return NO_STAT
+    return Stat(statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else None, len(vals))
+
+
+def stat(point: Point, name: str) -> Stat:
+    """Measure ``name`` of ``point`` over its finished repeats."""
+    return summarise([r.values.get(name, float("nan")) for r in point.finished])
+
+
+def reference_of(point: Point, points: Sequence[Point]) -> Point | None:
+    """The point ``point`` is compared with: of the same class count, the largest ratio with a finished run
+    (ratio 1 when the study has it), of the same variant when that one has it, else of the first variant
+    that does (a full softmax is the same whatever draws the subsets); None when there is none."""
+    same = [p for p in points if p.classes == point.classes and p.finished]
+    if not same:
+        return None
+    top = max(p.ratio for p in same)
+    at_top = [p for p in same if p.ratio == top]
+    return next((p for p in at_top if p.variant == point.variant), at_top[0])
+
+
+def relative(point: Point, ref: Point | None, rel: Relative) -> Stat:
+    """``rel`` of ``point`` against ``ref``, seed by seed (only seeds finished on both sides count)."""
+    if ref is None:
+        return NO_STAT
+    theirs = {r.seed: r.values.get(rel.of) for r in ref.finished}
+    out = []
+    for r in point.finished:
+        a, b = r.values.get(rel.of), theirs.get(r.seed)
+        if not (finite_number(a) and finite_number(b)):
+            continue
+        if rel.kind == "delta_points":
+            out.append(100 * (a - b))
+        elif rel.kind == "speedup" and a > 0:
+            out.append(b / a)
+        elif rel.kind == "factor" and b > 0:
+            out.append(a / b)
+    return summarise(out)
+
+
+def _ref_text(summary: StudySummary) -> str:
+    refs = sorted({p.ratio for p in summary.points if (r := reference_of(p, summary.points)) is p and r is not None})
+    return (
+        "ratio 1"
+        if refs == [1.0]
+        else "the largest ratio of each class count (" + ", ".join(f"{r:g}" for r in refs) + ")"
+    )
+
+
+def notes(summary: StudySummary) -> list[str]:
+    """What a reader of the table must know: the reference, the spread, how speed is read."""
+    repeats = max((len(p.repeats) for p in summary.points), default=0)
+    spread = (
+        f"mean ± standard deviation over {repeats} seeds (seed by seed against the reference)"
+        if repeats > 1
+        else "one seed per point: no spread (use --repeats for one)"
+    )
+    return [
+        f"Relative figures compare each point with {_ref_text(summary)} at the same class count.",
+        f"Values: {spread}. Speed: the {STEADY_STATE}; speed-up = the reference's step time / the point's.",
+        "Wall s: the whole run (start-up, evaluations and checkpoints included).",
+    ]
+
+
+# -- the table ------------------------------------------------------------------------------------------------
+def table(summary: StudySummary) -> tuple[list[str], list[list[str]]]:
+    """The study's table with the points as columns: what defines them, every measure and every relative."""
+    pts = summary.points
+    rows: list[list[str]] = [
+        ["ratio", *(f"{p.ratio:g}" for p in pts)],
+        ["classes", *(f"{p.classes:,}" for p in pts)],
+    ]
+    if any(p.variant for p in pts):
+        rows.append(["variant", *(p.variant or MISSING for p in pts)])
+    rows.append(["runs", *(f"{len(p.finished)}/{len(p.repeats)}" for p in pts)])
+    refs = [reference_of(p, pts) for p in pts]
+    for rel in summary.relatives:
+        rows.append([rel.name, *(relative(p, r, rel).text(2) for p, r in zip(pts, refs))])
+    for m in summary.measures:
+        rows.append([m.name, *(stat(p, m.name).text(m.digits) for p in pts)])
+    return ["point", *(p.label for p in pts)], rows
+
+
+def point_rows(summary: StudySummary) -> tuple[list[str], list[list[Any]]]:
+    """``study.csv``: one row per point, every measure's and relative's mean and spread (None when absent)."""
+    head = ["point", "ratio", "classes", "variant", "runs", "status"]
+    for name in [*(r.name for r in summary.relatives), *(m.name for m in summary.measures)]:
+        head += [name, f"{name} sd"]
     rows = []
     for p in summary.points:
-        rows.append(
-            [
-                p.ratio,
-                p.classes,
-                p.status,
-                *(p.recalls.get(k) for k in summary.ks),
-                *(p.stats.get(c) for c in STAT_KEYS),
-                p.run_name,
-            ]
-        )
+        ref = reference_of(p, summary.points)
+        row: list[Any] = [p.label, p.ratio, p.classes, p.variant, len(p.finished), p.status]
+        for s in [*(relative(p, ref, r) for r in summary.relatives), *(stat(p, m.name) for m in summary.measures)]:
+            row += [s.mean if s.n else None, s.sd]
+        rows.append(row)
     return head, rows
 
 
-# -- plots ------------------------------------------------------------------------------------------------
+def run_rows(summary: StudySummary) -> tuple[list[str], list[list[Any]]]:
+    """``study_runs.csv``: one row per run, as measured."""
+    head = ["point", "seed", "run", "status", *(m.name for m in summary.measures), "mlflow_run_id", "error"]
+    rows = [
+        [
+            p.label,
+            r.seed,
+            r.run_name,
+            r.status,
+            *(r.values.get(m.name) for m in summary.measures),
+            r.mlflow_run_id,
+            r.error,
+        ]
+        for p in summary.points
+        for r in p.repeats
+    ]
+    return head, rows
+
+
+# -- plots ----------------------------------------------------------------------------------------------------
+def _varies(values: Sequence[float], rel_tol: float = 1e-3) -> bool:
+    vals = [v for v in values if finite_number(v)]
+    return bool(vals) and max(vals) - min(vals) > rel_tol * max(1e-12, max(abs(v) for v in vals))
+
+
+@dataclass(frozen=True)
+class _Series:
+    """What a panel plots for a point: (mean, spread), and how the panel reads (reference line, zero-based)."""
+
+    ylabel: str
+    of: Callable[[Point], Stat]
+    baseline: float | None
+    zero: bool
+    values: str
+    dropped: Callable[[list[Point]], str]  # the note when it does not vary
+
+
+def _values_text(what: str, name: str, digits: int, unit: str) -> Callable[[list[Point]], str]:
+    """A dropped panel's note: measure ``name`` at each class count of the points it is given."""
+
+    def text(done: list[Point]) -> str:  # its value at each class count
+        counts = sorted({p.classes for p in done})
+        values = [summarise([stat(p, name).mean for p in done if p.classes == n]).mean for n in counts]
+        if len(counts) == 1:
+            return f"{what} {values[0]:.{digits}f}{unit}"
+        return f"{what} " + ", ".join(f"{v:.{digits}f}{unit} at {n:,} classes" for v, n in zip(values, counts))
+
+    return text
+
+
+def _tradeoff_series(summary: StudySummary) -> list[_Series]:
+    pts = summary.points
+    by = {r.kind: r for r in summary.relatives}
+    out = []
+
+    def rel_of(rel: Relative) -> Callable[[Point], Stat]:
+        return lambda p: relative(p, reference_of(p, pts), rel)
+
+    if "delta_points" in by:
+        r = by["delta_points"]
+        out.append(_Series(r.axis, rel_of(r), 0.0, False, "{:+.1f}", lambda d: "Recall@1: no change"))
+    if "speedup" in by:
+        r = by["speedup"]
+        out.append(_Series(r.axis, rel_of(r), 1.0, True, "{:.2f}×", _values_text("step time", "step ms", 1, " ms")))
+    if "factor" in by:
+        r = by["factor"]
+        memory = _values_text("classifier memory", "classifier MB", 3, " MB")
+        out.append(_Series(r.axis, rel_of(r), 1.0, True, "{:.2f}×", memory))
+    wall = _values_text("wall time", "wall s", 0, " s")
+    out.append(_Series("wall time per run (s)", lambda p: stat(p, "wall s"), None, True, "{:.0f}", wall))
+    return out
+
+
+def _panels(
+    summary: StudySummary,
+    series: list[_Series],
+    x_of: Callable[[Point], float],
+    group_of: Callable[[Point], Any],
+    group_label: Callable[[Any], str],
+) -> tuple[list[Panel], list[str]]:
+    """The panels of ``series`` (one line per group, error bars from the seeds); those whose values do not
+    vary are left out, each with a note of its one value."""
+    done = [p for p in summary.points if p.finished]
+    groups = sorted({group_of(p) for p in done}, key=lambda g: (str(type(g)), g))
+    panels, dropped = [], []
+    for s in series:
+        stats = {id(p): s.of(p) for p in done}
+        if not _varies([st.mean for st in stats.values() if st.n]):
+            text = s.dropped(done)
+            if any(st.n for st in stats.values()):
+                dropped.append(text)
+            continue
+        lines, errors = {}, {}
+        for g in groups:
+            pts = sorted((p for p in done if group_of(p) == g and stats[id(p)].n), key=x_of)
+            lines[group_label(g)] = ([x_of(p) for p in pts], [stats[id(p)].mean for p in pts])
+            errors[group_label(g)] = [stats[id(p)].sd if stats[id(p)].sd is not None else float("nan") for p in pts]
+        panels.append(
+            Panel(
+                s.ylabel,
+                lines,
+                [x_of(p) for p in done],
+                errors=errors,
+                baseline=s.baseline,
+                zero=s.zero,
+                values=s.values,
+            )
+        )
+    return panels, dropped
+
+
+def _line_label(summary: StudySummary) -> Callable[[Point], Any]:
+    variants = any(p.variant for p in summary.points)
+    return (lambda p: (p.variant, p.classes)) if variants else (lambda p: p.classes)
+
+
+def _classes_name(g: Any) -> str:
+    return f"{g[0]}, {g[1]:,} classes" if isinstance(g, tuple) else f"{g:,} classes"
+
+
+def plot_tradeoff(summary: StudySummary, path: Path) -> tuple[Path | None, list[str]]:
+    """The study's figure against the ratio (see the module doc); None when no panel has anything to show."""
+    panels, dropped = _panels(
+        summary, _tradeoff_series(summary), lambda p: p.ratio, _line_label(summary), _classes_name
+    )
+    note = "Not plotted, the same at every ratio:\n" + "\n".join(dropped) if dropped else ""
+    if not panels:
+        return None, dropped
+    ref = _ref_text(summary)
+    reps = max(len(p.repeats) for p in summary.points)
+    spread = f"bars: ± 1 s.d. over {reps} seeds" if reps > 1 else "one seed per point"
+    plot_panels(
+        panels,
+        path,
+        xlabel="class sampling ratio (share of classes in each softmax)",
+        title=f"What subsampling costs and saves, against {ref} ({spread})",
+        cols=2 if len(panels) > 1 else 1,
+        panel_size=(5.0, 3.4),
+        note=note or None,
+    )
+    return path, dropped
+
+
 def plot_recall_vs_ratio(summary: StudySummary, path: Path) -> Path | None:
-    """Recall@K against the class sampling ratio, one panel per class count (NormSoftmax Fig. 4); None when no point has one."""
-    counts = sorted({p.classes for p in summary.points})
-    done = [p for p in summary.points if p.recalls]
+    """Recall@K (%) against the ratio, one panel per class count (NormSoftmax Fig. 4), zero-based, with spread."""
+    done = [p for p in summary.points if p.finished]
     if not done:
         return None
     panels = []
-    for n in counts:
-        pts = sorted((p for p in done if p.classes == n), key=lambda p: p.ratio)
-        lines = {
-            f"R@{k}": _xy([(p.ratio, 100 * p.recalls[k]) for p in pts if finite_number(p.recalls.get(k))])
-            for k in summary.ks
-        }
-        panels.append(Panel("Recall@K (%)", lines, [p.ratio for p in pts], title=f"{n} classes"))
+    for n in sorted({p.classes for p in done}):
+        pts = sorted((p for p in done if p.classes == n), key=lambda p: (p.variant, p.ratio))
+        lines, errors = {}, {}
+        for k in summary.ks:
+            for v in sorted({p.variant for p in pts}):
+                sel = [(p, stat(p, f"recall@{k}")) for p in pts if p.variant == v]
+                sel = [(p, s) for p, s in sel if s.n]
+                label = f"R@{k}" + (f" {v}" if v else "")
+                lines[label] = ([p.ratio for p, _ in sel], [100 * s.mean for _, s in sel])
+                errors[label] = [100 * s.sd if s.sd is not None else float("nan") for _, s in sel]
+        panels.append(
+            Panel("Recall@K (%)", lines, [p.ratio for p in pts], title=f"{n:,} classes", errors=errors, zero=True)
+        )
     return plot_panels(
         panels,
         path,
         xlabel="class sampling ratio",
         title="Recall@K against the share of classes in each softmax",
-        cols=len(counts),
+        cols=len(panels),
         panel_size=(4.5, 3.6),
     )
 
 
-COST_PANELS = (
-    ("images/s", "images/s"),
-    ("step ms", "step time (ms)"),
-    ("classifier MB", "classifier memory (MB, rank 0)"),
-    ("active rows", "active rows per worker"),
-)
-
-
-def _xy(points: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
-    return [x for x, _ in points], [y for _, y in points]
-
-
-def _column(p: Point, col: str) -> float:
-    return 100 * p.recalls.get(1, float("nan")) if col == "recall@1" else p.stats.get(col, float("nan"))
-
-
-def plot_columns(
-    summary: StudySummary,
-    columns,
-    path: Path,
-    x_of: Callable[[Point], float],
-    group_of: Callable[[Point], Any],
-    xlabel: str,
-    group_label: Callable[[Any], str],
-    title: str,
-) -> Path | None:
-    """One panel per (column, label) of ``columns`` against ``x_of(point)``, a line per ``group_of(point)``; None when no point finished."""
-    done = [p for p in summary.points if p.status == "finished"]
-    if not done:
-        return None
-    groups = sorted({group_of(p) for p in done}, reverse=True)
-    panels = []
-    for col, ylabel in columns:
-        lines = {}
-        for g in groups:
-            pts = sorted((p for p in done if group_of(p) == g), key=x_of)
-            lines[group_label(g)] = _xy([(x_of(p), _column(p, col)) for p in pts if finite_number(_column(p, col))])
-        panels.append(Panel(ylabel, lines, [x_of(p) for p in done]))
-    return plot_panels(
-        panels, path, xlabel=xlabel, title=title, cols=2 if len(columns) <= 4 else 3, panel_size=(4.8, 3.4)
+def plot_vs_classes(summary: StudySummary, path: Path) -> tuple[Path | None, list[str]]:
+    """The change of Recall@1 and the speed-up, and the step time and the classifier's memory themselves
+    (which grow with the classes), against the number of classes, one line per ratio (and variant)."""
+    series = _tradeoff_series(summary)[:2]
+    series += [
+        _Series(
+            "time per step (ms)",
+            lambda p: stat(p, "step ms"),
+            None,
+            True,
+            "{:.0f}",
+            _values_text("step time", "step ms", 1, " ms"),
+        ),
+        _Series(
+            "classifier memory (MB, rank 0)",
+            lambda p: stat(p, "classifier MB"),
+            None,
+            True,
+            "{:.3g}",
+            lambda d: "memory",
+        ),
+    ]
+    variants = any(p.variant for p in summary.points)
+    group = (lambda p: (p.variant, p.ratio)) if variants else (lambda p: p.ratio)
+    name = (lambda g: f"{g[0]}, ratio {g[1]:g}") if variants else (lambda g: f"ratio {g:g}")
+    panels, dropped = _panels(summary, series, lambda p: float(p.classes), group, name)
+    if not panels:
+        return None, dropped
+    plot_panels(
+        panels,
+        path,
+        xlabel="number of classes",
+        title=f"The trade-off against the number of classes (relative to {_ref_text(summary)})",
+        cols=2,
+        panel_size=(5.0, 3.4),
+        note=("Not plotted, the same at every point:\n" + "\n".join(dropped)) if dropped else None,
     )
+    return path, dropped
 
 
+# -- files, MLflow and the terminal ---------------------------------------------------------------------------
 def write_outputs(summary: StudySummary) -> dict[str, Path]:
-    """study.md, study.csv and the plots under ``summary.out_dir`` (each written atomically)."""
+    """study.md, study.csv, study_runs.csv and the plots under ``summary.out_dir`` (each written atomically)."""
     out = summary.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    head, rows = table(summary)
-    files = {"study.md": out / "study.md", "study.csv": out / "study.csv"}
-    write_text(files["study.md"], f"# Class-subsampling study {summary.name}\n\n" + markdown_table(head, rows) + "\n")
-    write_text(files["study.csv"], csv_text(head, rows))
-    plots = {
-        "recall_vs_ratio.png": lambda path: plot_recall_vs_ratio(summary, path),
-        "cost_vs_ratio.png": lambda path: plot_columns(
-            summary,
-            COST_PANELS,
-            path,
-            lambda q: q.ratio,
-            lambda q: q.classes,
-            "class sampling ratio",
-            lambda g: f"{g} classes",
-            "Cost against the share of classes in each softmax",
-        ),
-    }
+    files: dict[str, Path] = {}
+    figures: dict[str, Path] = {}
+    tradeoff, dropped = plot_tradeoff(summary, out / "tradeoff.png")
+    if tradeoff:
+        figures["tradeoff.png"] = tradeoff
+    recall = plot_recall_vs_ratio(summary, out / "recall_vs_ratio.png")
+    if recall:
+        figures["recall_vs_ratio.png"] = recall
     if len({p.classes for p in summary.points}) > 1:
-        plots["vs_classes.png"] = lambda path: plot_columns(
-            summary,
-            (("recall@1", "Recall@1 (%)"), *COST_PANELS),
-            path,
-            lambda q: q.classes,
-            lambda q: q.ratio,
-            "number of classes",
-            lambda g: f"ratio {g:g}",
-            "Accuracy and cost against the number of classes",
-        )
-    for fname, draw in plots.items():
-        if draw(out / fname) is not None:
-            files[fname] = out / fname
-    return files
+        vs, _ = plot_vs_classes(summary, out / "vs_classes.png")
+        if vs:
+            figures["vs_classes.png"] = vs
+    head, rows = table(summary)
+    lines = [f"# Class-subsampling study {summary.name}", "", markdown_table(head, rows), ""]
+    lines += [f"- {n}" for n in notes(summary)]
+    if dropped:
+        lines.append("- Not plotted (the same at every ratio): " + "; ".join(dropped) + ".")
+    failed = [r for r in summary.runs if r.error]
+    lines += [f"- {r.run_name} failed: {r.error}" for r in failed]
+    described = {
+        "tradeoff.png": "the change of Recall@1, the speed-up, the memory factor and the wall time against the ratio",
+        "recall_vs_ratio.png": "Recall@K against the ratio",
+        "vs_classes.png": "the trade-off and the step time against the number of classes",
+    }
+    if figures:
+        lines += ["", "Figures, beside this file:"] + [f"- `{n}`: {described.get(n, '')}" for n in figures]
+    files["study.md"] = out / "study.md"
+    write_text(files["study.md"], "\n".join(lines) + "\n")
+    files["study.csv"] = out / "study.csv"
+    write_text(files["study.csv"], csv_text(*point_rows(summary)))
+    files["study_runs.csv"] = out / "study_runs.csv"
+    write_text(files["study_runs.csv"], csv_text(*run_rows(summary)))
+    return files | figures
+
+
+CHANGE_PREFIX, VALUE_PREFIX = "change/", "value/"  # MLflow sorts sections by name: the trade-off first
+
+
+def parent_metrics(summary: StudySummary) -> dict[str, float]:
+    """The parent run's metrics, every point's mean of each figure: ``change/<relative>/<point>`` (against
+    the reference; not for the reference itself) and ``value/<measure>/<point>``, so that MLflow's charts
+    show one section per figure, the trade-off's first, with a chart per point."""
+    out = {}
+    for p in summary.points:
+        ref = reference_of(p, summary.points)
+        for rel in summary.relatives if ref is not p else ():  # the reference against itself says nothing
+            s = relative(p, ref, rel)
+            if s.n:
+                out[f"{CHANGE_PREFIX}{rel.mlflow}/{p.label}"] = s.mean
+        for m in summary.measures:
+            s = stat(p, m.name)
+            if s.n and m.mlflow:
+                out[f"{VALUE_PREFIX}{m.mlflow}/{p.label}"] = s.mean
+    return out
+
+
+def describe_study(summary: StudySummary, config_line: str) -> str:
+    """The parent run's description: what was compared, and per point what it loses and gains."""
+    seeds = max((len(p.repeats) for p in summary.points), default=0)
+    lines = [
+        f"**Class-subsampling study: {len(summary.points)} points × {seeds} seed{'s' * (seeds != 1)}: "
+        f"what each share of classes loses and gains against {_ref_text(summary)}**",
+        "",
+        "### Results",
+        "",
+    ]
+    refs, others = [], []
+    for p in summary.points:
+        ref = reference_of(p, summary.points)
+        wall, step = stat(p, "wall s"), stat(p, "step ms")
+        if not p.finished:
+            others.append(f"- **{p.label}**: failed")
+            continue
+        if ref is p:  # the baseline: its own figures, not a change of 0 against itself
+            shown = [
+                f"{step.mean:.1f} ms per step" if step.n else None,
+                f"{wall.mean:.0f} s per run" if wall.n else None,
+            ]
+            refs.append(f"- **{p.label}** (the reference): " + ", ".join(x for x in shown if x))
+            continue
+        by = {r.kind: relative(p, ref, r) for r in summary.relatives}
+        d, sp, mem = (by.get(k, NO_STAT) for k in ("delta_points", "speedup", "factor"))
+        parts = [
+            f"Recall@1 {d.text(2)} points" if d.n else None,
+            f"{sp.text(2)}× step speed" if sp.n else None,
+            f"classifier memory {mem.text(2)}×" if mem.n else None,
+            f"{wall.mean:.0f} s per run" if wall.n else None,
+        ]
+        others.append(f"- **{p.label}**: " + ", ".join(x for x in parts if x))
+    lines += others + refs
+    lines += ["", "### Setup", "", config_line, "", *(f"- {n}" for n in notes(summary))]
+    return "\n".join(lines)
 
 
 def render(summary: StudySummary) -> str:
     head, rows = table(summary)
-    lines = [markdown_table(head, rows), ""]
-    for p in summary.points:
-        if p.error:
-            lines.append(f"{p.run_name} failed: {p.error}")
+    lines = [markdown_table(head, rows), "", *notes(summary), ""]
+    for r in summary.runs:
+        if r.error:
+            lines.append(f"{r.run_name} failed: {r.error}")
+    runs = summary.runs
     lines.append(
-        f"study {summary.name}: {sum(p.status == 'finished' for p in summary.points)}/{len(summary.points)} points "
-        f"finished in {summary.seconds:.0f}s"
+        f"study {summary.name}: {sum(p.status == 'finished' for p in summary.points)}/{len(summary.points)} points, "
+        f"{sum(r.status == 'finished' for r in runs)}/{len(runs)} runs finished in {summary.seconds:.0f}s"
     )
     lines.append("files: " + ", ".join(str(p) for p in summary.files.values()))
     if summary.parent_run_id:
-        lines.append(f"MLflow parent run: {summary.parent_run_id}")
+        lines.append(f"MLflow parent run: {summary.parent_url or summary.parent_run_id}")
     return redact_url("\n".join(lines))

@@ -116,24 +116,28 @@ def markdown_table(
     *,
     bold: Mapping[int, set[int]] | None = None,
     links: Sequence[str] | None = None,
+    cell_links: Mapping[tuple[int, int], str] | None = None,
 ) -> str:
     """A Markdown table of ``rows`` (cells formatted by :func:`cell`, made inert by :func:`md_text`).
 
     ``bold`` maps a column index to the row indices shown in bold; ``links`` gives each row's first
-    cell a link target.
+    cell a link target, ``cell_links`` any cell's, by (row, column), row -1 being the header.
     """
     bold = bold or {}
-    lines = ["| " + " | ".join(_md(h) for h in head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    for i, row in enumerate(rows):
-        cells = []
-        for j, value in enumerate(row):
-            text = _md(value)
-            if j == 0 and links:
-                text = f"[{text}]({md_url(links[i])})"
-            elif i in bold.get(j, ()):
-                text = f"**{text}**"
-            cells.append(text)
-        lines.append("| " + " | ".join(cells) + " |")
+    targets = dict(cell_links or {})
+    targets.update({(i, 0): url for i, url in enumerate(links or ())})
+
+    def text(i: int, j: int, value: Any) -> str:
+        s = _md(value)
+        if (i, j) in targets:
+            return f"[{s}]({md_url(targets[i, j])})"
+        return f"**{s}**" if i in bold.get(j, ()) else s
+
+    lines = [
+        "| " + " | ".join(text(-1, j, h) for j, h in enumerate(head)) + " |",
+        "|" + "|".join("---" for _ in head) + "|",
+    ]
+    lines += ["| " + " | ".join(text(i, j, v) for j, v in enumerate(row)) + " |" for i, row in enumerate(rows)]
     return "\n".join(lines)
 
 

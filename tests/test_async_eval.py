@@ -98,7 +98,7 @@ def test_validations_land_in_the_run_at_their_checkpoints_steps(async_run):
     assert len(ckpts) == 2 and 0 < min(ckpts) < max(ckpts) == steps
     client = MlflowClient(tracking_uri=cfg.tracking.uri)
     history = {m.step: m.value for m in client.get_metric_history(s.mlflow_run_id, "eval/recall_at_1")}
-    map_r = {m.step: m.value for m in client.get_metric_history(s.mlflow_run_id, "eval/map_at_r")}
+    map_r = {m.step: m.value for m in client.get_metric_history(s.mlflow_run_id, "eval/ranking/map_at_r")}
     assert sorted(history) == sorted(map_r) == sorted(ckpts)
     for step, path in ckpts.items():  # the same numbers an evaluation of the checkpoint's own weights gives
         model = load_model(path / "model.pt")[0]
@@ -187,12 +187,25 @@ def test_the_validation_task_records_logs_and_exports_the_best(env, tmp_path):
         )
         assert got == {f"eval/{k}": v for k, v in want[step].items()}
     client = MlflowClient(tracking_uri=cfg.tracking.uri)
-    logged = {m.step: m.value for m in client.get_metric_history(run.run_id, "eval/map_at_r")}
-    assert logged == {s: want[s]["map@r"] for s in (3, 6, 9)}
-    assert client.get_metric_history(run.run_id, "initial/map_at_r")[0].value == want[0]["map@r"]
+    # the untrained model's evaluation is the step-0 point of the same series; counts are tags
+    logged = {m.step: m.value for m in client.get_metric_history(run.run_id, "eval/ranking/map_at_r")}
+    assert logged == {s: want[s]["map@r"] for s in (0, 3, 6, 9)}
+    tags = client.get_run(run.run_id).data.tags
+    assert tags["dmltrain.eval.num_queries"] == f"{want[9]['num_queries']:g}" and "eval/num_queries" not in str(
+        client.get_run(run.run_id).data.metrics
+    )
     record = load_record(context["storage_dir"])
     trained = {s: want[s]["recall@1"] for s in (3, 6, 9)}
     best = max(sorted(trained), key=lambda s: trained[s])  # the first of equal values stays the best
     assert (record.best_step, record.step, record.initial_metrics, record.last_metrics) == (best, 9, want[0], want[9])
     exported = torch.load(Path(context["storage_dir"]) / "best_model" / "model.pt", weights_only=True)
     assert exported["extra"] == {"step": best, "metrics": want[best]}
+    # the description's results: final, best (when another step) and the gain over the untrained model
+    note = tags["mlflow.note.content"]
+    gain = 100 * (max(want[9]["recall@1"], want[best]["recall@1"]) - want[0]["recall@1"])
+    assert f"**recall@1 {want[9]['recall@1']:.4f}** at step 9 (final)" in note and f"{gain:+.1f} points" in note
+    assert (f"best {want[best]['recall@1']:.4f} at step {best}" in note) == (best != 9)
+    # one best_model however often it improved, tagged with its step and score
+    models = client.search_logged_models([run.experiment_id])
+    (best_model,) = [m for m in models if m.name == "best_model" and m.source_run_id == run.run_id]
+    assert best_model.tags["step"] == str(best) and best_model.tags["recall_at_1"] == f"{want[best]['recall@1']:.4f}"

@@ -37,6 +37,9 @@ RUNS = {
         0.12,
     ),
 }
+# images/s per log window: the first holds the start-up; the report reads the median of the others
+SPEED = {"trial-a": [300.0, 1000.0, 1040.0, 1010.0], "trial-b": [200.0, 990.0, 995.0], "solo": [100.0, 800.0, 1200.0]}
+STEADY = {"trial-a": 1010.0, "trial-b": 992.5, "solo": 1000.0}
 EXPECTED_DIFF = sorted(
     k for k in {k for _, p, *_ in RUNS.values() for k in p} if len({RUNS[n][1].get(k) for n in RUNS}) > 1
 )
@@ -77,19 +80,21 @@ def store(tmp_path_factory):
             tags["mlflow.parentRunId"] = parent.info.run_id
         run = client.create_run(exp_id, run_name=name, tags=tags, start_time=10_000 * (i + 1))
         rid = ids[name] = run.info.run_id
-        metrics = [Metric("loss", v, 0, s) for s, v in enumerate(loss)]
-        metrics += [Metric("eval/recall_at_1", v, 0, s) for s, v in evals]
+        metrics = [Metric("batch/loss", v, 0, s) for s, v in enumerate(loss)]
+        # the untrained model's evaluation is the step-0 point of the same series
+        metrics += [Metric("eval/recall_at_1", v, 0, s) for s, v in [(0, initial), *evals]]
         metrics += [Metric("eval/recall_at_2", min(1.0, v + 0.1), 0, s) for s, v in evals]
-        metrics += [Metric("eval/map_at_r", v / 2, 0, s) for s, v in evals]
+        metrics += [Metric("eval/ranking/map_at_r", v / 2, 0, s) for s, v in evals]
         metrics += [Metric("eval/binary/recall_at_1", v - 0.05, 0, s) for s, v in evals]
         metrics += [Metric("eval/binary/recall_at_2", v, 0, s) for s, v in evals]  # in the CSV only
-        metrics += [Metric("eval/num_queries", 160.0, 0, s) for s, _ in evals]  # bookkeeping, not a metric
+        metrics += [Metric("eval/num_queries", 160.0, 0, s) for s, _ in evals]  # an older run's bookkeeping
+        metrics += [Metric("images_per_s", v, 0, s) for s, v in enumerate(SPEED[name])]
         metrics += [
-            Metric("initial/recall_at_1", initial, 0, 0),
-            Metric("images_per_s", 1000.0 + i, 0, 4),
             Metric("system/cpu_utilization_percentage", 50.0, 0, 4),
-            Metric("lr", 0.01, 0, 4),
+            Metric("batch/lr", 0.01, 0, 4),
         ]
+        tags["mlflow.note.content"] = f"**{name}: what it trained**\n\n- **Data**: `x`\n\n### Results\n\n- done"
+        client.set_tag(rid, "mlflow.note.content", tags["mlflow.note.content"])
         client.log_batch(
             rid, metrics=metrics, params=[Param(k, v) for k, v in {**params, "train.run_name": name}.items()]
         )
@@ -122,48 +127,93 @@ def test_children_replace_their_parent_in_start_order(full_report):
     assert [r.name for r in rep.records] == ["trial-a", "trial-b", "solo"]
 
 
+def _name(cell: str) -> str:
+    return cell.split("]")[0].lstrip("[") if cell.startswith("[") else cell
+
+
+def by_label(rows: list[list[str]]) -> dict[str, list[str]]:
+    return {r[0]: r[1:] for r in rows}
+
+
 def test_runs_table_shows_exactly_the_params_that_differ(full_report, store):
     rep, out = full_report
     head, rows = md_table(rep.markdown.read_text(), "Runs")
-    assert head == ["run", "status", "started", "duration", *EXPECTED_DIFF]
+    # three runs: one column each (the table fits a page), a row per param that differs
+    assert head[0] == "" and [_name(h) for h in head[1:]] == ["trial-a", "trial-b", "solo"]
+    for h, name in zip(head[1:], ["trial-a", "trial-b", "solo"]):
+        url = f"{UI}/#/experiments/{store['exp_id']}/runs/{store['ids'][name]}?workflowType=machine_learning"
+        assert h == f"[{name}]({url})"
+    assert [r[0] for r in rows] == ["status", "started", "duration", *EXPECTED_DIFF]
     assert EXPECTED_DIFF == ["loss.classifier.sample_ratio", "loss.instance.kind", "optim.lr"]
-    assert len(rows) == 3
-    for row, name in zip(rows, ["trial-a", "trial-b", "solo"]):
-        assert row[0] == f"[{name}]({UI}/#/experiments/{store['exp_id']}/runs/{store['ids'][name]})"
-        assert row[1] == "FINISHED" and row[3] == "1m35s"
-        assert row[4:] == [RUNS[name][1].get(k, "—") for k in EXPECTED_DIFF]
+    cells = by_label(rows)
+    assert cells["status"] == ["FINISHED"] * 3 and cells["duration"] == ["1m35s"] * 3
+    for k in EXPECTED_DIFF:
+        assert cells[k] == [RUNS[n][1].get(k, "—") for n in ("trial-a", "trial-b", "solo")]
 
 
-def test_final_metrics_best_values_and_best_step(full_report):
+def test_final_metrics_best_only_among_comparable_runs(full_report):
     rep, _ = full_report
     head, rows = md_table(rep.markdown.read_text(), "Final metrics")
-    assert head == [
-        "run",
-        "eval/recall@1",
-        "eval/recall@2",
-        "eval/map@r",
-        "eval/binary/recall@1",
-        "initial/recall@1",
-        "loss",
-        "images_per_s",
+    names = ["trial-a", "trial-b", "solo"]
+    assert head[0] == "metric" and [_name(h) for h in head[1:]] == names
+    assert [r[0] for r in rows] == [
+        "recall@1",
+        "recall@2",
+        "map@r",
+        "binary/recall@1",
+        "untrained recall@1",
+        "loss (last)",
+        "images/s",
         "best recall@1 (step)",
     ]
-    by_name = {r[0].split("]")[0][1:]: r for r in rows}
-    finals = {n: RUNS[n][3][-1][1] for n in RUNS}
-    winner = max(finals, key=finals.get)
-    for name, row in by_name.items():
-        _, _, loss, evals, initial = RUNS[name]
-        r1 = f"{evals[-1][1]:.4f}"
-        assert row[1] == (f"**{r1}**" if name == winner else r1)
-        assert row[5] == (f"**{initial:.4f}**" if initial == max(r[4] for r in RUNS.values()) else f"{initial:.4f}")
-        assert row[6].strip("*") == f"{loss[-1]:.4f}" and row[6].startswith("**") == (
-            loss[-1] == min(r[2][-1] for r in RUNS.values())
-        )
-        best_step, best = max(evals, key=lambda sv: sv[1])
-        assert row[-1] == f"{best:.4f} ({best_step})"  # trial-b: best 0.30 at step 2, final 0.25
+    cells = by_label(rows)
+    finals = [RUNS[n][3][-1][1] for n in names]
+    # every run was evaluated on the same data: one group for the evaluation metrics
+    assert cells["recall@1"] == [f"**{v:.4f}**" if v == max(finals) else f"{v:.4f}" for v in finals]
+    initial = [RUNS[n][4] for n in names]
+    assert cells["untrained recall@1"] == [f"**{v:.4f}**" if v == max(initial) else f"{v:.4f}" for v in initial]
+    # the loss of solo (half the classes, plus ICE) is not comparable with the trials': only they compete
+    losses = [RUNS[n][2][-1] for n in names]
+    assert cells["loss (last)"] == [f"**{losses[0]:.4f}**", f"{losses[1]:.4f}", f"{losses[2]:.4f}"]
+    # speed: the median of the windows after the first, the same aggregation as the study's
+    assert cells["images/s"] == [f"**{STEADY['trial-a']:,.1f}**", f"{STEADY['trial-b']:,.1f}", f"{STEADY['solo']:,.1f}"]
+    for n, cell in zip(names, cells["best recall@1 (step)"]):
+        best_step, best = max(RUNS[n][3], key=lambda sv: sv[1])
+        assert cell == f"{best:.4f} ({best_step})"  # trial-b: best 0.30 at step 2, final 0.25
     md = rep.markdown.read_text()
-    assert "system/" not in md and "| lr |" not in md and "num_queries" not in md and "binary/recall@2" not in md
-    assert by_name["solo"][7] == "**1,002.0**"
+    assert "system/" not in md and "batch/lr" not in md and "num_queries" not in md and "binary/recall@2" not in md
+    assert "among the runs it can be compared with" in md
+
+
+def test_comparable_groups_and_many_runs_as_rows():
+    from dmltrain.report.compare import best_cells, comparable_groups, metric_columns, metrics_table
+    from dmltrain.report.runs import RunRecord
+
+    def rec(i, ratio, shards, r1, loss):
+        return RunRecord(
+            f"id{i}",
+            f"r{i}",
+            "1",
+            "FINISHED",
+            0,
+            1000,
+            {"loss.classifier.sample_ratio": ratio, "data.shards": shards},
+            {"eval/recall_at_1": r1, "batch/loss": loss},
+            {},
+            {"batch/loss": [(1, loss)]},
+        )
+
+    recs = [rec(0, "1", "a", 0.5, 2.0), rec(1, "1", "a", 0.6, 3.0), rec(2, "0.1", "a", 0.7, 1.0)]
+    recs += [rec(i, "0.1", "b", 0.9, 0.5) for i in range(3, 8)]
+    assert comparable_groups(recs, "eval") == [[0, 1, 2], [3, 4, 5, 6, 7]]
+    assert comparable_groups(recs, "loss") == [[0, 1], [2], [3, 4, 5, 6, 7]]
+    cols = metric_columns(recs)
+    assert [c.header for c in cols] == ["recall@1", "loss (last)"]
+    # recall@1: 0.7 is the best on shards a, the five equal runs on b all are; loss: run 2 has no peer
+    assert best_cells(recs, cols) == {0: {2, 3, 4, 5, 6, 7}, 1: {0, 3, 4, 5, 6, 7}}
+    t = metrics_table(recs, [f"u{i}" for i in range(8)])  # eight runs: one row each
+    assert t.head == ["run", "recall@1", "loss (last)", "best recall@1 (step)"] and len(t.rows) == 8
+    assert (2, 1) in t.bold and (2, 2) not in t.bold and t.links[(7, 0)] == "u7"
 
 
 def test_overlaid_curves(full_report):
@@ -186,11 +236,13 @@ def test_html_is_self_contained_and_links_to_mlflow(full_report, store):
     assert len(srcs) == 2 + 2 * 2  # two overlays; two plot kinds for each of the two runs with plots
     for src in srcs:
         assert src.startswith("data:image/png;base64,") and base64.b64decode(src.split(",", 1)[1]).startswith(PNG)
-    for name in RUNS:
-        assert f'href="{UI}/#/experiments/{store["exp_id"]}/runs/{store["ids"][name]}"' in page
+    for name in RUNS:  # each run's page, opening in MLflow's model-training view
+        url = f"{UI}/#/experiments/{store['exp_id']}/runs/{store['ids'][name]}?workflowType=machine_learning"
+        assert f'href="{url}"' in page
+    assert page.count("<b>Data</b>") == 3  # each run's description
     assert store["ids"]["tune-parent"] not in page.split("compare-runs")[0]  # the parent is not a compared row
     compare = re.search(r'href="([^"]*compare-runs[^"]*)"', page).group(1)
-    assert all(store["ids"][n] in compare for n in RUNS)
+    assert all(store["ids"][n] in compare for n in RUNS) and compare.endswith("workflowType=machine_learning")
     for href in re.findall(r'href="(runs/[^"]+)"', page):  # earlier plots: linked files that exist
         assert (out / href).is_file()
     assert "<td" in page and "/shared/runs/trial-a" in page
@@ -208,8 +260,9 @@ def test_each_runs_plots_are_copied_and_the_latest_shown(full_report):
     with open(rep.csv) as f:
         rows = list(csv.DictReader(f))
     assert [r["run"] for r in rows] == ["trial-a", "trial-b", "solo"]
-    assert float(rows[1]["eval/recall@1"]) == RUNS["trial-b"][3][-1][1] and rows[2]["loss.instance.kind"] == "ice"
-    assert float(rows[0]["eval/binary/recall@2"]) == RUNS["trial-a"][3][-1][1] and "eval/num_queries" not in rows[0]
+    assert float(rows[1]["recall@1"]) == RUNS["trial-b"][3][-1][1] and rows[2]["loss.instance.kind"] == "ice"
+    assert float(rows[0]["binary/recall@2"]) == RUNS["trial-a"][3][-1][1] and "num_queries" not in rows[0]
+    assert float(rows[0]["images/s"]) == STEADY["trial-a"] and float(rows[0]["untrained recall@1"]) == 0.10
 
 
 def test_choosing_runs_by_parent_name_and_id(store, tmp_path, capsys):
@@ -218,12 +271,9 @@ def test_choosing_runs_by_parent_name_and_id(store, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "trial-a" in out and "trial-b" in out and "solo" not in out and "report of 2 runs" in out
     assert main([*args, "--runs", f"solo,{store['ids']['trial-a']}", "--out", str(tmp_path / "b")]) == 0
-    _, rows = md_table((tmp_path / "b" / "report.md").read_text(), "Runs")
-    assert [r[0].split("]")[0][1:] for r in rows] == ["solo", "trial-a"]
-    assert md_table((tmp_path / "b" / "report.md").read_text(), "Runs")[0][4:] == [
-        "loss.classifier.sample_ratio",
-        "loss.instance.kind",
-    ]
+    head, rows = md_table((tmp_path / "b" / "report.md").read_text(), "Runs")
+    assert [_name(h) for h in head[1:]] == ["solo", "trial-a"]
+    assert [r[0] for r in rows][3:] == ["loss.classifier.sample_ratio", "loss.instance.kind"]
 
 
 def test_unknown_input_is_one_line_and_nonzero(store, tmp_path, monkeypatch, capsys):
@@ -247,13 +297,17 @@ def test_single_run_report(store, tmp_path):
 
     rep = build_report("dml-exp", ["solo"], tmp_path, store["uri"], UI, progress=False)
     md = rep.markdown.read_text()
-    assert "One run: no params to compare." in md and md_table(md, "Runs")[0] == [
-        "run",
-        "status",
-        "started",
-        "duration",
-    ]
+    # what was trained (the run's description), on what, how well: its evaluations step by step
+    assert md.startswith("# Experiment `dml-exp`: run solo") and "## What was trained" in md
+    assert "**solo: what it trained**" in md and "#### Results" in md
+    assert "All runs share" not in md and "compare in MLflow" not in md
+    head, rows = md_table(md, "Evaluations")
+    assert head == ["step", "recall@1", "recall@2", "map@r", "binary/recall@1"]
+    _, _, _, evals, initial = RUNS["solo"]
+    assert [r[0] for r in rows] == ["0 (untrained)", *(str(s) for s, _ in evals)]
+    assert rows[0][1:] == [f"{initial:.4f}", "—", "—", "—"] and rows[-1][1] == f"{evals[-1][1]:.4f}"
     assert "**" not in md_table(md, "Final metrics")[1][0][1]  # nothing to be best against
+    assert "<b>solo: what it trained</b>" in rep.html.read_text()
     with pytest.raises(UserError, match="--max-runs"):
         from argparse import Namespace
 

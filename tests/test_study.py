@@ -1,11 +1,12 @@
 """``dmltrain study subsampling``: inputs, the table and plots, and a real two-point study on Ray.
 
-The Ray test runs the CLI on a synthetic config of 16 classes asked for 12 (``--classes 12``),
-so the study builds and caches the 12-class shards beside the config's, then trains two points
-(ratios 1 and 0.75) at once. The table is checked against the MLflow runs read back here and
-against what the sampler must do: one worker holding all 12 rows activates 12 of them at ratio
-1 and round(0.75 × 12) = 9 at 0.75 (more than the 6 classes of a batch). A ``dmltrain report``
-over the study closes the loop.
+The trade-off (each point against ratio 1, seed by seed, with its spread) is checked on fixed fake
+runs whose figures are worked out by hand in the test. The Ray test runs the CLI on a synthetic
+config of 16 classes asked for 12 (``--classes 12``), so the study builds and caches the 12-class
+shards beside the config's, then trains two points (ratios 1 and 0.75) at once. The table and the
+parent run are checked against the MLflow runs read back here and against what the sampler must do:
+one worker holding all 12 rows activates 12 of them at ratio 1 and round(0.75 × 12) = 9 at 0.75
+(more than the 6 classes of a batch). A ``dmltrain report`` over the study closes the loop.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from cluster import study as st
+from cluster import study_results as sr
 from dmltrain.cli import main
 from dmltrain.config import load_config
 from dmltrain.errors import UserError
@@ -33,6 +35,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def test_ratios_and_classes_parse_or_name_the_flag():
     assert st.parse_ratios("1, 0.01,0.1,1") == [1.0, 0.1, 0.01]
     assert st.parse_classes("11318,1000") == [1000, 11318] and st.parse_classes(None) is None
+    assert st.parse_classes("1e6,1e4,100000") == [10_000, 100_000, 1_000_000]
     for text, words in (
         ("1,x", "'x' is not a number"),
         ("0", "0 is not a share of classes in (0, 1]"),
@@ -42,9 +45,38 @@ def test_ratios_and_classes_parse_or_name_the_flag():
         with pytest.raises(UserError) as e:
             st.parse_ratios(text)
         assert str(e.value).startswith(f"--ratios: {words}")
-    for text, words in (("10,ten", "'ten' is not an integer"), ("1", "1 classes is too few")):
+    for text, words in (("10,ten", "'ten' is not a number"), ("1", "1 classes is too few"), ("1e4,2.5", "2.5 is not")):
         with pytest.raises(UserError, match=f"^--classes: {words}"):
             st.parse_classes(text)
+
+
+def test_points_name_their_runs_distinguishing_part_first_and_set_their_overrides(tmp_path):
+    cfg = load_config(DEMO)
+    points = st.plan_points([1.0, 0.1], {100_000: "/s/100k", 1_000_000: "/s/1M"}, 2, "study-demo-x", seed=7)
+    assert [p.label for p in points] == ["r1-c100k", "r0.1-c100k", "r1-c1M", "r0.1-c1M"]
+    p = points[1]
+    assert [(r.seed, r.run_name) for r in p.repeats] == [
+        (7, "r0.1-c100k-s7-study-demo-x"),
+        (8, "r0.1-c100k-s8-study-demo-x"),
+    ]
+    one = st.plan_points([0.5], {12: "/s/12"}, 1, "sub", seed=0)
+    assert one[0].repeats[0].run_name == "r0.5-c12-sub"
+    run_cfg = st.point_config(cfg, p, p.repeats[1], str(tmp_path / "runs"))
+    assert (run_cfg.loss.classifier.sample_ratio, run_cfg.data.shards, run_cfg.data.synthetic.classes) == (
+        0.1,
+        "/s/100k",
+        100_000,
+    )
+    assert (run_cfg.train.seed, run_cfg.train.run_name, run_cfg.cluster.storage_path) == (
+        8,
+        "r0.1-c100k-s8-study-demo-x",
+        str(tmp_path / "runs"),
+    )
+    # the parent run's params: what the points share, never a value one point overrides
+    params = st.study_params(cfg, points, 2)
+    assert "loss.classifier.sample_ratio" not in params and "data.shards" not in params and "train.seed" not in params
+    assert params["study.ratios"] == "1,0.1" and params["study.classes"] == "100000,1000000"
+    assert params["study.repeats"] == 2 and params["study.seeds"] == "7,8" and params["optim.lr"] == cfg.optim.lr
 
 
 def test_synthetic_shards_of_other_class_counts_sit_beside_the_configs():
@@ -88,47 +120,107 @@ def test_cli_refuses_a_study_without_a_classifier_or_classes_of_a_real_dataset(t
 
 
 def test_history_summaries():
-    assert st.summarise_history([50.0, 100.0, 120.0, 110.0], "median") == 110.0  # the first window (start-up) left out
-    assert st.summarise_history([50.0], "median") == 50.0
+    assert st.summarise_history([50.0, 100.0, 120.0, 110.0], "steady") == 110.0  # the first window (start-up) left out
+    assert st.summarise_history([50.0], "steady") == 50.0 and st.summarise_history([1.0, 2.0], "last") == 2.0
     assert st.summarise_history([1.0, float("nan"), 3.0], "mean") == 2.0
     assert st.summarise_history([1.0, 3.0, 2.0], "max") == 3.0
     assert math.isnan(st.summarise_history([], "max"))
 
 
-def test_outputs_from_points(tmp_path):
-    points = []
-    for n in (100, 1000):
-        for r in (1.0, 0.1, 0.01):
-            p = st.Point(r, n, "/s", st.point_run_name("s", r, n), status="finished")
-            p.recalls = {1: 0.5 + 0.2 * r, 10: 0.9}
-            p.stats = {
-                "images/s": 1000 / (1 + r),
-                "step ms": 10 * (1 + r),
-                "classifier MB": n / 100,
-                "RSS MB": 900.0,
-                "active rows": n * r,
-                "active classes": n * r,
-            }
-            points.append(p)
-    points.append(st.Point(0.001, 1000, "/s", "s-c1000-r0.001", status="failed", error="boom"))
-    summary = st.StudySummary("s", [1, 10], points, tmp_path / "out", {}, None, "", 1.0)
-    files = st.write_outputs(summary)
-    assert set(files) == {"study.md", "study.csv", "recall_vs_ratio.png", "cost_vs_ratio.png", "vs_classes.png"}
-    for name in ("recall_vs_ratio.png", "cost_vs_ratio.png", "vs_classes.png"):
+def _fake_study(tmp_path):
+    """Two class counts; at 100 classes ratios 1 and 0.1, three seeds, seed 2 failed at ratio 1."""
+    from cluster.study_results import Repeat
+
+    def run(seed, r1, step, wall, mb=2.0, ok=True):
+        values = {"recall@1": r1, "recall@10": 0.95, "step ms": step, "classifier MB": mb, "wall s": wall}
+        return Repeat(
+            seed, f"x-s{seed}", "finished" if ok else "failed", values if ok else {}, error=None if ok else "boom"
+        )
+
+    points = st.plan_points([1.0, 0.1], {100: "/s/100", 1000: "/s/1k"}, 3, "s", seed=0)
+    runs = {
+        "r1-c100": [run(0, 0.80, 100.0, 60.0), run(1, 0.82, 110.0, 70.0), run(2, 0, 0, 0, ok=False)],
+        "r0.1-c100": [run(0, 0.78, 50.0, 40.0), run(1, 0.79, 44.0, 30.0), run(2, 0.90, 47.0, 35.0)],
+        "r1-c1k": [run(0, 0.70, 400.0, 200.0), run(1, 0.72, 420.0, 210.0), run(2, 0.71, 410.0, 205.0)],
+        "r0.1-c1k": [run(0, 0.69, 100.0, 90.0), run(1, 0.70, 105.0, 95.0), run(2, 0.70, 110.0, 100.0)],
+    }
+    for p in points:
+        p.repeats = runs[p.label]
+    return sr.StudySummary("s", [1, 10], points, tmp_path / "out", {}, None, "", 1.0)
+
+
+def test_the_trade_off_against_ratio_1_seed_by_seed(tmp_path):
+    from cluster.study_results import RELATIVES, reference_of, relative, stat
+
+    summary = _fake_study(tmp_path)
+    r1, r01 = summary.points[0], summary.points[1]
+    assert reference_of(r01, summary.points) is r1 and reference_of(summary.points[3], summary.points).label == "r1-c1k"
+    delta, speed, memory = (relative(r01, r1, rel) for rel in RELATIVES)
+    # seed 2 failed at ratio 1, so only seeds 0 and 1 pair: Δ = -2.0 and -3.0 points, speed-up 100/50 and 110/44
+    assert (delta.mean, delta.n) == (pytest.approx(-2.5), 2) and delta.sd == pytest.approx(math.sqrt(0.5))
+    assert (speed.mean, speed.n) == (pytest.approx(2.25), 2) and speed.sd == pytest.approx(math.sqrt(2 * 0.25**2))
+    assert (memory.mean, memory.sd) == (1.0, 0.0)
+    # absolute figures use every finished seed: (0.78 + 0.79 + 0.90) / 3
+    assert stat(r01, "recall@1").mean == pytest.approx(0.82333333) and stat(r1, "recall@1").n == 2
+    assert relative(r1, r1, RELATIVES[0]).text(2) == "0.00 ± 0.00"
+    head, rows = sr.table(summary)
+    assert head == ["point", "r1-c100", "r0.1-c100", "r1-c1k", "r0.1-c1k"]
+    cells = {r[0]: r[1:] for r in rows}
+    assert cells["runs"] == ["2/3", "3/3", "3/3", "3/3"]
+    assert cells["Δ recall@1 (points)"][1] == "-2.50 ± 0.71" and cells["speed-up (×)"][1] == "2.25 ± 0.35"
+    # at 1000 classes: Δ -1, -2, -1 points; speed-up 4, 4, 3.7273
+    assert cells["Δ recall@1 (points)"][3] == f"{-4 / 3:.2f} ± {statistics.stdev([-1, -2, -1]):.2f}"
+    assert cells["speed-up (×)"][3] == f"{(4 + 4 + 410 / 110) / 3:.2f} ± {statistics.stdev([4, 4, 410 / 110]):.2f}"
+    assert cells["wall s"][1] == "35 ± 5" and cells["recall@1"][0] == "0.8100 ± 0.0141"
+    metrics = sr.parent_metrics(summary)
+    assert metrics["change/delta_recall_at_1_points/r0.1-c100"] == pytest.approx(-2.5)
+    assert metrics["change/speedup/r0.1-c100"] == pytest.approx(2.25)
+    assert metrics["value/recall_at_1/r1-c100"] == pytest.approx(0.81) and not any(
+        "change/" in k and "r1-" in k for k in metrics
+    )
+    text = sr.describe_study(summary, "Each run: ...")
+    assert "- **r0.1-c100**: Recall@1 -2.50 ± 0.71 points, 2.25 ± 0.35× step speed" in text
+    assert "- **r1-c100** (the reference): 105.0 ms per step, 65 s per run" in text
+    assert text.index("r0.1-c1k**:") < text.index("r1-c100** (the reference)")  # the changes first
+    # a variant (a later study's sampling mode) without its own ratio-1 point is compared with the full softmax
+    variants = st.plan_points([1.0, 0.1], {100: "/s"}, 1, "v", 0, [("uniform", {}), ("hard", {"x.y": 1})])
+    assert [p.label for p in variants] == ["uniform-r1-c100", "uniform-r0.1-c100", "hard-r1-c100", "hard-r0.1-c100"]
+    assert variants[3].overrides["x.y"] == 1 and variants[3].repeats[0].run_name == "hard-r0.1-c100-v"
+    for p in variants:
+        p.repeats[0].status = "finished"
+    variants[2].repeats[0].status = "failed"
+    assert reference_of(variants[3], variants) is variants[0] and reference_of(variants[1], variants) is variants[0]
+
+
+def test_outputs_of_a_study(tmp_path):
+    summary = _fake_study(tmp_path)
+    files = sr.write_outputs(summary)
+    assert set(files) == {
+        "study.md",
+        "study.csv",
+        "study_runs.csv",
+        "tradeoff.png",
+        "recall_vs_ratio.png",
+        "vs_classes.png",
+    }
+    for name in ("tradeoff.png", "recall_vs_ratio.png", "vs_classes.png"):
         assert files[name].read_bytes()[:8] == PNG
-    rows = list(csv.DictReader(files["study.csv"].open()))
-    assert [(float(r["ratio"]), int(r["classes"]), r["status"]) for r in rows][:2] == [
-        (1.0, 100, "finished"),
-        (0.1, 100, "finished"),
-    ]
-    assert rows[-1]["status"] == "failed" and rows[-1]["recall@1"] == "" and rows[-1]["run"] == "s-c1000-r0.001"
-    assert float(rows[1]["recall@1"]) == pytest.approx(0.52) and float(rows[4]["active rows"]) == pytest.approx(100.0)
     md = files["study.md"].read_text()
-    assert "| ratio | classes | status | recall@1 | recall@10 | images/s | step ms | classifier MB |" in md
+    assert "| point | r1-c100 | r0.1-c100 | r1-c1k | r0.1-c1k |" in md and "compare each point with ratio 1" in md
+    # the classifier memory is the same everywhere: not plotted, and said so
+    assert "Not plotted (the same at every ratio): classifier memory 2.000 MB at 100 classes, 2.000 MB at 1,000" in md
+    rows = list(csv.DictReader(files["study.csv"].open()))
+    assert [r["point"] for r in rows] == ["r1-c100", "r0.1-c100", "r1-c1k", "r0.1-c1k"]
+    assert float(rows[1]["Δ recall@1 (points)"]) == pytest.approx(-2.5) and rows[0]["runs"] == "2"
+    runs = list(csv.DictReader(files["study_runs.csv"].open()))
+    assert len(runs) == 12 and runs[2]["status"] == "failed" and runs[2]["error"] == "boom"
     assert not list((tmp_path / "out").glob(".*.tmp"))  # atomic writes leave nothing behind
-    # one class count: no plot against the number of classes
-    one = st.StudySummary("s", [1, 10], points[:3], tmp_path / "one", {}, None, "", 1.0)
-    assert "vs_classes.png" not in st.write_outputs(one)
+    # one class count, one seed: no plot against the number of classes, no spread
+    one = sr.StudySummary("s", [1, 10], summary.points[:2], tmp_path / "one", {}, None, "", 1.0)
+    for p in one.points:
+        p.repeats = p.repeats[:1]
+    assert "vs_classes.png" not in sr.write_outputs(one)
+    assert "one seed per point: no spread" in (tmp_path / "one" / "study.md").read_text()
 
 
 # -- a real study ---------------------------------------------------------------------------------------------
@@ -200,6 +292,8 @@ def study(tmp_path_factory):
 @pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_two_point_study_writes_its_table_and_plots_under_one_parent_run(study, capsys):
+    from dmltrain.tracking.queries import steady_state
+
     assert study["rc"] == 0
     client, exp, out, root = study["client"], study["exp"], study["out"], study["root"]
     # the 12-class shards were built beside the config's 16-class ones and used by both points
@@ -213,52 +307,66 @@ def test_two_point_study_writes_its_table_and_plots_under_one_parent_run(study, 
         len(parents) == 1 and parents[0].info.status == "FINISHED" and parents[0].data.tags["dmltrain.kind"] == "study"
     )
     parent = parents[0]
-    assert parent.data.params["study.ratios"] == "1,0.75" and parent.data.params["study.classes"] == "12"
+    params = parent.data.params
+    assert params["study.ratios"] == "1,0.75" and params["study.classes"] == "12" and params["study.repeats"] == "1"
+    # no param of the parent says a value only some points had
+    assert "loss.classifier.sample_ratio" not in params and "data.shards" not in params
     kids = {
         k.data.tags["dmltrain.run_name"]: k
         for k in client.search_runs(
             [exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
         )
     }
-    assert set(kids) == {"sub-c12-r1", "sub-c12-r0.75"}
+    # named with what tells them apart first (MLflow's runs table cuts long names)
+    assert set(kids) == {"r1-c12-sub", "r0.75-c12-sub"}
+    assert {k.info.run_name for k in kids.values()} == set(kids)
+    assert {k.data.tags["dmltrain.study.point"] for k in kids.values()} == {"r1-c12", "r0.75-c12"}
 
-    rows = list(csv.DictReader((out / "study.csv").open()))
-    assert [(r["ratio"], r["classes"], r["status"]) for r in rows] == [
-        ("1.0", "12", "finished"),
-        ("0.75", "12", "finished"),
+    runs = list(csv.DictReader((out / "study_runs.csv").open()))
+    assert [(r["point"], r["seed"], r["status"]) for r in runs] == [
+        ("r1-c12", "0", "finished"),
+        ("r0.75-c12", "0", "finished"),
     ]
-    for row in rows:
+    measured = {}
+    for row in runs:
         kid = kids[row["run"]]
         assert kid.info.status == "FINISHED"
-        assert float(kid.data.params["loss.classifier.sample_ratio"]) == float(row["ratio"])
+        assert float(kid.data.params["loss.classifier.sample_ratio"]) == float(row["point"][1:].split("-")[0])
         assert kid.data.params["data.shards"] == str((root / "syn-12c").resolve())
         for k in (1, 2, 4, 8):  # the final evaluation, as logged by the run
             last = max(client.get_metric_history(kid.info.run_id, f"eval/recall_at_{k}"), key=lambda m: m.step)
             assert float(row[f"recall@{k}"]) == pytest.approx(last.value, rel=1e-12)
-        speeds = [
-            m.value for m in sorted(client.get_metric_history(kid.info.run_id, "images_per_s"), key=lambda m: m.step)
-        ]
-        assert float(row["images/s"]) == pytest.approx(statistics.median(speeds[1:] if len(speeds) > 1 else speeds))
-        assert float(row["step ms"]) > 0 and float(row["classifier MB"]) > 0
+        steps = sorted(client.get_metric_history(kid.info.run_id, "time/step_ms"), key=lambda m: m.step)
+        assert float(row["step ms"]) == pytest.approx(steady_state(m.value for m in steps))
+        assert float(row["classifier MB"]) == float(kid.data.tags["dmltrain.memory.classifier_mb"]) > 0
+        kid = client.get_run(kid.info.run_id)  # the study tagged it after its training
+        assert float(row["wall s"]) == pytest.approx(float(kid.data.tags["dmltrain.study.wall_s"]), abs=0.05)
+        measured[row["point"]] = row
     # one worker holds all 12 rows: every class at ratio 1, round(0.75 x 12) = 9 (> the 6 classes of a batch) at 0.75
-    assert [float(r["active rows"]) for r in rows] == [12.0, 9.0] and [float(r["active classes"]) for r in rows] == [
-        12.0,
-        9.0,
-    ]
+    assert [float(measured[p]["active rows"]) for p in ("r1-c12", "r0.75-c12")] == [12.0, 9.0]
+    assert [float(measured[p]["active classes"]) for p in ("r1-c12", "r0.75-c12")] == [12.0, 9.0]
 
-    for name in ("recall_vs_ratio.png", "cost_vs_ratio.png"):
-        assert (out / name).read_bytes()[:8] == PNG
-    assert not (out / "vs_classes.png").exists()
+    # the point at 0.75 against ratio 1: the same figures in the CSV and among the parent's metrics
+    ref, pt = measured["r1-c12"], measured["r0.75-c12"]
+    delta = 100 * (float(pt["recall@1"]) - float(ref["recall@1"]))
+    speedup = float(ref["step ms"]) / float(pt["step ms"])
+    rows = {r["point"]: r for r in csv.DictReader((out / "study.csv").open())}
+    assert float(rows["r0.75-c12"]["Δ recall@1 (points)"]) == pytest.approx(delta)
+    assert float(rows["r0.75-c12"]["speed-up (×)"]) == pytest.approx(speedup)
+    metrics = parent.data.metrics
+    assert metrics["change/delta_recall_at_1_points/r0.75-c12"] == pytest.approx(delta)
+    assert metrics["change/speedup/r0.75-c12"] == pytest.approx(speedup) and "change/speedup/r1-c12" not in metrics
+    note = parent.data.tags["mlflow.note.content"]
+    assert f"- **r0.75-c12**: Recall@1 {delta:.2f} points, {speedup:.2f}× step speed" in note
+
     md = (out / "study.md").read_text()
-    assert md.startswith("# Class-subsampling study sub") and "| 0.75 | 12 | finished |" in md
+    assert md.startswith("# Class-subsampling study sub") and "| point | r1-c12 | r0.75-c12 |" in md
+    assert "| runs | 1/1 | 1/1 |" in md and "classifier memory" in md  # the same memory at both ratios: not plotted
     arts = {a.path for a in client.list_artifacts(parent.info.run_id, "study")}
-    assert {"study/study.md", "study/study.csv", "study/plots"} <= arts
-    assert {a.path for a in client.list_artifacts(parent.info.run_id, "study/plots")} == {
-        "study/plots/recall_vs_ratio.png",
-        "study/plots/cost_vs_ratio.png",
-    }
+    assert {"study/study.md", "study/study.csv", "study/study_runs.csv", "study/recall_vs_ratio.png"} <= arts
+    assert ("study/tradeoff.png" in arts) == (out / "tradeoff.png").is_file() and "study/vs_classes.png" not in arts
     printed = study["printed"]
-    assert "| ratio | classes | status |" in printed and "2/2 points finished" in printed
+    assert "| point | r1-c12 | r0.75-c12 |" in printed and "2/2 points, 2/2 runs finished" in printed
 
 
 @pytest.mark.ray
@@ -273,6 +381,6 @@ def test_report_over_the_study_compares_its_points(study, tmp_path):
         tracking_uri=f"sqlite:///{study['root'] / 'mlflow.db'}",
         progress=False,
     )
-    assert sorted(r.name for r in rep.records) == ["sub-c12-r0.75", "sub-c12-r1"]
+    assert sorted(r.name for r in rep.records) == ["r0.75-c12-sub", "r1-c12-sub"]
     text = rep.markdown.read_text()
     assert "loss.classifier.sample_ratio" in text and rep.html.is_file()

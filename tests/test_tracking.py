@@ -7,6 +7,7 @@ original module's, at a batch size other than the one it was traced with.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlflow
@@ -18,7 +19,7 @@ from mlflow.entities import LoggedModelStatus, Metric
 
 from dmltrain.config import load_config
 from dmltrain.models import build_model
-from dmltrain.tracking.names import display_key, eval_key, metric_key
+from dmltrain.tracking.names import LOSS, LR, STEP_MS, display_key, eval_key, eval_name, metric_key
 from dmltrain.tracking.queries import best_point, child_runs, find_run, history
 from dmltrain.tracking.run import RunHandle
 
@@ -61,14 +62,20 @@ def test_sqlite_runs_resume_by_name_and_keep_artifacts_beside_the_db(store):
     assert client.get_experiment_by_name("exp").artifact_location == str(
         Path(store[len("sqlite:///") :]).parent / "mlartifacts"
     )
-    assert metric_key("eval/recall@10") == "eval/recall_at_10" and metric_key("eval/map@r") == "eval/map_at_r"
+    assert metric_key("eval/recall@10") == "eval/recall_at_10" and metric_key("eval/map@r") == "eval/ranking/map_at_r"
 
 
 def test_names_map_to_mlflow_keys_and_back():
-    assert eval_key("recall@1") == "eval/recall_at_1" and eval_key("binary/map@r") == "eval/binary/map_at_r"
-    assert metric_key("eval/weird key!") == "eval/weird key_"
-    for name in ("eval/recall@1", "initial/map@r", "loss", "time/step_ms", "eval/binary/recall@1000"):
+    # Recall@K has the eval/ section to itself; the other evaluation metrics sit in groups after it
+    assert eval_key("recall@1") == "eval/recall_at_1" and eval_key("binary/map@r") == "eval/binary/ranking/map_at_r"
+    assert eval_key("nmi") == "eval/clustering/nmi" and metric_key("eval/r_precision") == "eval/ranking/r_precision"
+    assert metric_key("eval/weird key!") == "eval/other/weird key_" and metric_key("x@1 y!") == "x_at_1 y_"
+    for name in ("eval/recall@1", "eval/map@r", "batch/loss", "time/step_ms", "eval/binary/recall@1000", "eval/nmi"):
         assert display_key(metric_key(name)) == name
+    assert eval_name("eval/binary/ranking/map_at_r") == "binary/map@r" and eval_name("batch/loss") is None
+    # MLflow's UI sorts sections by code unit: the objective and the learning rate lead, then Recall@K
+    sections = sorted({k.rsplit("/", 1)[0] for k in (LOSS, LR, eval_key("recall@1"), eval_key("nmi"), STEP_MS)})
+    assert sections[:2] == ["batch", "eval"] and LOSS < LR
 
 
 def _embedding_model():
@@ -78,37 +85,34 @@ def _embedding_model():
 
 def test_log_model_is_an_mlflow3_logged_model_linked_to_its_evaluation(store, capsys):
     run = RunHandle.open(store, "models", "trained", {"optim.lr": 0.1})
-    for step, r1 in ((2, 0.4), (4, 0.6)):
-        run.log_metrics({"loss": 1.0 / step, "eval/recall@1": r1}, step=step)
     model = _embedding_model()
     uri_was_set = mlflow.is_tracking_uri_set()
     example = np.zeros((2, 3, 32, 32), np.float32)
-    better = run.log_model(model, "best_model", step=4, input_example=example)
-    worse = run.log_model(model, "best_model", step=2, input_example=example)
-    assert better and worse and mlflow.is_tracking_uri_set() == uri_was_set  # the process-wide URI is left alone
+    ids = []
+    for step, r1 in ((2, 0.4), (4, 0.6), (6, 0.7)):  # three improvements: one best_model, replaced each time
+        run.log_metrics({"batch/loss": 1.0 / step, "time/step_ms": 9.0, "eval/recall@1": r1}, step=step)
+        ids.append(run.log_model(model, "best_model", step=step, input_example=example, tags={"step": step}))
+    assert all(ids) and mlflow.is_tracking_uri_set() == uri_was_set  # the process-wide URI is left alone
 
     client = MlflowClient(tracking_uri=store)
     exp_id = client.get_experiment_by_name("models").experiment_id
     logged = {m.model_id: m for m in client.search_logged_models([exp_id])}
-    assert set(logged) == {better, worse}
-    m = logged[better]
-    assert (m.name, m.source_run_id, m.status, m.params["optim.lr"]) == (
+    assert set(logged) == {ids[-1]}  # one per kind: the earlier bests are gone
+    m = logged[ids[-1]]
+    assert (m.name, m.source_run_id, m.status, m.params["optim.lr"], m.tags["step"]) == (
         "best_model",
         run.run_id,
         LoggedModelStatus.READY,
         "0.1",
+        "6",
     )
-    assert {(x.key, x.step): x.value for x in m.metrics} == {
-        ("eval/recall_at_1", 4): 0.6,
-        ("loss", 4): 0.25,
-    }  # its step's only
+    # linked to its step's evaluation only (not to the time or loss logged at that step)
+    assert {(x.key, x.step): x.value for x in m.metrics} == {("eval/recall_at_1", 6): 0.7}
     outputs = client.get_run(run.run_id).outputs.model_outputs
-    assert sorted((o.step, o.model_id) for o in outputs) == [(2, worse), (4, better)]
-    assert [s for s, _ in history(client, run.run_id, "eval/recall_at_1")] == [2, 4]  # linking logs no metric twice
-    ranked = client.search_logged_models(
-        [exp_id], order_by=[{"field_name": "metrics.eval/recall_at_1", "ascending": False}]
-    )
-    assert [r.model_id for r in ranked] == [better, worse]
+    assert (6, ids[-1]) in {(o.step, o.model_id) for o in outputs}
+    assert [s for s, _ in history(client, run.run_id, "eval/recall_at_1")] == [2, 4, 6]  # linking logs nothing twice
+    ranked = client.search_logged_models([exp_id], filter_string="metrics.`eval/recall_at_1` > 0.65")
+    assert [r.model_id for r in ranked] == [ids[-1]]
 
     # pt2: loads back without the model's code and computes the same embeddings at any batch size
     loaded = mlflow.pytorch.load_model(m.artifact_location)
@@ -116,6 +120,38 @@ def test_log_model_is_an_mlflow3_logged_model_linked_to_its_evaluation(store, ca
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x))
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_run_describes_itself_and_names_its_data(store, tmp_path):
+    from dmltrain.tracking.datasets import dataset_inputs, split_digest
+    from dmltrain.tracking.description import describe_results, describe_run, with_results
+    from shards.manifest import Manifest
+    from shards.synthetic import build_synthetic_shards
+
+    shards = tmp_path / "syn"
+    build_synthetic_shards(shards, classes=6, per_class=2, image_size=16, seed=0, shard_size=5, progress=False)
+    manifest = Manifest.load(shards)
+    cfg = load_config(None, ["model.backbone=small_cnn", "model.embedding_dim=64", "loss.classifier.sample_ratio=0.5"])
+    params = {"data.remote.retries": 8, "tracking.uri": "x", "data.shards": "s", "model.backbone": "b", "loss.w": 1}
+    run = RunHandle.open(store, "described", "r", params)
+    run.set_description(describe_run(cfg, manifest.summary(), total_steps=30, steps_per_epoch=3))
+    run.log_inputs(dataset_inputs(manifest, "train", ["test"]))
+    results = describe_results("recall@1", {"recall@1": 0.1}, {"recall@1": 0.3}, {"recall@1": 0.35}, 20, 30, 30, True)
+    run.set_description(with_results(run.description(), results))
+
+    got = MlflowClient(tracking_uri=store).get_run(run.run_id)
+    # MLflow lists params as logged: what defines the run first, remote-read plumbing last
+    assert list(got.data.params) == ["model.backbone", "loss.w", "data.shards", "tracking.uri", "data.remote.retries"]
+    note = got.data.tags["mlflow.note.content"]
+    assert note.startswith("**normsoftmax (50% of the classes) on small_cnn → 64-d, 30 steps**\n\n### Results\n\n- **")
+    assert "`syn` (synthetic layout): train 6 classes, 12 images; test 6 classes, 12 images" in note
+    assert "30 steps = 10 epochs" in note and note.count("### Results") == 1 and "no evaluation yet" not in note
+    assert "**recall@1 0.3000** at step 30 (final); best 0.3500 at step 20; untrained 0.1000: **+25.0 points**" in note
+    inputs = {(d.dataset.name, d.tags[0].value): d.dataset for d in got.inputs.dataset_inputs}
+    assert set(inputs) == {("syn", "training"), ("syn", "evaluation")}
+    train = inputs[("syn", "training")]
+    assert train.digest == split_digest(manifest.split("train")) != inputs[("syn", "evaluation")].digest
+    assert str(shards) in train.source and json.loads(train.profile)["images"] == 12
 
 
 class _DataDependent(torch.nn.Module):

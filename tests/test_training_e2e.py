@@ -141,47 +141,59 @@ def test_trains_evaluates_logs_and_checkpoints(env, plain_run):
         and run.data.params["optim.lr"] == "0.003"
         and run.data.params["cluster.num_workers"] == "2"
     )
-    losses = client.get_metric_history(run.info.run_id, "loss")
+    losses = client.get_metric_history(run.info.run_id, "batch/loss")
     assert len(losses) == steps and all(m.value == m.value for m in losses)
     for key in (
         "eval/recall_at_1",
-        "initial/recall_at_1",
-        "eval/map_at_r",
-        "classifier/loss",
+        "eval/ranking/map_at_r",
+        "softmax/loss",
         "instance/loss",
         "images_per_s",
         "time/forward_ms",
-        "lr",
+        "batch/lr",
     ):
         assert key in run.data.metrics, key
-    assert any(k.startswith("classifier/") and "active" in k for k in run.data.metrics)
-    # what tune, study and report read back is what the trainer logs
+    # the untrained model's evaluation is the step-0 point of the same series as every later one
+    recall = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/recall_at_1")}
+    assert min(recall) == 0 and recall[0] == pytest.approx(s.metrics["initial"]["recall@1"])
+    assert recall[steps] == pytest.approx(s.metrics["final"]["recall@1"])
+    assert not any(k.startswith(("initial/", "softmax/active")) or "num_queries" in k for k in run.data.metrics)
+    # what does not change while a run trains is a tag (the classifier's draw, its memory, the evaluation's counts)
     from mlflow.entities import LoggedModelStatus
 
     from dmltrain.tracking import names
 
-    read_back = {
-        names.LOSS,
-        names.IMAGES_PER_S,
-        names.STEP_MS,
-        names.RSS_MB,
-        names.CLASSIFIER_MB,
-        names.ACTIVE_ROWS,
-        names.ACTIVE_CLASSES,
-        names.eval_key("recall@1"),
-        names.initial_key("recall@1"),
-    }
+    tags = run.data.tags
+    # 2 workers, 16 classes: each step's softmax holds round(0.5 x 16) = 8 classes, 8 of them over both shards
+    assert tags[names.ACTIVE_CLASSES_TAG] == "8" and tags[names.ACTIVE_SHARE_TAG] == "0.5"
+    assert 0 < float(tags[names.ACTIVE_ROWS_TAG]) <= 8 and float(tags[names.CLASSIFIER_MB_TAG]) > 0
+    assert tags[names.eval_count_tag("num_queries")] == "96" and tags[names.eval_count_tag("gallery_size")] == "96"
+    # what tune, study and report read back is what the trainer logs
+    read_back = {names.LOSS, names.LR, names.IMAGES_PER_S, names.STEP_MS, names.RSS_MB, names.eval_key("recall@1")}
     assert read_back <= set(run.data.metrics), read_back - set(run.data.metrics)
-    # MLflow 3 logged models: the final model and each new best, each linked to the metrics of its step
+    # the run explains itself: its description (completed at the end) and the shards as its datasets
+    note = tags[names.DESCRIPTION_TAG]
+    assert note.startswith(f"**normsoftmax (50% of the classes) + ice on small_cnn → 64-d, {steps} steps**")
+    assert "`shards` (synthetic layout): train 16 classes, 96 images; test 16 classes, 96 images" in note
+    assert f"**recall@1 {s.metrics['final']['recall@1']:.4f}** at step {steps} (final)" in note
+    assert f"untrained {s.metrics['initial']['recall@1']:.4f}" in note
+    contexts = {d.tags[0].value: d.dataset for d in run.inputs.dataset_inputs}
+    assert set(contexts) == {"training", "evaluation"} and contexts["training"].name == "shards"
+    # MLflow 3 logged models: one per kind (best_model replaced at each improvement), each tagged with its
+    # step and score and linked to the evaluation of its step
     models = [m for m in client.search_logged_models([run.info.experiment_id]) if m.source_run_id == run.info.run_id]
-    assert {m.name for m in models} == {"model", "best_model"} and all(
+    assert sorted(m.name for m in models) == ["best_model", "model"] and all(
         m.status == LoggedModelStatus.READY for m in models
     )
     (final,) = [m for m in models if m.name == "model"]
+    (best,) = [m for m in models if m.name == "best_model"]
     linked = {x.key: x.value for x in final.metrics if x.step == steps}
     assert linked["eval/recall_at_1"] == pytest.approx(s.metrics["final"]["recall@1"])
+    assert best.tags["step"] == str(s.metrics["best_step"])
+    assert best.tags["recall_at_1"] == f"{s.metrics['best']['recall@1']:.4f}"
+    assert {x.key.split("/")[0] for x in best.metrics} == {"eval"}  # its evaluation, not the step's time or memory
     outputs = {o.model_id: o.step for o in client.get_run(run.info.run_id).outputs.model_outputs}
-    assert outputs[final.model_id] == steps and set(outputs) == {m.model_id for m in models}
+    assert outputs[final.model_id] == steps and outputs[best.model_id] == s.metrics["best_step"]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config", "data", "plots", "model", "best_model"} <= artifacts
     assert any(a.path.endswith(".png") for a in client.list_artifacts(run.info.run_id, "plots"))
@@ -244,7 +256,7 @@ def test_worker_killed_mid_run_resumes_to_the_same_weights(env, plain_run, tmp_p
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     # the restarted group resumed from the checkpoint of step 2; the history holds one value per step
     assert runs[0].data.tags["dmltrain.resumed_from_step"] == "2", sorted(runs[0].data.tags)
-    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")]
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "batch/loss")]
     assert sorted(steps) == list(range(1, summary.metrics["step"] + 1)), steps
     # killed and resumed reaches the same weights as the uninterrupted run (CPU, fp32, same seed and W)
     a, b = _final_weights(plain_run), _final_weights(summary)
@@ -384,7 +396,7 @@ def test_a_diverged_loss_stops_the_run_failed_keeping_the_last_good_checkpoint(e
     assert not (run_dir / "model" / "model.pt").exists() and "models:" not in summary.render()
     client, runs = _runs(root, "diverged")
     assert len(runs) == 1 and runs[0].info.status == "FAILED" and runs[0].data.tags[ERROR_TAG] == summary.error
-    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] == [
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "batch/loss")] == [
         1,
         2,
     ]  # nothing logged from step 3
@@ -476,7 +488,7 @@ def test_a_killed_driver_is_resumed_by_config_in_the_same_mlflow_run(env, tmp_pa
     _, runs = _runs(root, name)
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert runs[0].data.tags[RESUMED_FROM_STEP_TAG] == str(saved)
-    history = client.get_metric_history(runs[0].info.run_id, "loss")
+    history = client.get_metric_history(runs[0].info.run_id, "batch/loss")
     steps = [m.step for m in history]
     assert sorted(steps) == list(range(1, latest_checkpoint_step(run_dir) + 1)), steps  # one value per step
     assert RunRecord.read(run_dir).status == "FINISHED" and RunRecord.read(run_dir).generation == 2

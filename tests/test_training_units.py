@@ -248,16 +248,36 @@ def test_train_metrics_average_and_mlflow_names():
     from dmltrain.training.metrics import TrainMetrics, mlflow_names
 
     m = TrainMetrics()
-    m.add({"loss": 1.0, "classifier/loss": torch.tensor(2.0), "active_pairs": 3.0})
-    m.add({"loss": 3.0, "classifier/loss": torch.tensor(4.0), "active_pairs": 5.0})
-    assert m.summary() == {"loss": 2.0, "classifier/loss": 3.0, "active_pairs": 4.0} and m.summary() == {}
-    assert mlflow_names({"loss": 1, "lr": 2, "epoch": 3, "images_per_s": 4, "time/step_ms": 5, "active_pairs": 6}) == {
-        "loss": 1,
-        "lr": 2,
+    m.add({"loss": 1.0, "classifier/loss": torch.tensor(2.0), "active_pairs": 3.0, "classifier/active_rows": 10.0})
+    m.add({"loss": 3.0, "classifier/loss": torch.tensor(4.0), "active_pairs": 5.0, "classifier/active_rows": 12.0})
+    first = m.summary()
+    assert first == {"loss": 2.0, "classifier/loss": 3.0, "active_pairs": 4.0, "classifier/active_rows": 11.0}
+    assert m.summary() == {}
+    m.add({"classifier/active_rows": 14.0, "classifier/active_classes": 7.0})
+    m.summary()
+    # run facts: each one's mean over every step it was seen (10, 12, 14), as tags; never metric series
+    assert m.facts() == {"dmltrain.classifier.active_rows": 12.0, "dmltrain.classifier.active_classes": 7.0}
+    assert mlflow_names(
+        {
+            "loss": 1,
+            "lr": 2,
+            "epoch": 3,
+            "images_per_s": 4,
+            "time/step_ms": 5,
+            "active_pairs": 6,
+            "classifier/accuracy": 7,
+            "classifier/active_share": 1.0,
+            "instance/loss": 8,
+        }
+    ) == {
+        "batch/loss": 1,
+        "batch/lr": 2,
         "epoch": 3,
         "images_per_s": 4,
         "time/step_ms": 5,
         "train/active_pairs": 6,
+        "softmax/accuracy": 7,
+        "instance/loss": 8,
     }
 
 

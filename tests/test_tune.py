@@ -548,7 +548,11 @@ def test_a_stopped_trial_is_scored_by_every_evaluation_its_run_logged(store):
     ]  # step, recall@1, map@r; step 0: untrained
     client.log_batch(
         rid,
-        metrics=[Metric(k, v, 0, s) for s, r, m in history for k, v in (("eval/recall_at_1", r), ("eval/map_at_r", m))],
+        metrics=[
+            Metric(k, v, 0, s)
+            for s, r, m in history
+            for k, v in (("eval/recall_at_1", r), ("eval/ranking/map_at_r", m))
+        ],
     )
     row = TrialRow(0, "", "srch-t000", "finished", {}, 0.30, 2, 0.30, 1, 2, rid, {"eval/recall@1": 0.30})
     reconcile_with_mlflow([row], parent, "eval/recall@1", "max")

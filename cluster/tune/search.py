@@ -98,9 +98,8 @@ def tune_search(
             file=sys.stderr,
         )
 
-    search = RunGroup.open(
+    search = RunGroup.place(cfg, "tune", name=name, config_name=config_name, out=out).open(
         cfg,
-        "tune",
         {
             **cfg.flat(),
             "tune.space": str(space_path),
@@ -109,9 +108,6 @@ def tune_search(
             "tune.metric": space.metric,
             "tune.mode": space.mode,
         },
-        name=name,
-        config_name=config_name,
-        out=out,
         owner="the search",
     )
     name, parent, out_dir = search.name, search.parent, search.out_dir

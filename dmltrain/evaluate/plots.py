@@ -6,8 +6,8 @@ pyplot state, so threads and Ray workers can draw at once), each file written at
 * :func:`plot_embedding_map`: a 2-D PCA or t-SNE map of a seeded sample of embeddings
   (a few classes), coloured by class (training, ``dmltrain eval``).
 * :func:`plot_curves`: several runs' curves against the step, overlaid (``dmltrain report``).
-* :func:`plot_panels`: a grid of panels of labelled lines against a log x axis ticked at the
-  measured values (``dmltrain study``).
+* :func:`plot_panels`: a grid of panels of labelled lines (with error bars, a reference line,
+  honest y axes) against a log x axis ticked at the measured values (``dmltrain study``).
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def plot_curves(
 ) -> Path | None:
     """Each run's ``(steps, values)`` overlaid against the step in one PNG; None (and no file) when ``data`` is empty.
 
-    Points are marked on curves of at most 30 points; beyond 12 runs the legend moves outside.
+    Points are marked on curves of at most 30 points; beyond 4 runs the legend moves beside the axes.
     """
     if not data:
         return None
@@ -206,22 +206,32 @@ def plot_curves(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    if len(data) <= 12:
+    if len(data) <= 4:
         ax.legend(fontsize=8)
-    else:
-        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    else:  # beside the axes, where it hides no curve
+        ax.legend(fontsize=8 if len(data) <= 12 else 6, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _save(fig, path)
 
 
 @dataclass
 class Panel:
     """One panel of :func:`plot_panels`: ``lines`` maps a label to its ``(xs, ys)``; the log x axis is
-    ticked at ``ticks`` only, written plainly (0.01, not 10^-2)."""
+    ticked at ``ticks`` only, written plainly (0.01, not 10^-2).
+
+    ``errors``: per line, the half-height of an error bar at each point (a spread; NaN for none);
+    ``baseline``: a dashed horizontal line the values are read against (0 for a change, 1 for a
+    factor), always within the y range; ``zero``: the y axis starts at 0 (or ends there, for negative
+    values); ``values``: each point's value written beside it, in this format (e.g. ``"{:+.1f}"``).
+    """
 
     ylabel: str
     lines: dict[str, tuple[Sequence[float], Sequence[float]]]
     ticks: Sequence[float]
     title: str | None = None
+    errors: dict[str, Sequence[float]] | None = None
+    baseline: float | None = None
+    zero: bool = False
+    values: str | None = None
 
 
 def _log_x(ax: Any, values: Sequence[float]) -> None:
@@ -232,6 +242,38 @@ def _log_x(ax: Any, values: Sequence[float]) -> None:
     ax.set_xticklabels([f"{t:g}" for t in ticks])
     if len(ticks) == 1:
         ax.set_xlim(ticks[0] / 2, ticks[0] * 2)
+    else:  # room for the end points' markers and labels
+        ax.set_xlim(ticks[0] / 1.5, ticks[-1] * 1.5)
+
+
+def _draw_panel(ax: Any, panel: Panel, colors: Mapping[str, Any]) -> None:
+    for label, (xs, ys) in panel.lines.items():
+        if not len(xs):
+            continue
+        err = (panel.errors or {}).get(label)
+        yerr = None if err is None else [0.0 if e != e else e for e in err]
+        ax.errorbar(xs, ys, yerr=yerr, marker="o", capsize=3, label=label, color=colors[label])
+        if panel.values:
+            for x, y in zip(xs, ys):
+                if panel.baseline is not None and abs(y - panel.baseline) < 1e-9:
+                    continue  # the reference itself: its value is the line's
+                ax.annotate(
+                    panel.values.format(y),
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(5, 5),
+                    fontsize=7,
+                    color=colors[label],
+                )
+    if panel.baseline is not None:
+        ax.axhline(panel.baseline, color="0.35", linestyle="--", linewidth=0.9)
+    lo, hi = ax.get_ylim()
+    if panel.zero:
+        lo, hi = min(lo, 0.0), max(hi, 0.0)
+    if panel.baseline is not None:
+        lo, hi = min(lo, panel.baseline), max(hi, panel.baseline)
+    pad = 0.08 * (hi - lo or 1.0)
+    ax.set_ylim(lo if panel.zero and lo == 0 else lo - pad, hi if panel.zero and hi == 0 else hi + pad)
 
 
 def plot_panels(
@@ -242,25 +284,44 @@ def plot_panels(
     title: str,
     cols: int,
     panel_size: tuple[float, float],
+    note: str | None = None,
 ) -> Path:
     """``panels`` in a grid of ``cols`` columns (``panel_size`` inches each), every line marked at its
-    points over a log x axis; lines without points are left out, and so is an empty panel's legend."""
+    points (with its error bars) over a log x axis; lines without points are left out. A line keeps its
+    colour across panels, and one legend names them all (none over the data);
+    ``note`` is printed with it (e.g. what was not plotted and why): both go in a free panel of the grid
+    when there is one, else the legend below the panels and the note under the title."""
     rows = math.ceil(len(panels) / cols)
-    fig = _figure(panel_size[0] * cols, panel_size[1] * rows)
+    fig = _figure(panel_size[0] * cols, panel_size[1] * rows + 0.4)
     axes = fig.subplots(rows, cols, squeeze=False)
+    labels = list(dict.fromkeys(label for p in panels for label, (xs, _) in p.lines.items() if len(xs)))
+    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
     for ax, panel in zip(axes.flat, panels):
-        for label, (xs, ys) in panel.lines.items():
-            if len(xs):
-                ax.plot(xs, ys, marker="o", label=label)
+        _draw_panel(ax, panel, colors)
         _log_x(ax, panel.ticks)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(panel.ylabel)
         if panel.title:
-            ax.set_title(panel.title)
+            ax.set_title(panel.title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        if ax.has_data():
-            ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(panels) :]:
+    spare = list(axes.flat)[len(panels) :]
+    for ax in spare:
         ax.axis("off")
+    handles = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    if spare:  # the legend and the note in the free panel, where they crowd nothing
+        if handles:
+            spare[0].legend(handles.values(), handles.keys(), loc="upper left", fontsize=9, frameon=False)
+        if note:
+            spare[0].text(0.02, 0.02, note, ha="left", va="bottom", fontsize=8.5, color="0.25", wrap=True)
+    else:
+        if handles:
+            fig.legend(
+                handles.values(), handles.keys(), loc="outside lower center", ncols=min(6, len(handles)), fontsize=8
+            )
+        if note:
+            title = f"{title}\n{note}"
     fig.suptitle(title)
     return _save(fig, path)

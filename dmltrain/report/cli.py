@@ -12,12 +12,11 @@ from mlflow import MlflowClient
 from dmltrain.errors import UserError
 from dmltrain.evaluate.plots import plot_curves, run_colors
 from dmltrain.fileio import write_text
-from dmltrain.report.compare import curves, tables, write_csv
+from dmltrain.report.compare import curves, metrics_table, write_csv
 from dmltrain.report.pages import Links, render_html, render_markdown
 from dmltrain.report.runs import RunRecord, collect, get_experiment, resolve_tracking_uri, select_runs
 from dmltrain.text import markdown_table, safe_name
-
-DEFAULT_UI = "http://127.0.0.1:5000"
+from dmltrain.tracking.links import DEFAULT_UI
 
 
 @dataclass
@@ -50,13 +49,17 @@ def build_report(
     records = collect(client, chosen, out_dir, progress=progress)
     colors = run_colors([r.name for r in records])
     figures = {}
-    for key, which, ylabel, title in (
-        ("loss", "loss", "loss", "Training loss"),
-        ("recall_at_1", "recall", "Recall@1", "Recall@1 (step 0: untrained model)"),
-    ):
-        p = plot_curves(curves(records, which), out_dir / f"{key}.png", ylabel, title, colors)
+    loss, recall = curves(records, "loss"), curves(records, "recall")
+    if any(len(steps) > 1 for steps, _ in loss.values()):
+        p = plot_curves(loss, out_dir / "loss.png", "loss", "Training loss (the objective, per log window)", colors)
         if p is not None:
-            figures[key] = p
+            figures["loss"] = p
+    if any(len(steps) > 1 for steps, _ in recall.values()):  # one evaluation is a value, not a curve
+        untrained = any(steps[0] == 0 for steps, _ in recall.values())
+        title = "Recall@1 over training" + (" (step 0: the untrained model)" if untrained else "")
+        p = plot_curves(recall, out_dir / "recall_at_1.png", "Recall@1", title, colors)
+        if p is not None:
+            figures["recall_at_1"] = p
     links = Links(ui_url, exp.experiment_id, records)
     md, page, table = out_dir / "report.md", out_dir / "report.html", out_dir / "runs.csv"
     write_text(md, render_markdown(exp.name, records, figures, out_dir, links, uri) + "\n")
@@ -88,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
     rep = build_report(
         args.experiment, tokens, args.out, args.tracking_uri, args.ui_url, args.max_runs, progress=not args.no_progress
     )
-    _, _, head, rows = tables(rep.records)
-    print(markdown_table(head, rows))
+    table = metrics_table(rep.records, [""] * len(rep.records))
+    print(markdown_table(table.head, table.rows))
     print(f"\nreport of {len(rep.records)} run{'s' * (len(rep.records) != 1)} from experiment {rep.experiment}:")
     print(f"  {rep.markdown}\n  {rep.html}\n  {rep.csv}")
     return 0

@@ -1,19 +1,31 @@
-"""The report's pages: Markdown, and self-contained HTML (images embedded), with links to the MLflow UI."""
+"""The report's pages: Markdown, and self-contained HTML (images embedded), with links to the MLflow UI.
+
+Both pages hold the same parts: the runs (params that differ), their final metrics (best values
+marked where runs are comparable), the overlaid curves, and per run its description (what was
+trained, on what, how well: the run's MLflow note), its evaluations step by step when it is the only
+run, and its plots. Links open MLflow in its model-training view (:mod:`dmltrain.tracking.links`).
+"""
 
 from __future__ import annotations
 
 import base64
 import html
-import json
 import re
 import time
 from pathlib import Path
-from urllib.parse import quote
 
 from dmltrain.redact import redact_url
-from dmltrain.report.compare import best_rows, differing_params, metric_columns, tables
+from dmltrain.report.compare import (
+    COMPARABLE_NOTE,
+    Table,
+    differing_params,
+    evaluations_table,
+    metrics_table,
+    runs_table,
+)
 from dmltrain.report.runs import RunRecord
 from dmltrain.text import markdown_table, md_code, md_text, md_url
+from dmltrain.tracking.links import compare_url, experiment_url, run_url
 from dmltrain.tracking.names import STORAGE_DIR_TAG
 
 
@@ -24,15 +36,13 @@ class Links:
         self.records = records
 
     def run(self, rec: RunRecord) -> str:
-        return f"{self.ui}/#/experiments/{rec.experiment_id}/runs/{rec.run_id}"
+        return run_url(self.ui, rec.experiment_id, rec.run_id)
 
     def experiment(self) -> str:
-        return f"{self.ui}/#/experiments/{self.exp_id}"
+        return experiment_url(self.ui, self.exp_id)
 
     def compare(self) -> str:
-        runs = json.dumps([r.run_id for r in self.records], separators=(",", ":"))
-        exps = json.dumps(sorted({r.experiment_id for r in self.records}), separators=(",", ":"))
-        return f"{self.ui}/#/compare-runs?runs={quote(runs, safe='[],')}&experiments={quote(exps, safe='[],')}"
+        return compare_url(self.ui, [r.run_id for r in self.records], [r.experiment_id for r in self.records])
 
 
 def _plot_groups(plots: list[Path]) -> dict[str, list[Path]]:
@@ -48,39 +58,68 @@ def _data_uri(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
 
 
+def _runs_note(records: list[RunRecord]) -> str | None:
+    if differing_params(records):
+        return None
+    return "All runs share the same params." if len(records) > 1 else None
+
+
+FIGURES = (("loss", "Loss"), ("recall_at_1", "Recall@1"))
+
+
+def _inert_html(markdown: str) -> str:
+    """Markdown kept as Markdown, with HTML's ``& < >`` as entities: no tag or script of a run's author renders."""
+    return markdown.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+# -- Markdown -----------------------------------------------------------------------------------------
+def _md_table(t: Table) -> str:
+    bold: dict[int, set[int]] = {}
+    for i, j in t.bold:
+        bold.setdefault(j, set()).add(i)
+    return markdown_table(t.head, t.rows, bold=bold, cell_links=t.links)
+
+
 def render_markdown(
     exp_name: str, records: list[RunRecord], figures: dict[str, Path], out_dir: Path, links: Links, uri: str
 ) -> str:
-    run_head, run_rows, met_head, met_rows = tables(records)
-    cols = metric_columns(records)
-    best = best_rows(records, cols)
-    bold = {j + 1: best.get(c, set()) for j, c in enumerate(cols)}
     run_links = [links.run(r) for r in records]
+    single = len(records) == 1
     parts = [
-        f"# Experiment {md_code(exp_name)}: {len(records)} run{'s' * (len(records) != 1)}",
+        f"# Experiment {md_code(exp_name)}: "
+        + (f"run {md_text(records[0].name)}" if single else f"{len(records)} runs"),
         "",
-        f"Tracking store {md_code(redact_url(uri))} · [experiment in MLflow]({md_url(links.experiment())}) · "
-        f"[compare in MLflow]({md_url(links.compare())}) · generated {time.strftime('%Y-%m-%d %H:%M')}",
-        "",
-        "## Runs",
-        "",
-    ]
-    if not differing_params(records):
-        parts += ["All runs share the same params." if len(records) > 1 else "One run: no params to compare.", ""]
-    parts += [
-        markdown_table(run_head, run_rows, links=run_links),
-        "",
-        "## Final metrics",
-        "",
-        markdown_table(met_head, met_rows, bold=bold, links=run_links),
+        f"Tracking store {md_code(redact_url(uri))} · [experiment in MLflow]({md_url(links.experiment())})"
+        + ("" if single else f" · [compare in MLflow]({md_url(links.compare())})")
+        + f" · generated {time.strftime('%Y-%m-%d %H:%M')}",
         "",
     ]
-    for key, title in (("loss", "Loss"), ("recall_at_1", "Recall@1")):
+    if single and records[0].description:
+        # the description is Markdown, but anyone who can write to the store can write it: no raw HTML of theirs
+        about = _inert_html(records[0].description).replace("\n### ", "\n#### ")  # under the page's headings
+        parts += ["## What was trained", "", about, ""]
+    parts += ["## Runs", ""]
+    note = _runs_note(records)
+    if note:
+        parts += [note, ""]
+    parts += [_md_table(runs_table(records, run_links)), "", "## Final metrics", ""]
+    parts += [_md_table(metrics_table(records, run_links)), ""]
+    if not single:
+        parts += [f"*{COMPARABLE_NOTE}*", ""]
+    if single:
+        evals = evaluations_table(records[0])
+        if evals.rows:
+            parts += ["## Evaluations", "", _md_table(evals), ""]
+    for key, title in FIGURES:
         if key in figures:
             parts += [f"## {title}", "", f"![{title}]({md_url(figures[key].relative_to(out_dir).as_posix())})", ""]
-    parts += ["## Runs' plots", ""]
+    parts += ["## Runs' plots" if not single else "## Plots", ""]
     for r in records:
-        parts += [f"### [{md_text(r.name)}]({md_url(links.run(r))})", ""]
+        if not single:
+            parts += [f"### [{md_text(r.name)}]({md_url(links.run(r))})", ""]
+            if r.description:
+                first = r.description.split("\n", 1)[0]
+                parts += [_inert_html(first), ""]
         storage = r.tags.get(STORAGE_DIR_TAG)
         if storage:
             parts += [f"Checkpoints and models: {md_code(redact_url(storage))}", ""]
@@ -96,44 +135,71 @@ def render_markdown(
     return "\n".join(parts)
 
 
+# -- HTML ---------------------------------------------------------------------------------------------------
 _CSS = """
 body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222}
-table{border-collapse:collapse;margin:1em 0;font-size:13px;display:block;overflow-x:auto}
-th,td{border:1px solid #ddd;padding:4px 8px;text-align:left;white-space:nowrap}
-th{background:#f4f4f4;position:sticky;top:0}
-td.num{text-align:right;font-variant-numeric:tabular-nums}
+table{border-collapse:collapse;margin:1em 0;font-size:13px;max-width:100%}
+th,td{border:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top}
+th{background:#f4f4f4;overflow-wrap:anywhere;max-width:14em}
+td{overflow-wrap:anywhere}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 td.best{font-weight:bold;background:#eef7ee}
 img{max-width:100%;border:1px solid #eee;margin:.3em 0}
 .plots{display:flex;flex-wrap:wrap;gap:1em}.plots figure{margin:0;max-width:48%}
 figcaption{font-size:12px;color:#555}
 .meta{color:#555;font-size:13px}
+.about{background:#fafafa;border:1px solid #eee;padding:.2em 1em;margin:1em 0}
 """
+_NUMBER = re.compile(r"[-+0-9.,e ()—]+")
 
 
-def _html_table(
-    head: list[str],
-    rows: list[list[str]],
-    links: list[str],
-    bold: dict[int, set[int]] | None = None,
-    full: list[list[str | None]] | None = None,
-) -> str:
-    bold = bold or {}
+def _html_table(t: Table) -> str:
     esc = html.escape
-    out = ["<table><thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr></thead><tbody>"]
-    for i, row in enumerate(rows):
+    out = ["<table><thead><tr>"]
+    for j, h in enumerate(t.head):
+        link = t.links.get((-1, j))
+        out.append(f'<th><a href="{esc(link)}">{esc(h)}</a></th>' if link else f"<th>{esc(h)}</th>")
+    out.append("</tr></thead><tbody>")
+    for i, row in enumerate(t.rows):
         cells = []
         for j, cell in enumerate(row):
-            if j == 0:
-                cells.append(f'<td><a href="{esc(links[i])}">{esc(cell)}</a></td>')
+            link = t.links.get((i, j))
+            if link:
+                cells.append(f'<td><a href="{esc(link)}">{esc(cell)}</a></td>')
                 continue
-            cls = ["num"] if re.fullmatch(r"[-+0-9.,e ()—]+", cell) else []
-            if i in bold.get(j, ()):
+            cls = ["num"] if j > 0 and _NUMBER.fullmatch(cell) else []
+            if (i, j) in t.bold:
                 cls.append("best")
-            title = full[i][j] if full and full[i][j] and full[i][j] != cell else None
+            title = t.titles.get((i, j))
             attrs = (f' class="{" ".join(cls)}"' if cls else "") + (f' title="{esc(title)}"' if title else "")
             cells.append(f"<td{attrs}>{esc(cell)}</td>")
         out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</tbody></table>")
+    return "".join(out)
+
+
+def markdown_to_html(text: str) -> str:
+    """The Markdown of a run's description as HTML: headings, bullets, paragraphs, ``**bold**``, ``code``."""
+    esc = html.escape
+
+    def inline(s: str) -> str:
+        s = esc(s)
+        s = re.sub(r"`([^`]+)`", r"<code>\1</code>", s)
+        return re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", s)
+
+    out, items = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("- "):
+            items.append(f"<li>{inline(line[2:])}</li>")
+            continue
+        if items:
+            out.append("<ul>" + "".join(items) + "</ul>")
+            items = []
+        if line.startswith("#"):
+            level = min(6, len(line) - len(line.lstrip("#")) + 1)
+            out.append(f"<h{level}>{inline(line.lstrip('#').strip())}</h{level}>")
+        elif line.strip():
+            out.append(f"<p>{inline(line)}</p>")
     return "\n".join(out)
 
 
@@ -141,36 +207,43 @@ def render_html(
     exp_name: str, records: list[RunRecord], figures: dict[str, Path], out_dir: Path, links: Links, uri: str
 ) -> str:
     esc = html.escape
-    run_head, run_rows, met_head, met_rows = tables(records)
-    params = differing_params(records)
-    full = [[None, None, None, None, *(r.params.get(p) for p in params)] for r in records]
-    cols = metric_columns(records)
-    best = best_rows(records, cols)
-    bold = {j + 1: best.get(c, set()) for j, c in enumerate(cols)}
     run_links = [links.run(r) for r in records]
+    single = len(records) == 1
+    title = f"run {records[0].name}" if single else f"{len(records)} runs"
     body = [
-        f"<h1>Experiment <code>{esc(exp_name)}</code>: {len(records)} run{'s' * (len(records) != 1)}</h1>",
-        f'<p class="meta">Tracking store <code>{esc(redact_url(uri))}</code> · <a href="{esc(links.experiment())}">experiment in MLflow</a> · '
-        f'<a href="{esc(links.compare())}">compare in MLflow</a> · generated {esc(time.strftime("%Y-%m-%d %H:%M"))}</p>',
-        "<h2>Runs</h2>",
+        f"<h1>Experiment <code>{esc(exp_name)}</code>: {esc(title)}</h1>",
+        f'<p class="meta">Tracking store <code>{esc(redact_url(uri))}</code> · <a href="{esc(links.experiment())}">experiment in MLflow</a>'
+        + ("" if single else f' · <a href="{esc(links.compare())}">compare in MLflow</a>')
+        + f" · generated {esc(time.strftime('%Y-%m-%d %H:%M'))}</p>",
     ]
-    if not params:
-        body.append(
-            f"<p>{'All runs share the same params.' if len(records) > 1 else 'One run: no params to compare.'}</p>"
-        )
+    if single and records[0].description:
+        body += ["<h2>What was trained</h2>", f'<div class="about">{markdown_to_html(records[0].description)}</div>']
+    body.append("<h2>Runs</h2>")
+    note = _runs_note(records)
+    if note:
+        body.append(f"<p>{note}</p>")
     body += [
-        _html_table(run_head, run_rows, run_links, full=full),
+        _html_table(runs_table(records, run_links)),
         "<h2>Final metrics</h2>",
-        _html_table(met_head, met_rows, run_links, bold=bold),
+        _html_table(metrics_table(records, run_links)),
     ]
-    for key, title in (("loss", "Loss"), ("recall_at_1", "Recall@1")):
+    if not single:
+        body.append(f'<p class="meta">{esc(COMPARABLE_NOTE)}</p>')
+    if single:
+        evals = evaluations_table(records[0])
+        if evals.rows:
+            body += ["<h2>Evaluations</h2>", _html_table(evals)]
+    for key, fig_title in FIGURES:
         if key in figures:
-            body += [f"<h2>{title}</h2>", f'<img alt="{title}" src="{_data_uri(figures[key])}">']
-    body.append("<h2>Runs' plots</h2>")
+            body += [f"<h2>{fig_title}</h2>", f'<img alt="{fig_title}" src="{_data_uri(figures[key])}">']
+    body.append("<h2>Plots</h2>" if single else "<h2>Runs' plots</h2>")
     for r in records:
-        body.append(
-            f'<h3><a href="{esc(links.run(r))}">{esc(r.name)}</a> <span class="meta">{esc(r.status)}</span></h3>'
-        )
+        if not single:
+            body.append(
+                f'<h3><a href="{esc(links.run(r))}">{esc(r.name)}</a> <span class="meta">{esc(r.status)}</span></h3>'
+            )
+            if r.description:
+                body.append(f'<div class="about">{markdown_to_html(r.description)}</div>')
         storage = r.tags.get(STORAGE_DIR_TAG)
         if storage:
             body.append(f'<p class="meta">Checkpoints and models: <code>{esc(redact_url(storage))}</code></p>')

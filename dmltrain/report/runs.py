@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -14,12 +15,20 @@ from tqdm import tqdm
 
 from dmltrain.errors import UserError
 from dmltrain.text import one_line, safe_name
-from dmltrain.tracking.names import LOSS, RUN_NAME_TAG, eval_key, initial_key
+from dmltrain.tracking.names import (
+    DESCRIPTION_TAG,
+    EVAL_PREFIX,
+    IMAGES_PER_S,
+    LOSS,
+    RUN_NAME_TAG,
+    STEP_MS,
+    eval_key,
+)
 from dmltrain.tracking.queries import child_runs, experiment_runs, find_run, history, leaf_runs
 
 LOSS_KEY = LOSS
-RECALL1_KEYS = (eval_key("recall@1"),)
-INITIAL_RECALL1_KEYS = (initial_key("recall@1"),)
+RECALL1_KEY = eval_key("recall@1")
+SPEED_KEYS = (IMAGES_PER_S, STEP_MS)
 
 
 @dataclass
@@ -43,9 +52,15 @@ class RunRecord:
     def duration_s(self) -> float | None:
         return (self.end_time - self.start_time) / 1000 if self.start_time and self.end_time else None
 
+    @property
+    def description(self) -> str | None:
+        """The run's description (MLflow's note), None when it has none."""
+        return self.tags.get(DESCRIPTION_TAG) or None
 
-def first_key(keys, candidates) -> str | None:
-    return next((k for k in candidates if k in keys), None)
+    def at_step(self, key: str, step: int) -> float | None:
+        """The value of metric ``key`` logged at ``step`` (the latest when logged twice); None when there is none."""
+        values = [v for s, v in self.history.get(key, []) if s == step]
+        return values[-1] if values else None
 
 
 def natural_key(key: str) -> list[Any]:
@@ -124,43 +139,65 @@ def _display_names(runs) -> list[str]:
     return [f"{n} ({r.info.run_id[:6]})" if counts[n] > 1 else n for n, r in zip(names, runs)]
 
 
+@contextlib.contextmanager
+def _artifact_bars(on: bool):
+    """MLflow's own artifact download bars on or off (``MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR``) within the block."""
+    name, was = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
+    if not on:
+        os.environ[name] = "false"
+    try:
+        yield
+    finally:
+        if was is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = was
+
+
 def collect(client, runs, out_dir: Path, progress: bool = True) -> list[RunRecord]:
-    """Params, final metrics, loss / Recall@1 histories and plot artifacts (downloaded under ``out_dir/runs``)."""
+    """Params, final metrics, the histories a report reads (loss, speed; every evaluation metric, the
+    untrained model's at step 0 included) and plot artifacts (downloaded under ``out_dir/runs``).
+    ``progress``: a bar over the runs and MLflow's download bars; off, nothing is drawn."""
     records = []
-    for run, name in tqdm(
-        list(zip(runs, _display_names(runs))),
-        desc="runs",
-        unit="run",
-        file=sys.stderr,
-        disable=not progress,
-        leave=False,
-    ):
-        info, data = run.info, run.data
-        rec = RunRecord(
-            info.run_id,
-            name,
-            info.experiment_id,
-            info.status,
-            info.start_time,
-            info.end_time,
-            dict(data.params),
-            dict(data.metrics),
-            dict(data.tags),
-        )
-        for key in (LOSS_KEY, first_key(rec.metrics, RECALL1_KEYS), first_key(rec.metrics, INITIAL_RECALL1_KEYS)):
-            if key:
-                rec.history[key] = history(client, info.run_id, key)
-        try:
-            rec.artifacts = [a.path for a in client.list_artifacts(info.run_id)]
-            if any(a == "plots" for a in rec.artifacts):
-                rec.plots = _download_plots(client, info.run_id, out_dir / "runs" / safe_name(name) / "plots")
-        except Exception as e:  # noqa: BLE001 — a missing artifact store costs the plots, not the report
-            print(
-                f"dmltrain: warning: run {name}: cannot read its artifacts ({one_line(e, 150)})",
-                file=sys.stderr,
-            )
-        records.append(rec)
+    with _artifact_bars(progress):
+        for run, name in tqdm(
+            list(zip(runs, _display_names(runs))),
+            desc="runs",
+            unit="run",
+            file=sys.stderr,
+            disable=not progress,
+            leave=False,
+        ):
+            records.append(_collect_one(client, run, name, out_dir))
     return records
+
+
+def _collect_one(client, run, name: str, out_dir: Path) -> RunRecord:
+    info, data = run.info, run.data
+    rec = RunRecord(
+        info.run_id,
+        name,
+        info.experiment_id,
+        info.status,
+        info.start_time,
+        info.end_time,
+        dict(data.params),
+        dict(data.metrics),
+        dict(data.tags),
+    )
+    for key in (LOSS_KEY, *SPEED_KEYS, *(k for k in rec.metrics if k.startswith(EVAL_PREFIX))):
+        if key in rec.metrics:
+            rec.history[key] = history(client, info.run_id, key)
+    try:
+        rec.artifacts = [a.path for a in client.list_artifacts(info.run_id)]
+        if any(a == "plots" for a in rec.artifacts):
+            rec.plots = _download_plots(client, info.run_id, out_dir / "runs" / safe_name(name) / "plots")
+    except Exception as e:  # noqa: BLE001 — a missing artifact store costs the plots, not the report
+        print(
+            f"dmltrain: warning: run {name}: cannot read its artifacts ({one_line(e, 150)})",
+            file=sys.stderr,
+        )
+    return rec
 
 
 def _download_plots(client, run_id: str, dest: Path) -> list[Path]:

@@ -5,10 +5,12 @@
     log = RunHandle.attach(uri, run_id, system_metrics=True)  # rank 0 on a worker
     log.log_metrics({"loss": 0.7}, step=10); log.log_model(model, "best_model", step=10, input_example=x)
 
-Modules: :mod:`.names` (every tag and metric name, as constants, and the metric-key mapping),
-:mod:`.run` (:class:`RunHandle`, the failure-safe handle used by training, tune and study),
-:mod:`.queries` (reading runs back: by name, children, histories, the best point; used by tune,
-study and report).
+Modules: :mod:`.names` (every tag and metric name, as constants, in the order MLflow shows them,
+and the metric-key mapping), :mod:`.run` (:class:`RunHandle`, the failure-safe handle used by
+training, tune and study), :mod:`.queries` (reading runs back: by name, children, histories, the
+best point, the steady-state speed; used by tune, study and report), :mod:`.description` (a run's
+description, MLflow's note), :mod:`.datasets` (the shards as MLflow dataset inputs), :mod:`.links`
+(links into MLflow's UI, in its model-training view).
 """
 
 from __future__ import annotations

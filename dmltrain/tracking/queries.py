@@ -1,4 +1,5 @@
-"""Reading runs back from MLflow: a run by name or token, child runs, metric histories, the best point.
+"""Reading runs back from MLflow: a run by name or token, child runs, metric histories, the best point,
+and the one aggregation of a speed metric's history that every reader shares (:func:`steady_state`).
 
 Each function takes an ``MlflowClient`` and lets MLflow's errors through: ``dmltrain report``
 turns them into one line for the user, and a :class:`~dmltrain.tracking.run.RunHandle` runs
@@ -8,6 +9,7 @@ stand without MLflow (tune, study).
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable
 
 from mlflow import MlflowClient
@@ -102,3 +104,18 @@ def best_point(points: Iterable[tuple[int, float]], mode: str = "max") -> tuple[
     if not points:
         return None
     return max(points, key=lambda sv: (sign * sv[1], -sv[0]))
+
+
+STEADY_STATE = (
+    "median over the logged windows after the first"  # how a run's speed is read: the first window holds the start-up
+)
+
+
+def steady_state(values: Iterable[float]) -> float:
+    """A speed metric's figure for the whole run (images/s, step time): the median of its logged
+    windows after the first, which holds the start-up (all of them when there is one); NaN values are
+    left out; NaN when nothing is left. The report and the study both read speed this way."""
+    vals = [float(v) for v in values if v == v]
+    if not vals:
+        return float("nan")
+    return float(statistics.median(vals[1:] if len(vals) > 1 else vals))

@@ -12,6 +12,11 @@ reported once on stderr (``dmltrain: warning: ...; training continues without tr
 the handle is off for the rest of the process. A model that cannot be logged to MLflow's Models
 (:meth:`RunHandle.log_model`) is reported once too, and only model logging stops.
 
+Besides metrics, params and artifacts a run carries its description (MLflow's note,
+:meth:`RunHandle.set_description`, written by :mod:`dmltrain.tracking.description`), its datasets
+(:meth:`RunHandle.log_inputs`, from :mod:`dmltrain.tracking.datasets`) and one logged model per
+kind (``model``, ``best_model``: a new one replaces the run's earlier one of that name).
+
 What a handle writes as text (params, tags, text artifacts) and every warning it prints is redacted first
 (:mod:`dmltrain.redact`): no URL's password and no storage option outside the allow-list reaches MLflow.
 """
@@ -32,12 +37,20 @@ import mlflow
 import mlflow.pytorch
 import numpy as np
 from mlflow import MlflowClient
-from mlflow.entities import LoggedModelStatus, Metric, Param
+from mlflow.entities import DatasetInput, LoggedModelOutput, LoggedModelStatus, Metric, Param, RunTag
 from mlflow.entities.run import Run
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
 from dmltrain.redact import redact, redact_url
-from dmltrain.tracking.names import PARENT_RUN_TAG, RESUMED_PARAM_PREFIX, RUN_NAME_TAG, metric_key
+from dmltrain.tracking.links import run_url, ui_base
+from dmltrain.tracking.names import (
+    DESCRIPTION_TAG,
+    EVAL_PREFIX,
+    PARENT_RUN_TAG,
+    RESUMED_PARAM_PREFIX,
+    RUN_NAME_TAG,
+    metric_key,
+)
 from dmltrain.tracking.queries import child_runs, run_by_name
 
 PARAM_CHARS = 6000  # MLflow's limit on a param value
@@ -79,6 +92,7 @@ class RunHandle:
     def __init__(self, uri: str, run_id: str | None, *, owner: str = "training", client: MlflowClient | None = None):
         self.uri, self.run_id, self.owner = uri, run_id, owner
         self.resumed = False  # set by open(): an existing run of this name was found
+        self._experiment_id: str | None = None
         self._client = None if run_id is None else (client or MlflowClient(tracking_uri=uri))
         self._monitor: SystemMetricsMonitor | None = None
         self._models = True  # model logging still on
@@ -113,7 +127,7 @@ class RunHandle:
             found = run_by_name(client, exp_id, run_name)
             if found is not None:
                 handle = cls(uri, found.info.run_id, owner=owner, client=client)
-                handle.resumed = True
+                handle.resumed, handle._experiment_id = True, exp_id
                 old = found.data.params
                 for k, v in redact(dict(params)).items():
                     if k in old and old[k] != str(v)[:PARAM_CHARS]:
@@ -125,6 +139,7 @@ class RunHandle:
                 all_tags[PARENT_RUN_TAG] = parent_run_id
             run = client.create_run(exp_id, run_name=run_name, tags=redact(all_tags))
             handle = cls(uri, run.info.run_id, owner=owner, client=client)
+            handle._experiment_id = exp_id
             _log_params(client, handle.run_id, params)
             return handle
         except Exception as e:  # noqa: BLE001 — any failure to reach tracking must not stop the work
@@ -170,6 +185,19 @@ class RunHandle:
             cls._unreachable(uri, e, owner)
             handle._client = None
         return handle
+
+    @property
+    def experiment_id(self) -> str | None:
+        """The run's experiment (read once from MLflow when the handle was not opened here); None when off."""
+        if self._experiment_id is None and self.run_id is not None:
+            self._experiment_id = self.query("read the run", lambda c: c.get_run(self.run_id).info.experiment_id)
+        return self._experiment_id
+
+    def url(self, tab: str = "", ui: str | None = None) -> str | None:
+        """The run's page in MLflow's UI (``ui``, default: the tracking server's, or ``mlflow ui``'s), opening
+        in its model-training view (:mod:`dmltrain.tracking.links`); None when tracking is off."""
+        exp = self.experiment_id if self.enabled else None
+        return run_url(ui or ui_base(self.uri), exp, self.run_id, tab) if exp is not None else None
 
     def child(self, run_id: str) -> RunHandle:
         """A handle on another run of the same store (a child run), sharing this one's client."""
@@ -239,12 +267,26 @@ class RunHandle:
         """``text`` as the artifact ``artifact_file`` (e.g. ``tune/space.yaml``), URL userinfo redacted."""
         self.query("log a text artifact", lambda c: c.log_text(self.run_id, redact_url(text), artifact_file))
 
+    def set_description(self, text: str) -> None:
+        """The run's description, shown on its MLflow page (Markdown; MLflow's note)."""
+        self.set_tags({DESCRIPTION_TAG: text})
+
+    def description(self) -> str | None:
+        """The run's description; None when it has none or it cannot be read."""
+        return self.query("read the run description", lambda c: c.get_run(self.run_id).data.tags.get(DESCRIPTION_TAG))
+
+    def log_inputs(self, datasets: list[DatasetInput]) -> None:
+        """Datasets the run reads (:func:`dmltrain.tracking.datasets.dataset_inputs`)."""
+        self.query("log the datasets", lambda c: c.log_inputs(self.run_id, datasets=datasets))
+
     def set_tag(self, key: str, value: Any) -> None:
         self.set_tags({key: value})
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        tags = redact(dict(tags))
-        self.query("set tags", lambda c: [c.set_tag(self.run_id, k, str(v)[:TAG_CHARS]) for k, v in tags.items()])
+        """Set ``tags`` (values as text, clipped to MLflow's limit, redacted) in one request."""
+        items = [RunTag(k, str(v)[:TAG_CHARS]) for k, v in redact(dict(tags)).items()]
+        if items:
+            self.query("set tags", lambda c: c.log_batch(self.run_id, tags=items))
 
     def delete_tag(self, key: str) -> None:
         """Remove tag ``key`` if the run has it (MLflow refuses to delete a tag that is not there)."""
@@ -269,16 +311,27 @@ class RunHandle:
             "list the child runs", lambda c: child_runs(c, c.get_run(self.run_id).info.experiment_id, self.run_id), []
         )
 
-    def log_model(self, model: Any, name: str, *, step: int, input_example: np.ndarray) -> str | None:
-        """Log ``model`` the MLflow 3 way: a LoggedModel named ``name``, output of this run at ``step``.
+    def log_model(
+        self,
+        model: Any,
+        name: str,
+        *,
+        step: int,
+        input_example: np.ndarray,
+        tags: Mapping[str, Any] | None = None,
+    ) -> str | None:
+        """Log ``model`` the MLflow 3 way: a LoggedModel named ``name``, output of this run at ``step``,
+        tagged with ``tags`` (e.g. its step and score), replacing the run's earlier model of that name.
 
-        MLflow links it to every metric this run logged at ``step`` (log the evaluation first), so it
-        appears in the Models view with them and ``mlflow.search_logged_models`` ranks it by them. The
-        model is saved as ``pt2`` (``torch.export``: loads with torch alone and runs no pickled code),
-        traced on ``input_example`` (a batch of at least 2, so the batch size stays free); it must be
-        an ``nn.Module`` holding its full weights, in eval mode, on the CPU. Returns the model id, or
-        None when tracking is off or the model could not be logged (one warning, then model logging
-        is off; metrics and files go on).
+        The model is linked to the evaluation this run logged at ``step`` (its ``eval/`` metrics: log
+        the evaluation first), so the Models view shows those beside it and
+        ``mlflow.search_logged_models`` ranks it by them; the run's other metrics at that step (time,
+        memory) are not linked. The run keeps one logged model per name: the earlier ones (the previous
+        best) are deleted once this one is logged. The model is saved as ``pt2`` (``torch.export``:
+        loads with torch alone and runs no pickled code), traced on ``input_example`` (a batch of at
+        least 2, so the batch size stays free); it must be an ``nn.Module`` holding its full weights,
+        in eval mode, on the CPU. Returns the model id, or None when tracking is off or the model could
+        not be logged (one warning, then model logging is off; metrics and files go on).
         """
         if self._client is None or not self._models:
             return None
@@ -286,20 +339,31 @@ class RunHandle:
         try:
             run = client.get_run(self.run_id)
             logged = client.create_logged_model(
-                run.info.experiment_id, name=name, source_run_id=self.run_id, params=dict(run.data.params)
+                run.info.experiment_id,
+                name=name,
+                source_run_id=self.run_id,
+                params=dict(run.data.params),
+                tags={k: str(v) for k, v in (tags or {}).items()},
             )
             model_id = logged.model_id
             with _fluent_tracking_uri(self.uri):  # log_model reads the process-wide tracking URI
-                mlflow.pytorch.log_model(
+                mlflow.pytorch.log_model(  # no run_id: the output and its metrics are linked below
                     model,
                     name=name,
                     model_id=model_id,
-                    run_id=self.run_id,
-                    step=step,
                     input_example=input_example,
                     serialization_format="pt2",
                     pip_requirements=[_torch_requirement()],
                 )
+            client.log_outputs(self.run_id, [LoggedModelOutput(model_id, step=step)])
+            _link_evaluation(client, run, model_id, step)
+            earlier = client.search_logged_models(
+                [run.info.experiment_id],
+                filter_string=f"source_run_id = '{self.run_id}' AND name = '{name}'",
+            )
+            for m in earlier:
+                if m.model_id != model_id:
+                    client.delete_logged_model(m.model_id)
             return model_id
         except Exception as e:  # noqa: BLE001 — the model files are logged apart from this
             self._models = False
@@ -319,10 +383,38 @@ class RunHandle:
             self._monitor = None
 
 
+def _link_evaluation(client: MlflowClient, run: Run, model_id: str, step: int) -> None:
+    """Link the run's evaluation at ``step`` to a logged model: each ``eval/`` value of that step logged
+    again with the model's id and its original timestamp, so the run's own history gains no point."""
+    linked = [
+        Metric(m.key, m.value, m.timestamp, m.step, model_id=model_id)
+        for key in run.data.metrics
+        if key.startswith(EVAL_PREFIX)
+        for m in client.get_metric_history(run.info.run_id, key)
+        if m.step == step
+    ]
+    for i in range(0, len(linked), METRICS_PER_BATCH):
+        client.log_batch(run.info.run_id, metrics=linked[i : i + METRICS_PER_BATCH])
+
+
+# MLflow lists a run's params in the order they were logged: what defines the run first, the plumbing
+# (storage, remote reads, tracking) last; within a group the config's own order
+PARAM_ORDER = ("model.", "loss.", "optim.", "schedule.", "train.", "data.", "eval.", "cluster.", "tracking.")
+PARAMS_LAST = ("data.remote.", "data.storage_options", "data.loader_workers", "data.decode", "eval.async_")
+
+
+def param_rank(key: str) -> int:
+    """Where a param goes in the order it is logged in (:data:`PARAM_ORDER`; :data:`PARAMS_LAST` after all)."""
+    if key.startswith(PARAMS_LAST):
+        return len(PARAM_ORDER) + 1
+    return next((i for i, prefix in enumerate(PARAM_ORDER) if key.startswith(prefix)), len(PARAM_ORDER))
+
+
 def _log_params(client: MlflowClient, run_id: str, params: Mapping[str, Any]) -> None:
     """Params as MLflow keeps them, redacted (:func:`dmltrain.redact.redact`): no URL userinfo, and storage
     options outside the allow-list as ``<redacted>``."""
-    items = [Param(k, str(v)[:PARAM_CHARS]) for k, v in redact(dict(params)).items()]
+    ordered = sorted(redact(dict(params)).items(), key=lambda kv: param_rank(kv[0]))  # stable within a group
+    items = [Param(k, str(v)[:PARAM_CHARS]) for k, v in ordered]
     for i in range(0, len(items), PARAMS_PER_BATCH):
         client.log_batch(run_id, params=items[i : i + PARAMS_PER_BATCH])
 

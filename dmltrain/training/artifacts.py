@@ -2,9 +2,10 @@
 
 * :func:`log_run_files`: the resolved config, the DeepSpeed JSON and the manifest summary, once per run.
 * :class:`ModelExporter`: ``<name>/model.pt`` (a :func:`~dmltrain.models.save_model` file) to
-  MLflow and, through :func:`publish`, to ``<storage_dir>/<name>/model.pt`` (``best_model``
-  when an evaluation improves, ``model`` at the end); :func:`publish_model` does the same for a
-  model at hand (an asynchronous evaluation's checkpoint).
+  MLflow (an artifact, and a logged model tagged with its step and score that replaces the run's
+  earlier one of that name) and, through :func:`publish`, to ``<storage_dir>/<name>/model.pt``
+  (``best_model`` when an evaluation improves, ``model`` at the end); :func:`publish_model` does
+  the same for a model at hand (an asynchronous evaluation's checkpoint).
 * :func:`read_storage_text`: a small file of the run's storage directory (local or remote).
 """
 
@@ -19,6 +20,7 @@ import numpy as np
 import pyarrow.fs
 
 from dmltrain.models import load_model, save_model
+from dmltrain.tracking.names import MODEL_STEP_TAG, metric_key
 from dmltrain.training.dp_state import full_module_state_dict
 from shards.storage.location import is_url
 
@@ -84,12 +86,25 @@ def publish_model(
         logger.log_artifact(path, name)
         if logger.enabled and config["tracking"].get(
             "log_models", True
-        ):  # MLflow 3's Models view: pt2, linked to this step's metrics
+        ):  # MLflow 3's Models view: pt2, linked to this step's evaluation, tagged with its step and score
             crop = config["data"]["eval_crop"]
             logger.log_model(
-                load_model(path)[0], name, step=extra["step"], input_example=np.zeros((2, 3, crop, crop), np.float32)
+                load_model(path)[0],
+                name,
+                step=extra["step"],
+                input_example=np.zeros((2, 3, crop, crop), np.float32),
+                tags=model_tags(extra, config["eval"]["metric"]),
             )
         publish(path, storage_dir, f"{name}/model.pt")
+
+
+def model_tags(extra: dict[str, Any], metric: str) -> dict[str, str]:
+    """A logged model's tags: the step it was taken at and its ``eval.metric`` there (when evaluated)."""
+    tags = {MODEL_STEP_TAG: str(extra["step"])}
+    value = (extra.get("metrics") or {}).get(metric)
+    if value is not None:
+        tags[metric_key(metric)] = f"{value:.4f}"
+    return tags
 
 
 def _storage(storage_dir: str) -> tuple[pyarrow.fs.FileSystem, str]:

@@ -13,8 +13,8 @@ The task loads the checkpoint's ``model.pt`` (its fp32 weights; ``train.precisio
 :func:`~dmltrain.evaluate.evaluate_model` as inline evaluation, and then, as the inline
 :class:`~.evaluator.Evaluator` does:
 
-* logs them to the run's MLflow run at the checkpoint's step (``eval/<name>``, ``initial/<name>``
-  for the untrained model), with the plots;
+* logs them to the run's MLflow run at the checkpoint's step (under their ``eval/`` keys, the
+  untrained model's at step 0), with the counts as tags, the description's Results and the plots;
 * keeps the run's evaluation record, ``<storage_dir>/eval_record.json`` (initial, last and best
   metrics, the best's step). Validations run one at a time in checkpoint order, so two never
   write it at once, and it outlives a restart of the workers or of the whole run;
@@ -38,7 +38,7 @@ from ray.train.v2.api.validation_config import ValidationConfig, ValidationTaskC
 
 from dmltrain.config import Config
 from dmltrain.evaluate import evaluate_model
-from dmltrain.tracking.names import report_key
+from dmltrain.tracking.names import BEST_MODEL, report_key
 from dmltrain.tracking.run import RunHandle
 from dmltrain.training.artifacts import publish, publish_model, read_storage_text
 from dmltrain.training.checkpoint import load_checkpoint_model
@@ -137,14 +137,13 @@ def evaluate_checkpoint(
             record.initial_metrics = metrics
         logger = RunHandle.attach(ctx.tracking_uri, ctx.mlflow_run_id, owner="evaluation")
         try:
-            log_evaluation(
-                logger, cfg, metrics, embeddings, step, phase
-            )  # before the model: a logged model links to them
+            # before the model: a logged model links to them
+            log_evaluation(logger, cfg, metrics, embeddings, step, phase, record)
             if improved:  # the checkpoint's fp32 weights, on the CPU, as the trainer exports them
                 publish_model(
                     logger,
                     load_checkpoint_model(directory),
-                    "best_model",
+                    BEST_MODEL,
                     extra={"step": step, "metrics": metrics},
                     storage_dir=ctx.storage_dir,
                     config=cfg.to_dict(),

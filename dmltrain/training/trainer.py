@@ -49,11 +49,12 @@ from dmltrain.errors import UserError
 from dmltrain.models import build_model, param_groups
 from dmltrain.models.precision import autocast_dtype
 from dmltrain.models.sync_bn import convert_sync_batchnorm
+from dmltrain.tracking.datasets import dataset_inputs
+from dmltrain.tracking.description import describe_run
 from dmltrain.tracking.names import (
+    CLASSIFIER_MB_TAG,
     EPOCH,
     IMAGES_PER_S,
-    LOSS,
-    LR,
     REMOTE_PREFIX,
     RESUMED_AT_EPOCH_START_TAG,
     RESUMED_FROM_STEP_TAG,
@@ -72,7 +73,7 @@ from dmltrain.training.evaluator import Evaluator
 from dmltrain.training.faults import Hold, injected_nan_step
 from dmltrain.training.fence import Fence
 from dmltrain.training.head import LossHead
-from dmltrain.training.metrics import TrainMetrics, memory_metrics, mlflow_names
+from dmltrain.training.metrics import STAT_LOSS, STAT_LR, TrainMetrics, memory_metrics, mlflow_names
 from dmltrain.training.objective import Objective
 from dmltrain.training.prefetch import Prefetcher
 from dmltrain.training.reporting import Reporter, RunContext, position_metrics
@@ -154,6 +155,7 @@ class Trainer:
         self.cadence = Cadence.from_config(cfg, self.total_steps)
         self.timer = StepTimer(self.device)
         self.metrics = TrainMetrics()
+        self._facts_logged = False  # the run facts (tags) are set at the first log point, and again at the end
         self.reporter = Reporter(run, self.rank, self.total_steps, self.num_epochs)
         exporter = ModelExporter(
             self.engine, self.logger, rank=self.rank, storage_dir=run.storage_dir, config=cfg.to_dict(), ema=self.ema
@@ -168,6 +170,7 @@ class Trainer:
             world_size=self.world,
             device=self.device,
             ema=self.ema,
+            total_steps=self.total_steps,
         )
         self.checkpointer = Checkpointer(
             self.engine,
@@ -220,6 +223,7 @@ class Trainer:
             return summary
         if not resumed:
             log_run_files(self.logger, self.cfg, self.ds_config, self.stream.manifest)
+            self._describe_run()
             if self.cfg.eval.before_training:
                 st.initial_metrics = self._evaluate("initial")
         self.engine.train()
@@ -247,6 +251,7 @@ class Trainer:
         if inline:
             self.evaluator.evaluate(st, step=st.step, phase="final")
         st.finished = True
+        self._log_facts()  # the run's means, now that it has trained
         self.evaluator.export_final(st)
         self.checkpointer.save(st, validation=None if inline else validation_request(st.step, st.epoch, "final"))
         summary = self._summary()
@@ -277,7 +282,7 @@ class Trainer:
             if self.ema is not None:
                 self.ema.update()
         timer.lap("optimizer")
-        self.metrics.add({**self.objective.device_stats, LR: lr})  # summed on the device, read at log points
+        self.metrics.add({**self.objective.device_stats, STAT_LR: lr})  # summed on the device, read at log points
         st.batch += 1
         if boundary:
             st.step += 1
@@ -343,6 +348,26 @@ class Trainer:
         self.state = st
         return True
 
+    def _describe_run(self) -> None:
+        """Rank 0, once per run: its description (completed after each evaluation) and its datasets."""
+        if self.logger is None or not self.logger.enabled:
+            return
+        manifest, d = self.stream.manifest, self.cfg.data
+        self.logger.set_description(describe_run(self.cfg, manifest.summary(), self.total_steps, self.steps_per_epoch))
+        self.logger.log_inputs(dataset_inputs(manifest, d.train_split, list(d.eval_splits)))
+
+    def _log_facts(self) -> None:
+        """Rank 0: what does not change while the run trains, as tags (the classifier's active classes and
+        rows, averaged over the run so far; its memory)."""
+        if self.logger is None:
+            return
+        facts = self.metrics.facts()
+        mb = self.head.classifier_memory_mb()
+        if mb is not None:
+            facts[CLASSIFIER_MB_TAG] = mb
+        self.logger.set_tags({k: f"{v:.6g}" for k, v in facts.items()})
+        self._facts_logged = True
+
     def _log_train(self) -> None:
         summary = self.timer.summary(self.cfg.data.batch_size) | self.metrics.summary()
         io = self.stream.io_counts()  # remote shards: the same keys on every rank, summed over the ranks here
@@ -358,13 +383,15 @@ class Trainer:
         summary.update({REMOTE_PREFIX + k: v for k, v in io.items()})
         st = self.state
         summary[EPOCH] = st.epoch + st.batch / self.epoch_batches
-        summary.update(memory_metrics(self.device, self.head.classifier_memory_mb()))
+        summary.update(memory_metrics(self.device))
         if self.stream.skipped + self.input.skipped:
             summary[SKIPPED_SAMPLES] = float(self.stream.skipped + self.input.skipped)
         self.logger.log_metrics(mlflow_names(summary), step=st.step)
+        if not self._facts_logged:
+            self._log_facts()
         eta = (self.total_steps - st.step) * self.accum * summary[STEP_MS] / 1000  # STEP_MS: per micro-batch
         self.reporter.progress(
-            st, loss=summary.get(LOSS, float("nan")), images_per_s=summary[IMAGES_PER_S], eta_s=eta, phase="train"
+            st, loss=summary.get(STAT_LOSS, float("nan")), images_per_s=summary[IMAGES_PER_S], eta_s=eta, phase="train"
         )
 
 
