@@ -130,7 +130,7 @@ def run_checks(cfg: Any, skip: set[str] = frozenset(), echo: Callable[[Check], N
 
 def config_needs(cfg: Any) -> dict[str, str]:
     """Check name -> the config key that makes this node need it (a local training: this node's GPUs)."""
-    from shards.device_decoding import resolve_decode
+    from shards.config import resolve_decode
 
     c = cfg.cluster
     needs = {"torch": "always", "deepspeed": "always (the training engine)", "ray": "always (training runs on Ray)"}
