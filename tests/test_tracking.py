@@ -125,8 +125,8 @@ def test_log_model_is_an_mlflow3_logged_model_linked_to_its_evaluation(store, ca
 def test_a_run_describes_itself_and_names_its_data(store, tmp_path):
     from dmltrain.tracking.datasets import dataset_inputs, split_digest
     from dmltrain.tracking.description import describe_results, describe_run, with_results
-    from shards.manifest import Manifest
     from shards.build.synthetic import build_synthetic_shards
+    from shards.manifest import Manifest
 
     shards = tmp_path / "syn"
     build_synthetic_shards(shards, classes=6, per_class=2, image_size=16, seed=0, shard_size=5, progress=False)
