@@ -35,8 +35,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from dmltrain.distributed.classifier_head import make_classifier_optimizer
 from dmltrain.distributed.sharded_softmax import ShardedClassifier
-from dmltrain.distributed.sparse_optim import make_classifier_optimizer
 
 GIB = 2**30
 TEMPERATURE = 0.05
