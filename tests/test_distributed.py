@@ -588,3 +588,104 @@ def test_classifier_index_cannot_name_a_file_outside_its_folder(tmp_path):
     (tmp_path / "ckpt" / INDEX_NAME).write_text(json.dumps(index))
     with pytest.raises(UserError, match=r"'\.\./outside\.pt' is not a file name inside the checkpoint folder"):
         load_by_class(ShardedClassifier(10, 4, "normsoftmax"), tmp_path / "ckpt")
+
+
+# -- no host reads in a step ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kind,params,ratio",
+    [
+        ("softmax_ce", {"smoothing": 0.1}, 0.1),  # a drawn count on the device (the ratio below the batch)
+        ("arcface", {"scale": 16.0, "margin": 0.5}, 0.5),  # the draw's size known on the host
+        ("cosface", {"scale": 16.0, "margin": 0.35}, 1.0),
+    ],
+)
+def test_a_training_step_reads_nothing_back_from_the_device(kind, params, ratio):
+    """Forward, backward and the optimizer step of the classifier head with every Python-level device read
+    refused (what a CUDA step must not do: tests/host_reads.py); the result still equals one float64 process."""
+    from host_reads import HostRead, no_host_reads
+
+    from dmltrain.distributed import ClassifierHead
+
+    C, D = 50, 8
+    clf = ShardedClassifier(C, D, kind, sample_ratio=ratio, seed=1, **params)
+    w0 = torch.randn(C, D, generator=torch.Generator().manual_seed(2))
+    clf.load_full_weight(w0, None if clf.bias is None else torch.zeros(C))
+    head = ClassifierHead(clf, "adamw", lr=0.1, weight_decay=0.01)
+    for step in range(2):  # the second step reuses the gradient buffers
+        x, y = _batch(C, D, seed=step)
+        x.requires_grad_(True)
+        w_before = clf.weight.detach().clone()
+        b_before = None if clf.bias is None else clf.bias.detach().clone()
+        with no_host_reads():
+            loss = head(x, y, step=step, sizes=[x.shape[0]])
+            loss.backward()
+            head.step()
+        with pytest.raises(HostRead), no_host_reads():  # the guard does catch a read: the stats are one
+            clf.stats["loss"]
+        xr = x.detach().double().requires_grad_(True)
+        wr = w_before.double().requires_grad_(True)
+        br = None if b_before is None else b_before.double().requires_grad_(True)
+        active = None if ratio == 1 else clf.active_rows
+        ref = dense_classifier_loss(xr, y, wr, br, kind, clf.params, active)
+        ref.backward()
+        assert rel_err(float(loss.detach()), float(ref.detach())) < 1e-5
+        assert rel_err(x.grad, xr.grad) < 1e-5
+        idle = torch.ones(C, dtype=torch.bool)
+        idle[clf.active_rows] = False
+        assert torch.equal(clf.weight.detach()[idle], w_before[idle])  # undrawn rows untouched by the step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("ratio", [1.0, 0.1])
+def test_a_cuda_training_step_never_synchronises(ratio):
+    """The same step on a GPU under torch.cuda.set_sync_debug_mode("error") (after a warm-up step that
+    tunes the kernels' tiles), label smoothing and a drawn count included."""
+    from dmltrain.distributed import ClassifierHead
+
+    C, D = 5000, 64
+    clf = ShardedClassifier(C, D, "softmax_ce", sample_ratio=ratio, smoothing=0.1).cuda()
+    head = ClassifierHead(clf, "sgd", lr=0.1)
+    for step in range(3):
+        x, y = _batch(C, D, B=256, seed=step)
+        x, y = x.cuda().requires_grad_(True), y.cuda()
+        torch.cuda.set_sync_debug_mode("error" if step else "default")
+        try:
+            head(x, y, step=step, sizes=[x.shape[0]]).backward()
+            head.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(clf.weight).all()
+
+
+def test_a_resumed_run_draws_and_trains_as_an_uninterrupted_one(tmp_path):
+    """Saved by class id after step 1 and loaded into a fresh head, steps 2-3 draw the same classes and end
+    with bit-identical rows and optimizer state (the draw is a function of seed, step and batch only)."""
+    from dmltrain.distributed import ClassifierHead
+
+    C, D = 300, 8
+
+    def head() -> ClassifierHead:
+        return ClassifierHead(ShardedClassifier(C, D, "cosface", sample_ratio=0.05, seed=4), "adamw", lr=0.05)
+
+    def train(h: ClassifierHead, steps) -> list[torch.Tensor]:
+        drawn = []
+        for step in steps:
+            x, y = _batch(C, D, seed=10 + step)
+            h(x, y, step=step).backward()
+            drawn.append(h.classifier.active_rows.clone())
+            h.step()
+        return drawn
+
+    whole = head()
+    drawn = train(whole, range(4))
+    first = head()
+    train(first, range(2))
+    first.save(tmp_path / "ckpt")
+    resumed = head()
+    with torch.no_grad():
+        resumed.classifier.weight.normal_()  # loading must overwrite everything
+    resumed.load(tmp_path / "ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(train(resumed, range(2, 4)), drawn[2:]))
+    assert torch.equal(resumed.classifier.weight, whole.classifier.weight)
+    for k, v in whole.optimizer.state[whole.classifier.weight].items():
+        assert torch.equal(resumed.optimizer.state[resumed.classifier.weight][k], v), k

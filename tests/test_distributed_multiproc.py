@@ -220,6 +220,7 @@ def _sampling_checks(rank, W):
             if rank == 0:
                 entry["err"] = out["err"]
             report[f"{kind}/budget={budget:g}"] = entry
+    report["no host reads"] = _no_host_reads_step(rank, W)
     # optimizer steps touch only drawn rows (and their state), bit for bit
     for name in ("sgd", "adamw"):
         out, clf = _classifier_case(rank, W, "normsoftmax", {"temperature": 0.1}, 64.0, ratio=0.5, step=3)
@@ -240,6 +241,28 @@ def _sampling_checks(rank, W):
             else True,
         }
     return report
+
+
+def _no_host_reads_step(rank, W):
+    """One head step (label smoothing, the draw's count on the device) with every host read refused
+    (tests/host_reads.py), the batch sizes given; the drawn classes are the reference's."""
+    from host_reads import no_host_reads
+
+    from dmltrain.distributed import ClassifierHead, ShardedClassifier
+
+    x_full, y_full = _global_batch(seed=6)
+    clf = ShardedClassifier(C, D, "softmax_ce", sample_ratio=0.2, seed=7, smoothing=0.1)
+    head = ClassifierHead(clf, "sgd", lr=0.1, momentum=0.9)
+    x = _local(x_full, rank, W).requires_grad_(True)
+    with no_host_reads():
+        head(x, _local(y_full, rank, W), step=5, sizes=SPLITS[W]).backward()
+        head.step()
+    want = [
+        c - clf.class_start
+        for c in reference_draw(C, y_full.tolist(), 0.2, 7, 5)
+        if clf.class_start <= c < clf.class_end
+    ]
+    return {"drawn": clf.active_rows.tolist() == want, "count on the device": clf._active.count is not None}
 
 
 def _train_for_checkpoint(rank, W, opt_name):
@@ -382,6 +405,7 @@ def test_gathered_instance_losses_equal_one_process(reports, W):
 @pytest.mark.parametrize("W", WORLDS)
 def test_class_subsampling(reports, W):
     for rank, rep in enumerate(reports[W]):
+        assert all(rep["sampling"].pop("no host reads").values()), f"W={W} rank {rank}: the step without host reads"
         for key, entry in rep["sampling"].items():
             for check, ok in entry.items():
                 if check in ("err", "loss"):

@@ -322,7 +322,9 @@ class _ShardedSoftmax(torch.autograd.Function):
                 on = out.on if isinstance(out.on, float) else out.on.to(x.dtype)
                 g_t = torch.where(ctx.owned, (torch.exp(ctx.z_t - lse) - on) * alpha, 0.0)
                 leaves, zt, _ = _target_pairs(clf.spec, clf.params, x, op.weight, op.bias, ctx.row, grad=True)
-                grads = torch.autograd.grad(zt, leaves, g_t.to(zt.dtype))
+                # a scalar's gradient: no grad_outputs, whose check would import torch.fx (seconds, once a process)
+                with torch.enable_grad():
+                    grads = torch.autograd.grad((zt * g_t.to(zt.dtype)).sum(), leaves)
                 if need_x:
                     grad_x = grads[0] if grad_x is None else grad_x.add_(grads[0])
                 if target is not None:
