@@ -8,9 +8,9 @@ distinct classes in the global batch, ``C``: all classes). How, without a host r
 * every class ``c`` has a key, a 32-bit hash of ``(seed, step, c)`` above the class id: unique
   keys in a uniformly random order that depends on nothing else (:func:`class_keys`);
 * the ``E = T − P`` drawn others are the ``E`` non-batch classes of smallest key. Each shard finds
-  the ``E``-th smallest key over every shard's non-batch classes by a radix select: four rounds of
-  a histogram of 16 key bits over its own rows (65,536 bins), summed over the shards by one
-  all-reduce each (none at ``W = 1``);
+  the ``E``-th smallest key over every shard's non-batch classes by a radix select: three or four
+  rounds of a histogram of 16 key bits over its own rows (65,536 bins), summed over the shards by
+  one all-reduce each (none at ``W = 1``);
 * each shard keeps its batch classes and its non-batch classes of key at most that threshold.
 
 The drawn set is a function of (seed, step, classes of the global batch) alone: the same on every
@@ -145,18 +145,19 @@ def capacity(partition: ClassPartition, rank: int, batch: int, sample_ratio: flo
     return min(n, most, min(batch, n) + extra), False
 
 
-def _kth_smallest(keys: Tensor, candidates: Tensor, k: Tensor, group: Any) -> Tensor:
+def _kth_smallest(keys: Tensor, candidates: Tensor, k: Tensor, bits: int, group: Any) -> Tensor:
     """The ``k``-th smallest (0-based; ``k`` a 0-d device tensor below their number) of the candidate
-    keys of every shard in ``group``: keys unique and below 2**63, a radix select over 16-bit digits."""
+    keys of every shard in ``group``: keys unique and below ``2**bits``, a radix select over 16-bit digits."""
     dev = keys.device
     prefix = torch.zeros((), dtype=torch.int64, device=dev)
     rank = k.clone()
     bins = 1 << _DIGIT_BITS
     ones = candidates.to(torch.int64)
-    for shift in range(64 - _DIGIT_BITS, -1, -_DIGIT_BITS):
+    top = -(-bits // _DIGIT_BITS) * _DIGIT_BITS
+    for shift in range(top - _DIGIT_BITS, -1, -_DIGIT_BITS):
         digit = (keys >> shift).bitwise_and_(bins - 1)
         weight = ones
-        if shift + _DIGIT_BITS < 64:  # only the keys sharing the digits found so far
+        if shift + _DIGIT_BITS < top:  # only the keys sharing the digits found so far
             weight = ones * ((keys >> (shift + _DIGIT_BITS)) == (prefix >> (shift + _DIGIT_BITS)))
         hist = torch.zeros(bins, dtype=torch.int64, device=dev).index_add_(0, digit, weight)
         all_reduce_sum(hist, group)
@@ -173,7 +174,7 @@ def draw_active(
     """This shard's rows in step ``step``'s softmax (None: every row, the ratio reaches all classes).
 
     ``labels``: the global batch's class ids, the same on every rank (on the weight's device).
-    Collective over ``group`` when subsampling at ``W > 1`` (four all-reduces of 512 KiB).
+    Collective over ``group`` when subsampling at ``W > 1`` (three or four all-reduces of 512 KiB).
     """
     rank, _ = group_rank_size(group)
     C, N = partition.num_classes, labels.numel()
@@ -195,7 +196,7 @@ def draw_active(
     labels_sorted = torch.sort(labels).values
     P = (labels_sorted[1:] != labels_sorted[:-1]).sum() + (N > 0)  # distinct classes of the global batch
     E = (round_total(C, sample_ratio) - P).clamp_(min=0)  # others to draw
-    tau = _kth_smallest(keys, ~batch, (E - 1).clamp(min=0), group)
+    tau = _kth_smallest(keys, ~batch, (E - 1).clamp(min=0), 32 + id_bits(C), group)
     tau = torch.where(E > 0, tau, -1)
     idx = torch.topk(ranked, cap, largest=False, sorted=False).indices if cap else ranked.new_zeros(0)
     drawn = ranked.gather(0, idx) <= tau
