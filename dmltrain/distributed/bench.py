@@ -15,9 +15,12 @@ distorts less.
 
 ``--device cuda``: the fused Triton kernels at ``--precision`` (default bf16) against the
 bf16 tensor-core GEMMs (the 3-GEMM bound); peak GPU memory against weight + gradient +
-optimizer state; peers (forward + backward only, one process, NormSoftmax logits at
-T = 0.05), each when installed, else a line saying it was skipped: Cut Cross-Entropy,
-Liger's fused linear cross-entropy, naive torch bf16 and pytorch-metric-learning.
+optimizer state; our forward + backward apart from the optimizer step; peers (forward +
+backward only, one process, NormSoftmax logits at T = 0.05), each when installed, else a line
+saying it was skipped: Cut Cross-Entropy with its default gradient filter and exact
+(``impl="cce_exact"``), Liger's fused linear cross-entropy, naive torch bf16 and
+pytorch-metric-learning. ``--deterministic`` runs the two-kernel backward. Cut Cross-Entropy
+runs on CUDA only: on the CPU its lines say so.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ GIB = 2**30
 #: the CUDA peers: job name -> (package that must be installed, printed name)
 CUDA_PEERS = {
     "cce": ("cut_cross_entropy", "Cut Cross-Entropy (bf16, its default gradient filter)"),
+    "cce_exact": ("cut_cross_entropy", "Cut Cross-Entropy exact (bf16, impl='cce_exact': no gradient filter)"),
     "liger": ("liger_kernel", "Liger fused linear cross-entropy (bf16)"),
     "naive": ("torch", "naive torch bf16 (logits held)"),
     "pml": ("pytorch_metric_learning", "pytorch-metric-learning NormalizedSoftmaxLoss (fp32)"),
@@ -90,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MB",
         help="CPU: the classifier's logits budget (default 256, as the config)",
     )
+    parser.add_argument(
+        "--deterministic", action="store_true", help="CUDA: the deterministic two-kernel backward (bit-identical)"
+    )
     parser.add_argument("--no-peer", action="store_true", help="skip the peers")
 
 
@@ -139,7 +146,7 @@ def _fmt_step(r: dict[str, Any], unit: str = "s") -> str:
 def _job(args: argparse.Namespace, R: float) -> dict[str, Any]:
     return dict(role="ours", device=args.device, N=args.classes, D=args.dim, B=args.batch, W=args.workers, R=R, steps=args.steps,
                 kind=args.kind, optimizer=args.optimizer, budget=args.logits_budget_mb, precision=args.precision,
-                storage=args.weight_storage)  # fmt: skip
+                storage=args.weight_storage, deterministic=args.deterministic)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -196,6 +203,8 @@ def _run_cpu(args: argparse.Namespace) -> int:
     )
     done = _measure(args, header, report)
     if not args.no_peer:
+        for name in ("cce", "cce_exact"):
+            print(f"peer {CUDA_PEERS[name][1]}: not available on the CPU (CUDA only)", flush=True)
         peer = _cpu_peer(N, D, B, args.steps)
         if "error" in peer:
             print(f"peer pytorch-metric-learning NormalizedSoftmaxLoss: {peer['error']}", flush=True)
@@ -237,6 +246,8 @@ def _run_cuda(args: argparse.Namespace) -> int:
         K = res["gemm_classes"]
         state = 2 * res["param_bytes"] + res["opt_bytes"]  # weight, its gradient, optimizer state
         print(f"R={R:g}: step {_fmt_step(res, 'ms')}", flush=True)
+        print(f"R={R:g}: forward + backward {(res['forward'] + res['backward']) * 1e3:.3f} ms (the peers' like for like: "
+              f"no optimizer step)", flush=True)  # fmt: skip
         print(
             f"R={R:g}: peak GPU memory {_size(res['peak_gpu'])} per GPU; weight + gradient + optimizer state {_size(state)}; "
             f"excess {_size(res['peak_gpu'] - state)}",
@@ -247,7 +258,8 @@ def _run_cuda(args: argparse.Namespace) -> int:
 
     header = (
         f"bench classifier (cuda, fused kernels): {args.kind}, N={N:,} classes, D={D}, global batch B={B}, W={W} GPU(s), "
-        f"{precision} products, {args.weight_storage} weight, {args.optimizer}, {args.steps} timed steps (median)"
+        f"{precision} products, {args.weight_storage} weight, {args.optimizer}, "
+        f"{'deterministic' if args.deterministic else 'atomic'} backward, {args.steps} timed steps (median)"
     )
     done = _measure(args, header, report)
     if not args.no_peer and done:

@@ -317,7 +317,7 @@ class _ShardedSoftmax(torch.autograd.Function):
             else:
                 grad_x = softmax_torch.gradients(op, ctx.saved, lse, alpha, off, need_x, target, clf.workspace)
             if ctx.claim is not None:
-                clf._release_kept(ctx.claim)
+                clf._return_kept(ctx.claim)
             if op.weight.shape[0]:  # the targets: dL/d(target logit) through their pairs
                 on = out.on if isinstance(out.on, float) else out.on.to(x.dtype)
                 g_t = torch.where(ctx.owned, (torch.exp(ctx.z_t - lse) - on) * alpha, 0.0)
@@ -585,7 +585,7 @@ class ShardedClassifier(nn.Module):
         self._kept_owner = weakref.ref(claim)
         return claim, self._kept
 
-    def _release_kept(self, claim: _KeptClaim) -> None:
+    def _return_kept(self, claim: _KeptClaim) -> None:
         if self._kept_owner is not None and self._kept_owner() is claim:
             self._kept_owner = None
 

@@ -491,38 +491,40 @@ def _cfg(warps: int, stages: int, **meta: int) -> LaunchConfig:
     return LaunchConfig.of(warps, stages, **meta)
 
 
-#: candidates per kernel and operand width (bytes): 128-wide tiles for Hopper's wgmma, 64-wide
-#: operand chunks in bf16 and 32-wide in fp32, so that every one fits an A100's shared memory too
-_CONFIGS: dict[tuple[str, int], list[LaunchConfig]] = {
-    ("lse", 2): [
-        _cfg(8, 3, BLOCK_B=128, BLOCK_C=128, BLOCK_K=64),
-        _cfg(8, 4, BLOCK_B=128, BLOCK_C=128, BLOCK_K=64),
-        _cfg(4, 3, BLOCK_B=64, BLOCK_C=128, BLOCK_K=64),
-        _cfg(4, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=64),
-    ],
-    ("lse", 4): [
+#: candidates per kernel and precision, each compiled without register spills for an H100 and fitting an
+#: A100's shared memory (tests: the offline compile). Hopper's wgmma wants 128-wide tiles; what keeps
+#: them in registers is a narrow D chunk (32 bf16 or 16 tf32 numbers) in the products and the gradient
+#: stores. fp32 (IEEE) products run on the CUDA cores: a reference precision with small tiles.
+_CONFIGS: dict[tuple[str, str], list[LaunchConfig]] = {
+    ("lse", "bf16"): [
         _cfg(8, 3, BLOCK_B=128, BLOCK_C=128, BLOCK_K=32),
-        _cfg(4, 3, BLOCK_B=64, BLOCK_C=128, BLOCK_K=32),
-        _cfg(4, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=32),
+        _cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=64),
     ],
-    ("grad", 2): [
-        _cfg(8, 3, BLOCK_B=128, BLOCK_C=128, BLOCK_K=64, BLOCK_D=64),
-        _cfg(8, 2, BLOCK_B=128, BLOCK_C=128, BLOCK_K=64, BLOCK_D=64),
-        _cfg(4, 3, BLOCK_B=64, BLOCK_C=128, BLOCK_K=64, BLOCK_D=64),
-        _cfg(4, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=64, BLOCK_D=64),
+    ("lse", "tf32"): [
+        _cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=32),
+        _cfg(8, 3, BLOCK_B=128, BLOCK_C=128, BLOCK_K=16),
     ],
-    ("grad", 4): [
+    ("lse", "fp32"): [_cfg(4, 2, BLOCK_B=64, BLOCK_C=64, BLOCK_K=16)],
+    ("grad", "bf16"): [
         _cfg(8, 3, BLOCK_B=128, BLOCK_C=128, BLOCK_K=32, BLOCK_D=32),
-        _cfg(4, 3, BLOCK_B=64, BLOCK_C=128, BLOCK_K=32, BLOCK_D=32),
-        _cfg(4, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=32, BLOCK_D=32),
+        _cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=32, BLOCK_D=32),
     ],
+    ("grad", "tf32"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=32, BLOCK_D=32)],
+    ("grad", "fp32"): [_cfg(4, 2, BLOCK_B=64, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
+    ("grad_x", "bf16"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=32, BLOCK_D=32)],
+    ("grad_x", "tf32"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
+    ("grad_x", "fp32"): [_cfg(4, 2, BLOCK_B=64, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
+    ("grad_w", "bf16"): [_cfg(8, 3, BLOCK_B=64, BLOCK_C=128, BLOCK_K=32, BLOCK_D=32)],
+    ("grad_w", "tf32"): [_cfg(8, 3, BLOCK_B=64, BLOCK_C=128, BLOCK_K=16, BLOCK_D=16)],
+    ("grad_w", "fp32"): [_cfg(4, 2, BLOCK_B=64, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
 }
 _COPY = _cfg(4, 2, BLOCK_R=32, BLOCK_D=128)
+_ROWS_OUT = _cfg(4, 2, BLOCK_R=32, BLOCK_D=128)
 
 
 def _interpreter_config(kind: str) -> LaunchConfig:
     meta = {"BLOCK_B": _SMALL, "BLOCK_C": _SMALL, "BLOCK_K": _SMALL}
-    if kind == "grad":
+    if kind != "lse":
         meta["BLOCK_D"] = _SMALL
     return LaunchConfig.of(1, 1, **meta)
 
@@ -541,7 +543,7 @@ def _sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _choose(kind: str, key: tuple, elt: int, device: torch.device, launch) -> LaunchConfig:
+def _choose(kind: str, key: tuple, precision: str, device: torch.device, launch) -> LaunchConfig:
     """The tiles of ``kind`` for ``key``: fixed under the interpreter, else tuned once (``launch(cfg)`` runs
     the kernel on scratch outputs) and remembered across ranks and runs."""
     if INTERPRET or device.type != "cuda":
@@ -553,7 +555,7 @@ def _choose(kind: str, key: tuple, elt: int, device: torch.device, launch) -> La
         except triton.runtime.errors.OutOfResources:
             return math.inf
 
-    return _tuner(device.index or 0).choose(kind, key, _CONFIGS[(kind, elt)], time_config)
+    return _tuner(device.index or 0).choose(kind, key, _CONFIGS[(kind, precision)], time_config)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -661,7 +663,7 @@ def partials(op: ShardOperands, sum_logits: bool, precision: str) -> tuple[Tenso
                 )  # fmt: skip
             return out
 
-        part = launch(_choose("lse", _key(op, ch.K, precision), elt, dev, launch))
+        part = launch(_choose("lse", _key(op, ch.K, precision), precision, dev, launch))
         lse = torch.logaddexp(lse, torch.logsumexp(part[:, 0], 0))
         mx = torch.maximum(mx, part[:, 1].amax(0))
         sm += part[:, 2].sum(0)
@@ -702,13 +704,13 @@ def gradients(
         key = _key(op, ch.K, precision)
         if deterministic:
             if need_x:
-                part = call.split_x(_choose("grad", (*key, "x"), elt, dev, call.split_x))
+                part = call.split_x(_choose("grad_x", key, precision, dev, call.split_x))
                 for s in range(part.shape[0]):  # a fixed order
                     grad_x += part[s]
             if need_w:
-                call.rows(_choose("grad", (*key, "w"), elt, dev, functools.partial(call.rows, h=h, red=red)), h, red)
+                call.rows(_choose("grad_w", key, precision, dev, functools.partial(call.rows, h=h, red=red)), h, red)
         else:
-            cfg = _choose("grad", (*key, "atomic"), elt, dev, functools.partial(call.fused_trial, need_x, need_w))
+            cfg = _choose("grad", key, precision, dev, functools.partial(call.fused_trial, need_x, need_w))
             call.fused(cfg, grad_x, h, red)
         if need_w:
             _rows_out(op, out, ch, h, red)
@@ -762,7 +764,7 @@ class _GradCall:
 
 def _rows_out(op: ShardOperands, out: RowGradTarget, ch: _Chunk, h: Tensor, red: Tensor) -> None:
     w = op.weight
-    meta = {"BLOCK_R": _SMALL, "BLOCK_D": _SMALL} if INTERPRET else {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4}
+    meta = {"BLOCK_R": _SMALL, "BLOCK_D": _SMALL} if INTERPRET else _ROWS_OUT.kwargs()
     with _device(w):
         _rows_out_kernel[(triton.cdiv(ch.K, meta["BLOCK_R"]),)](
             h, red, _or(ch.inv, h), w, _or(op.rows, h), _or(op.count, h), _or(out.weight, h), _or(out.bias, h),
@@ -773,7 +775,7 @@ def _rows_out(op: ShardOperands, out: RowGradTarget, ch: _Chunk, h: Tensor, red:
 
 
 # -- the offline compile contract ---------------------------------------------------------------------
-_D_VARIANTS = (128, 512)  # D is a compile-time constant: every embedding width compiles its own; two widths listed
+_D_VARIANT = 512  # D is a compile-time constant: every embedding width compiles its own; tiles do not depend on it
 
 
 def _sig(names: str, types: dict[str, str]) -> dict[str, str]:
@@ -781,30 +783,30 @@ def _sig(names: str, types: dict[str, str]) -> dict[str, str]:
 
 
 def compile_variants() -> list[KernelVariant]:
-    """Every (candidate tiles × constexpr combination) the launchers pass, at D = 128 and 512.
+    """Every (candidate tiles × constexpr combination) the launchers pass, at D = 512.
 
-    No variant may spill registers: every tile of every kernel is at most 128 × 128 fp32 and no
-    register tile is D wide (``spills_allowed`` is False throughout).
+    ``spills_allowed`` only for fp32 (IEEE) products: they run on the CUDA cores, a reference
+    precision for exactness checks whose small tiles still spill a little in the backward kernels;
+    every bf16 and tf32 (tensor-core) variant must compile without spills.
     """
     out: list[KernelVariant] = []
-    for D in _D_VARIANTS:
-        for op_t, elt, precs in (("bf16", 2, (("bf16", 2),)), ("fp32", 4, (("fp32", 0), ("tf32", 1)))):
-            for pname, prec in precs:
-                for normalized in (True, False):
-                    for has_count in (False, True):
-                        flags = dict(D=D, HAS_COUNT=has_count, NORMALIZED=normalized, PREC=prec)
-                        tag = f"D={D} {pname} {'normalized' if normalized else 'bias'}{' count' if has_count else ''}"
-                        out += _lse_variants(op_t, elt, flags, tag)
-                        out += _grad_variants(op_t, elt, flags, tag)
-            for normalized in (True, False):
-                for has_rows in (False, True):
-                    for has_count in (False, True):
-                        out.append(_copy_variant(op_t, D, normalized, has_rows, has_count))
-        for w_t in ("fp32", "bf16"):
-            for normalized in (True, False):
+    for precision, op_t in (("bf16", "bf16"), ("tf32", "fp32"), ("fp32", "fp32")):
+        for normalized in (True, False):
+            for has_count in (False, True):
+                flags = dict(D=_D_VARIANT, HAS_COUNT=has_count, NORMALIZED=normalized, PREC=PRECISIONS[precision])
+                tag = f"{precision} {'normalized' if normalized else 'bias'}{' count' if has_count else ''}"
+                out += _lse_variants(op_t, precision, flags, tag)
+                out += _grad_variants(op_t, precision, flags, tag)
+    for op_t in ("bf16", "fp32"):
+        for normalized in (True, False):
+            for has_rows in (False, True):
                 for has_count in (False, True):
-                    for acc in (False, True):
-                        out.append(_rows_out_variant(w_t, D, normalized, has_count, acc))
+                    out.append(_copy_variant(op_t, _D_VARIANT, normalized, has_rows, has_count))
+    for w_t in ("fp32", "bf16"):
+        for normalized in (True, False):
+            for has_count in (False, True):
+                for acc in (False, True):
+                    out.append(_rows_out_variant(w_t, _D_VARIANT, normalized, has_count, acc))
     return out
 
 
@@ -815,20 +817,24 @@ _MAIN_TYPES = {
 }  # fmt: skip
 
 
-def _lse_variants(op_t: str, elt: int, flags: dict, tag: str) -> list[KernelVariant]:
+def _variant(name: str, fn, sig: dict, consts: dict, cfg: LaunchConfig, precision: str) -> KernelVariant:
+    return KernelVariant(f"{name} {_tiles(cfg)}", fn, sig, {**consts, **dict(cfg.meta)}, cfg.num_warps,
+                         cfg.num_stages, spills_allowed=precision == "fp32")  # fmt: skip
+
+
+def _lse_variants(op_t: str, precision: str, flags: dict, tag: str) -> list[KernelVariant]:
     types = {**_MAIN_TYPES, "x_ptr": f"*{op_t}", "w_ptr": f"*{op_t}"}
     sig = _sig("x_ptr w_ptr b_ptr tcol_ptr count_ptr out_ptr N K c0 scale D HAS_COUNT NORMALIZED SUM_LOGITS PREC "
                "BLOCK_B BLOCK_C BLOCK_K", types)  # fmt: skip
     out = []
-    for cfg in _CONFIGS[("lse", elt)]:
+    for cfg in _CONFIGS[("lse", precision)]:
         for sum_logits in (False, True) if not flags["NORMALIZED"] else (False,):
-            out.append(KernelVariant(f"_lse_kernel {tag}{' sum' if sum_logits else ''} {_tiles(cfg)}", _lse_kernel,
-                                     sig, {**flags, "SUM_LOGITS": sum_logits, **dict(cfg.meta)}, cfg.num_warps,
-                                     cfg.num_stages))  # fmt: skip
+            name = f"_lse_kernel {tag}{' sum' if sum_logits else ''}"
+            out.append(_variant(name, _lse_kernel, sig, {**flags, "SUM_LOGITS": sum_logits}, cfg, precision))
     return out
 
 
-def _grad_variants(op_t: str, elt: int, flags: dict, tag: str) -> list[KernelVariant]:
+def _grad_variants(op_t: str, precision: str, flags: dict, tag: str) -> list[KernelVariant]:
     types = {**_MAIN_TYPES, "x_ptr": f"*{op_t}", "w_ptr": f"*{op_t}"}
     head = "x_ptr w_ptr b_ptr tcol_ptr count_ptr lse_ptr coef_ptr"
     tail = "N K c0 scale D HAS_COUNT NORMALIZED"
@@ -836,16 +842,16 @@ def _grad_variants(op_t: str, elt: int, flags: dict, tag: str) -> list[KernelVar
     det_x = _sig(f"{head} part_ptr {tail} PREC BLOCK_B BLOCK_C BLOCK_K BLOCK_D", types)
     det_w = _sig(f"{head} h_ptr red_ptr {tail} PREC BLOCK_B BLOCK_C BLOCK_K BLOCK_D", types)
     out = []
-    for cfg in _CONFIGS[("grad", elt)]:
-        meta, t = dict(cfg.meta), _tiles(cfg)
+    for cfg in _CONFIGS[("grad", precision)]:
         for need_x, need_w in ((True, True), (True, False), (False, True)):
-            name = f"_grad_kernel {tag} x={need_x} w={need_w} {t}"
-            out.append(KernelVariant(name, _grad_kernel, fused, {**flags, "NEED_X": need_x, "NEED_W": need_w, **meta},
-                                     cfg.num_warps, cfg.num_stages))  # fmt: skip
-        out.append(KernelVariant(f"_grad_x_kernel {tag} {t}", _grad_x_kernel, det_x, {**flags, **meta}, cfg.num_warps,
-                                 cfg.num_stages))  # fmt: skip
-        out.append(KernelVariant(f"_grad_w_kernel {tag} {t}", _grad_w_kernel, det_w, {**flags, **meta}, cfg.num_warps,
-                                 cfg.num_stages))  # fmt: skip
+            consts = {**flags, "NEED_X": need_x, "NEED_W": need_w}
+            out.append(
+                _variant(f"_grad_kernel {tag} x={need_x} w={need_w}", _grad_kernel, fused, consts, cfg, precision)
+            )
+    for cfg in _CONFIGS[("grad_x", precision)]:
+        out.append(_variant(f"_grad_x_kernel {tag}", _grad_x_kernel, det_x, flags, cfg, precision))
+    for cfg in _CONFIGS[("grad_w", precision)]:
+        out.append(_variant(f"_grad_w_kernel {tag}", _grad_w_kernel, det_w, flags, cfg, precision))
     return out
 
 
@@ -856,7 +862,7 @@ def _copy_variant(op_t: str, D: int, normalized: bool, has_rows: bool, has_count
                "TO_BF16 BLOCK_R BLOCK_D", types)  # fmt: skip
     consts = dict(D=D, HAS_ROWS=has_rows, HAS_COUNT=has_count, NORMALIZED=normalized, TO_BF16=op_t == "bf16",
                   **dict(_COPY.meta))  # fmt: skip
-    name = f"_copy_rows_kernel D={D} to {op_t} normalized={normalized} rows={has_rows} count={has_count}"
+    name = f"_copy_rows_kernel to {op_t} normalized={normalized} rows={has_rows} count={has_count}"
     return KernelVariant(name, _copy_rows_kernel, sig, consts, _COPY.num_warps, _COPY.num_stages)
 
 
@@ -866,9 +872,9 @@ def _rows_out_variant(w_t: str, D: int, normalized: bool, has_count: bool, acc: 
     sig = _sig("h_ptr red_ptr inv_ptr w_ptr rows_ptr count_ptr gw_ptr gb_ptr c0 K D HAS_ROWS HAS_COUNT NORMALIZED "
                "WRITE_W WRITE_B ACCUMULATE BLOCK_R BLOCK_D", types)  # fmt: skip
     consts = dict(D=D, HAS_ROWS=True, HAS_COUNT=has_count, NORMALIZED=normalized, WRITE_W=True,
-                  WRITE_B=not normalized, ACCUMULATE=acc, BLOCK_R=32, BLOCK_D=128)  # fmt: skip
-    name = f"_rows_out_kernel D={D} {w_t} normalized={normalized} count={has_count} accumulate={acc}"
-    return KernelVariant(name, _rows_out_kernel, sig, consts, 4, 3)
+                  WRITE_B=not normalized, ACCUMULATE=acc, **dict(_ROWS_OUT.meta))  # fmt: skip
+    name = f"_rows_out_kernel {w_t} normalized={normalized} count={has_count} accumulate={acc}"
+    return KernelVariant(name, _rows_out_kernel, sig, consts, _ROWS_OUT.num_warps, _ROWS_OUT.num_stages)
 
 
 def _tiles(cfg: LaunchConfig) -> str:
