@@ -694,3 +694,36 @@ def test_a_resumed_run_draws_and_trains_as_an_uninterrupted_one(tmp_path):
     assert torch.equal(resumed.classifier.weight, whole.classifier.weight)
     for k, v in whole.optimizer.state[whole.classifier.weight].items():
         assert torch.equal(resumed.optimizer.state[resumed.classifier.weight][k], v), k
+
+
+def test_tuned_configs_are_chosen_once_and_kept_across_processes(tmp_path, monkeypatch):
+    """The first choice times every candidate and is written to a private JSON file; another Tuner (another
+    rank or run) reads it without timing; an entry that is not one of the candidates, or a file others may
+    write, is not trusted."""
+    import json
+    import stat
+
+    from dmltrain.kernel_tuning import LaunchConfig, Tuner, tuning_dir
+
+    monkeypatch.setenv("DMLTRAIN_TUNING_DIR", str(tmp_path / "tuning"))
+    assert stat.S_IMODE(tuning_dir().stat().st_mode) == 0o700
+    cands = [LaunchConfig.of(8, 3, BLOCK_B=128), LaunchConfig.of(4, 3, BLOCK_B=64)]
+    timed = []
+
+    def time_config(cfg):
+        timed.append(cfg)
+        return {128: 2.0, 64: 1.0}[cfg["BLOCK_B"]]
+
+    assert Tuner("NVIDIA H100 80GB HBM3", "3.8.0").choose("lse", (512, 1024), cands, time_config) == cands[1]
+    assert len(timed) == 2
+    other = Tuner("NVIDIA H100 80GB HBM3", "3.8.0")
+    assert other.choose("lse", (512, 1024), cands, time_config) == cands[1] and len(timed) == 2
+    path = other.path
+    data = json.loads(path.read_text())
+    data["lse|512|1024"] = {"meta": {"BLOCK_B": 4096}, "num_warps": 1, "num_stages": 1}  # not a candidate
+    path.write_text(json.dumps(data))
+    assert Tuner("NVIDIA H100 80GB HBM3", "3.8.0").choose("lse", (512, 1024), cands, time_config) == cands[1]
+    assert len(timed) == 4  # timed again, and the file repaired
+    path.chmod(0o666)
+    assert Tuner("NVIDIA H100 80GB HBM3", "3.8.0").choose("lse", (512, 1024), cands, time_config) == cands[1]
+    assert len(timed) == 6  # a file others may write is ignored
