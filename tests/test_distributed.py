@@ -395,12 +395,13 @@ def test_argument_errors_name_the_culprit():
         make_classifier_optimizer(clf, "sgdw")
 
 
-@pytest.mark.parametrize("kind,ratio", [("arcface", 1.0), ("softmax_ce", 0.5)])
-def test_float64_classifier_computes_in_float64(kind, ratio):
-    """``.double()`` is honoured: loss, embeddings' and rows' gradients in float64, to float64 accuracy."""
+@pytest.mark.parametrize("kind,ratio,margin", [("arcface", 1.0, 0.5), ("arcface", 0.5, 3.0), ("softmax_ce", 0.5, None)])
+def test_float64_classifier_computes_in_float64(kind, ratio, margin):
+    """``.double()`` is honoured: loss, embeddings' and rows' gradients in float64, to float64 accuracy
+    (ArcFace with θ + m past π too: InsightFace's continuation)."""
     C, D = 40, 8
     clf = (
-        ShardedClassifier(C, D, kind, sample_ratio=ratio, scale=16.0, margin=0.5)
+        ShardedClassifier(C, D, kind, sample_ratio=ratio, scale=16.0, margin=margin)
         if kind == "arcface"
         else ShardedClassifier(C, D, kind, sample_ratio=ratio)
     )
