@@ -798,13 +798,18 @@ def compile_variants() -> list[KernelVariant]:
     for op_t in ("bf16", "fp32"):
         for normalized in (True, False):
             for has_rows in (False, True):
-                for has_count in (False, True):
+                for has_count in (False, True) if has_rows else (False,):  # a count comes with drawn rows
                     out.append(_copy_variant(op_t, _D_VARIANT, normalized, has_rows, has_count))
     for w_t in ("fp32", "bf16"):
         for normalized in (True, False):
-            for has_count in (False, True):
-                for acc in (False, True):
-                    out.append(_rows_out_variant(w_t, _D_VARIANT, normalized, has_count, acc))
+            writes = [(True, False)] if normalized else [(True, True), (True, False), (False, True)]
+            for has_rows in (False, True):
+                for has_count in (False, True) if has_rows else (False,):  # a count comes with drawn rows
+                    for write_w, write_b in writes:
+                        for acc in (False, True):
+                            flags = dict(HAS_ROWS=has_rows, HAS_COUNT=has_count, NORMALIZED=normalized,
+                                         WRITE_W=write_w, WRITE_B=write_b, ACCUMULATE=acc)  # fmt: skip
+                            out.append(_rows_out_variant(w_t, _D_VARIANT, flags))
     return out
 
 
@@ -864,14 +869,13 @@ def _copy_variant(op_t: str, D: int, normalized: bool, has_rows: bool, has_count
     return KernelVariant(name, _copy_rows_kernel, sig, consts, _COPY.num_warps, _COPY.num_stages)
 
 
-def _rows_out_variant(w_t: str, D: int, normalized: bool, has_count: bool, acc: bool) -> KernelVariant:
+def _rows_out_variant(w_t: str, D: int, flags: dict[str, bool]) -> KernelVariant:
     types = {"h_ptr": "*fp32", "red_ptr": "*fp32", "inv_ptr": "*fp32", "w_ptr": f"*{w_t}", "rows_ptr": "*i64",
              "count_ptr": "*i64", "gw_ptr": f"*{w_t}", "gb_ptr": f"*{w_t}", "c0": "i32", "K": "i32"}  # fmt: skip
     sig = _sig("h_ptr red_ptr inv_ptr w_ptr rows_ptr count_ptr gw_ptr gb_ptr c0 K D HAS_ROWS HAS_COUNT NORMALIZED "
                "WRITE_W WRITE_B ACCUMULATE BLOCK_R BLOCK_D", types)  # fmt: skip
-    consts = dict(D=D, HAS_ROWS=True, HAS_COUNT=has_count, NORMALIZED=normalized, WRITE_W=True,
-                  WRITE_B=not normalized, ACCUMULATE=acc, **dict(_ROWS_OUT.meta))  # fmt: skip
-    name = f"_rows_out_kernel {w_t} normalized={normalized} count={has_count} accumulate={acc}"
+    consts = dict(D=D, **flags, **dict(_ROWS_OUT.meta))
+    name = f"_rows_out_kernel {w_t} " + " ".join(f"{k.lower()}={v}" for k, v in flags.items())
     return KernelVariant(name, _rows_out_kernel, sig, consts, _ROWS_OUT.num_warps, _ROWS_OUT.num_stages)
 
 
