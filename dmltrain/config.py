@@ -151,6 +151,11 @@ class ClassifierLoss(Section):
     weight_storage: WeightStorage = Field(
         "fp32", description="bf16 halves the weight and its gradient (CUDA; fp32 optimizer state, stochastic rounding)"
     )
+    deterministic: bool = Field(
+        False,
+        description="CUDA: bit-identical classifier gradients run to run (two backward kernels, one more product); "
+        "the default's single backward kernel adds with atomics, equal to fp32 rounding",
+    )
     init_std: float | None = Field(
         None,
         gt=0,

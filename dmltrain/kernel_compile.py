@@ -13,8 +13,9 @@ each), so the test suite compiles :func:`covering` of it: every autotune config 
 architecture, the flag and dtype values spread over the configs so that each value occurs at least once
 per kernel. ``python -m dmltrain.kernel_compile --all`` compiles everything and prints the table.
 
-Launchers prune the configs that cannot fit the device (:func:`shared_memory_prune`, the hook of
-``triton.autotune(prune_configs_by=...)``), by the shared memory of the compiled config, exactly.
+A config that does not fit a device is never launched there: the launchers' tuner skips what Triton
+refuses to launch (:func:`dmltrain.kernel_tuning.time_launch`), and the tests check every candidate
+fits both architectures.
 
 Nothing here imports Triton at module level: the compile workers import it themselves, without
 ``TRITON_INTERPRET`` (under the interpreter the kernels are not compiled objects at all).
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import math
 import os
 import subprocess
 import sys
@@ -252,56 +252,6 @@ def covering(variants: Iterable[KernelVariant]) -> list[KernelVariant]:
             # values still missing: another round over the variants not yet taken
             pools = [[v for g in groups.values() for v in g if v.name not in picked]] if todo else []
     return chosen
-
-
-# -- pruning configs to the device -----------------------------------------------------------------------
-def fitting(configs: Sequence[Any], shared: Sequence[float], limit: int) -> list[Any]:
-    """The configs whose shared memory fits ``limit``; when none does, the smallest one (autotune needs a
-    config, and Triton's launch then names the shared memory it needs)."""
-    keep = [c for c, s in zip(configs, shared) if s <= limit]
-    return keep or [min(zip(configs, shared), key=lambda cs: cs[1])[0]]
-
-
-def _launch_shared(kernel: Any, named_args: dict[str, Any], kwargs: dict[str, Any], config: Any) -> int:
-    """Shared memory of ``kernel`` compiled as the autotuner would launch it with ``config`` on this device
-    (``warmup`` compiles without launching; the autotuner's own compile then hits the same cache entry)."""
-    compiled = kernel.warmup(**named_args, **kwargs, **config.all_kwargs(), grid=(1,))
-    return int(compiled.metadata.shared)
-
-
-def device_shared_memory_limit() -> int:
-    """The current CUDA device's per-block opt-in shared memory maximum, as Triton's launch checks it."""
-    import torch
-    from triton.runtime import driver
-
-    return int(driver.active.utils.get_device_properties(torch.cuda.current_device())["max_shared_mem"])
-
-
-def shared_memory_prune(
-    kernel: Any,
-    limit: int | None = None,
-    shared_of: Callable[[Any, dict[str, Any], dict[str, Any], Any], int] = _launch_shared,
-) -> Callable[..., list[Any]]:
-    """An ``early_config_prune`` hook for ``triton.autotune(prune_configs_by=...)`` of ``kernel``: keeps
-    the configs whose compiled shared memory fits ``limit`` (None: the current device's).
-
-    ``shared_of(kernel, named_args, launch_kwargs, config)`` gives a config's shared memory; the default
-    compiles it for the current device. The tests pass an offline compile for an architecture instead. A
-    config that does not compile counts as not fitting (when none fits, the launch then raises its error).
-    """
-
-    def size(named_args: dict[str, Any], launch: dict[str, Any], config: Any) -> float:
-        try:
-            return shared_of(kernel, named_args, launch, config)
-        except Exception:  # noqa: BLE001 — a config that does not compile is dropped, as the autotuner would skip it
-            return math.inf
-
-    def prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
-        launch = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
-        lim = device_shared_memory_limit() if limit is None else limit
-        return fitting(configs, [size(named_args, launch, c) for c in configs], lim)
-
-    return prune
 
 
 # -- the table ------------------------------------------------------------------------------------------

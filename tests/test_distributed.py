@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed_reference import dense_classifier_loss, rel_err
+from distributed_reference import dense_classifier_loss, reference_draw, rel_err
 
 from dmltrain.distributed import (
     ClassPartition,
@@ -16,13 +16,14 @@ from dmltrain.distributed import (
     RowSparseAdamW,
     RowSparseSGD,
     ShardedClassifier,
+    draw_active,
     gather_state,
     grad_scale,
     load_state,
     make_classifier_optimizer,
-    sample_rows,
 )
-from dmltrain.distributed.class_sampling import draw_active_rows, target_total
+from dmltrain.distributed.class_sampling import capacity, target_total
+from dmltrain.distributed.row_sparse import RowSet
 from dmltrain.errors import ConfigError
 from dmltrain.losses.base import AnchorTerms, InstanceLoss
 
@@ -42,48 +43,54 @@ def test_partition_covers_every_class_once(C, W):
 
 
 # -- the class draw ----------------------------------------------------------------------------------
-def test_class_draw_rules():
-    n = 1000
-    pos = torch.tensor([3, 17, 999, 500])
-    rows = sample_rows(n, pos, 96, seed=1, step=5, shard=2)
-    assert rows.numel() == 100
-    assert torch.isin(pos, rows).all(), "every batch class must be drawn"
-    assert torch.equal(rows, torch.unique(rows)), "sorted, without duplicates"
-    assert torch.equal(rows, sample_rows(n, pos, 96, seed=1, step=5, shard=2)), "reproducible from (seed, step, shard)"
-    assert not torch.equal(rows, sample_rows(n, pos, 96, seed=1, step=6, shard=2)), "differs across steps"
-    assert not torch.equal(rows, sample_rows(n, pos, 96, seed=1, step=5, shard=3)), "differs across shards"
-    assert not torch.equal(rows, sample_rows(n, pos, 96, seed=2, step=5, shard=2)), "differs across seeds"
-    # more positives than the ratio allows: exactly the positives
+def _drawn(labels: torch.Tensor, C: int, ratio: float, seed: int, step: int) -> torch.Tensor:
+    """The global class ids one process (W = 1) draws: the draw's rows up to its count."""
+    a = draw_active(labels, ClassPartition(C, 1), ratio, seed, step)
+    return a.rows if a.count is None else a.rows[: int(a.count)]
+
+
+@pytest.mark.parametrize(
+    "C,B,ratio",
+    [(50, 20, 0.3), (1000, 30, 0.1), (1000, 40, 0.01), (300, 200, 0.05), (7, 12, 0.5), (11318, 64, 0.001)],
+)
+def test_class_draw_equals_the_slow_reference(C, B, ratio):
+    """The drawn classes are the reference's: every batch class plus the others of smallest key, round(ratio × C)
+    in all (never fewer than the batch's classes), sorted without duplicates; the ratio at least the global batch
+    draws exactly its size, without a count to read."""
+    g = torch.Generator().manual_seed(C + B)
+    for step in (0, 7):
+        labels = torch.randint(0, C, (B,), generator=g)
+        rows = _drawn(labels, C, ratio, seed=3, step=step)
+        want = reference_draw(C, labels.tolist(), ratio, seed=3, step=step)
+        assert rows.tolist() == want
+        assert rows.numel() == target_total(C, torch.unique(labels).numel(), ratio)
+        assert torch.isin(labels, rows).all()
+        a = draw_active(labels, ClassPartition(C, 1), ratio, 3, step)
+        assert (a.count is None) == (int(ratio * C + 0.5) >= B) and a.capacity == capacity(
+            ClassPartition(C, 1), 0, B, ratio
+        )[0]
+
+
+def test_class_draw_depends_on_seed_and_step_only():
+    C, labels = 1000, torch.tensor([3, 17, 999, 500])
+    rows = _drawn(labels, C, 0.1, seed=1, step=5)
+    assert torch.equal(rows, _drawn(labels.flip(0), C, 0.1, seed=1, step=5)), "reproducible from (seed, step, classes)"
+    assert not torch.equal(rows, _drawn(labels, C, 0.1, seed=1, step=6)), "differs across steps"
+    assert not torch.equal(rows, _drawn(labels, C, 0.1, seed=2, step=5)), "differs across seeds"
     assert target_total(1000, 200, 0.1) == 200 and target_total(1000, 4, 0.1) == 100 and target_total(10, 1, 1.0) == 10
-    many = torch.arange(0, 1000, 5)
-    assert torch.equal(sample_rows(n, many, 0, 0, 0, 0), many)
-    # everything asked for: everything drawn
-    assert torch.equal(sample_rows(50, torch.tensor([1]), 49, 0, 0, 0), torch.arange(50))
-
-
-@pytest.mark.parametrize("C,W,ratio", [(11318, 8, 0.001), (100, 4, 0.1), (23, 3, 0.5), (1000, 7, 0.01)])
-def test_global_draw_count_is_the_ratio_of_all_classes_at_any_world_size(C, W, ratio):
-    """round(ratio × C) classes per step whatever W; shards agree on the split without communicating."""
-    bounds = ClassPartition(C, W).bounds()
-    for step in range(5):
-        g = torch.Generator().manual_seed(step)
-        batch = torch.unique(torch.randint(0, C, (6,), generator=g))
-        per_shard = [draw_active_rows(batch, bounds, r, ratio, seed=7, step=step) + bounds[r][0] for r in range(W)]
-        drawn = torch.cat(per_shard)
-        assert drawn.numel() == target_total(C, batch.numel(), ratio) == max(batch.numel(), round(ratio * C))
-        assert torch.isin(batch, drawn).all() and torch.unique(drawn).numel() == drawn.numel()
-        assert all(((p >= lo) & (p < hi)).all() for p, (lo, hi) in zip(per_shard, bounds))
+    many = torch.arange(0, 1000, 5)  # more batch classes than the ratio allows: exactly them
+    assert torch.equal(_drawn(many, C, 0.1, 0, 0), many)
+    assert draw_active(labels, ClassPartition(C, 1), 0.9996, 0, 0) is None  # the ratio rounds to every class
 
 
 def test_class_draw_is_uniform_over_the_other_classes():
-    """Over many steps every non-batch class is drawn equally often, whichever shard holds it."""
-    C, W, ratio, steps = 200, 3, 0.1, 2000
-    bounds = ClassPartition(C, W).bounds()
-    batch = torch.tensor([0, 1, 2, 3, 150])  # unevenly spread over the shards
+    """Over many steps every non-batch class is drawn equally often (the draw is the same at every W:
+    the multi-process tests compare each shard's part with the same reference)."""
+    C, ratio, steps = 200, 0.1, 2000
+    batch = torch.tensor([0, 1, 2, 3, 150])
     counts = torch.zeros(C)
     for step in range(steps):
-        for r in range(W):
-            counts[draw_active_rows(batch, bounds, r, ratio, seed=0, step=step) + bounds[r][0]] += 1
+        counts[_drawn(batch, C, ratio, seed=0, step=step)] += 1
     assert (counts[batch] == steps).all()
     others = torch.ones(C, dtype=torch.bool)
     others[batch] = False
@@ -135,15 +142,15 @@ def test_dense_optimizers_match_torch(ours, theirs):
 
 
 class _FixedRows:
-    """A row source reporting given rows (what the classifier does after a subsampled backward)."""
+    """A RowGrads stand-in reporting given rows (what the classifier's does after a subsampled backward)."""
 
     def __init__(self) -> None:
-        self.rows = None
+        self.set = None
 
-    def grad_rows(self):
-        return self.rows
+    def rows(self):
+        return self.set
 
-    def grad_cleared(self) -> None:
+    def cleared(self) -> None:
         pass
 
 
@@ -151,8 +158,8 @@ class _FixedRows:
 def test_sparse_rows_update_like_a_dense_optimizer_on_their_own_steps(name):
     """A row active at steps {0, 2} of 3 ends exactly as torch's optimizer fed only those steps."""
     make = {
-        "sgd": lambda ps, rows: RowSparseSGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-2, rows=rows),
-        "adamw": lambda ps, rows: RowSparseAdamW(ps, lr=0.01, weight_decay=0.1, rows=rows),
+        "sgd": lambda ps, rows: RowSparseSGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-2, grads=rows),
+        "adamw": lambda ps, rows: RowSparseAdamW(ps, lr=0.01, weight_decay=0.1, grads=rows),
     }[name]
     torch_make = {
         "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-2),
@@ -163,11 +170,14 @@ def test_sparse_rows_update_like_a_dense_optimizer_on_their_own_steps(name):
     src = _FixedRows()
     opt = make([p], src)
     active = [torch.tensor([0, 2, 5]), torch.tensor([1, 2]), torch.tensor([0, 1, 5])]
+    # as the draw hands them: the counted rows first, then rows that hold no gradient (left alone)
+    padded = [RowSet(torch.tensor([0, 2, 5, 3]), torch.tensor(3)), RowSet(torch.tensor([1, 2])),
+              RowSet(torch.tensor([0, 1, 5, 2, 4]), torch.tensor(3))]  # fmt: skip
     grads = _grads(w0.shape, 3, seed=1)
-    for rows, g in zip(active, grads):
+    for rows, rowset, g in zip(active, padded, grads):
         before = p.detach().clone()
         state_before = {k: v.clone() for k, v in opt.state[p].items()}
-        src.rows = rows
+        src.set = rowset
         p.grad = g.clone()
         opt.step()
         idle = torch.ones(6, dtype=torch.bool)
@@ -242,9 +252,9 @@ def test_gradient_accumulates_without_zero_grad():
         )
         ref.backward()
         assert rel_err(clf.weight.grad, w.grad) < 1e-5
-        expected_rows = None if ratio == 1 else torch.unique(torch.cat([r1, r2]))
-        got = clf.grad_rows()
-        assert (got is None) if expected_rows is None else torch.equal(got, expected_rows)
+        expected_rows = torch.arange(C) if ratio == 1 else torch.unique(torch.cat([r1, r2]))
+        assert (clf.row_grads.rows().rows is None) == (ratio == 1)
+        assert torch.equal(clf.row_grads.row_ids(), expected_rows)
 
 
 @pytest.mark.parametrize("ratio", [1.0, 0.3])
@@ -385,12 +395,13 @@ def test_argument_errors_name_the_culprit():
         make_classifier_optimizer(clf, "sgdw")
 
 
-@pytest.mark.parametrize("kind,ratio", [("arcface", 1.0), ("softmax_ce", 0.5)])
-def test_float64_classifier_computes_in_float64(kind, ratio):
-    """``.double()`` is honoured: loss, embeddings' and rows' gradients in float64, to float64 accuracy."""
+@pytest.mark.parametrize("kind,ratio,margin", [("arcface", 1.0, 0.5), ("arcface", 0.5, 3.0), ("softmax_ce", 0.5, None)])
+def test_float64_classifier_computes_in_float64(kind, ratio, margin):
+    """``.double()`` is honoured: loss, embeddings' and rows' gradients in float64, to float64 accuracy
+    (ArcFace with θ + m past π too: InsightFace's continuation)."""
     C, D = 40, 8
     clf = (
-        ShardedClassifier(C, D, kind, sample_ratio=ratio, scale=16.0, margin=0.5)
+        ShardedClassifier(C, D, kind, sample_ratio=ratio, scale=16.0, margin=margin)
         if kind == "arcface"
         else ShardedClassifier(C, D, kind, sample_ratio=ratio)
     )
@@ -435,7 +446,7 @@ def test_precision_and_storage_errors_are_one_line():
 
 
 def test_stochastic_rounding_is_unbiased_and_bf16_rows_learn_below_resolution():
-    from dmltrain.distributed.sparse_optim import round_stochastic
+    from dmltrain.distributed.row_sparse import round_stochastic
 
     vals = torch.tensor([1.0 + 2**-10, -1.0 - 3 * 2**-10, 3.3e-5, -7.77])
     x = vals.repeat(40_000, 1)
@@ -514,6 +525,11 @@ def test_bench_classifier_smoke(capsys, monkeypatch):
     assert bench.run(args) == 0
     out = capsys.readouterr().out
     assert "step / GEMMs" in out and "R=0.1: step" in out and "faster than R=1" in out
+    args = parser.parse_args("--classes 3000 --dim 16 --batch 32 --steps 1".split())  # with the peers
+    assert bench.run(args) == 0
+    out = capsys.readouterr().out
+    assert "Cut Cross-Entropy (bf16, its default gradient filter): not available on the CPU" in out
+    assert "Cut Cross-Entropy exact (bf16, impl='cce_exact': no gradient filter): not available on the CPU" in out
     if not torch.cuda.is_available():  # --device cuda says so in one line
         args = parser.parse_args("--classes 3000 --dim 16 --batch 32 --steps 1 --device cuda".split())
         assert bench.run(args) == 1
@@ -578,3 +594,137 @@ def test_classifier_index_cannot_name_a_file_outside_its_folder(tmp_path):
     (tmp_path / "ckpt" / INDEX_NAME).write_text(json.dumps(index))
     with pytest.raises(UserError, match=r"'\.\./outside\.pt' is not a file name inside the checkpoint folder"):
         load_by_class(ShardedClassifier(10, 4, "normsoftmax"), tmp_path / "ckpt")
+
+
+# -- no host reads in a step ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kind,params,ratio",
+    [
+        ("softmax_ce", {"smoothing": 0.1}, 0.1),  # a drawn count on the device (the ratio below the batch)
+        ("arcface", {"scale": 16.0, "margin": 0.5}, 0.5),  # the draw's size known on the host
+        ("cosface", {"scale": 16.0, "margin": 0.35}, 1.0),
+    ],
+)
+def test_a_training_step_reads_nothing_back_from_the_device(kind, params, ratio):
+    """Forward, backward and the optimizer step of the classifier head with every Python-level device read
+    refused (what a CUDA step must not do: tests/host_reads.py); the result still equals one float64 process."""
+    from host_reads import HostRead, no_host_reads
+
+    from dmltrain.distributed import ClassifierHead
+
+    C, D = 50, 8
+    clf = ShardedClassifier(C, D, kind, sample_ratio=ratio, seed=1, **params)
+    w0 = torch.randn(C, D, generator=torch.Generator().manual_seed(2))
+    clf.load_full_weight(w0, None if clf.bias is None else torch.zeros(C))
+    head = ClassifierHead(clf, "adamw", lr=0.1, weight_decay=0.01)
+    for step in range(2):  # the second step reuses the gradient buffers
+        x, y = _batch(C, D, seed=step)
+        x.requires_grad_(True)
+        w_before = clf.weight.detach().clone()
+        b_before = None if clf.bias is None else clf.bias.detach().clone()
+        with no_host_reads():
+            loss = head(x, y, step=step, sizes=[x.shape[0]])
+            loss.backward()
+            head.step()
+        with pytest.raises(HostRead), no_host_reads():  # the guard does catch a read: the stats are one
+            clf.stats["loss"]
+        xr = x.detach().double().requires_grad_(True)
+        wr = w_before.double().requires_grad_(True)
+        br = None if b_before is None else b_before.double().requires_grad_(True)
+        active = None if ratio == 1 else clf.active_rows
+        ref = dense_classifier_loss(xr, y, wr, br, kind, clf.params, active)
+        ref.backward()
+        assert rel_err(float(loss.detach()), float(ref.detach())) < 1e-5
+        assert rel_err(x.grad, xr.grad) < 1e-5
+        idle = torch.ones(C, dtype=torch.bool)
+        idle[clf.active_rows] = False
+        assert torch.equal(clf.weight.detach()[idle], w_before[idle])  # undrawn rows untouched by the step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("ratio", [1.0, 0.1])
+def test_a_cuda_training_step_never_synchronises(ratio):
+    """The same step on a GPU under torch.cuda.set_sync_debug_mode("error") (after a warm-up step that
+    tunes the kernels' tiles), label smoothing and a drawn count included."""
+    from dmltrain.distributed import ClassifierHead
+
+    C, D = 5000, 64
+    clf = ShardedClassifier(C, D, "softmax_ce", sample_ratio=ratio, smoothing=0.1).cuda()
+    head = ClassifierHead(clf, "sgd", lr=0.1)
+    for step in range(3):
+        x, y = _batch(C, D, B=256, seed=step)
+        x, y = x.cuda().requires_grad_(True), y.cuda()
+        torch.cuda.set_sync_debug_mode("error" if step else "default")
+        try:
+            head(x, y, step=step, sizes=[x.shape[0]]).backward()
+            head.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(clf.weight).all()
+
+
+def test_a_resumed_run_draws_and_trains_as_an_uninterrupted_one(tmp_path):
+    """Saved by class id after step 1 and loaded into a fresh head, steps 2-3 draw the same classes and end
+    with bit-identical rows and optimizer state (the draw is a function of seed, step and batch only)."""
+    from dmltrain.distributed import ClassifierHead
+
+    C, D = 300, 8
+
+    def head() -> ClassifierHead:
+        return ClassifierHead(ShardedClassifier(C, D, "cosface", sample_ratio=0.05, seed=4), "adamw", lr=0.05)
+
+    def train(h: ClassifierHead, steps) -> list[torch.Tensor]:
+        drawn = []
+        for step in steps:
+            x, y = _batch(C, D, seed=10 + step)
+            h(x, y, step=step).backward()
+            drawn.append(h.classifier.active_rows.clone())
+            h.step()
+        return drawn
+
+    whole = head()
+    drawn = train(whole, range(4))
+    first = head()
+    train(first, range(2))
+    first.save(tmp_path / "ckpt")
+    resumed = head()
+    with torch.no_grad():
+        resumed.classifier.weight.normal_()  # loading must overwrite everything
+    resumed.load(tmp_path / "ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(train(resumed, range(2, 4)), drawn[2:]))
+    assert torch.equal(resumed.classifier.weight, whole.classifier.weight)
+    for k, v in whole.optimizer.state[whole.classifier.weight].items():
+        assert torch.equal(resumed.optimizer.state[resumed.classifier.weight][k], v), k
+
+
+def test_tuned_configs_are_chosen_once_and_kept_across_processes(tmp_path, monkeypatch):
+    """The first choice times every candidate and is written to a private JSON file; another Tuner (another
+    rank or run) reads it without timing; an entry that is not one of the candidates, or a file others may
+    write, is not trusted."""
+    import json
+    import stat
+
+    from dmltrain.kernel_tuning import LaunchConfig, Tuner, tuning_dir
+
+    monkeypatch.setenv("DMLTRAIN_TUNING_DIR", str(tmp_path / "tuning"))
+    assert stat.S_IMODE(tuning_dir().stat().st_mode) == 0o700
+    cands = [LaunchConfig.of(8, 3, BLOCK_B=128), LaunchConfig.of(4, 3, BLOCK_B=64)]
+    timed = []
+
+    def time_config(cfg):
+        timed.append(cfg)
+        return {128: 2.0, 64: 1.0}[cfg["BLOCK_B"]]
+
+    assert Tuner("NVIDIA H100 80GB HBM3", "3.8.0").choose("lse", (512, 1024), cands, time_config) == cands[1]
+    assert len(timed) == 2
+    other = Tuner("NVIDIA H100 80GB HBM3", "3.8.0")
+    assert other.choose("lse", (512, 1024), cands, time_config) == cands[1] and len(timed) == 2
+    path = other.path
+    data = json.loads(path.read_text())
+    data["lse|512|1024"] = {"meta": {"BLOCK_B": 4096}, "num_warps": 1, "num_stages": 1}  # not a candidate
+    path.write_text(json.dumps(data))
+    assert Tuner("NVIDIA H100 80GB HBM3", "3.8.0").choose("lse", (512, 1024), cands, time_config) == cands[1]
+    assert len(timed) == 4  # timed again, and the file repaired
+    path.chmod(0o666)
+    assert Tuner("NVIDIA H100 80GB HBM3", "3.8.0").choose("lse", (512, 1024), cands, time_config) == cands[1]
+    assert len(timed) == 6  # a file others may write is ignored

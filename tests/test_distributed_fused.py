@@ -9,7 +9,9 @@ same checks run on it, compiled.
 
 References: kernel-level checks against a float64 torch transcription of the kernels'
 formulas; classifier checks against one process holding the whole weight in float64
-(tests/distributed_reference.py). Error = max |ours − ref| / max |ref|. Tolerances:
+(tests/distributed_reference.py), for the default backward (one kernel, atomics) and the
+deterministic one (two kernels), and two runs of the same steps compared bit for bit.
+Error = max |ours − ref| / max |ref|. Tolerances:
 
 * fp32 (IEEE products), and tf32 under the interpreter (which multiplies in fp32): 1e-5;
 * tf32 on a GPU (10-bit mantissas): 5e-3;
@@ -33,16 +35,21 @@ BATCH = 21
 SPLITS = {1: [21], 2: [12, 9], 3: [8, 0, 13]}
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
-#: (name, kind, params, precision, sample_ratio) per world size: every kind at every W, dense and subsampled
+#: (name, kind, params, precision, sample_ratio) per world size: every kind at every W, dense and subsampled;
+#: "det" runs the deterministic two-kernel backward
 CASES = {
     1: [
         ("normsoftmax fp32", "normsoftmax", {"temperature": 0.1}, "fp32", 1.0),
         ("cosface fp32 sub", "cosface", {"scale": 16.0, "margin": 0.35}, "fp32", 0.5),
         ("arcface fp32", "arcface", {"scale": 16.0, "margin": 0.5}, "fp32", 1.0),
+        ("arcface fp32 margin past pi", "arcface", {"scale": 16.0, "margin": 3.0}, "fp32", 1.0),
         ("softmax_ce fp32 sub", "softmax_ce", {"smoothing": 0.1}, "fp32", 0.5),
         ("arcface bf16", "arcface", {"scale": 16.0, "margin": 0.5}, "bf16", 1.0),
         ("softmax_ce bf16", "softmax_ce", {"smoothing": 0.1}, "bf16", 1.0),
         ("normsoftmax tf32 sub", "normsoftmax", {"temperature": 0.1}, "tf32", 0.5),
+        ("cosface fp32 sub det", "cosface", {"scale": 16.0, "margin": 0.35}, "fp32", 0.5),
+        ("softmax_ce fp32 det", "softmax_ce", {"smoothing": 0.1}, "fp32", 1.0),
+        ("arcface bf16 det", "arcface", {"scale": 16.0, "margin": 0.5}, "bf16", 1.0),
     ],
     2: [
         ("normsoftmax fp32 sub", "normsoftmax", {"temperature": 0.1}, "fp32", 0.5),
@@ -50,6 +57,8 @@ CASES = {
         ("arcface fp32 sub", "arcface", {"scale": 16.0, "margin": 0.5}, "fp32", 0.5),
         ("softmax_ce fp32", "softmax_ce", {"smoothing": 0.1}, "fp32", 1.0),
         ("cosface bf16 sub", "cosface", {"scale": 16.0, "margin": 0.35}, "bf16", 0.5),
+        ("softmax_ce fp32 sub det", "softmax_ce", {"smoothing": 0.1}, "fp32", 0.5),
+        ("arcface fp32 det", "arcface", {"scale": 16.0, "margin": 0.5}, "fp32", 1.0),
     ],
     3: [
         ("normsoftmax fp32", "normsoftmax", {"temperature": 0.1}, "fp32", 1.0),
@@ -57,6 +66,8 @@ CASES = {
         ("arcface fp32", "arcface", {"scale": 16.0, "margin": 0.5}, "fp32", 1.0),
         ("softmax_ce fp32 sub", "softmax_ce", {"smoothing": 0.1}, "fp32", 0.5),
         ("normsoftmax bf16", "normsoftmax", {"temperature": 0.1}, "bf16", 1.0),
+        ("normsoftmax fp32 sub det", "normsoftmax", {"temperature": 0.1}, "fp32", 0.5),
+        ("cosface fp32 det", "cosface", {"scale": 16.0, "margin": 0.35}, "fp32", 1.0),
     ],
 }
 
@@ -86,7 +97,7 @@ def _local(t: torch.Tensor, rank: int, W: int) -> torch.Tensor:
     return t[s : s + SPLITS[W][rank]].clone()
 
 
-def _classifier_case(rank, W, device, kind, params, precision, ratio, weight_storage="fp32", steps=1):
+def _classifier_case(rank, W, device, kind, params, precision, ratio, weight_storage="fp32", steps=1, det=False):
     """Loss and gradients of ``steps`` calls (gradients accumulated) against one float64 process."""
     from dmltrain.distributed import ShardedClassifier
     from dmltrain.distributed.collectives import all_gather_uneven
@@ -94,7 +105,7 @@ def _classifier_case(rank, W, device, kind, params, precision, ratio, weight_sto
     w_full, b_full = _full_params(kind)
     backend = "auto" if device == "cuda" else "triton"
     clf = ShardedClassifier(C, D, kind, sample_ratio=ratio, seed=3, precision=precision, weight_storage=weight_storage,
-                            backend=backend, **params).to(device)  # fmt: skip
+                            backend=backend, deterministic=det, **params).to(device)  # fmt: skip
     clf.load_full_weight(w_full.to(device), None if b_full is None else b_full.to(device))
     losses, xs, actives = [], [], []
     for step in range(steps):
@@ -127,83 +138,103 @@ def _classifier_case(rank, W, device, kind, params, precision, ratio, weight_sto
     return err
 
 
-def _kernel_reference(x, w, rows, bias, tcol, scale, lse, off, alpha, precision):
+def _kernel_reference(x, w, rows, count, bias, tcol, scale, lse, off, alpha, precision):
     """float64 transcription of the kernels' formulas: non-target logits, their statistics and gradients."""
-    wa = (w if rows is None else w[rows]).double()
+    active = w if rows is None else w[rows]
+    k = active.shape[0] if count is None else count
+    wa = active[:k].double()
     rnd = (lambda t: t.bfloat16().double()) if precision == "bf16" else (lambda t: t.double())
-    if bias is None:
+    if bias is None:  # the unit rows as the kernels store them, in the operands' precision
         inv = 1 / wa.norm(dim=1)
-        col = inv * scale
-        z = (rnd(x) @ rnd(wa).t()) * col
+        stored = rnd(wa * inv[:, None])
+        z = (rnd(x) @ stored.t()) * scale
+        col = torch.full_like(inv, scale)
     else:
+        stored = rnd(wa)
         col = torch.ones(wa.shape[0], dtype=torch.float64)
-        z = rnd(x) @ rnd(wa).t() + (bias if rows is None else bias[rows]).double()
+        z = rnd(x) @ stored.t() + (bias if rows is None else bias[rows])[:k].double()
     keep = torch.ones_like(z, dtype=torch.bool)
-    owned = (tcol >= 0).nonzero().squeeze(1)
+    owned = ((tcol >= 0) & (tcol < k)).nonzero().squeeze(1)
     keep[owned, tcol[owned].long()] = False
     zk = z.masked_fill(~keep, float("-inf"))
     G = torch.where(keep, (torch.exp(z - lse.double()[:, None]) - off) * alpha, torch.zeros_like(z))
-    gx = (G * col) @ wa
-    gw = (G * col).t() @ x.double()
-    if bias is None:
-        gw = gw - (inv * inv * (G * z).sum(0))[:, None] * wa
+    gx = (G * col) @ stored
+    gw = (G * col).t() @ rnd(x)
+    if bias is None:  # through the normalisation: (h − S ŵ)/‖w‖
+        gw = inv[:, None] * gw - (inv * inv * (G * z).sum(0))[:, None] * wa
     return {"lse": torch.logsumexp(zk, 1), "max": zk.amax(1), "sum": torch.where(keep, z, 0).sum(1),
-            "grad x": gx, "grad w": gw, "grad b": None if bias is None else G.sum(0)}  # fmt: skip
+            "grad x": gx, "grad w": gw, "grad b": None if bias is None else G.sum(0), "k": k}  # fmt: skip
 
 
 def _kernel_checks(device):
-    """Every kernel alone on shapes that cut tiles unevenly (16-wide tiles under the interpreter)."""
+    """The backend's two functions alone on shapes that cut tiles and chunks unevenly (16-wide tiles
+    and 16-column chunks under the interpreter), both backward paths, padding past a drawn count."""
     from dmltrain.distributed import softmax_kernels as sk
+    from dmltrain.distributed.row_sparse import RowGradTarget, RowSet
+    from dmltrain.distributed.sharded_softmax import ShardOperands
 
-    cases = [  # N, D, local rows, subsampled, normalised, precision, widest gradient tile
-        (16, 16, 16, False, True, "fp32", 512),
-        (17, 40, 33, False, True, "fp32", 16),  # three D chunks, the last one partial
-        (31, 24, 50, True, False, "fp32", 512),
-        (20, 24, 40, True, True, "bf16", 512),
-        (9, 24, 21, False, False, "tf32", 16),
+    cases = [  # N, D, local rows, subsampled (drawn count or None), normalised, precision, accumulate, need x
+        (16, 16, 16, False, None, True, "fp32", False, True),
+        (17, 40, 33, False, None, True, "fp32", True, True),  # three D chunks, the last one partial
+        (31, 24, 50, True, None, False, "fp32", False, True),
+        (20, 24, 40, True, 13, True, "bf16", False, True),  # padding after the 13 drawn rows
+        (9, 24, 40, True, 18, False, "tf32", True, False),  # the count ends inside the second chunk
     ]
     g = torch.Generator().manual_seed(5)
     out = {}
-    for i, (N, Dk, n_local, sub, normalized, precision, width) in enumerate(cases):
+    chunk_bytes = sk.CHUNK_BYTES
+    for i, (N, Dk, n_local, sub, count, normalized, precision, accumulate, need_x) in enumerate(cases):
         x = torch.randn(N, Dk, generator=g)
         if normalized:
             x = torch.nn.functional.normalize(x, dim=1)
         w = torch.randn(n_local, Dk, generator=g)
         bias = None if normalized else 0.1 * torch.randn(n_local, generator=g)
-        rows = torch.sort(torch.randperm(n_local, generator=g)[: n_local // 2]).values if sub else None
+        rows = torch.randperm(n_local, generator=g)[: n_local // 2] if sub else None
+        if rows is not None and count is None:
+            rows = torch.sort(rows).values
         K = n_local if rows is None else rows.numel()
-        tcol = torch.randint(-1, K, (N,), generator=g, dtype=torch.int32)
+        tcol = torch.randint(-1, K, (N,), generator=g)
+        if count is not None:
+            tcol = torch.where(tcol < count, tcol, -1)
         scale = 8.0 if normalized else 1.0
         lse = torch.randn(N, generator=g) + 3.0  # any per-sample normaliser exercises the gradient formulas
         off, alpha = 0.01, 0.5
-        ref = _kernel_reference(x, w, rows, bias, tcol, scale, lse, off, alpha, precision)
+        ref = _kernel_reference(x, w, rows, count, bias, tcol, scale, lse, off, alpha, precision)
         dev = lambda t: None if t is None else t.to(device)  # noqa: E731
-        xd, wd, rd, bd, td = dev(x), dev(w), dev(rows), dev(bias), dev(tcol)
-        xo = xd.bfloat16() if precision == "bf16" else xd
-        prec = sk.kernel_precision(precision)
-        inv = sk.row_inv_norms(wd, rd, 1e-12) if normalized else None
-        if normalized:
-            out[f"case {i} inverse norms"] = (
-                "exact",
-                rel_err(inv.cpu(), 1 / (w if rows is None else w[rows]).double().norm(dim=1)),
-            )
-        lse_p, max_p, sum_p = sk.lse_partials(xo, wd, rd, inv, bd, td, scale, prec, True, 3)
-        out[f"case {i} lse"] = (precision, rel_err(torch.logsumexp(lse_p, 0).cpu(), ref["lse"]))
-        out[f"case {i} max"] = (precision, rel_err(max_p.amax(0).cpu(), ref["max"]))
-        out[f"case {i} sum"] = (precision, rel_err(sum_p.sum(0).cpu(), ref["sum"]))
-        gx = sk.grad_embeddings(xo, wd, rd, inv, bd, td, lse.to(device), scale, off, alpha, prec, 3, max_width=width)
-        out[f"case {i} grad x"] = (precision, rel_err(gx.cpu(), ref["grad x"]))
-        gw = torch.full_like(wd, float("nan"))
-        gb = None if bias is None else torch.full_like(bd, float("nan"))
-        sk.grad_rows(xo, wd, rd, inv, bd, td, lse.to(device), scale, off, alpha, prec, gw, gb, rd, max_width=width)
-        gw, active = gw.cpu(), (slice(None) if rows is None else rows)
-        out[f"case {i} grad w"] = (precision, rel_err(gw[active], ref["grad w"]))
-        if rows is not None:  # rows not active are never written
-            untouched = torch.ones(n_local, dtype=torch.bool)
-            untouched[rows] = False
-            out[f"case {i} inactive rows untouched"] = ("exact", float(not bool(gw[untouched].isnan().all())))
-        if bias is not None:
-            out[f"case {i} grad b"] = (precision, rel_err(gb.cpu()[active], ref["grad b"]))
+        cnt = None if count is None else torch.tensor(count, device=device)
+        op = ShardOperands(dev(x), dev(w), dev(bias), dev(rows), cnt, dev(tcol), scale, normalized)
+        sk.CHUNK_BYTES = Dk * 8 * 16  # 16-column chunks: several per case
+        lse_p, max_p, sum_p, _ = sk.partials(op, True, precision)
+        out[f"case {i} lse"] = (precision, rel_err(lse_p.cpu(), ref["lse"]))
+        out[f"case {i} max"] = (precision, rel_err(max_p.cpu(), ref["max"]))
+        out[f"case {i} sum"] = (precision, rel_err(sum_p.cpu(), ref["sum"]))
+        results = {}
+        for det in (False, True):
+            base = torch.randn(n_local, Dk, generator=g) if accumulate else torch.full_like(w, float("nan"))
+            gw = base.clone().to(device)
+            gb = None if bias is None else (0.5 if accumulate else float("nan")) + torch.zeros(n_local, device=device)
+            target = RowGradTarget(None, RowSet(op.rows, cnt), gw, gb, accumulate)
+            coef = (torch.tensor(alpha, device=device), torch.tensor(off, device=device))
+            gx = sk.gradients(op, None, dev(lse), *coef, need_x, target, precision, deterministic=det)
+            tag = f"case {i} {'deterministic' if det else 'atomic'}"
+            if need_x:
+                out[f"{tag} grad x"] = (precision, rel_err(gx.cpu(), ref["grad x"]))
+            else:
+                out[f"{tag} no grad x"] = ("exact", float(gx is not None))
+            active = slice(None) if rows is None else rows[: ref["k"]]
+            gw = gw.cpu() - (base if accumulate else 0)
+            out[f"{tag} grad w"] = (precision, rel_err(gw[active], ref["grad w"]))
+            if rows is not None and not accumulate:  # rows not drawn, padding included, are never written
+                untouched = torch.ones(n_local, dtype=torch.bool)
+                untouched[active] = False
+                out[f"{tag} inactive rows untouched"] = ("exact", float(not bool(gw[untouched].isnan().all())))
+            if bias is not None:
+                gbc = gb.cpu() - (0.5 if accumulate else 0)
+                out[f"{tag} grad b"] = (precision, rel_err(gbc[active], ref["grad b"]))
+            results[det] = (gx, gw)
+        if need_x:
+            out[f"case {i} the two paths agree"] = (precision, rel_err(results[False][0].cpu(), results[True][0].cpu()))
+    sk.CHUNK_BYTES = chunk_bytes
     return out
 
 
@@ -219,7 +250,7 @@ def _bf16_storage_case(rank, W, device):
     before = clf.weight.detach().clone()
     x, y = _global_batch()
     clf(_local(x, rank, W).to(device), _local(y, rank, W).to(device), step=0).backward()
-    rows = clf.grad_rows()
+    rows = clf.row_grads.row_ids().to(device)
     ok = clf.weight.grad.dtype == torch.bfloat16 and opt.state[clf.weight]["momentum_buffer"].dtype == torch.float32
     opt.step()
     moved = (clf.weight.detach() != before).any(1)
@@ -249,9 +280,34 @@ def _fused_world(rank, W, device):
             rank, W, device, "cosface", {"scale": 16.0, "margin": 0.35}, "bf16", 0.5, weight_storage="bf16"
         )
     for name, kind, params, precision, ratio in CASES[W]:
-        report["classifier"][name] = _classifier_case(rank, W, device, kind, params, precision, ratio)
+        det = name.endswith(" det")
+        report["classifier"][name] = _classifier_case(rank, W, device, kind, params, precision, ratio, det=det)
     report["bf16 storage"] = _bf16_storage_case(rank, W, device)
+    report["reruns identical"] = _rerun_identical(rank, W, device)
     return report
+
+
+def _rerun_identical(rank, W, device):
+    """Two runs of the same step (subsampled, label smoothing) on the deterministic path give bit-identical
+    losses and gradients (the default's atomics would too on the CPU interpreter, one program at a time:
+    nothing to learn there)."""
+    from dmltrain.distributed import ShardedClassifier
+    from dmltrain.distributed.collectives import all_gather_uneven
+
+    runs = []
+    for _ in range(2):
+        clf = ShardedClassifier(C, D, "softmax_ce", sample_ratio=0.5, seed=3, smoothing=0.1, deterministic=True,
+                                backend="auto" if device == "cuda" else "triton").to(device)  # fmt: skip
+        clf.load_full_weight(*[t.to(device) for t in _full_params("softmax_ce")])
+        got = []
+        for step in (4,):
+            x_full, y_full = _global_batch(seed=step)
+            x = _local(x_full, rank, W).to(device).requires_grad_(True)
+            loss = clf(x, _local(y_full, rank, W).to(device), step=step)
+            loss.backward()
+            got += [loss.detach().cpu(), all_gather_uneven(x.grad)[0].cpu()]
+        runs.append(got + [clf.weight.grad.cpu().clone(), clf.bias.grad.cpu().clone()])
+    return all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 # -- tests ---------------------------------------------------------------------------------------------
@@ -297,6 +353,13 @@ def test_fused_classifier_equals_one_process(fused_reports, W):
         for what, (kind, err) in errors.items():
             tol = tolerance(precision, device, kind)
             assert err <= tol, f"{device} W={W} {name}: {what} differs from one process by {err:.2e} (> {tol:.0e})"
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_two_runs_of_the_same_step_are_bit_identical(fused_reports, W):
+    device, reports = fused_reports
+    for rank, rep in enumerate(reports[W]):
+        assert rep["reruns identical"], f"{device} W={W} rank {rank}: deterministic reruns differ"
 
 
 @pytest.mark.parametrize("W", [1, 2, 3])

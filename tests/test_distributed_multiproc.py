@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_reference import dense_classifier_loss, rel_err
+from distributed_reference import dense_classifier_loss, reference_draw, rel_err
 from multiproc import run_workers
 
 pytestmark = pytest.mark.multiprocess
@@ -189,7 +189,7 @@ def _instance_checks(rank, W):
 def _sampling_checks(rank, W):
     """sample_ratio < 1: exactness on the drawn classes, the draw's rules, sparse optimizer updates."""
     from dmltrain.distributed import make_classifier_optimizer
-    from dmltrain.distributed.class_sampling import draw_active_rows, target_total
+    from dmltrain.distributed.class_sampling import target_total
 
     report = {}
     for kind, params in [
@@ -200,16 +200,17 @@ def _sampling_checks(rank, W):
         for budget in (64.0, 1e-4):
             out, clf = _classifier_case(rank, W, kind, params, budget, ratio=0.5, step=11)
             local_active = out["local_active"]
-            # the shard's part of the global draw, recomputed here from the draw's own rule
+            # the shard's part of the global draw: the slow reference's, the same at every W
             batch_classes = torch.unique(_global_batch()[1])
-            want = draw_active_rows(batch_classes, clf.partition.bounds(), rank, 0.5, clf.seed, 11).numel()
+            ref = reference_draw(C, batch_classes.tolist(), 0.5, clf.seed, 11)
+            want = [c - clf.class_start for c in ref if clf.class_start <= c < clf.class_end]
             inactive = torch.ones(clf.num_local, dtype=torch.bool)
             inactive[local_active] = False
             entry = {
                 "loss": out["loss"],
                 "positives_drawn": bool(torch.isin(out["local_positives"], local_active).all()),
-                "count_ok": local_active.numel() == want
-                and out["active"].numel() == target_total(C, batch_classes.numel(), 0.5),
+                "equals_reference": local_active.tolist() == want,
+                "count_ok": out["active"].numel() == target_total(C, batch_classes.numel(), 0.5),
                 "inactive_grad_zero": bool((clf.weight.grad[inactive] == 0).all()),
             }
             # the same step draws the same rows again
@@ -219,6 +220,7 @@ def _sampling_checks(rank, W):
             if rank == 0:
                 entry["err"] = out["err"]
             report[f"{kind}/budget={budget:g}"] = entry
+    report["no host reads"] = _no_host_reads_step(rank, W)
     # optimizer steps touch only drawn rows (and their state), bit for bit
     for name in ("sgd", "adamw"):
         out, clf = _classifier_case(rank, W, "normsoftmax", {"temperature": 0.1}, 64.0, ratio=0.5, step=3)
@@ -239,6 +241,28 @@ def _sampling_checks(rank, W):
             else True,
         }
     return report
+
+
+def _no_host_reads_step(rank, W):
+    """One head step (label smoothing, the draw's count on the device) with every host read refused
+    (tests/host_reads.py), the batch sizes given; the drawn classes are the reference's."""
+    from host_reads import no_host_reads
+
+    from dmltrain.distributed import ClassifierHead, ShardedClassifier
+
+    x_full, y_full = _global_batch(seed=6)
+    clf = ShardedClassifier(C, D, "softmax_ce", sample_ratio=0.2, seed=7, smoothing=0.1)
+    head = ClassifierHead(clf, "sgd", lr=0.1, momentum=0.9)
+    x = _local(x_full, rank, W).requires_grad_(True)
+    with no_host_reads():
+        head(x, _local(y_full, rank, W), step=5, sizes=SPLITS[W]).backward()
+        head.step()
+    want = [
+        c - clf.class_start
+        for c in reference_draw(C, y_full.tolist(), 0.2, 7, 5)
+        if clf.class_start <= c < clf.class_end
+    ]
+    return {"drawn": clf.active_rows.tolist() == want, "count on the device": clf._active.count is not None}
 
 
 def _train_for_checkpoint(rank, W, opt_name):
@@ -381,6 +405,7 @@ def test_gathered_instance_losses_equal_one_process(reports, W):
 @pytest.mark.parametrize("W", WORLDS)
 def test_class_subsampling(reports, W):
     for rank, rep in enumerate(reports[W]):
+        assert all(rep["sampling"].pop("no host reads").values()), f"W={W} rank {rank}: the step without host reads"
         for key, entry in rep["sampling"].items():
             for check, ok in entry.items():
                 if check in ("err", "loss"):

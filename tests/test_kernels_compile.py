@@ -19,19 +19,6 @@ import pytest
 from dmltrain import kernel_compile as kc
 
 SOFTMAX = "dmltrain.distributed.softmax_kernels"
-#: the forward kernel with fp32 products and weight: its widest config needs 196,608 bytes, over an
-#: A100's 166,912 and within an H100's 232,448; with tf32 products 294,912 bytes on sm_90, over both
-PRUNE_CASE = "fp32 w=fp32 rows normalized"
-OVER_BOTH = "lse 128x256x64 w8 s3 tf32 w=fp32 rows normalized"
-
-
-def _tile(cfg) -> str:
-    k = cfg.kwargs
-    return f"{k['BLOCK_B']}x{k['BLOCK_C']}x{k['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages}"
-
-
-def _lse_label(cfg) -> str:
-    return f"lse {_tile(cfg)}"
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +27,8 @@ def compiled(tmp_path_factory):
     why = kc.tools_missing()
     if why:
         pytest.skip(why)
-    from dmltrain.distributed import softmax_kernels
-
     variants = {m: kc.module_variants(m) for m in kc.KERNEL_MODULES}
     jobs = [(m, v.name, a) for m in kc.KERNEL_MODULES for a in kc.ARCHS for v in kc.covering(variants[m].values())]
-    jobs += [(SOFTMAX, f"{_lse_label(c)} {PRUNE_CASE}", a) for c in softmax_kernels._LSE_CONFIGS for a in kc.ARCHS]
-    jobs += [(SOFTMAX, OVER_BOTH, 90)]
-    jobs = list(dict.fromkeys(jobs))
     t0 = time.perf_counter()
     results = kc.compile_many(jobs, workers=2, cache_dir=str(tmp_path_factory.mktemp("triton-cache")))
     by_name = {n: v for vs in variants.values() for n, v in vs.items()}
@@ -59,7 +41,7 @@ def compiled(tmp_path_factory):
 
 def test_variant_lists_name_every_argument():
     """Each variant types every argument of its kernel once and gives every constexpr a value; the
-    softmax list holds every autotune config of each kernel, at every precision."""
+    softmax list holds every candidate config of each kernel at its precision."""
     pytest.importorskip("triton")
     from dmltrain.distributed import softmax_kernels as sk
 
@@ -67,15 +49,15 @@ def test_variant_lists_name_every_argument():
         for v in kc.module_variants(module).values():
             assert set(v.signature) == set(v.fn.arg_names), v.name
             assert {k for k, t in v.signature.items() if t == "constexpr"} == set(v.constexprs), v.name
-    names = list(kc.module_variants(SOFTMAX))
-    for prec in sk.PRECISIONS:
-        for cfg in sk._LSE_CONFIGS:
-            assert any(n.startswith(_lse_label(cfg) + f" {prec} ") for n in names), (_lse_label(cfg), prec)
-        for width, configs in sk._GRAD_CONFIGS.items():
-            for cfg in configs:
-                for kernel in ("grad_x", "grad_w"):
-                    label = f"{kernel} {_tile(cfg)} (D<={width}) {prec} "
-                    assert any(n.startswith(label) for n in names), label
+    variants = kc.module_variants(SOFTMAX).values()
+    for (kind, precision), configs in sk._CONFIGS.items():
+        for cfg in configs:
+            assert any(
+                v.kernel == f"_{kind}_kernel"
+                and v.config == sk._tiles(cfg)
+                and v.constexprs["PREC"] == sk.PREC_CODE[precision]
+                for v in variants
+            ), (kind, precision, cfg)
 
 
 def test_covering_takes_every_config_and_every_value():
@@ -104,53 +86,35 @@ def test_every_kernel_compiles_for_a100_and_h100_within_its_contract(compiled):
 
 
 def test_shared_memory_fits_each_architecture(compiled):
-    """The covering set fits both chips; only the pruning cases may not (next test)."""
+    """Every candidate config of every kernel fits both chips' shared memory, so neither ever has to go
+    without one of them (a config that did not fit would be skipped at launch: next test)."""
     results, _ = compiled
-    over = [r for r in results.values() if not r.fits]
-    assert {(r.name, r.arch) for r in over} == {(f"lse 128x256x64 w8 s3 {PRUNE_CASE}", 80), (OVER_BOTH, 90)}, [
-        (r.name, r.arch, r.shared) for r in over
-    ]
+    over = [(r.name, r.arch, r.shared) for r in results.values() if not r.fits]
+    assert not over, over
 
 
-def test_launcher_prunes_the_configs_that_do_not_fit(compiled):
-    """The autotune hook keeps exactly the configs whose compiled shared memory fits: the widest fp32
-    forward config is dropped for an A100 and kept for an H100; a list where none fits keeps the smallest."""
-    torch = pytest.importorskip("torch")
-    from dmltrain.distributed import softmax_kernels as sk
+def test_the_tuner_never_chooses_a_config_the_device_cannot_run(tmp_path):
+    """What Triton refuses to launch (its OutOfResources: shared memory or registers beyond the device's) is
+    timed as infinitely slow, so it is pruned; when no candidate fits, one line says so."""
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
 
-    results, _ = compiled
-    configs = sk._LSE_CONFIGS
-    calls = []
+    from dmltrain.kernel_tuning import LaunchConfig, Tuner, time_launch
 
-    def offline(arch):
-        def shared_of(kernel, named_args, launch, cfg):
-            calls.append((kernel, named_args, launch, cfg.all_kwargs()))
-            return results[(f"{_lse_label(cfg)} {PRUNE_CASE}", arch)].shared
+    small, wide = LaunchConfig.of(4, 2, BLOCK_B=64), LaunchConfig.of(8, 3, BLOCK_B=256)
 
-        return shared_of
+    def launch(cfg):
+        if cfg is wide:
+            raise OutOfResources(294_912, 232_448, "shared memory")
 
-    x = torch.zeros(4, 8)
-    named = {"x_ptr": x, "w_ptr": x, "N": 4, "K": 4, "D": 8}
-    launch = {"HAS_ROWS": True, "NORMALIZED": True, "SUM_LOGITS": False, "PREC": 0, "grid": None, "warmup": False}
-    kept = {}
-    for arch in kc.ARCHS:
-        prune = kc.shared_memory_prune(sk._lse_kernel, limit=kc.SHARED_MEMORY_LIMITS[arch], shared_of=offline(arch))
-        kept[arch] = prune(configs, named, **launch)
-    widest = configs[3]
-    assert widest.kwargs == {"BLOCK_B": 128, "BLOCK_C": 256, "BLOCK_K": 64}
-    assert kept[80] == configs[:3] and kept[90] == configs
-    kernel, args, given, cfg = calls[0]
-    assert kernel is sk._lse_kernel and args is named and "grid" not in given and "warmup" not in given
-    assert given["PREC"] == 0 and cfg["num_warps"] == configs[0].num_warps
-    assert kc.fitting(configs, [300_000, 250_000, 260_000, 400_000], 232_448) == [configs[1]]
+    def bench(fn, **_):  # the wide config would be the faster one, if it could run
+        fn()
+        return 1.0
 
-    def broken_widest(kernel, named_args, launch, cfg):
-        if cfg is widest:
-            raise RuntimeError("PTXASError: ptxas failed")
-        return 1024
-
-    prune = kc.shared_memory_prune(sk._lse_kernel, limit=232_448, shared_of=broken_widest)
-    assert prune(configs, named, **launch) == configs[:3]  # a config that does not compile is dropped
-    if not sk.INTERPRET:  # the launcher wires the hook into its autotuner
-        tuner, tiles = sk._launcher("lse", sk._lse_kernel, 0)
-        assert tiles == {} and tuner.early_config_prune.__qualname__.startswith("shared_memory_prune")
+    tuner = Tuner("H100", "3.8", tmp_path)
+    assert time_launch(launch, wide, bench=bench) == float("inf")
+    assert tuner.choose("lse", (512,), [wide, small], lambda c: time_launch(launch, c, bench=bench)) is small
+    with pytest.raises(RuntimeError, match="lse: none of its 1 tile configs fits this GPU"):
+        Tuner("H100", "3.8", tmp_path / "other").choose(
+            "lse", (512,), [wide], lambda c: time_launch(launch, c, bench=bench)
+        )

@@ -1,5 +1,6 @@
 """The distributed core: a class-sharded softmax classifier with class subsampling (torch
-block GEMMs on the CPU, fused Triton kernels on CUDA), its row-sparse optimizers,
+block GEMMs on the CPU, fused Triton kernels on CUDA, the class draw on the device), its row-sparse
+gradients and optimizers,
 W-independent checkpoints by class id, and instance losses over the all-gathered global batch.
 
 Names are imported lazily so that ``dmltrain bench --help`` does not load torch.
@@ -17,11 +18,13 @@ _EXPORTS = {
     "grad_scale": "collectives",
     "group_rank_size": "collectives",
     "ClassPartition": "class_partition",
-    "sample_rows": "class_sampling",
-    "draw_active_rows": "class_sampling",
-    "RowSparseSGD": "sparse_optim",
-    "RowSparseAdamW": "sparse_optim",
-    "make_classifier_optimizer": "sparse_optim",
+    "draw_active": "class_sampling",
+    "RowGrads": "row_sparse",
+    "RowSparseSGD": "row_sparse",
+    "RowSparseAdamW": "row_sparse",
+    "make_row_optimizer": "row_sparse",
+    "ClassifierHead": "classifier_head",
+    "make_classifier_optimizer": "classifier_head",
     "save_by_class": "class_checkpoint",
     "load_by_class": "class_checkpoint",
     "gather_state": "class_checkpoint",

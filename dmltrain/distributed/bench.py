@@ -15,9 +15,12 @@ distorts less.
 
 ``--device cuda``: the fused Triton kernels at ``--precision`` (default bf16) against the
 bf16 tensor-core GEMMs (the 3-GEMM bound); peak GPU memory against weight + gradient +
-optimizer state; peers (forward + backward only, one process, NormSoftmax logits at
-T = 0.05), each when installed, else a line saying it was skipped: Cut Cross-Entropy,
-Liger's fused linear cross-entropy, naive torch bf16 and pytorch-metric-learning.
+optimizer state; our forward + backward apart from the optimizer step; peers (forward +
+backward only, one process, NormSoftmax logits at T = 0.05), each when installed, else a line
+saying it was skipped: Cut Cross-Entropy with its default gradient filter and exact
+(``impl="cce_exact"``), Liger's fused linear cross-entropy, naive torch bf16 and
+pytorch-metric-learning. ``--deterministic`` runs the two-kernel backward. Cut Cross-Entropy
+runs on CUDA only: on the CPU its lines say so.
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from dmltrain.config import PRODUCT_PRECISIONS, WEIGHT_STORAGES, gpu_only
 from dmltrain.errors import UserError
 
 GIB = 2**30
 #: the CUDA peers: job name -> (package that must be installed, printed name)
 CUDA_PEERS = {
     "cce": ("cut_cross_entropy", "Cut Cross-Entropy (bf16, its default gradient filter)"),
+    "cce_exact": ("cut_cross_entropy", "Cut Cross-Entropy exact (bf16, impl='cce_exact': no gradient filter)"),
     "liger": ("liger_kernel", "Liger fused linear cross-entropy (bf16)"),
     "naive": ("torch", "naive torch bf16 (logits held)"),
     "pml": ("pytorch_metric_learning", "pytorch-metric-learning NormalizedSoftmaxLoss (fp32)"),
@@ -77,11 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--precision",
         default="auto",
-        choices=["auto", "fp32", "tf32", "bf16"],
+        choices=PRODUCT_PRECISIONS,
         help="CUDA: the kernels' products (auto: bf16)",
     )
     parser.add_argument(
-        "--weight-storage", default="fp32", choices=["fp32", "bf16"], help="CUDA: the weight's dtype (default fp32)"
+        "--weight-storage", default="fp32", choices=WEIGHT_STORAGES, help="CUDA: the weight's dtype (default fp32)"
     )
     parser.add_argument(
         "--logits-budget-mb",
@@ -89,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=256.0,
         metavar="MB",
         help="CPU: the classifier's logits budget (default 256, as the config)",
+    )
+    parser.add_argument(
+        "--deterministic", action="store_true", help="CUDA: the deterministic two-kernel backward (bit-identical)"
     )
     parser.add_argument("--no-peer", action="store_true", help="skip the peers")
 
@@ -101,7 +109,10 @@ def _check(args: argparse.Namespace) -> None:
     for r in args.sample_ratio:
         if not 0 < r <= 1:
             raise UserError(f"bench classifier: --sample-ratio {r} is not in (0, 1]")
-    if args.device == "cpu" and (args.precision in ("tf32", "bf16") or args.weight_storage != "fp32"):
+    gpu_only_settings = gpu_only("loss.classifier.precision", args.precision) or gpu_only(
+        "loss.classifier.weight_storage", args.weight_storage
+    )
+    if args.device == "cpu" and gpu_only_settings:
         raise UserError(
             "bench classifier: --precision tf32/bf16 and --weight-storage bf16 need --device cuda (the CPU path computes in fp32)"
         )
@@ -139,7 +150,7 @@ def _fmt_step(r: dict[str, Any], unit: str = "s") -> str:
 def _job(args: argparse.Namespace, R: float) -> dict[str, Any]:
     return dict(role="ours", device=args.device, N=args.classes, D=args.dim, B=args.batch, W=args.workers, R=R, steps=args.steps,
                 kind=args.kind, optimizer=args.optimizer, budget=args.logits_budget_mb, precision=args.precision,
-                storage=args.weight_storage)  # fmt: skip
+                storage=args.weight_storage, deterministic=args.deterministic)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -196,6 +207,8 @@ def _run_cpu(args: argparse.Namespace) -> int:
     )
     done = _measure(args, header, report)
     if not args.no_peer:
+        for name in ("cce", "cce_exact"):
+            print(f"peer {CUDA_PEERS[name][1]}: not available on the CPU (CUDA only)", flush=True)
         peer = _cpu_peer(N, D, B, args.steps)
         if "error" in peer:
             print(f"peer pytorch-metric-learning NormalizedSoftmaxLoss: {peer['error']}", flush=True)
@@ -237,6 +250,8 @@ def _run_cuda(args: argparse.Namespace) -> int:
         K = res["gemm_classes"]
         state = 2 * res["param_bytes"] + res["opt_bytes"]  # weight, its gradient, optimizer state
         print(f"R={R:g}: step {_fmt_step(res, 'ms')}", flush=True)
+        print(f"R={R:g}: forward + backward {(res['forward'] + res['backward']) * 1e3:.3f} ms (the peers' like for like: "
+              f"no optimizer step)", flush=True)  # fmt: skip
         print(
             f"R={R:g}: peak GPU memory {_size(res['peak_gpu'])} per GPU; weight + gradient + optimizer state {_size(state)}; "
             f"excess {_size(res['peak_gpu'] - state)}",
@@ -247,7 +262,8 @@ def _run_cuda(args: argparse.Namespace) -> int:
 
     header = (
         f"bench classifier (cuda, fused kernels): {args.kind}, N={N:,} classes, D={D}, global batch B={B}, W={W} GPU(s), "
-        f"{precision} products, {args.weight_storage} weight, {args.optimizer}, {args.steps} timed steps (median)"
+        f"{precision} products, {args.weight_storage} weight, {args.optimizer}, "
+        f"{'deterministic' if args.deterministic else 'atomic'} backward, {args.steps} timed steps (median)"
     )
     done = _measure(args, header, report)
     if not args.no_peer and done:

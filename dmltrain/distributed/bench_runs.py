@@ -9,7 +9,8 @@ one JSON line. Jobs (``role``):
   the CPU, bf16 on CUDA: the tensor-core bound).
 * ``peer``: a peer's forward and backward at the same N, D, B in one process: on the CPU
   pytorch-metric-learning's ``NormalizedSoftmaxLoss`` with ``torch.optim.SGD`` (its step is
-  included, as ours); on CUDA (forward + backward only) Cut Cross-Entropy, Liger's fused
+  included, as ours); on CUDA (forward + backward only) Cut Cross-Entropy (its default
+  gradient filter, and exact: ``impl="cce_exact"``), Liger's fused
   linear cross-entropy, naive torch bf16 (the ``B × N`` logits held) and
   pytorch-metric-learning, each on NormSoftmax's normalised logits at T = 0.05.
 
@@ -35,8 +36,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from dmltrain.distributed.classifier_head import make_classifier_optimizer
 from dmltrain.distributed.sharded_softmax import ShardedClassifier
-from dmltrain.distributed.sparse_optim import make_classifier_optimizer
 
 GIB = 2**30
 TEMPERATURE = 0.05
@@ -120,7 +121,13 @@ def _ours_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     N, D, B, W, R = job["N"], job["D"], job["B"], job["W"], job["R"]
     device = torch.device("cuda", rank) if job["device"] == "cuda" else torch.device("cpu")
     b = B // W
-    kwargs = {"precision": job["precision"], "weight_storage": job["storage"]} if device.type == "cuda" else {}
+    kwargs = {}
+    if device.type == "cuda":
+        kwargs = {
+            "precision": job["precision"],
+            "weight_storage": job["storage"],
+            "deterministic": job["deterministic"],
+        }
     clf = ShardedClassifier(N, D, job["kind"], sample_ratio=R, seed=0, logits_budget_mb=job["budget"], **kwargs).to(
         device
     )
@@ -223,12 +230,14 @@ def _cuda_peer_loss(
         module = NormalizedSoftmaxLoss(N, D, temperature=TEMPERATURE).to(device)
         return module, list(module.parameters())
     weight = torch.nn.Parameter(torch.randn(N, D, device=device) * D**-0.5)
-    if name == "cce":
+    if name in ("cce", "cce_exact"):
         from cut_cross_entropy import linear_cross_entropy
+
+        impl = {"impl": "cce_exact"} if name == "cce_exact" else {}  # exact: no gradient filter
 
         def cce(x, y):
             e = (F.normalize(x, dim=1) / TEMPERATURE).bfloat16()
-            return linear_cross_entropy(e, F.normalize(weight, dim=1).bfloat16(), y)
+            return linear_cross_entropy(e, F.normalize(weight, dim=1).bfloat16(), y, **impl)
 
         return cce, [weight]
     if name == "liger":

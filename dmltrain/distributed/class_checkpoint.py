@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmltrain.distributed.collectives import _gather_rows, group_rank_size
+from dmltrain.distributed.collectives import gather_rows, group_rank_size
 from dmltrain.distributed.sharded_softmax import ShardedClassifier
 from dmltrain.errors import UserError
 from dmltrain.fileio import atomic_path, write_json
@@ -91,7 +91,7 @@ def _gather_to(t: Tensor, sizes: list[int], group: Any, dst: int | None) -> Tens
     if world == 1:
         return t
     if dst is None:
-        return _gather_rows(t.contiguous(), sizes, group)
+        return gather_rows(t.contiguous(), sizes, group)
     biggest = max(sizes)
     x = t.contiguous()
     if x.shape[0] < biggest:
@@ -205,7 +205,7 @@ def load_state(clf: ShardedClassifier, state: dict[str, Any] | list[dict[str, An
                 if k in g and k not in ("params", "name"):
                     g[k] = tuple(v) if isinstance(g[k], tuple) else v
     if optimizer is not None:
-        clf.grad_cleared()
+        clf.row_grads.cleared()
 
 
 def _piece_name(rank: int, world: int) -> str:

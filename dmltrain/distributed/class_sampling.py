@@ -1,29 +1,50 @@
-"""The per-step class draw of class subsampling (NormSoftmax paper, sec. 4.5).
+"""The per-step class draw of class subsampling (NormSoftmax paper, sec. 4.5), on the device, and the
+classifier's named seeds.
 
-Each step the softmax holds every class of the global batch plus classes drawn uniformly
-without replacement from all the others, ``T = max(P, round(sample_ratio × C))`` classes in
-all (``P``: distinct classes in the batch, ``C``: all classes). The draw is global but needs
-no communication: every rank sees the gathered labels, so every rank splits the ``T − P``
-extra classes over the shards with the same multivariate hypergeometric draw seeded by
-``(seed, step)`` (how many of a uniform draw from the non-batch classes fall on each shard);
-then each shard picks its share uniformly among its own non-batch rows, seeded by
-``(seed, step, shard)``. Together that is exactly a uniform draw over the non-batch classes,
-the count does not depend on the number of workers, and a step redrawn after a restart gives
-the same rows. It runs on the CPU so that it is the same on every device type.
+Each step the softmax holds every class of the global batch plus classes drawn uniformly without
+replacement from all the others, ``T = max(P, round(sample_ratio × C))`` classes in all (``P``:
+distinct classes in the global batch, ``C``: all classes). How, without a host read:
+
+* every class ``c`` has a key, a 32-bit hash of ``(seed, step, c)`` above the class id: unique
+  keys in a uniformly random order that depends on nothing else (:func:`class_keys`);
+* the ``E = T − P`` drawn others are the ``E`` non-batch classes of smallest key. Each shard finds
+  the ``E``-th smallest key over every shard's non-batch classes by a radix select: three or four
+  rounds of a histogram of 16 key bits over its own rows (65,536 bins), summed over the shards by
+  one all-reduce each (none at ``W = 1``);
+* each shard keeps its batch classes and its non-batch classes of key at most that threshold.
+
+The drawn set is a function of (seed, step, classes of the global batch) alone: the same on every
+rank, after a resume, and at every world size. Device work: ``O(local classes + global batch)``.
+
+Sizes known on the host. Every shard returns a fixed number of rows, its *capacity*: the drawn
+rows first (ascending), then undrawn ones, with the drawn count on the device (:class:`ActiveRows`);
+the kernels stop at the count, the torch path masks the rest, the optimizer writes them back
+unchanged. At ``W = 1`` with ``round(ratio × C)`` at least the global batch, the capacity is
+exactly ``round(ratio × C)`` and no count is needed. Otherwise a shard's capacity is its possible
+batch classes (``min(global batch, its rows)``) plus its expected share of the others with ten
+standard deviations and 16 classes to spare; a draw beyond it (probability below 1e-20) would
+keep the capacity's smallest keys, every batch class among them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
+from dmltrain.distributed.class_partition import ClassPartition
+from dmltrain.distributed.collectives import all_reduce_sum, group_rank_size
+
 _MASK64 = (1 << 64) - 1
-_SPLIT_SALT = (1 << 63) - 25  # stands in for the shard index of the global split draw
+_M32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # below 2**27: a 32-bit value times it stays inside int64
+_DIGIT_BITS = 16
 
 
+# -- seeds ------------------------------------------------------------------------------------------
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -39,60 +60,146 @@ def draw_seed(seed: int, step: int, shard: int) -> int:
     return h >> 1
 
 
+def init_block_seed(seed: int, block: int) -> int:
+    """The generator seed of the initial rows of class block ``block`` (the same at every world size)."""
+    return draw_seed(seed, block, -1)
+
+
+def rounding_seed(seed: int, rank: int) -> int:
+    """The seed of a bf16 weight's stochastic rounding on ``rank`` (apart from every step's class keys)."""
+    return draw_seed(seed, -1, rank)
+
+
+# -- class keys ---------------------------------------------------------------------------------------
+def _mix32(x: Tensor) -> Tensor:
+    """A bijective 32-bit mixer on int64 lanes holding values below 2**32 (in place, no overflow)."""
+    for last in (False, False, True):
+        x.bitwise_xor_(x >> 16)
+        if not last:
+            x.mul_(_MIX).bitwise_and_(_M32)
+    return x
+
+
+def _salts(seed: int, step: int) -> tuple[int, int]:
+    h = draw_seed(seed, step, -2)
+    return h & _M32, (h >> 32) & _M32
+
+
+def id_bits(num_classes: int) -> int:
+    """Bits of a class id inside a key."""
+    return max(1, (num_classes - 1).bit_length())
+
+
+def class_keys(start: int, end: int, num_classes: int, seed: int, step: int, device: torch.device) -> Tensor:
+    """The draw keys (int64, unique, non-negative) of classes ``start … end−1`` at ``step``:
+    ``mix((a·c + b) mod 2³²) << bits(C) | c``, the odd ``a < 2³¹`` and ``b`` drawn from (seed, step),
+    so each step orders the classes by another bijection."""
+    if num_classes > 1 << 31:
+        raise ValueError(f"class subsampling: at most 2**31 classes, got {num_classes}")
+    s1, s2 = _salts(seed, step)
+    ids = torch.arange(start, end, dtype=torch.int64, device=device)
+    h = _mix32((ids * ((s1 | 1) & 0x7FFFFFFF)).add_(s2).bitwise_and_(_M32))
+    return h.bitwise_left_shift_(id_bits(num_classes)).bitwise_or_(ids)
+
+
 def target_total(num_classes: int, num_batch_classes: int, sample_ratio: float) -> int:
     """Classes in one step's softmax: ``round(sample_ratio × C)``, never fewer than the batch's classes."""
-    return max(num_batch_classes, min(num_classes, int(sample_ratio * num_classes + 0.5)))
+    return max(num_batch_classes, min(num_classes, round_total(num_classes, sample_ratio)))
 
 
-def extras_per_shard(available: Sequence[int], extras: int, seed: int, step: int) -> list[int]:
-    """How many of ``extras`` classes drawn uniformly from the non-batch classes fall on each shard.
+def round_total(num_classes: int, sample_ratio: float) -> int:
+    """``round(sample_ratio × C)`` (halves up), the draw's size before the batch's classes."""
+    return int(sample_ratio * num_classes + 0.5)
 
-    ``available[s]``: non-batch classes of shard ``s``. The same on every rank for the same
-    arguments (a multivariate hypergeometric draw seeded by ``(seed, step)``).
+
+# -- the draw -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ActiveRows:
+    """This shard's rows in one step's softmax.
+
+    ``rows``: ``capacity`` local row ids, the drawn ones first (ascending), then undrawn ones;
+    ``count``: how many are drawn, a 0-d device tensor, or None when all are; ``sorted_keys``:
+    ascending, the drawn rows as they are and the others plus the shard's row count, for
+    looking rows up with ``searchsorted``.
     """
-    if extras <= 0:
-        return [0] * len(available)
-    if extras >= sum(available):
-        return list(available)
-    rng = np.random.Generator(np.random.PCG64(draw_seed(seed, step, _SPLIT_SALT)))
-    return rng.multivariate_hypergeometric(np.asarray(available, dtype=np.int64), extras, method="marginals").tolist()
+
+    rows: Tensor
+    count: Tensor | None
+    sorted_keys: Tensor
+
+    @property
+    def capacity(self) -> int:
+        return self.rows.numel()
 
 
-def sample_rows(num_local: int, positives: Tensor, extra: int, seed: int, step: int, shard: int) -> Tensor:
-    """Sorted local row indices taking part this step: ``positives`` plus ``extra`` uniformly drawn others.
+def capacity(partition: ClassPartition, rank: int, batch: int, sample_ratio: float) -> tuple[int, bool]:
+    """(rows returned by :func:`draw_active` on ``rank`` for a global batch of ``batch``, all of them drawn?)."""
+    C, W = partition.num_classes, partition.world_size
+    n = partition.size(rank)
+    R = round_total(C, sample_ratio)
+    if W == 1 and R >= min(batch, C):
+        return min(R, C), True
+    most = max(R, min(batch, C))  # T never exceeds it
+    mean = R * n / max(1, C - min(batch, C))  # the most others a shard expects
+    extra = min(n, math.ceil(mean + 10 * math.sqrt(mean) + 16))
+    return min(n, most, min(batch, n) + extra), False
 
-    ``positives``: local rows (0 ≤ i < num_local) of the classes in the global batch, without
-    duplicates. Returns a CPU int64 tensor of ``len(positives) + extra`` rows.
+
+def _kth_smallest(keys: Tensor, candidates: Tensor, k: Tensor, bits: int, group: Any) -> Tensor:
+    """The ``k``-th smallest (0-based; ``k`` a 0-d device tensor below their number) of the candidate
+    keys of every shard in ``group``: keys unique and below ``2**bits``, a radix select over 16-bit digits."""
+    dev = keys.device
+    prefix = torch.zeros((), dtype=torch.int64, device=dev)
+    rank = k.clone()
+    bins = 1 << _DIGIT_BITS
+    ones = candidates.to(torch.int64)
+    top = -(-bits // _DIGIT_BITS) * _DIGIT_BITS
+    for shift in range(top - _DIGIT_BITS, -1, -_DIGIT_BITS):
+        digit = (keys >> shift).bitwise_and_(bins - 1)
+        weight = ones
+        if shift + _DIGIT_BITS < top:  # only the keys sharing the digits found so far
+            weight = ones * ((keys >> (shift + _DIGIT_BITS)) == (prefix >> (shift + _DIGIT_BITS)))
+        hist = torch.zeros(bins, dtype=torch.int64, device=dev).index_add_(0, digit, weight)
+        all_reduce_sum(hist, group)
+        cum = hist.cumsum(0)
+        b = torch.searchsorted(cum, rank.view(1), right=True).clamp_(max=bins - 1)  # first bin holding rank
+        rank = rank - (cum.gather(0, b) - hist.gather(0, b)).view(())
+        prefix = prefix | (b.view(()) << shift)
+    return prefix
+
+
+def draw_active(
+    labels: Tensor, partition: ClassPartition, sample_ratio: float, seed: int, step: int, group: Any = None
+) -> ActiveRows | None:
+    """This shard's rows in step ``step``'s softmax (None: every row, the ratio reaches all classes).
+
+    ``labels``: the global batch's class ids, the same on every rank (on the weight's device).
+    Collective over ``group`` when subsampling at ``W > 1`` (three or four all-reduces of 512 KiB).
     """
-    positives = positives.to("cpu", torch.int64)
-    extra = min(int(extra), num_local - positives.numel())
-    taken = torch.zeros(num_local, dtype=torch.bool)
-    taken[positives] = True
-    if extra > 0:
-        gen = torch.Generator().manual_seed(draw_seed(seed, step, shard))
-        keys = torch.rand(num_local, generator=gen)
-        keys[positives] = 2.0  # above every uniform draw: never picked as an extra
-        taken[torch.topk(keys, extra, largest=False, sorted=False).indices] = True
-    return taken.nonzero().squeeze(1)  # sorted, O(num_local)
-
-
-def draw_active_rows(
-    batch_classes: Tensor, bounds: Sequence[tuple[int, int]], shard: int, sample_ratio: float, seed: int, step: int
-) -> Tensor:
-    """This shard's rows (local indices) in step ``step``'s softmax.
-
-    ``batch_classes``: the distinct global class ids of the global batch; ``bounds``: every
-    shard's ``[start, end)`` class range (contiguous, in rank order).
-    """
-    batch_classes = batch_classes.to("cpu", torch.int64)
-    starts = torch.tensor([s for s, _ in bounds], dtype=torch.int64)
-    sizes = [e - s for s, e in bounds]
-    owner = torch.searchsorted(starts, batch_classes, right=True) - 1
-    per_shard = torch.bincount(owner, minlength=len(bounds)).tolist()
-    num_classes = bounds[-1][1]
-    total = target_total(num_classes, batch_classes.numel(), sample_ratio)
-    available = [n - p for n, p in zip(sizes, per_shard)]
-    extra = extras_per_shard(available, total - batch_classes.numel(), seed, step)[shard]
-    lo, _ = bounds[shard]
-    positives = batch_classes[owner == shard] - lo
-    return sample_rows(sizes[shard], positives, extra, seed, step, shard)
+    rank, _ = group_rank_size(group)
+    C, N = partition.num_classes, labels.numel()
+    if round_total(C, sample_ratio) >= C:
+        return None
+    dev = labels.device
+    start, n = partition.start(rank), partition.size(rank)
+    cap, exact = capacity(partition, rank, N, sample_ratio)
+    local = labels - start
+    own = (local >= 0) & (local < n)
+    batch = torch.zeros(n + 1, dtype=torch.bool, device=dev)
+    batch.index_put_((torch.where(own, local, n),), torch.ones_like(own))
+    batch = batch[:n]
+    keys = class_keys(start, start + n, C, seed, step, dev)
+    ranked = torch.where(batch, -1, keys)  # batch classes ahead of every other
+    if exact:
+        rows = torch.sort(torch.topk(ranked, cap, largest=False, sorted=False).indices).values
+        return ActiveRows(rows, None, rows)
+    labels_sorted = torch.sort(labels).values
+    P = (labels_sorted[1:] != labels_sorted[:-1]).sum() + (N > 0)  # distinct classes of the global batch
+    E = (round_total(C, sample_ratio) - P).clamp_(min=0)  # others to draw
+    tau = _kth_smallest(keys, ~batch, (E - 1).clamp(min=0), 32 + id_bits(C), group)
+    tau = torch.where(E > 0, tau, -1)
+    idx = torch.topk(ranked, cap, largest=False, sorted=False).indices if cap else ranked.new_zeros(0)
+    drawn = ranked.gather(0, idx) <= tau
+    sorted_keys = torch.sort(torch.where(drawn, idx, idx + n)).values
+    rows = torch.where(sorted_keys >= n, sorted_keys - n, sorted_keys)
+    return ActiveRows(rows, drawn.sum(), sorted_keys)

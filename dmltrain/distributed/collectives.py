@@ -3,6 +3,8 @@
 Every function works without ``torch.distributed`` being initialised (or with a group of one):
 it then does no communication, so the same code runs in one process.
 
+* :func:`gather_rows` concatenates every worker's rows given their counts (no gradient, no size
+  exchange: nothing is read back to the host when the counts are known);
 * :func:`all_gather_uneven` concatenates each worker's rows in rank order (no gradient).
 * :func:`gather_with_grad` does the same with a backward that hands every worker the gradient
   of its own rows summed over all workers (each worker back-propagates its own terms of a
@@ -45,7 +47,7 @@ def all_gather_sizes(n: int, group: dist.ProcessGroup | None = None, device: tor
     return [int(x) for x in torch.cat(out).tolist()]
 
 
-def _gather_rows(x: Tensor, sizes: Sequence[int], group: dist.ProcessGroup | None) -> Tensor:
+def gather_rows(x: Tensor, sizes: Sequence[int], group: dist.ProcessGroup | None) -> Tensor:
     """Concatenate every worker's ``x`` (rows differ, trailing shape equal) in rank order."""
     if len(sizes) == 1:
         return x
@@ -71,7 +73,7 @@ def all_gather_uneven(
     """
     if sizes is None:
         sizes = all_gather_sizes(x.shape[0], group, x.device)
-    return _gather_rows(x, sizes, group), list(sizes)
+    return gather_rows(x, sizes, group), list(sizes)
 
 
 class _GatherWithGrad(torch.autograd.Function):
@@ -79,7 +81,7 @@ class _GatherWithGrad(torch.autograd.Function):
     def forward(ctx, x: Tensor, sizes: tuple[int, ...], group, reduce_grad: bool) -> Tensor:
         rank, _ = group_rank_size(group)
         ctx.sizes, ctx.group, ctx.reduce_grad, ctx.rank = sizes, group, reduce_grad, rank
-        return _gather_rows(x, sizes, group)
+        return gather_rows(x, sizes, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

@@ -18,7 +18,7 @@ worker's samples; DeepSpeed *averages* over workers, so feed the backbone output
 ``wrapper.stats`` holds the global statistics: means as Σsum / Σcount, totals summed. The
 loss must report the same statistic names on every worker (they are reduced together). On a
 CPU they are host floats (a mean over no anchors is left out); on an accelerator, in
-``local_anchors`` mode, a :class:`~dmltrain.distributed.shard_call.CallStats` that keeps them
+``local_anchors`` mode, a :class:`~dmltrain.distributed.sharded_softmax.CallStats` that keeps them
 on the device until read (a mean over no anchors reads 0), so a step never waits for them.
 """
 
@@ -32,13 +32,13 @@ import torch
 from torch import Tensor, nn
 
 from dmltrain.distributed.collectives import (
-    _gather_rows,
     all_gather_sizes,
     all_reduce_sum,
+    gather_rows,
     gather_with_grad,
     group_rank_size,
 )
-from dmltrain.distributed.shard_call import CallStats
+from dmltrain.distributed.sharded_softmax import CallStats
 from dmltrain.errors import ConfigError
 
 MODES = ("local_anchors", "full")
@@ -66,7 +66,7 @@ class GatheredInstanceLoss(nn.Module):
         rank, world = group_rank_size(self.group)
         labels = labels.to(embeddings.device)
         sizes = all_gather_sizes(embeddings.shape[0], self.group, embeddings.device)
-        ref_labels = _gather_rows(labels, sizes, self.group)
+        ref_labels = gather_rows(labels, sizes, self.group)
         if self.mode == "full":
             refs = gather_with_grad(embeddings, self.group, sizes, reduce_grad=False)
             out = self.loss(refs, ref_labels)

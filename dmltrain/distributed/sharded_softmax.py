@@ -1,51 +1,58 @@
 """The class-sharded softmax classifier: model-parallel NormSoftmax, CosFace, ArcFace and softmax CE.
 
-``ShardedClassifier(num_classes, dim, kind)`` holds the rows of the class weight that this
-worker owns (:class:`~dmltrain.distributed.class_partition.ClassPartition`: contiguous blocks,
-uneven ``C/W`` allowed) and is called as ``clf(local_embeddings, local_labels, step=global_step)``.
-It returns the mean loss over the *global* batch, the same value on every worker.
+``ShardedClassifier(num_classes, dim, kind)`` holds the rows of the class weight that this worker
+owns (:class:`~dmltrain.distributed.class_partition.ClassPartition`: contiguous blocks, uneven
+``C/W`` allowed) and is called as ``clf(local_embeddings, local_labels, step=global_step)``. It
+returns the mean loss over the *global* batch, the same value on every worker.
 
-How one call works:
+The algorithm, top to bottom in this file (:meth:`ShardedClassifier.forward`, then
+:class:`_ShardedSoftmax`):
 
-1. The local embeddings (L2-normalised first, except for ``softmax_ce``) and labels are
-   all-gathered (uneven local batch sizes allowed); labels are global class ids.
-2. With ``sample_ratio < 1`` the shard picks its active rows: every class of the global batch
-   it owns plus its share of a global uniform draw of other classes, ``round(ratio × C)`` in
-   all whatever the number of workers (:mod:`~dmltrain.distributed.class_sampling`).
-3. The gathered batch is scored against the active rows, and each sample's log-sum-exp over
-   this shard accumulated online, by one of two implementations of the same call:
-   torch block GEMMs (:mod:`~dmltrain.distributed.block_softmax`, the CPU path, fp32 or
-   float64) or fused Triton kernels (:mod:`~dmltrain.distributed.fused_softmax`, the CUDA
-   path, fp32/tf32/bf16 products with fp32 accumulation, the logits never in memory).
-4. One all-gather of per-sample partial statistics (shard log-sum-exp, shard max, target
-   logit, shard sum of logits for label smoothing) plus the active-row count combines the
-   shards (:mod:`~dmltrain.distributed.shard_call`): the softmax is normalised over every
-   active class of every shard, and no worker holds more than its own logits. The exchanged
-   volume is ``5 × global batch`` numbers per worker, smaller than the embedding gather
-   while ``W < D/5``.
-5. Backward writes this shard's row gradients straight into ``weight.grad`` (rows not
-   active stay exactly zero; :mod:`~dmltrain.distributed.grad_rows`) and returns its share
-   of the gathered embeddings' gradient; the gather's backward sums the shards' shares and
-   hands each worker its own samples'.
+1. **Gather.** The local embeddings (L2-normalised first, except for ``softmax_ce``) and labels
+   are all-gathered (uneven local batch sizes allowed); labels are global class ids.
+2. **Draw.** With ``sample_ratio < 1`` the shard takes its active rows from the step's class draw
+   (:func:`~dmltrain.distributed.class_sampling.draw_active`: every class of the global batch plus
+   uniformly drawn others, ``round(ratio × C)`` in all, computed on the device).
+3. **Targets.** Each sample whose class this shard holds among its active rows gets its column
+   (:func:`_targets`); its target logit, with the kind's margin (:mod:`~dmltrain.losses.kinds`),
+   is computed on its (embedding, class row) pair and differentiated by autograd there
+   (:func:`_target_pairs`), for every sample with a mask, so every size is known on the host.
+4. **Partials.** A backend scores the gathered batch against the active rows and returns each
+   sample's log-sum-exp, max and sum of its non-target logits on this shard: torch block GEMMs
+   (:mod:`~dmltrain.distributed.softmax_torch`, the CPU path, fp32 or float64) or fused Triton
+   kernels (:mod:`~dmltrain.distributed.softmax_kernels`, the CUDA path, the logits never in
+   memory). Both expose the same two pure functions, ``partials`` and ``gradients``.
+5. **Combine.** One all-gather of the per-sample statistics (shard log-sum-exp, shard max, sum of
+   logits for label smoothing, target logit and cosine) plus the active-row count
+   (:func:`_combine`): the softmax is normalised over every active class of every shard, and no
+   worker holds more than its own logits. ``5 × global batch`` numbers per worker.
+6. **Backward.** The backend's ``gradients`` writes the active rows' gradients into the shard's
+   :class:`~dmltrain.distributed.row_sparse.RowGrads` (which the row-sparse optimizer reads; rows
+   not drawn stay exactly zero) and returns its share of the gathered embeddings' gradient; the
+   pair path adds the targets'; the gather's backward sums the shards' shares and hands each
+   worker its own samples'.
 
-Margins act on the target logit only: CosFace ``s(cosθ − m)``, ArcFace ``s·cos(θ + m)`` with
-its true gradient, each kind's maths described once in :mod:`dmltrain.losses.kinds` (θ from
-``atan2`` of the unit vectors, InsightFace's continuation beyond ``θ + m > π``). Each
-sample's target logit is computed on its (embedding, class row) pair and differentiated by
-autograd there, O(batch × D); the block products carry the other classes. Label smoothing
-(softmax CE, :func:`~dmltrain.losses.margins.smoothed_nll`) spreads ``ε`` over the other
-``K − 1`` classes taking part, ``K`` counted over all shards, using the global sum of logits.
+No host sync. Nothing in a call reads a device value back, at any ratio: the draw, the targets,
+the label-smoothing weights (device scalars) and the gradient coefficient stay on the device.
+With ``sizes`` given (every rank's local batch size, e.g. equal batches) not even the batch sizes
+are exchanged. The one check, labels in ``[0, C)``, is an asynchronous device assertion on CUDA.
 
-The weight gradient is written into ``clf.weight.grad`` (and ``clf.bias.grad``) directly,
-accumulating when it already exists, as Megatron's fused gradient accumulation does. Hence
-``torch.autograd.grad(loss, clf.weight)`` is not supported; read ``.grad`` after backward.
+Margins act on the target logit only: CosFace ``s(cosθ − m)``, ArcFace ``s·cos(θ + m)`` with its
+true gradient (θ from ``atan2`` of the unit vectors, InsightFace's continuation beyond ``θ + m >
+π``). Label smoothing (softmax CE) spreads ``ε`` over the other ``K − 1`` classes taking part,
+``K`` counted over all shards, using the global sum of logits.
 
-Precision (``precision``): ``auto`` is bf16 products on CUDA and fp32 on the CPU. The torch
-path computes in fp32, or in float64 for a classifier moved to float64 (``.double()``). The
-weight is fp32 unless ``weight_storage="bf16"`` (fused path; its gradient is then bf16 and
-the optimizer keeps fp32 state and rounds stochastically). Embeddings in bf16/fp16 are cast
-to the compute dtype, autocast is disabled inside, and the embeddings' gradient returns in
-their dtype.
+The weight gradient is written into ``clf.weight.grad`` (and ``clf.bias.grad``) directly, through
+:attr:`ShardedClassifier.row_grads`, accumulating when it already exists, as Megatron's fused
+gradient accumulation does. Hence ``torch.autograd.grad(loss, clf.weight)`` is not supported;
+read ``.grad`` after backward.
+
+Precision (``precision``): ``auto`` is bf16 products on CUDA and fp32 on the CPU. The torch path
+computes in fp32, or in float64 for a classifier moved to float64 (``.double()``). The weight is
+fp32 unless ``weight_storage="bf16"`` (fused path; its gradient is then bf16 and the optimizer
+keeps fp32 state and rounds stochastically). Embeddings in bf16/fp16 are cast to the compute
+dtype, autocast is disabled inside, and the embeddings' gradient returns in their dtype.
+``deterministic`` (fused path): bit-identical gradients run to run, at one more product per step.
 
 Memory (torch path): besides the weight, its gradient and the optimizer state, the classifier
 keeps reusable scratch buffers and the kept logits (at most ``logits_budget_mb``) from call to
@@ -54,46 +61,286 @@ call, because the CPU allocator caches nothing; ``release_buffers()`` frees them
 
 from __future__ import annotations
 
+import math
+import os
 import weakref
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dmltrain.distributed.block_softmax import BlockSoftmax
+from dmltrain.config import PRODUCT_PRECISIONS, WEIGHT_STORAGES, gpu_only
+from dmltrain.distributed import softmax_torch
 from dmltrain.distributed.class_partition import ClassPartition
-from dmltrain.distributed.class_sampling import draw_active_rows, draw_seed
-from dmltrain.distributed.collectives import _gather_rows, all_gather_sizes, gather_with_grad, group_rank_size
-from dmltrain.distributed.fused_softmax import FusedSoftmax, fused_unavailable
-from dmltrain.distributed.grad_rows import GradWriter, RowGrads
-from dmltrain.distributed.shard_call import CallStats, ShardCall
+from dmltrain.distributed.class_sampling import ActiveRows, draw_active, init_block_seed
+from dmltrain.distributed.collectives import (
+    all_gather_sizes,
+    all_gather_stack,
+    gather_rows,
+    gather_with_grad,
+    group_rank_size,
+)
+from dmltrain.distributed.row_sparse import RowGrads, RowSet, add_rows
 from dmltrain.distributed.workspace import Workspace
-from dmltrain.losses.kinds import KINDS
+from dmltrain.losses.kinds import KINDS, ClassifierKind
+from dmltrain.losses.margins import pair_cos
 
-PRECISIONS = ("auto", "fp32", "tf32", "bf16")
-WEIGHT_STORAGES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # by loss.classifier.weight_storage
 BACKENDS = ("auto", "torch", "triton")
+NORM_EPS = 1e-12
 #: classes per block of the W-independent weight initialisation
 _INIT_BLOCK = 1 << 16
 
+# The kernels (and Triton, ~75 MiB of resident memory) are loaded only where they can run: with a
+# CUDA device, or under Triton's CPU interpreter. A CPU-only process keeps the torch path alone.
+_UNLOADED = None
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    try:
+        from dmltrain.distributed import softmax_kernels
+    except ImportError:  # a torch build without Triton
+        softmax_kernels, _UNLOADED = None, "Triton is not installed"
+else:
+    softmax_kernels = None
+    _UNLOADED = "no CUDA device and no TRITON_INTERPRET=1 when dmltrain.distributed.sharded_softmax was imported"
 
-class _ShardedSoftmaxFn(torch.autograd.Function):
-    # Autocast is off inside: the classifier chooses its own precision.
+
+def fused_unavailable(device: torch.device) -> str | None:
+    """Why the fused kernels cannot run on ``device`` (None when they can)."""
+    if softmax_kernels is None:
+        return f"the kernels are not loaded ({_UNLOADED})"
+    if device.type != "cuda" and not softmax_kernels.INTERPRET:
+        return f"the weight is on {device.type}: the kernels need CUDA, or TRITON_INTERPRET=1 set before triton is imported"
+    return None
+
+
+class ShardOperands(NamedTuple):
+    """One shard's part of a call, as both backends take it.
+
+    ``x``: the gathered batch (``N × D``, compute dtype, unit rows for the normalised kinds);
+    ``weight``/``bias``: the shard's rows; ``rows``/``count``: the active rows (None: all; see
+    :class:`~dmltrain.distributed.class_sampling.ActiveRows`); ``tcol``: each sample's column among
+    the active rows (int64, −1 when this shard does not hold its class); ``scale``: the logit scale
+    of the normalised kinds.
+    """
+
+    x: Tensor
+    weight: Tensor
+    bias: Tensor | None
+    rows: Tensor | None
+    count: Tensor | None
+    tcol: Tensor
+    scale: float
+    normalized: bool
+
+
+class CallStats(Mapping[str, float]):
+    """A call's statistics, kept where they were computed.
+
+    Read as a mapping (``stats["loss"]``) they are host floats, all brought over at the first read (one
+    device sync); :meth:`on_device` gives them without any sync (0-d tensors for the device values,
+    floats for those known on the host), for a reader that sums them on the device and reads the
+    sums back at log time.
+    """
+
+    def __init__(self, device: Mapping[str, Tensor], host: Mapping[str, float]) -> None:
+        self._device, self._host = dict(device), dict(host)
+        self._read: dict[str, float] | None = None
+
+    def on_device(self) -> dict[str, Tensor | float]:
+        return {**self._device, **self._host}
+
+    def _values(self) -> dict[str, float]:
+        if self._read is None:
+            keys = list(self._device)
+            vals = torch.stack([self._device[k].detach().double() for k in keys]).tolist() if keys else []
+            self._read = {**dict(zip(keys, vals)), **self._host}
+        return self._read
+
+    def __getitem__(self, key: str) -> float:
+        return self._values()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({**self._device, **self._host})
+
+    def __len__(self) -> int:
+        return len(self._device) + len(self._host)
+
+
+# -- the steps of one call ------------------------------------------------------------------------------
+def _targets(labels: Tensor, start: int, n_local: int, active: ActiveRows | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(column among the active rows or −1, local row (clamped), owned?) of every sample's class."""
+    local = labels - start
+    owned = (local >= 0) & (local < n_local)
+    row = local.clamp(0, max(n_local - 1, 0))
+    col = row
+    if active is not None:
+        if active.capacity == 0:
+            owned = torch.zeros_like(owned)
+        else:
+            col = torch.searchsorted(active.sorted_keys, row).clamp_(max=active.capacity - 1)
+            owned &= active.sorted_keys.gather(0, col) == local
+    return torch.where(owned, col, -1), row, owned
+
+
+def _target_pairs(
+    spec: ClassifierKind,
+    params: dict[str, float],
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    row: Tensor,
+    grad: bool,
+) -> tuple[tuple[Tensor, ...], Tensor, Tensor]:
+    """(leaves, target logits, target cosines) of every sample against its class row ``row``.
+
+    The leaves are (embeddings, class rows[, biases]), differentiable if ``grad``; normalised kinds
+    take the kind's margin on the unit rows, ``softmax_ce`` is ``x·w + b``. Unowned samples get a
+    value that the caller masks.
+    """
+    xt = x.detach()
+    wt = weight.index_select(0, row).to(x.dtype)
+    leaves: tuple[Tensor, ...] = (xt, wt) if bias is None else (xt, wt, bias.index_select(0, row).to(x.dtype))
+    if grad:
+        leaves = tuple(t.detach().requires_grad_(True) for t in leaves)
+    with torch.set_grad_enabled(grad):
+        if spec.normalized:
+            wt_hat = F.normalize(leaves[1], dim=1, eps=NORM_EPS)
+            zt = spec.target_logit(leaves[0], wt_hat, **params)
+            return leaves, zt, pair_cos(leaves[0], wt_hat).detach()
+        zt = (leaves[0] * leaves[1]).sum(1) + leaves[2]
+        return leaves, zt, torch.zeros_like(zt).detach()
+
+
+class _Combined(NamedTuple):
+    loss: Tensor
+    lse: Tensor  # the global log-sum-exp per sample
+    on: Tensor | float  # label smoothing's weight of the target class
+    off: Tensor | None  # ... and of each other class (None: no smoothing)
+    stats: Tensor  # loss, accuracy, mean target logit, mean target cosine, active classes
+
+
+def _combine(
+    lse_local: Tensor, m: Tensor, sz: Tensor, z_t: Tensor, cos_t: Tensor, k_local: Tensor, eps: float, group: Any
+) -> _Combined:
+    """The loss over every shard from this shard's per-sample statistics (one all-gather).
+
+    ``lse_local``, ``m``, ``sz``: log-sum-exp, max and sum of this shard's logits per sample, targets
+    included; ``z_t``, ``cos_t``: target logits and cosines, zero where this shard does not hold the
+    class; ``k_local``: this shard's active columns (a 0-d tensor).
+    """
+    N = lse_local.shape[0]
+    packed = torch.cat([torch.stack([lse_local, m, sz, z_t, cos_t]).double().flatten(), k_local.double().view(1)])
+    allp = all_gather_stack(packed, group)
+    parts = allp[:, :-1].view(allp.shape[0], 5, N)
+    lse = torch.logsumexp(parts[:, 0], 0)
+    zmax = parts[:, 1].amax(0)
+    sum_z, tgt, cos_tgt = parts[:, 2].sum(0), parts[:, 3].sum(0), parts[:, 4].sum(0)
+    k_total = allp[:, -1].sum()
+    on: Tensor | float = 1.0
+    off = None
+    if eps:  # the smoothed target distribution over the K active classes of all shards; (1, 0) for K < 2
+        smooth = (k_total >= 2).double() * eps
+        on, off = 1.0 - smooth, smooth / (k_total - 1).clamp_min(1.0)
+        per = lse - on * tgt - off * (sum_z - tgt)
+    else:
+        per = lse - tgt
+    loss = per.mean()
+    stats = torch.stack([loss, (tgt >= zmax).double().mean(), tgt.mean(), cos_tgt.mean(), k_total])
+    return _Combined(loss, lse, on, off, stats)
+
+
+class _KeptClaim:
+    """Marks the classifier's kept-logits workspace as held until this call's backward (or its end)."""
+
+
+class _ShardedSoftmax(torch.autograd.Function):
+    """Steps 3 to 6 of one call; autocast is off inside (the classifier chooses its own precision)."""
+
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, call: ShardCall) -> Tensor:
-        ctx.call = call
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, clf: ShardedClassifier, labels: Tensor,
+                active: ActiveRows | None, need_grad: bool) -> Tensor:  # fmt: skip
         with torch.autocast(device_type=x.device.type, enabled=False):
-            return call.forward()
+            n_local = weight.shape[0]
+            tcol, row, owned = _targets(labels, clf.class_start, n_local, active)
+            op = ShardOperands(x.detach(), weight.detach(), None if bias is None else bias.detach(),
+                               None if active is None else active.rows, None if active is None else active.count,
+                               tcol, clf.scale, clf.spec.normalized)  # fmt: skip
+            eps = clf.smoothing
+            claim = None
+            if clf.fused:
+                lse_nt, mx, sz, saved = softmax_kernels.partials(op, bool(eps), clf.fused_precision)
+                lse_nt, mx = lse_nt.to(x.dtype), mx.to(x.dtype)
+                sz = None if sz is None else sz.to(x.dtype)
+            else:
+                kept = None
+                if need_grad:
+                    claim, kept = clf._claim_kept()
+                budget = clf.logits_budget_mb * 2**20
+                lse_nt, mx, sz, saved = softmax_torch.partials(op, bool(eps), clf.workspace, kept, budget)
+            if sz is None:
+                sz = torch.zeros_like(lse_nt)
+            if n_local:
+                _, z_t, cos_t = _target_pairs(clf.spec, clf.params, op.x, op.weight, op.bias, row, grad=False)
+            else:
+                z_t = cos_t = torch.zeros_like(lse_nt)
+            z_own = torch.where(owned, z_t, -math.inf)
+            lse_local = torch.logaddexp(lse_nt, z_own)
+            m = torch.maximum(mx, z_own)
+            z_t, cos_t = torch.where(owned, z_t, 0.0), torch.where(owned, cos_t, 0.0)
+            if active is None or active.count is None:
+                k_local = torch.full((), float(n_local if active is None else active.capacity), device=x.device)
+            else:
+                k_local = active.count
+            out = _combine(lse_local, m, sz + z_t, z_t, cos_t, k_local, eps, clf.group)
+        ctx.clf, ctx.op, ctx.saved, ctx.claim = clf, op, saved, claim
+        ctx.row, ctx.owned, ctx.z_t, ctx.out = row, owned, z_t, out
+        clf._record(out.stats, getattr(saved, "kept", None) is not None)
+        return out.loss.to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
-        with torch.autocast(device_type=grad.device.type, enabled=False):
-            grad_x = ctx.call.backward(grad, ctx.needs_input_grad[0])
-        return grad_x, None, None, None
+    def backward(ctx, grad_out: Tensor):
+        clf, op, out = ctx.clf, ctx.op, ctx.out
+        if op is None:
+            raise RuntimeError("ShardedClassifier: backward through the same call twice is not supported")
+        x = op.x
+        with torch.autocast(device_type=grad_out.device.type, enabled=False):
+            alpha = grad_out.to(x.dtype) / x.shape[0]  # dL/dloss · 1/N: the factor of every per-sample gradient
+            lse = out.lse.to(x.dtype)
+            off = None if out.off is None else out.off.to(x.dtype)
+            need_x, need_params = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+            target = clf.row_grads.target(RowSet(op.rows, op.count)) if need_params else None
+            if clf.fused:
+                grad_x = softmax_kernels.gradients(op, ctx.saved, lse, alpha, off, need_x, target,
+                                                   clf.fused_precision, clf.deterministic)  # fmt: skip
+            else:
+                grad_x = softmax_torch.gradients(op, ctx.saved, lse, alpha, off, need_x, target, clf.workspace)
+            if ctx.claim is not None:
+                clf._return_kept(ctx.claim)
+            if op.weight.shape[0]:  # the targets: dL/d(target logit) through their pairs
+                on = out.on if isinstance(out.on, float) else out.on.to(x.dtype)
+                g_t = torch.where(ctx.owned, (torch.exp(ctx.z_t - lse) - on) * alpha, 0.0)
+                leaves, zt, _ = _target_pairs(clf.spec, clf.params, x, op.weight, op.bias, ctx.row, grad=True)
+                # a scalar's gradient: no grad_outputs, whose check would import torch.fx (seconds, once a process)
+                with torch.enable_grad():
+                    grads = torch.autograd.grad((zt * g_t.to(zt.dtype)).sum(), leaves)
+                if need_x:
+                    grad_x = grads[0] if grad_x is None else grad_x.add_(grads[0])
+                if target is not None:
+                    if target.weight is not None:
+                        add_rows(target.weight, ctx.row, grads[1])
+                    if target.bias is not None:
+                        add_rows(target.bias, ctx.row, grads[2])
+            elif need_x and grad_x is None:
+                grad_x = torch.zeros_like(x)
+            if target is not None:
+                target.finish()
+        ctx.op = ctx.saved = None
+        return None if grad_x is None else grad_x.to(x.dtype), None, None, None, None, None, None
 
 
+# -- the module -------------------------------------------------------------------------------------------
 class ShardedClassifier(nn.Module):
     """Class-sharded proxy classifier; see the module docstring for the algorithm.
 
@@ -104,7 +351,7 @@ class ShardedClassifier(nn.Module):
             ``arcface`` (``scale``, ``margin``) or ``softmax_ce`` (``smoothing``; a linear
             layer with bias on unnormalised features, both zero-initialised); the
             hyperparameters, defaults and bounds are :data:`dmltrain.losses.kinds.KINDS`'.
-        sample_ratio: share of each shard's classes in each step's softmax, in (0, 1].
+        sample_ratio: share of all classes in each step's softmax, in (0, 1].
         group: the process group sharing the classes (None: the default group, or one
             process when ``torch.distributed`` is not initialised).
         seed: seeds the weight initialisation (the same for any world size) and the class draws.
@@ -117,18 +364,21 @@ class ShardedClassifier(nn.Module):
         weight_storage: ``fp32`` or ``bf16`` (the fused path only).
         backend: ``auto`` (fused kernels for a CUDA weight, torch otherwise), ``torch`` or
             ``triton`` (on the CPU only under ``TRITON_INTERPRET=1``, for tests).
+        deterministic: fused path: the two-kernel backward, bit-identical run to run (the
+            default's atomics agree to fp32 rounding only); the torch path always is.
 
     Attributes: ``weight`` (local rows × D), ``bias`` (softmax_ce), ``class_start``/``class_end``
-    (global ids of the local rows), ``active_rows`` and ``stats`` of the last call: ``loss``,
-    ``accuracy`` (target logit is the largest), ``target_logit`` and ``target_cos`` (means
-    over the global batch), ``active_rows`` (this shard), ``active_classes`` and
-    ``active_share`` (all shards), ``logits_kept`` (1 when backward reuses the logits): a
-    :class:`~dmltrain.distributed.shard_call.CallStats`, on the device until read.
+    (global ids of the local rows), ``row_grads`` (the rows' gradients, for the optimizer),
+    ``active_rows`` of the last call and ``stats``: ``loss``, ``accuracy`` (target logit is the
+    largest), ``target_logit`` and ``target_cos`` (means over the global batch), ``active_rows``
+    (this shard), ``active_classes`` and ``active_share`` (all shards), ``logits_kept`` (1 when
+    backward reuses the logits): a :class:`CallStats`, on the device until read.
 
     The parameters are model-parallel: keep them out of DeepSpeed's data-parallel engine and
-    step them with :func:`~dmltrain.distributed.sparse_optim.make_classifier_optimizer`.
-    ``.grad`` is this shard's exact gradient (not an average); it lives in a buffer reused
-    across steps, so copy it if you need it after the next backward.
+    step them with a row-sparse optimizer over :attr:`row_grads`
+    (:class:`~dmltrain.distributed.classifier_head.ClassifierHead` does both). ``.grad`` is this
+    shard's exact gradient (not an average); it lives in a buffer reused across steps, so copy it
+    if you need it after the next backward.
     """
 
     def __init__(
@@ -144,6 +394,7 @@ class ShardedClassifier(nn.Module):
         weight_storage: str = "fp32",
         backend: str = "auto",
         init_std: float | None = None,
+        deterministic: bool = False,
         **params: float,
     ) -> None:
         super().__init__()
@@ -157,7 +408,7 @@ class ShardedClassifier(nn.Module):
             raise ValueError(f"ShardedClassifier: num_classes and dim must be positive, got {num_classes}, {dim}")
         if logits_budget_mb <= 0:
             raise ValueError(f"ShardedClassifier: logits_budget_mb must be positive, got {logits_budget_mb}")
-        for name, value, choices in (("precision", precision, PRECISIONS), ("weight_storage", weight_storage, WEIGHT_STORAGES),
+        for name, value, choices in (("precision", precision, PRODUCT_PRECISIONS), ("weight_storage", weight_storage, WEIGHT_STORAGES),
                                      ("backend", backend, BACKENDS)):  # fmt: skip
             if value not in choices:
                 raise ValueError(f"ShardedClassifier: {name} must be one of {', '.join(choices)}, got {value!r}")
@@ -167,22 +418,25 @@ class ShardedClassifier(nn.Module):
             raise ValueError(f"ShardedClassifier: init_std must be positive, got {init_std}")
         self.init_std = None if init_std is None else float(init_std)
         self.logits_budget_mb = float(logits_budget_mb)
-        self.precision, self.backend = precision, backend
+        self.precision, self.backend, self.deterministic = precision, backend, bool(deterministic)
+        self.scale = float(self.spec.logit_scale(self.params))
+        self.smoothing = float(self.params.get("smoothing", 0.0))
         self.group = group
         self.rank, self.world_size = group_rank_size(group)
         self.partition = ClassPartition(self.num_classes, self.world_size)
         self.class_start, self.class_end = self.partition.start(self.rank), self.partition.end(self.rank)
         n_local = self.class_end - self.class_start
-        self.weight = nn.Parameter(torch.empty(n_local, dim, dtype=WEIGHT_STORAGES[weight_storage]))
+        self.weight = nn.Parameter(torch.empty(n_local, dim, dtype=STORAGE_DTYPES[weight_storage]))
         if self.spec.has_bias:
             self.bias = nn.Parameter(torch.zeros(n_local, dtype=self.weight.dtype))
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
+        self.row_grads = RowGrads({"weight": self.weight, "bias": self.bias})
         self.stats: Mapping[str, float] = {}
-        self._active: Tensor | None = None
-        self._grads = RowGrads()
+        self._active: ActiveRows | None = None
         self._calls = 0
+        self.fused, self.fused_precision = False, "fp32"
         self.workspace = Workspace()  # transient buffers (within one forward or backward)
         self._kept = Workspace()  # what a call keeps for its backward
         self._kept_owner: weakref.ref | None = None
@@ -207,7 +461,7 @@ class ShardedClassifier(nn.Module):
                 s, e = max(lo, self.class_start), min(hi, self.class_end)
                 if s >= e:
                     continue
-                gen = torch.Generator().manual_seed(draw_seed(self.seed, blk, -1))
+                gen = torch.Generator().manual_seed(init_block_seed(self.seed, blk))
                 rows = torch.randn(hi - lo, self.dim, generator=gen).mul_(std)
                 self.weight[s - self.class_start : e - self.class_start] = rows[s - lo : e - lo].to(self.weight.device)
 
@@ -219,11 +473,14 @@ class ShardedClassifier(nn.Module):
         )
 
     # -- the call ---------------------------------------------------------------------------------
-    def forward(self, embeddings: Tensor, labels: Tensor, step: int | None = None) -> Tensor:
+    def forward(
+        self, embeddings: Tensor, labels: Tensor, step: int | None = None, sizes: Sequence[int] | None = None
+    ) -> Tensor:
         """Global-batch mean loss (same on every worker).
 
-        ``step`` (the global optimizer step) keys the class draw with the seed and shard;
-        without it the classifier counts its own calls. Labels are global class ids.
+        ``step`` (the global optimizer step) keys the class draw with the seed; without it the
+        classifier counts its own calls. Labels are global class ids. ``sizes``: every rank's local
+        batch size, when the caller knows them (else they are exchanged: one host read at W > 1).
         """
         if embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
             raise ValueError(f"ShardedClassifier: expected embeddings B×{self.dim}, got {tuple(embeddings.shape)}")
@@ -231,58 +488,65 @@ class ShardedClassifier(nn.Module):
             raise ValueError(
                 f"ShardedClassifier: expected {embeddings.shape[0]} labels, got shape {tuple(labels.shape)}"
             )
-        fused, precision = self._path()
+        self._choose_path()
         if step is None:
             step = self._calls
         self._calls = int(step) + 1
         dev = self.weight.device
         x = embeddings.to(device=dev, dtype=torch.float64 if self.weight.dtype == torch.float64 else torch.float32)
-        sizes = all_gather_sizes(x.shape[0], self.group, dev)
-        labels_g = _gather_rows(labels.to(device=dev, dtype=torch.int64), sizes, self.group)
+        if sizes is None:
+            sizes = all_gather_sizes(x.shape[0], self.group, dev)
+        elif len(sizes) != self.world_size or sizes[self.rank] != x.shape[0]:
+            raise ValueError(
+                f"ShardedClassifier: sizes {list(sizes)} do not match {self.world_size} workers with {x.shape[0]} here"
+            )
+        labels_g = gather_rows(labels.to(device=dev, dtype=torch.int64), sizes, self.group)
         N = labels_g.numel()
         if N:
-            lo, hi = torch.aminmax(labels_g)
-            if dev.type != "cpu":  # checked without a host read: it fails at a later kernel, not here
-                torch._assert_async(
-                    (lo >= 0) & (hi < self.num_classes), f"ShardedClassifier: labels must be in [0, {self.num_classes})"
-                )
-            elif int(lo) < 0 or int(hi) >= self.num_classes:
-                raise ValueError(
-                    f"ShardedClassifier: labels must be in [0, {self.num_classes}), got [{int(lo)}, {int(hi)}]"
-                )
+            self._check_labels(labels_g)
         if self.spec.normalized:
             x = F.normalize(x, dim=1)
         x_g = gather_with_grad(x, self.group, sizes)
-        rows = self._draw(labels_g, int(step))
-        self._active = rows
+        active = None if self.sample_ratio >= 1.0 else draw_active(labels_g, self.partition, self.sample_ratio,
+                                                                    self.seed, int(step), self.group)  # fmt: skip
+        self._active = active
         if N == 0:
             self.stats = {"loss": 0.0, "active_rows": float(self._num_active()), "active_classes": 0.0}
             return x_g.sum() * 0.0
         params = [p for p in (self.weight, self.bias) if p is not None]
         need_grad = torch.is_grad_enabled() and (x_g.requires_grad or any(p.requires_grad for p in params))
-        if fused:
-            call: ShardCall = FusedSoftmax(self, x_g.detach(), labels_g, rows, precision)
-        else:
-            call = BlockSoftmax(self, x_g.detach(), labels_g, rows, need_grad)
-        loss = _ShardedSoftmaxFn.apply(x_g, self.weight, self.bias, call)
-        st = call.stats_tensor  # stays on the device until someone reads self.stats
+        return _ShardedSoftmax.apply(x_g, self.weight, self.bias, self, labels_g, active, need_grad)
+
+    def _record(self, stats: Tensor, kept: bool) -> None:
+        """The last call's statistics (``stats``: loss, accuracy, target logit, target cosine, active classes)."""
         on_device = {
-            "loss": st[0],
-            "accuracy": st[1],
-            "target_logit": st[2],
-            "active_classes": st[4],
-            "active_share": st[4] / self.num_classes,
+            "loss": stats[0],
+            "accuracy": stats[1],
+            "target_logit": stats[2],
+            "active_classes": stats[4],
+            "active_share": stats[4] / self.num_classes,
         }
         if self.spec.normalized:
-            on_device["target_cos"] = st[3]
-        self.stats = CallStats(
-            on_device, {"active_rows": float(call.k_local), "logits_kept": float(getattr(call, "keep", False))}
-        )
-        return loss
+            on_device["target_cos"] = stats[3]
+        rows = self._num_active()
+        host = {"logits_kept": float(kept)}
+        if isinstance(rows, Tensor):
+            on_device["active_rows"] = rows
+        else:
+            host["active_rows"] = float(rows)
+        self.stats = CallStats(on_device, host)
 
-    def _path(self) -> tuple[bool, str]:
-        """(fused kernels?, product precision) for the weight as it is now; one clear line when
-        the combination cannot run."""
+    def _check_labels(self, labels: Tensor) -> None:
+        lo, hi = torch.aminmax(labels)
+        msg = f"ShardedClassifier: labels must be in [0, {self.num_classes})"
+        try:  # no host read: on CUDA a bad label fails at a later kernel, not here
+            torch._assert_async((lo >= 0) & (hi < self.num_classes), msg)
+        except RuntimeError:  # on the CPU the assertion is checked at once
+            raise ValueError(f"{msg}, got [{int(lo)}, {int(hi)}]") from None
+
+    def _choose_path(self) -> None:
+        """The backend and product precision for the weight as it is now; one clear line when the
+        combination cannot run."""
         dev, dt = self.weight.device, self.weight.dtype
         fused = self.backend == "triton" or (self.backend == "auto" and dev.type == "cuda" and dt != torch.float64)
         if dt not in (torch.float32, torch.bfloat16, torch.float64):
@@ -296,49 +560,33 @@ class ShardedClassifier(nn.Module):
             if why:
                 raise ValueError(f"ShardedClassifier: backend {self.backend!r} cannot run: {why}")
             precision = self.precision if self.precision != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
-            return True, precision
-        if self.precision in ("tf32", "bf16"):
+            self.fused, self.fused_precision = True, precision
+            return
+        if gpu_only("loss.classifier.precision", self.precision):
             raise ValueError(f"ShardedClassifier: precision {self.precision!r} needs the fused CUDA kernels; the torch path "
                              f"(weight on {dev.type}) computes in fp32, use precision 'auto' or 'fp32'")  # fmt: skip
         if dt == torch.bfloat16:
             raise ValueError("ShardedClassifier: a bf16 weight (weight_storage 'bf16') needs the fused CUDA kernels")
-        return False, "fp32"
+        self.fused, self.fused_precision = False, "fp32"
 
-    def _draw(self, labels_g: Tensor, step: int) -> Tensor | None:
-        if self.sample_ratio >= 1.0:
-            return None
-        rows = draw_active_rows(
-            torch.unique(labels_g.cpu()), self.partition.bounds(), self.rank, self.sample_ratio, self.seed, step
-        )
-        return rows.to(self.weight.device)
-
-    def _num_active(self) -> int:
-        return self.num_local if self._active is None else self._active.numel()
-
-    @property
-    def active_rows(self) -> Tensor:
-        """Local row indices that took part in the last call (sorted)."""
+    def _num_active(self) -> int | Tensor:
         if self._active is None:
-            return torch.arange(self.num_local, device=self.weight.device)
-        return self._active
-
-    @property
-    def active_class_ids(self) -> Tensor:
-        """Global class ids of :attr:`active_rows`."""
-        return self.active_rows + self.class_start
+            return self.num_local
+        return self._active.capacity if self._active.count is None else self._active.count
 
     # -- buffers kept from forward to backward (torch path) ---------------------------------------------
-    def kept_workspace(self, call: ShardCall) -> Workspace:
-        """The reused kept-buffers for ``call``, or private ones while an earlier call still
-        awaits its backward (forward, forward, backward, backward must stay correct)."""
+    def _claim_kept(self) -> tuple[_KeptClaim, Workspace]:
+        """The reused kept-buffers, or private ones while an earlier call still awaits its backward
+        (forward, forward, backward, backward must stay correct)."""
+        claim = _KeptClaim()
         owner = None if self._kept_owner is None else self._kept_owner()
-        if owner is not None and not owner.consumed:
-            return Workspace()
-        self._kept_owner = weakref.ref(call)
-        return self._kept
+        if owner is not None:
+            return claim, Workspace()
+        self._kept_owner = weakref.ref(claim)
+        return claim, self._kept
 
-    def release_kept(self, call: ShardCall) -> None:
-        if self._kept_owner is not None and self._kept_owner() is call:
+    def _return_kept(self, claim: _KeptClaim) -> None:
+        if self._kept_owner is not None and self._kept_owner() is claim:
             self._kept_owner = None
 
     def release_buffers(self) -> None:
@@ -347,25 +595,23 @@ class ShardedClassifier(nn.Module):
         self._kept.clear()
         self._kept_owner = None
 
-    # -- gradient bookkeeping (the row-sparse optimizers' RowSource) ------------------------------
-    def _row_params(self) -> dict[str, nn.Parameter | None]:
-        return {"weight": self.weight, "bias": self.bias}
+    # -- the last call ------------------------------------------------------------------------------------
+    @property
+    def active_rows(self) -> Tensor:
+        """Local row indices that took part in the last call (sorted; reads the drawn count when there is one)."""
+        if self._active is None:
+            return torch.arange(self.num_local, device=self.weight.device)
+        rows = self._active.rows
+        return rows if self._active.count is None else rows[: int(self._active.count)]
 
-    def grad_writer(self, rows: Tensor | None) -> GradWriter:
-        """The writer of one backward's row gradients (``rows``: the active rows, None for all)."""
-        return self._grads.writer(self._row_params(), rows)
-
-    def grad_rows(self) -> Tensor | None:
-        """Local rows holding a gradient since it was last cleared; None means all rows."""
-        return self._grads.rows(self.weight.device)
-
-    def grad_cleared(self) -> None:
-        """Called when the gradients were set to None or zeroed in place."""
-        self._grads.cleared(self._row_params())
+    @property
+    def active_class_ids(self) -> Tensor:
+        """Global class ids of :attr:`active_rows`."""
+        return self.active_rows + self.class_start
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
-        self.grad_cleared()
+        self.row_grads.cleared()
 
     # -- the whole weight ------------------------------------------------------------------------------
     def full_weight(self) -> Tensor:
@@ -378,7 +624,7 @@ class ShardedClassifier(nn.Module):
     def gather_rows_all(self, t: Tensor) -> Tensor:
         """Every worker's rows of a per-class tensor (``C_local × …``), concatenated in class order."""
         sizes = [e - s for s, e in self.partition.bounds()]
-        return _gather_rows(t.contiguous(), sizes, self.group).clone()
+        return gather_rows(t.contiguous(), sizes, self.group).clone()
 
     @torch.no_grad()
     def load_full_weight(self, weight: Tensor, bias: Tensor | None = None) -> None:

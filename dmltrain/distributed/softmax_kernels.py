@@ -1,60 +1,78 @@
-"""Triton kernels of the fused sharded softmax: block products fused with the softmax, logits never stored.
+"""The sharded softmax's compute in fused Triton kernels: the CUDA path.
 
-One shard scores the gathered batch ``x`` (``N × D``) against its ``K`` active class rows
-``w[rows[j]]`` of the weight (all rows when ``rows`` is None). The logit of sample ``i`` and
-active column ``j`` is ``s·inv_j·(x_i·w_j)`` for the normalised kinds (``x`` holds unit rows,
-``inv_j = 1/‖w_j‖``) and ``x_i·w_j + b_j`` for ``softmax_ce``. Each sample's own target
-column ``tcol[i]`` (−1 when this shard does not hold it) is *excluded*: the target logit,
-with its margin, is computed apart on (embedding, class row) pairs in torch.
+Two functions over one shard's :class:`~dmltrain.distributed.sharded_softmax.ShardOperands`, the
+same two the torch backend (:mod:`~dmltrain.distributed.softmax_torch`) exposes:
+:func:`partials` (each sample's log-sum-exp, max and sum of its non-target logits on this shard)
+and :func:`gradients` (the embeddings' and the active rows' gradients). The ``N × K`` logits only
+ever live in registers.
 
-Kernels (each product a tensor-core ``tl.dot`` with fp32 accumulation):
+Operands. The gathered batch ``x`` (``N × D``, unit rows for the normalised kinds) and a per-step
+copy of the active rows in the product precision (bf16 by default), *normalised* for the
+normalised kinds, made by :func:`_copy_rows_kernel` one chunk of classes at a time (a chunk's copy
+and its gradient scratch stay within :data:`CHUNK_BYTES`); the kernels then read dense rows in
+half the bytes, and no separate row-norm pass or per-column factor is left in them. Logit of
+sample ``i`` and active column ``j``: ``s·(x_i·ŵ_j)``, or ``x_i·w_j + b_j`` for ``softmax_ce``.
+Each sample's own target column ``tcol[i]`` (−1 when this shard does not hold it) and the padding
+columns past ``count`` are left out.
 
-* :func:`row_inv_norms`: ``inv_j`` of the active rows (one pass over them).
-* :func:`lse_partials`: grid (sample tiles × class splits); each program runs an online
-  log-sum-exp over its split's class tiles and writes per-sample partials (log-sum-exp,
-  max, sum of logits) of its split; torch reduces the few splits. The ``N × K`` logits
-  live in registers only.
-* :func:`grad_embeddings`: grid (sample tiles × class splits × D chunks); recomputes each
-  logit tile, turns it into ``G = (exp(z − lse) − off)·α`` and accumulates ``G·(c_j w_j)``
-  into a register tile of the embeddings' gradient; each split writes its partial and torch
-  sums them.
-* :func:`grad_rows`: grid (class tiles × D chunks); recomputes the logit tiles of its
-  classes for every sample tile and accumulates ``Gᵀx`` (plus the normalisation's
-  ``Σ_i G_ij z_ij`` or the bias gradient ``Σ_i G_ij``) in registers, then writes each active
-  row's gradient once, straight into ``.grad`` (scattered through ``out_rows``).
+Kernels (each product a tensor-core ``tl.dot`` with fp32 accumulation; ``D`` a compile-time
+constant, so the loops over it are unrolled and pipelined; no register tile is ``D`` wide):
 
-Why two backward kernels rather than one: a single kernel would have to add either the
-embedding or the row gradient from many programs into the same memory (atomics: order-
-dependent rounding and contention on the hot ``N × D`` rows). Split, each gradient is
-accumulated in registers by exactly one program per output tile and written once: results
-are deterministic (bit-identical run to run) at the cost of one more recomputation of the
-logits (five products per step instead of four; the three-GEMM bound is three).
+* :func:`_lse_kernel` (forward, one product): grid (sample tiles × class splits); an online
+  log-sum-exp over the split's class tiles, per-split partials reduced by torch.
+* :func:`_grad_kernel` (backward, the default: two more products, four in all): grid (sample
+  tiles × class tiles); recomputes its logit tile once, turns it into ``G = (exp(z − lse) −
+  off)·α``, then, one ``D`` chunk at a time, adds ``G·ŵ`` to the embeddings' gradient and ``Gᵀx``
+  to the rows' gradient scratch with fp32 atomics. The order of those additions varies from run
+  to run: results agree to fp32 rounding, not bit for bit.
+* ``deterministic``: :func:`_grad_x_kernel` (sample tiles × class splits; read-modify-writes its
+  own per-split partial, summed by torch in a fixed order) and :func:`_grad_w_kernel` (class
+  tiles, each summing over every sample tile in order): no atomics, bit-identical run to run, at
+  the price of recomputing the logits once more (five products).
+* :func:`_rows_out_kernel`: the rows' gradient from the scratch, through the normalisation's
+  backward ``∂L/∂w_j = (h_j − S_j ŵ_j)/‖w_j‖`` with ``h_j = s·Σ_i G_ij x_i`` and ``S_j = Σ_i G_ij
+  z_ij``, written (or added) straight into ``.grad`` at the active rows.
 
-Precision (``prec``): ``fp32`` (IEEE products), ``tf32``, or ``bf16`` (operands rounded to
-bf16, products and accumulation fp32); the probabilities are rounded like the operands for
-the two gradient products. Under ``TRITON_INTERPRET=1`` (read when this module is imported)
-the kernels run on the CPU; bf16 products are then emulated by rounding the operands to
-bf16 (round-to-nearest-even) and multiplying in fp32, which is what the tensor cores compute.
+Precision (``precision``): ``fp32`` (IEEE products), ``tf32``, or ``bf16`` (operands stored in
+bf16, products and accumulation in fp32); the probabilities are rounded like the operands for the
+gradient products. Under ``TRITON_INTERPRET=1`` (read when this module is imported) the kernels run
+on the CPU with 16-wide tiles; bf16 products are then emulated by multiplying the bf16 values in
+fp32, which is what the tensor cores compute.
 
-Tile sizes: autotuned on CUDA over a small set per kernel (key: D, the batch's power of two,
-the precision and the kind); fixed 16-wide tiles under the interpreter.
+Launch geometry: on CUDA each kernel's tiles are chosen per shape key (``D``, the batch's and the
+class count's powers of two, precision, kind, padding) by timing its candidates once, the choice
+kept across ranks and runs (:class:`~dmltrain.kernel_tuning.Tuner`); the class splits follow from
+the chosen sample tile so that the grid fills whole waves of the GPU. Every candidate fits the
+shared memory of an A100 (sm_80) and an H100 (sm_90): :func:`compile_variants` lists them for the
+offline compile tests.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from dmltrain.kernel_compile import shared_memory_prune
+from dmltrain.distributed.row_sparse import RowGradTarget
+from dmltrain.kernel_compile import KernelVariant
+from dmltrain.kernel_tuning import LaunchConfig, Tuner, time_launch
 
-PRECISIONS = {"fp32": 0, "tf32": 1, "bf16": 2}
+if TYPE_CHECKING:
+    from dmltrain.distributed.sharded_softmax import ShardOperands
+
+PREC_CODE = {"fp32": 0, "tf32": 1, "bf16": 2}  # the kernels' PREC constexpr of each product precision
 _BF16_EMULATED = 3
-#: widest register tile of a gradient row (D beyond it is split over programs, each recomputing the logits)
-MAX_OUT_WIDTH = 512
+#: bytes of a chunk's row copy plus its fp32 gradient scratch (the transients stay well inside 1 GiB)
+CHUNK_BYTES = 384 * 2**20
+#: bytes of the deterministic path's per-split embedding-gradient partials
+PARTIAL_BYTES = 256 * 2**20
+NORM_EPS = 1e-12
 _SMALL = 16  # interpreter tiles
 _NEG_INF = tl.constexpr(float("-inf"))
 
@@ -69,44 +87,48 @@ def _round_bf16(v):
 
 
 @triton.jit
-def _mma(a, b, acc, PREC: tl.constexpr):
-    """``acc + a @ b`` in the requested precision, fp32 accumulation."""
+def _operand(v, PREC: tl.constexpr):
+    """An fp32 tile as a product operand of precision ``PREC``."""
     if PREC == 2:
-        acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+        return v.to(tl.bfloat16)
     elif PREC == 3:
-        acc = tl.dot(_round_bf16(a.to(tl.float32)), _round_bf16(b.to(tl.float32)), acc, input_precision="ieee")
+        return _round_bf16(v)
+    else:
+        return v
+
+
+@triton.jit
+def _mma(a, b, acc, PREC: tl.constexpr):
+    """``acc + a @ b`` in the requested precision, fp32 accumulation (operands already in it)."""
+    if PREC == 2:
+        acc = tl.dot(a, b, acc)
     elif PREC == 1:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32")
+        acc = tl.dot(a, b, acc, input_precision="tf32")
     else:
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return acc
 
 
 @triton.jit
-def _class_tile(rows_ptr, inv_ptr, b_ptr, offs_c, K, scale, HAS_ROWS: tl.constexpr, NORMALIZED: tl.constexpr):
-    """Weight rows (int64) of active columns ``offs_c`` and their per-column factor / bias."""
-    mask_c = offs_c < K
-    if HAS_ROWS:
-        r = tl.load(rows_ptr + offs_c, mask=mask_c, other=0).to(tl.int64)
+def _valid_columns(count_ptr, c0, K, HAS_COUNT: tl.constexpr):
+    """Columns of this chunk that take part: ``K``, or fewer when the draw's count ends inside it."""
+    if HAS_COUNT:
+        return tl.maximum(tl.minimum(K, tl.load(count_ptr).to(tl.int32) - c0), 0)
     else:
-        r = offs_c.to(tl.int64)
-    if NORMALIZED:
-        col = tl.load(inv_ptr + offs_c, mask=mask_c, other=0.0) * scale  # s / ‖w_j‖
-    else:
-        col = tl.load(b_ptr + r, mask=mask_c, other=0.0).to(tl.float32)  # the bias
-    return r, col, mask_c
+        return K
 
 
 @triton.jit
 def _logits(
     x_ptr,
     w_ptr,
+    b_ptr,
     offs_b,
     mask_b,
-    r,
+    offs_c,
     mask_c,
-    col,
-    D,
+    scale,
+    D: tl.constexpr,
     NORMALIZED: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -115,23 +137,37 @@ def _logits(
 ):
     """The ``BLOCK_B × BLOCK_C`` logit tile (finite everywhere; masked entries are 0 or the bias)."""
     acc = tl.zeros((BLOCK_B, BLOCK_C), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
+    xb = x_ptr + offs_b.to(tl.int64)[:, None] * D
+    wb = w_ptr + offs_c.to(tl.int64)[:, None] * D
+    for k0 in tl.range(0, D, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < D
-        xt = tl.load(x_ptr + offs_b[:, None] * D + offs_k[None, :], mask=mask_b[:, None] & mask_k[None, :], other=0.0)
-        wt = tl.load(w_ptr + r[:, None] * D + offs_k[None, :], mask=mask_c[:, None] & mask_k[None, :], other=0.0)
+        mk = offs_k[None, :] < D
+        xt = tl.load(xb + offs_k[None, :], mask=mask_b[:, None] & mk, other=0.0)
+        wt = tl.load(wb + offs_k[None, :], mask=mask_c[:, None] & mk, other=0.0)
         acc = _mma(xt, tl.trans(wt), acc, PREC)
     if NORMALIZED:
-        z = acc * col[None, :]
+        z = acc * scale
     else:
-        z = acc + col[None, :]
+        z = acc + tl.load(b_ptr + offs_c, mask=mask_c, other=0.0)[None, :]
     return z
 
 
 @triton.jit
-def _split_range(K, BLOCK_C: tl.constexpr):
+def _softmax_grad(z, lse, keep, coef_ptr, scale, NORMALIZED: tl.constexpr):
+    """(``G·s`` for the products, the per-column reduction ``Σ_i G_ij z_ij`` or ``Σ_i G_ij``)."""
+    alpha = tl.load(coef_ptr)
+    off = tl.load(coef_ptr + 1)
+    g = tl.where(keep, (tl.exp(z - lse[:, None]) - off) * alpha, 0.0)
+    if NORMALIZED:
+        return g * scale, tl.sum(g * z, 0)
+    else:
+        return g, tl.sum(g, 0)
+
+
+@triton.jit
+def _split_range(n_valid, BLOCK_C: tl.constexpr):
     """The class tiles ``[t0, t1)`` of this program's split (axis 1 of the grid)."""
-    n_tiles = tl.cdiv(K, BLOCK_C)
+    n_tiles = tl.cdiv(n_valid, BLOCK_C)
     per = tl.cdiv(n_tiles, tl.num_programs(1))
     t0 = tl.program_id(1) * per
     return t0, tl.minimum(t0 + per, n_tiles)
@@ -139,42 +175,69 @@ def _split_range(K, BLOCK_C: tl.constexpr):
 
 # -- kernels ----------------------------------------------------------------------------------------
 @triton.jit
-def _inv_norm_kernel(
-    w_ptr, rows_ptr, inv_ptr, K, D, eps, HAS_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr
+def _copy_rows_kernel(
+    w_ptr,
+    rows_ptr,
+    b_ptr,
+    count_ptr,
+    out_ptr,
+    inv_ptr,
+    bout_ptr,
+    c0,
+    K,
+    eps,
+    D: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
+    NORMALIZED: tl.constexpr,
+    TO_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
+    """Active columns ``c0 … c0+K−1``: their rows (normalised, with ``1/‖w‖``) or rows and biases, dense."""
     offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask = offs < K
+    mask = offs < _valid_columns(count_ptr, c0, K, HAS_COUNT)
     if HAS_ROWS:
-        r = tl.load(rows_ptr + offs, mask=mask, other=0).to(tl.int64)
+        r = tl.load(rows_ptr + c0 + offs, mask=mask, other=0).to(tl.int64)
     else:
-        r = offs.to(tl.int64)
-    ss = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        v = tl.load(w_ptr + r[:, None] * D + offs_k[None, :], mask=mask[:, None] & (offs_k[None, :] < D), other=0.0).to(
-            tl.float32
-        )
-        ss += tl.sum(v * v, 1)
-    tl.store(inv_ptr + offs, 1.0 / tl.maximum(tl.sqrt(ss), eps), mask=mask)
+        r = (c0 + offs).to(tl.int64)
+    src = w_ptr + r[:, None] * D
+    dst = out_ptr + offs.to(tl.int64)[:, None] * D
+    if NORMALIZED:
+        ss = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for d0 in tl.range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            m = mask[:, None] & (offs_d[None, :] < D)
+            v = tl.load(src + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+            ss += tl.sum(v * v, 1)
+        inv = 1.0 / tl.maximum(tl.sqrt(ss), eps)
+        tl.store(inv_ptr + offs, inv, mask=mask)
+    else:
+        inv = tl.full((BLOCK_R,), 1.0, dtype=tl.float32)
+        tl.store(bout_ptr + offs, tl.load(b_ptr + r, mask=mask, other=0.0).to(tl.float32), mask=mask)
+    for d0 in tl.range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        m = mask[:, None] & (offs_d[None, :] < D)
+        v = tl.load(src + offs_d[None, :], mask=m, other=0.0).to(tl.float32) * inv[:, None]
+        if TO_BF16:  # round to nearest even explicitly: Triton's interpreter would truncate
+            v = _round_bf16(v)
+        tl.store(dst + offs_d[None, :], v.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _lse_kernel(
     x_ptr,
     w_ptr,
-    rows_ptr,
-    inv_ptr,
     b_ptr,
     tcol_ptr,
-    lse_ptr,
-    max_ptr,
-    sum_ptr,
+    count_ptr,
+    out_ptr,
     N,
     K,
-    D,
+    c0,
     scale,
-    N_KEY,
-    HAS_ROWS: tl.constexpr,
+    D: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
     NORMALIZED: tl.constexpr,
     SUM_LOGITS: tl.constexpr,
     PREC: tl.constexpr,
@@ -185,14 +248,16 @@ def _lse_kernel(
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     mask_b = offs_b < N
     tcol = tl.load(tcol_ptr + offs_b, mask=mask_b, other=-1)
+    n_valid = _valid_columns(count_ptr, c0, K, HAS_COUNT)
     m = tl.full((BLOCK_B,), _NEG_INF, dtype=tl.float32)
     sum_exp = tl.zeros((BLOCK_B,), dtype=tl.float32)
     s = tl.zeros((BLOCK_B,), dtype=tl.float32)
-    t0, t1 = _split_range(K, BLOCK_C)
+    t0, t1 = _split_range(n_valid, BLOCK_C)
     for t in range(t0, t1):
         offs_c = t * BLOCK_C + tl.arange(0, BLOCK_C)
-        r, col, mask_c = _class_tile(rows_ptr, inv_ptr, b_ptr, offs_c, K, scale, HAS_ROWS, NORMALIZED)
-        z = _logits(x_ptr, w_ptr, offs_b, mask_b, r, mask_c, col, D, NORMALIZED, PREC, BLOCK_B, BLOCK_C, BLOCK_K)
+        mask_c = offs_c < n_valid
+        z = _logits(x_ptr, w_ptr, b_ptr, offs_b, mask_b, offs_c, mask_c, scale, D, NORMALIZED, PREC,
+                    BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
         keep = mask_c[None, :] & (offs_c[None, :] != tcol[:, None])
         zk = tl.where(keep, z, _NEG_INF)
         m_new = tl.maximum(m, tl.max(zk, 1))
@@ -201,471 +266,616 @@ def _lse_kernel(
         m = m_new
         if SUM_LOGITS:
             s += tl.sum(tl.where(keep, z, 0.0), 1)
-    out = tl.program_id(1) * N + offs_b
-    tl.store(lse_ptr + out, tl.where(sum_exp > 0, m + tl.log(tl.maximum(sum_exp, 1e-30)), _NEG_INF), mask=mask_b)
-    tl.store(max_ptr + out, m, mask=mask_b)
-    if SUM_LOGITS:
-        tl.store(sum_ptr + out, s, mask=mask_b)
+    out = out_ptr + tl.program_id(1) * 3 * N + offs_b
+    tl.store(out, tl.where(sum_exp > 0, m + tl.log(tl.maximum(sum_exp, 1e-30)), _NEG_INF), mask=mask_b)
+    tl.store(out + N, m, mask=mask_b)
+    tl.store(out + 2 * N, s, mask=mask_b)
+
+
+@triton.jit
+def _grad_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    tcol_ptr,
+    count_ptr,
+    lse_ptr,
+    coef_ptr,
+    gx_ptr,
+    h_ptr,
+    red_ptr,
+    N,
+    K,
+    c0,
+    scale,
+    D: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
+    NORMALIZED: tl.constexpr,
+    NEED_X: tl.constexpr,
+    NEED_W: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    n_valid = _valid_columns(count_ptr, c0, K, HAS_COUNT)
+    if tl.program_id(1) * BLOCK_C < n_valid:
+        offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        mask_b = offs_b < N
+        mask_c = offs_c < n_valid
+        tcol = tl.load(tcol_ptr + offs_b, mask=mask_b, other=-1)
+        lse = tl.load(lse_ptr + offs_b, mask=mask_b, other=0.0)
+        z = _logits(x_ptr, w_ptr, b_ptr, offs_b, mask_b, offs_c, mask_c, scale, D, NORMALIZED, PREC,
+                    BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
+        keep = mask_b[:, None] & mask_c[None, :] & (offs_c[None, :] != tcol[:, None])
+        g, red = _softmax_grad(z, lse, keep, coef_ptr, scale, NORMALIZED)
+        if NEED_W:
+            tl.atomic_add(red_ptr + offs_c, red, mask=mask_c, sem="relaxed")
+        g = _operand(g, PREC)
+        xb = offs_b.to(tl.int64)[:, None] * D
+        wb = offs_c.to(tl.int64)[:, None] * D
+        for d0 in tl.range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            md = offs_d[None, :] < D
+            if NEED_X:
+                wv = tl.load(w_ptr + wb + offs_d[None, :], mask=mask_c[:, None] & md, other=0.0)
+                gx = _mma(g, wv, tl.zeros((BLOCK_B, BLOCK_D), dtype=tl.float32), PREC)
+                tl.atomic_add(gx_ptr + xb + offs_d[None, :], gx, mask=mask_b[:, None] & md, sem="relaxed")
+            if NEED_W:
+                xv = tl.load(x_ptr + xb + offs_d[None, :], mask=mask_b[:, None] & md, other=0.0)
+                gw = _mma(tl.trans(g), xv, tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32), PREC)
+                tl.atomic_add(h_ptr + wb + offs_d[None, :], gw, mask=mask_c[:, None] & md, sem="relaxed")
 
 
 @triton.jit
 def _grad_x_kernel(
     x_ptr,
     w_ptr,
-    rows_ptr,
-    inv_ptr,
     b_ptr,
     tcol_ptr,
+    count_ptr,
     lse_ptr,
+    coef_ptr,
     part_ptr,
     N,
     K,
-    D,
+    c0,
     scale,
-    off,
-    alpha,
-    N_KEY,
-    HAS_ROWS: tl.constexpr,
+    D: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
     NORMALIZED: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_DO: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     mask_b = offs_b < N
     tcol = tl.load(tcol_ptr + offs_b, mask=mask_b, other=-1)
     lse = tl.load(lse_ptr + offs_b, mask=mask_b, other=0.0)
-    offs_d = tl.program_id(2) * BLOCK_DO + tl.arange(0, BLOCK_DO)
-    mask_d = offs_d < D
-    acc = tl.zeros((BLOCK_B, BLOCK_DO), dtype=tl.float32)
-    t0, t1 = _split_range(K, BLOCK_C)
+    n_valid = _valid_columns(count_ptr, c0, K, HAS_COUNT)
+    out = part_ptr + (tl.program_id(1) * N + offs_b).to(tl.int64)[:, None] * D
+    t0, t1 = _split_range(n_valid, BLOCK_C)
     for t in range(t0, t1):
         offs_c = t * BLOCK_C + tl.arange(0, BLOCK_C)
-        r, col, mask_c = _class_tile(rows_ptr, inv_ptr, b_ptr, offs_c, K, scale, HAS_ROWS, NORMALIZED)
-        z = _logits(x_ptr, w_ptr, offs_b, mask_b, r, mask_c, col, D, NORMALIZED, PREC, BLOCK_B, BLOCK_C, BLOCK_K)
+        mask_c = offs_c < n_valid
+        z = _logits(x_ptr, w_ptr, b_ptr, offs_b, mask_b, offs_c, mask_c, scale, D, NORMALIZED, PREC,
+                    BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
         keep = mask_b[:, None] & mask_c[None, :] & (offs_c[None, :] != tcol[:, None])
-        g = tl.where(keep, (tl.exp(z - lse[:, None]) - off) * alpha, 0.0)
-        if NORMALIZED:
-            g = g * col[None, :]  # dL/d(x·w_j)
-        wv = tl.load(w_ptr + r[:, None] * D + offs_d[None, :], mask=mask_c[:, None] & mask_d[None, :], other=0.0)
-        acc = _mma(g, wv, acc, PREC)
-    out = (tl.program_id(1) * N + offs_b).to(tl.int64)
-    tl.store(part_ptr + out[:, None] * D + offs_d[None, :], acc, mask=mask_b[:, None] & mask_d[None, :])
+        g, _ = _softmax_grad(z, lse, keep, coef_ptr, scale, NORMALIZED)
+        g = _operand(g, PREC)
+        wb = offs_c.to(tl.int64)[:, None] * D
+        for d0 in tl.range(0, D, BLOCK_D):  # this program's partial rows, read-modify-written in a fixed order
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            md = offs_d[None, :] < D
+            wv = tl.load(w_ptr + wb + offs_d[None, :], mask=mask_c[:, None] & md, other=0.0)
+            acc = tl.load(out + offs_d[None, :], mask=mask_b[:, None] & md & (t > t0), other=0.0)
+            acc = _mma(g, wv, acc, PREC)
+            tl.store(out + offs_d[None, :], acc, mask=mask_b[:, None] & md)
 
 
 @triton.jit
 def _grad_w_kernel(
     x_ptr,
     w_ptr,
-    rows_ptr,
-    inv_ptr,
     b_ptr,
     tcol_ptr,
+    count_ptr,
     lse_ptr,
-    gw_ptr,
-    gb_ptr,
-    out_rows_ptr,
+    coef_ptr,
+    h_ptr,
+    red_ptr,
     N,
     K,
-    D,
+    c0,
     scale,
-    off,
-    alpha,
-    N_KEY,
-    HAS_ROWS: tl.constexpr,
-    OUT_ROWS: tl.constexpr,
+    D: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
     NORMALIZED: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_DO: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    r, col, mask_c = _class_tile(rows_ptr, inv_ptr, b_ptr, offs_c, K, scale, HAS_ROWS, NORMALIZED)
-    offs_d = tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
-    mask_d = offs_d < D
-    acc = tl.zeros((BLOCK_C, BLOCK_DO), dtype=tl.float32)
-    red = tl.zeros((BLOCK_C,), dtype=tl.float32)  # Σ_i G_ij z_ij (normalised) or Σ_i G_ij (bias)
-    for b0 in range(0, N, BLOCK_B):
-        offs_b = b0 + tl.arange(0, BLOCK_B)
-        mask_b = offs_b < N
-        tcol = tl.load(tcol_ptr + offs_b, mask=mask_b, other=-1)
-        lse = tl.load(lse_ptr + offs_b, mask=mask_b, other=0.0)
-        z = _logits(x_ptr, w_ptr, offs_b, mask_b, r, mask_c, col, D, NORMALIZED, PREC, BLOCK_B, BLOCK_C, BLOCK_K)
-        keep = mask_b[:, None] & mask_c[None, :] & (offs_c[None, :] != tcol[:, None])
-        g = tl.where(keep, (tl.exp(z - lse[:, None]) - off) * alpha, 0.0)
+    n_valid = _valid_columns(count_ptr, c0, K, HAS_COUNT)
+    mask_c = offs_c < n_valid
+    wb = offs_c.to(tl.int64)[:, None] * D
+    red = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    if tl.program_id(0) * BLOCK_C < n_valid:
+        for b0 in range(0, N, BLOCK_B):
+            offs_b = b0 + tl.arange(0, BLOCK_B)
+            mask_b = offs_b < N
+            tcol = tl.load(tcol_ptr + offs_b, mask=mask_b, other=-1)
+            lse = tl.load(lse_ptr + offs_b, mask=mask_b, other=0.0)
+            z = _logits(x_ptr, w_ptr, b_ptr, offs_b, mask_b, offs_c, mask_c, scale, D, NORMALIZED, PREC,
+                        BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
+            keep = mask_b[:, None] & mask_c[None, :] & (offs_c[None, :] != tcol[:, None])
+            g, r = _softmax_grad(z, lse, keep, coef_ptr, scale, NORMALIZED)
+            red += r
+            g = _operand(g, PREC)
+            xb = offs_b.to(tl.int64)[:, None] * D
+            for d0 in tl.range(0, D, BLOCK_D):  # this program's rows, read-modify-written in a fixed order
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                md = offs_d[None, :] < D
+                xv = tl.load(x_ptr + xb + offs_d[None, :], mask=mask_b[:, None] & md, other=0.0)
+                acc = tl.load(h_ptr + wb + offs_d[None, :], mask=mask_c[:, None] & md & (b0 > 0), other=0.0)
+                acc = _mma(tl.trans(g), xv, acc, PREC)
+                tl.store(h_ptr + wb + offs_d[None, :], acc, mask=mask_c[:, None] & md)
+    tl.store(red_ptr + offs_c, red, mask=mask_c)
+
+
+@triton.jit
+def _rows_out_kernel(
+    h_ptr,
+    red_ptr,
+    inv_ptr,
+    w_ptr,
+    rows_ptr,
+    count_ptr,
+    gw_ptr,
+    gb_ptr,
+    c0,
+    K,
+    D: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
+    NORMALIZED: tl.constexpr,
+    WRITE_W: tl.constexpr,
+    WRITE_B: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Rows' gradients from the scratch (``h``, ``red``) into ``.grad`` at the active rows."""
+    offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask = offs < _valid_columns(count_ptr, c0, K, HAS_COUNT)
+    if HAS_ROWS:
+        r = tl.load(rows_ptr + c0 + offs, mask=mask, other=0).to(tl.int64)
+    else:
+        r = (c0 + offs).to(tl.int64)
+    red = tl.load(red_ptr + offs, mask=mask, other=0.0)
+    if WRITE_B:
+        gb = red
+        if ACCUMULATE:
+            gb += tl.load(gb_ptr + r, mask=mask, other=0.0).to(tl.float32)
+        tl.store(gb_ptr + r, gb.to(gb_ptr.dtype.element_ty), mask=mask)
+    if WRITE_W:
         if NORMALIZED:
-            red += tl.sum(g * z, 0)
-        else:
-            red += tl.sum(g, 0)
-        xv = tl.load(x_ptr + offs_b[:, None] * D + offs_d[None, :], mask=mask_b[:, None] & mask_d[None, :], other=0.0)
-        acc = _mma(tl.trans(g), xv, acc, PREC)
-    if OUT_ROWS:
-        dst = tl.load(out_rows_ptr + offs_c, mask=mask_c, other=0).to(tl.int64)
-    else:
-        dst = offs_c.to(tl.int64)
-    mask = mask_c[:, None] & mask_d[None, :]
-    if NORMALIZED:
-        # dL/dw_j = (s/‖w_j‖)·Σ_i G_ij x_i − (Σ_i G_ij z_ij)/‖w_j‖² · w_j   (the row normalisation's backward)
-        inv = col / scale
-        wv = tl.load(w_ptr + r[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc = acc * col[:, None] - (inv * inv * red)[:, None] * wv
-    else:
-        if tl.program_id(1) == 0:
-            tl.store(gb_ptr + dst, red.to(gb_ptr.dtype.element_ty), mask=mask_c)
-    tl.store(gw_ptr + dst[:, None] * D + offs_d[None, :], acc.to(gw_ptr.dtype.element_ty), mask=mask)
+            inv = tl.load(inv_ptr + offs, mask=mask, other=0.0)
+            corr = inv * inv * red
+        src = h_ptr + offs.to(tl.int64)[:, None] * D
+        dst = gw_ptr + r[:, None] * D
+        for d0 in tl.range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            m = mask[:, None] & (offs_d[None, :] < D)
+            g = tl.load(src + offs_d[None, :], mask=m, other=0.0)
+            if NORMALIZED:
+                w = tl.load(w_ptr + r[:, None] * D + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+                g = g * inv[:, None] - corr[:, None] * w
+            if ACCUMULATE:
+                g += tl.load(dst + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+            tl.store(dst + offs_d[None, :], g.to(gw_ptr.dtype.element_ty), mask=m)
 
 
 #: the kernels run under the CPU interpreter (Triton decided so when they were defined, from TRITON_INTERPRET)
 INTERPRET = not isinstance(_lse_kernel, triton.runtime.JITFunction)
 
 
-# -- tile choice ------------------------------------------------------------------------------------
-def _config(bb: int, bc: int, bk: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_B": bb, "BLOCK_C": bc, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+# -- tiles ------------------------------------------------------------------------------------------
+def _cfg(warps: int, stages: int, **meta: int) -> LaunchConfig:
+    return LaunchConfig.of(warps, stages, **meta)
 
 
-_LSE_CONFIGS = [
-    _config(128, 128, 64, 8, 3),
-    _config(128, 64, 64, 4, 4),
-    _config(64, 128, 64, 4, 4),
-    _config(128, 256, 64, 8, 3),
-]
-#: gradient kernels: the register accumulator is (BLOCK_B or BLOCK_C) × BLOCK_DO, so wide rows take short tiles
-_GRAD_CONFIGS = {
-    128: [
-        _config(128, 128, 64, 8, 3),
-        _config(64, 128, 64, 4, 3),
-        _config(128, 64, 64, 4, 3),
-        _config(64, 64, 64, 4, 4),
+#: candidates per kernel and precision, each compiled without register spills for an A100 (sm_80) and an
+#: H100 (sm_90) and within their shared memory (the offline compile tests). What keeps a 128-row tile's
+#: softmax in registers is a narrow D chunk in the products and the gradient stores (16 to 32 numbers),
+#: and a 64-wide second tile side where a 128 × 128 tile would spill on one of the two. fp32 (IEEE)
+#: products run on the CUDA cores: a reference precision, with small tiles.
+_CONFIGS: dict[tuple[str, str], list[LaunchConfig]] = {
+    ("lse", "bf16"): [
+        _cfg(8, 3, BLOCK_B=128, BLOCK_C=128, BLOCK_K=16),
+        _cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=32),
     ],
-    256: [_config(128, 64, 64, 8, 3), _config(64, 128, 64, 8, 3), _config(64, 64, 64, 4, 3)],
-    512: [_config(64, 32, 64, 8, 2), _config(32, 64, 64, 8, 2), _config(32, 32, 64, 4, 2)],
+    ("lse", "tf32"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=128, BLOCK_K=16)],
+    ("lse", "fp32"): [_cfg(4, 2, BLOCK_B=64, BLOCK_C=64, BLOCK_K=16)],
+    ("grad", "bf16"): [
+        _cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=32, BLOCK_D=32),
+        _cfg(8, 3, BLOCK_B=64, BLOCK_C=128, BLOCK_K=32, BLOCK_D=32),
+    ],
+    ("grad", "tf32"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
+    ("grad", "fp32"): [_cfg(4, 2, BLOCK_B=64, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
+    ("grad_x", "bf16"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=32, BLOCK_D=32)],
+    ("grad_x", "tf32"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
+    ("grad_x", "fp32"): [_cfg(4, 2, BLOCK_B=64, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
+    ("grad_w", "bf16"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=32, BLOCK_D=32)],
+    ("grad_w", "tf32"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
+    ("grad_w", "fp32"): [_cfg(4, 2, BLOCK_B=64, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
 }
-_TUNERS: dict[tuple[str, int], object] = {}
-_KEY = ["D", "N_KEY", "PREC", "NORMALIZED"]
+_COPY = _cfg(4, 2, BLOCK_R=32, BLOCK_D=128)
+_ROWS_OUT = _cfg(4, 2, BLOCK_R=16, BLOCK_D=128)
 
 
-def _out_width(D: int, max_width: int) -> tuple[int, int]:
-    """(register width of a gradient row tile, number of such chunks covering D)."""
-    width = min(triton.next_power_of_2(D), max_width)
-    return max(width, 16), triton.cdiv(D, width)
-
-
-def _launcher(name: str, kernel, out_width: int):
-    """The kernel to launch and the fixed tiles to pass: the raw kernel with small tiles under
-    the interpreter, else an autotuned wrapper (built once per kernel and row width)."""
-    if INTERPRET:
-        return kernel, {"BLOCK_B": _SMALL, "BLOCK_C": _SMALL, "BLOCK_K": _SMALL}
-    configs = _LSE_CONFIGS if name == "lse" else _GRAD_CONFIGS[min(max(out_width, 128), 512)]
-    key = (name, out_width)
-    if key not in _TUNERS:
-        # configs whose shared memory exceeds this GPU's (the widest ones on an A100) are dropped before tuning
-        prune = {"early_config_prune": shared_memory_prune(kernel)}
-        _TUNERS[key] = triton.autotune(configs=configs, key=_KEY, prune_configs_by=prune)(kernel)
-    return _TUNERS[key], {}
-
-
-def num_splits(N: int, K: int, device: torch.device) -> int:
-    """Class splits of the sample-tiled kernels: enough programs to fill the GPU (four per
-    multiprocessor for 64-sample tiles), never more than one per 64 classes."""
-    if INTERPRET or device.type != "cuda":
-        return max(1, min(2, triton.cdiv(K, _SMALL)))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(4 * sms, triton.cdiv(N, 64)), triton.cdiv(K, 64)))
+def _interpreter_config(kind: str) -> LaunchConfig:
+    meta = {"BLOCK_B": _SMALL, "BLOCK_C": _SMALL, "BLOCK_K": _SMALL}
+    if kind != "lse":
+        meta["BLOCK_D"] = _SMALL
+    return LaunchConfig.of(1, 1, **meta)
 
 
 def _device(t: Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
-# -- launchers --------------------------------------------------------------------------------------
-def row_inv_norms(weight: Tensor, rows: Tensor | None, eps: float) -> Tensor:
-    """``1 / max(‖w_r‖, eps)`` (fp32) for each active row ``r`` (``rows`` None: every row)."""
-    K = weight.shape[0] if rows is None else rows.numel()
-    inv = torch.empty(K, device=weight.device, dtype=torch.float32)
-    if K == 0:
-        return inv
-    block = _SMALL if INTERPRET else 64
-    with _device(weight):
-        _inv_norm_kernel[(triton.cdiv(K, block),)](
-            weight,
-            weight if rows is None else rows,
-            inv,
-            K,
-            weight.shape[1],
-            eps,
-            HAS_ROWS=rows is not None,
-            BLOCK_R=block,
-            BLOCK_K=_SMALL if INTERPRET else 64,  # 128 spilled on an A100 (64 x 128 fp32 and int64 offsets)
-        )
-    return inv
+@functools.cache
+def _tuner(device_index: int) -> Tuner:
+    return Tuner(torch.cuda.get_device_name(device_index), triton.__version__)
 
 
-def _common(
-    x: Tensor, weight: Tensor, rows: Tensor | None, inv: Tensor | None, bias: Tensor | None, tcol: Tensor
-) -> tuple:
-    """Pointer arguments shared by the three softmax kernels (absent ones replaced by a dummy)."""
-    return (
-        x,
-        weight,
-        weight if rows is None else rows,
-        weight if inv is None else inv,
-        weight if bias is None else bias,
-        tcol,
+@functools.cache
+def _sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _choose(kind: str, key: tuple, precision: str, device: torch.device, launch) -> LaunchConfig:
+    """The tiles of ``kind`` for ``key``: fixed under the interpreter, else tuned once (``launch(cfg)`` runs
+    the kernel on scratch outputs) and remembered across ranks and runs."""
+    if INTERPRET or device.type != "cuda":
+        return _interpreter_config(kind)
+
+    return _tuner(device.index or 0).choose(
+        kind, key, _CONFIGS[(kind, precision)], functools.partial(time_launch, launch)
     )
 
 
-def lse_partials(
-    x: Tensor,
-    weight: Tensor,
-    rows: Tensor | None,
-    inv: Tensor | None,
-    bias: Tensor | None,
-    tcol: Tensor,
-    scale: float,
-    prec: int,
-    sum_logits: bool,
-    splits: int,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Per split and sample: log-sum-exp, max and (``sum_logits``) sum of the non-target logits,
-    each ``splits × N`` fp32 (−inf / −inf / 0 where a split holds nothing for a sample)."""
-    N, D = x.shape
-    K = weight.shape[0] if rows is None else rows.numel()
-    lse = torch.empty(splits, N, device=x.device, dtype=torch.float32)
-    mx = torch.empty_like(lse)
-    sm = torch.empty_like(lse) if sum_logits else lse
-    kernel, tiles = _launcher("lse", _lse_kernel, 0)
-    normalized = inv is not None
-    with _device(x):
-        kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_B"]), splits)](
-            *_common(x, weight, rows, inv, bias, tcol),
-            lse,
-            mx,
-            sm,
-            N,
-            K,
-            D,
-            float(scale),
-            triton.next_power_of_2(N),
-            HAS_ROWS=rows is not None,
-            NORMALIZED=normalized,
-            SUM_LOGITS=sum_logits,
-            PREC=prec,
-            **tiles,
-        )
-    return lse, mx, (sm if sum_logits else None)
+@functools.lru_cache(maxsize=4096)
+def num_splits(sample_tiles: int, class_tiles: int, programs: int, most: int | None = None) -> int:
+    """Class splits of the sample-tiled kernels: the fewest that minimise the time in tile units,
+    ``waves × tiles per split`` = ``⌈sample_tiles·s / programs⌉ · ⌈class_tiles / s⌉`` (``programs``
+    run at once), at most ``most``."""
+    best, best_cost = 1, math.inf
+    for s in range(1, max(1, min(class_tiles, 8 * programs, most or class_tiles)) + 1):
+        cost = math.ceil(sample_tiles * s / programs) * math.ceil(class_tiles / s)
+        if cost < best_cost:
+            best, best_cost = s, cost
+    return best
 
 
-def grad_embeddings(
-    x: Tensor,
-    weight: Tensor,
-    rows: Tensor | None,
-    inv: Tensor | None,
-    bias: Tensor | None,
-    tcol: Tensor,
+def _programs(cfg: LaunchConfig, device: torch.device) -> int:
+    """Programs the GPU runs at once for ``cfg`` (all of an SM's registers per 8 warps at 255 each)."""
+    if INTERPRET or device.type != "cuda":
+        return 2
+    return _sms(device.index or 0) * max(1, 8 // cfg.num_warps)
+
+
+# -- the chunks -------------------------------------------------------------------------------------
+class _Chunk:
+    """Active columns ``c0 … c1−1`` as dense operands: rows (normalised), inverse norms or biases, targets."""
+
+    def __init__(self, op: ShardOperands, c0: int, c1: int, dtype: torch.dtype) -> None:
+        w, dev, D = op.weight, op.weight.device, op.weight.shape[1]
+        self.c0, self.K = c0, c1 - c0
+        self.w = torch.empty(self.K, D, device=dev, dtype=dtype)
+        self.inv = torch.empty(self.K, device=dev, dtype=torch.float32) if op.normalized else None
+        self.b = None if op.normalized else torch.empty(self.K, device=dev, dtype=torch.float32)
+        self.tcol = torch.where((op.tcol >= c0) & (op.tcol < c1), op.tcol - c0, -1).to(torch.int32)
+        if self.K:
+            with _device(w):
+                _copy_rows_kernel[(triton.cdiv(self.K, _COPY["BLOCK_R"] if not INTERPRET else _SMALL),)](
+                    w, _or(op.rows, w), _or(op.bias, w), _or(op.count, w), self.w, _or(self.inv, w), _or(self.b, w),
+                    c0, self.K, NORM_EPS, D=D, HAS_ROWS=op.rows is not None, HAS_COUNT=op.count is not None,
+                    NORMALIZED=op.normalized, TO_BF16=dtype == torch.bfloat16, **_copy_meta(),
+                )  # fmt: skip
+
+
+def _copy_meta() -> dict[str, int]:
+    if INTERPRET:
+        return {"BLOCK_R": _SMALL, "BLOCK_D": _SMALL}
+    return _COPY.kwargs()
+
+
+def _or(t: Tensor | None, dummy: Tensor) -> Tensor:
+    return dummy if t is None else t
+
+
+def _chunks(op: ShardOperands, elt: int):
+    """Column ranges whose copy (``elt`` bytes a number) and fp32 gradient scratch fit :data:`CHUNK_BYTES`."""
+    K, D = (op.weight.shape[0] if op.rows is None else op.rows.numel()), op.weight.shape[1]
+    quantum = _SMALL if INTERPRET else 128  # whole class tiles
+    step = max(quantum, (CHUNK_BYTES // (D * (elt + 4))) // quantum * quantum)
+    for c0 in range(0, K, step):
+        yield c0, min(K, c0 + step)
+
+
+def _operands(op: ShardOperands, precision: str) -> tuple[Tensor, torch.dtype, int, int]:
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    prec = PREC_CODE[precision]
+    if INTERPRET and prec == PREC_CODE["bf16"]:
+        prec = _BF16_EMULATED
+    return op.x.to(dtype).contiguous(), dtype, prec, torch.finfo(dtype).bits // 8
+
+
+def _key(op: ShardOperands, K: int, precision: str) -> tuple:
+    N, D = op.x.shape
+    return (
+        D,
+        triton.next_power_of_2(N),
+        triton.next_power_of_2(max(K, 1)),
+        precision,
+        op.normalized,
+        op.count is not None,
+    )
+
+
+# -- the backend's two functions --------------------------------------------------------------------
+def partials(op: ShardOperands, sum_logits: bool, precision: str) -> tuple[Tensor, Tensor, Tensor | None, None]:
+    """Per sample: log-sum-exp, max and sum of the logits of the active columns but its target
+    (−inf, −inf, 0 where there is none), fp32; nothing is kept for backward."""
+    N, D = op.x.shape
+    dev = op.x.device
+    x, dtype, prec, elt = _operands(op, precision)
+    lse = torch.full((N,), -math.inf, device=dev)
+    mx = torch.full((N,), -math.inf, device=dev)
+    sm = torch.zeros(N, device=dev)
+    for c0, c1 in _chunks(op, elt):
+        ch = _Chunk(op, c0, c1, dtype)
+        count = _or(op.count, ch.w)
+
+        def launch(cfg: LaunchConfig, out: Tensor | None = None, ch: _Chunk = ch, count: Tensor = count) -> Tensor:
+            splits = num_splits(triton.cdiv(N, cfg["BLOCK_B"]), triton.cdiv(ch.K, cfg["BLOCK_C"]), _programs(cfg, dev))
+            if out is None:
+                out = torch.empty(splits, 3, N, device=dev)
+            with _device(x):
+                _lse_kernel[(triton.cdiv(N, cfg["BLOCK_B"]), splits)](
+                    x, ch.w, _or(ch.b, ch.w), ch.tcol, count, out, N, ch.K, ch.c0, float(op.scale), D=D,
+                    HAS_COUNT=op.count is not None, NORMALIZED=op.normalized, SUM_LOGITS=sum_logits, PREC=prec,
+                    **cfg.kwargs(),
+                )  # fmt: skip
+            return out
+
+        part = launch(_choose("lse", _key(op, ch.K, precision), precision, dev, launch))
+        lse = torch.logaddexp(lse, torch.logsumexp(part[:, 0], 0))
+        mx = torch.maximum(mx, part[:, 1].amax(0))
+        sm += part[:, 2].sum(0)
+    return lse, mx, (sm if sum_logits else None), None
+
+
+def gradients(
+    op: ShardOperands,
+    saved: Any,
     lse: Tensor,
-    scale: float,
-    off: float,
-    alpha: float,
-    prec: int,
-    splits: int,
-    max_width: int = MAX_OUT_WIDTH,
-) -> Tensor:
-    """``Σ_j G_ij c_j w_j`` over the non-target active columns (``N × D`` fp32)."""
-    N, D = x.shape
-    K = weight.shape[0] if rows is None else rows.numel()
-    width, chunks = _out_width(D, max_width)
-    part = torch.empty(splits, N, D, device=x.device, dtype=torch.float32)
-    kernel, tiles = _launcher("grad_x", _grad_x_kernel, width)
-    with _device(x):
-        kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_B"]), splits, chunks)](
-            *_common(x, weight, rows, inv, bias, tcol),
-            lse,
-            part,
-            N,
-            K,
-            D,
-            float(scale),
-            float(off),
-            float(alpha),
-            triton.next_power_of_2(N),
-            HAS_ROWS=rows is not None,
-            NORMALIZED=inv is not None,
-            PREC=prec,
-            BLOCK_DO=width,
-            **tiles,
+    alpha: Tensor,
+    off: Tensor | None,
+    need_x: bool,
+    out: RowGradTarget | None,
+    precision: str,
+    deterministic: bool = False,
+) -> Tensor | None:
+    """The embeddings' gradient (None unless ``need_x``; fp32) and, into ``out`` at ``op.rows``, the
+    active rows' gradients, of the non-target, non-padding columns with ``G = (exp(z − lse) − off)·α``."""
+    N, D = op.x.shape
+    dev = op.x.device
+    x, dtype, prec, elt = _operands(op, precision)
+    need_w = out is not None and (out.weight is not None or out.bias is not None)
+    if not (need_x or need_w):
+        return None
+    coef = torch.stack([alpha.float(), torch.zeros((), device=dev) if off is None else off.float()])
+    lse = lse.float().contiguous()
+    grad_x = torch.zeros(N, D, device=dev) if need_x else None
+    for c0, c1 in _chunks(op, elt):
+        ch = _Chunk(op, c0, c1, dtype)
+        h = torch.zeros(ch.K, D, device=dev) if need_w else None
+        red = torch.zeros(ch.K, device=dev) if need_w else None
+        call = _GradCall(
+            (x, ch.w, _or(ch.b, ch.w), ch.tcol, _or(op.count, ch.w), lse, coef),
+            (N, ch.K, ch.c0, float(op.scale)),
+            dict(D=D, HAS_COUNT=op.count is not None, NORMALIZED=op.normalized, PREC=prec),
         )
-    return part[0] if splits == 1 else part.sum(0)
-
-
-def grad_rows(
-    x: Tensor,
-    weight: Tensor,
-    rows: Tensor | None,
-    inv: Tensor | None,
-    bias: Tensor | None,
-    tcol: Tensor,
-    lse: Tensor,
-    scale: float,
-    off: float,
-    alpha: float,
-    prec: int,
-    gw: Tensor,
-    gb: Tensor | None,
-    out_rows: Tensor | None,
-    max_width: int = MAX_OUT_WIDTH,
-) -> None:
-    """Write each active column's row gradient (non-target entries) into ``gw[out_rows[j]]``
-    (``gw[j]`` when ``out_rows`` is None), and its bias gradient into ``gb`` (softmax_ce)."""
-    N, D = x.shape
-    K = weight.shape[0] if rows is None else rows.numel()
-    if K == 0:
-        return
-    width, chunks = _out_width(D, max_width)
-    kernel, tiles = _launcher("grad_w", _grad_w_kernel, width)
-    with _device(x):
-        kernel[lambda meta: (triton.cdiv(K, meta["BLOCK_C"]), chunks)](
-            *_common(x, weight, rows, inv, bias, tcol),
-            lse,
-            gw,
-            gw if gb is None else gb,
-            gw if out_rows is None else out_rows,
-            N,
-            K,
-            D,
-            float(scale),
-            float(off),
-            float(alpha),
-            triton.next_power_of_2(N),
-            HAS_ROWS=rows is not None,
-            OUT_ROWS=out_rows is not None,
-            NORMALIZED=inv is not None,
-            PREC=prec,
-            BLOCK_DO=width,
-            **tiles,
-        )
-
-
-def kernel_precision(precision: str) -> int:
-    """The kernels' ``prec`` code of ``fp32``, ``tf32`` or ``bf16`` (emulated under the interpreter)."""
-    code = PRECISIONS[precision]
-    return _BF16_EMULATED if INTERPRET and code == PRECISIONS["bf16"] else code
-
-
-# -- the offline compile tests' list (dmltrain.kernel_compile) --------------------------------------------
-#: the stack frame (bytes per thread) each kernel may reach at each precision on sm_80 or sm_90: every config
-#: spills at the 255-register cap, the fp32/tf32 products most (ptxas even falls back to 32 registers). The
-#: largest frames among the about 550 compiles so far (every config; most with bf16 products, about 100 with
-#: fp32 or tf32), rounded up to a KiB; `python -m dmltrain.kernel_compile --all` reports any variant past them.
-#: Issue 27 rewrites these kernels without spills; then this table goes.
-_STACK_TODAY: dict[tuple[str, str], int] = {
-    ("lse", "bf16"): 2_048,  # 1,416 seen
-    ("lse", "tf32"): 6_144,  # 6,040
-    ("lse", "fp32"): 22_528,  # 22,496
-    ("grad_x", "bf16"): 6_144,  # 5,736
-    ("grad_x", "tf32"): 3_072,  # 2,488
-    ("grad_x", "fp32"): 22_528,  # 21,536
-    ("grad_w", "bf16"): 4_096,  # 4,064
-    ("grad_w", "tf32"): 3_072,  # 2,032
-    ("grad_w", "fp32"): 23_552,  # 23,360
-}
-
-
-def compile_variants() -> list:
-    """Every compile the launchers above can ask for on CUDA: each autotune config (and, for the gradient
-    kernels, each output width ``BLOCK_DO`` the embedding dimension gives), each precision (bf16 products
-    take bf16 embeddings, fp32/tf32 fp32 ones), each weight storage (fp32, bf16), each kind (normalised:
-    inverse norms; softmax_ce: bias, with or without label smoothing's sum of logits), with and without
-    subsampled rows, and each way the row gradients are written (straight into ``.grad``, through
-    ``out_rows`` or not, or chunk by chunk through fp32 scratch). An absent tensor is passed as the
-    weight (``_common``), so its pointer type is the weight's. Within a config the defaults come first
-    (bf16 products, fp32 weight, the width of D = 128): what the covering compile picks once every value
-    is covered. Today's configs all spill: marked ``spills_allowed``, bounded by ``_STACK_TODAY``."""
-    from dmltrain.kernel_compile import KernelVariant
-
-    out: list[KernelVariant] = []
-
-    def add(fn, short, prec, cfg: triton.Config | None, sig: dict, cx: dict, flags: str, group=0, tags=()) -> None:
-        if cfg is None:
-            config, warps, stages = "fixed", 4, 3
+        key = _key(op, ch.K, precision)
+        if deterministic:
+            if need_x:
+                part = call.split_x(_choose("grad_x", key, precision, dev, call.split_x))
+                for s in range(part.shape[0]):  # a fixed order
+                    grad_x += part[s]
+            if need_w:
+                call.rows(_choose("grad_w", key, precision, dev, functools.partial(call.rows, h=h, red=red)), h, red)
         else:
-            k = cfg.kwargs
-            config = f"{k['BLOCK_B']}x{k['BLOCK_C']}x{k['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages}"
-            config += f" (D<={group})" if group else ""
-            warps, stages = cfg.num_warps, cfg.num_stages
-        bound = _STACK_TODAY.get((short, prec))
-        out.append(
-            KernelVariant(
-                f"{short} {config} {prec} {flags}",
-                fn,
-                {**sig, **dict.fromkeys(cx, "constexpr")},
-                cx,
-                num_warps=warps,
-                num_stages=stages,
-                spills_allowed=bound is not None,  # issue 27: a rewrite without spills drops this
-                max_stack_bytes=bound,
-                config=config,
-                tags=tags,
-            )
-        )
+            cfg = _choose("grad", key, precision, dev, functools.partial(call.fused_trial, need_x, need_w))
+            call.fused(cfg, grad_x, h, red)
+        if need_w:
+            _rows_out(op, out, ch, h, red)
+    return grad_x
 
-    scalars = {"N": "i32", "K": "i32", "D": "i32", "scale": "fp32"}
-    for lists, width in ((128, 128), (128, 64), (128, 32), (128, 16), (256, 256), (512, 512)):
-        for prec in ("bf16", "tf32", "fp32"):
-            xt = "*bf16" if prec == "bf16" else "*fp32"
-            for wt in ("*fp32", "*bf16"):
-                for has_rows in (True, False):
-                    for normalized in (True, False):
-                        common = {
-                            "x_ptr": xt,
-                            "w_ptr": wt,
-                            "rows_ptr": "*i64" if has_rows else wt,
-                            "inv_ptr": "*fp32" if normalized else wt,
-                            "b_ptr": wt,  # the bias (softmax_ce, the weight's dtype) or the weight itself
-                            "tcol_ptr": "*i32",
-                        }
-                        base = {"HAS_ROWS": has_rows, "NORMALIZED": normalized, "PREC": PRECISIONS[prec]}
-                        where = f"w={wt[1:]} {'rows' if has_rows else 'all'} {'normalized' if normalized else 'bias'}"
-                        if width == 128:  # the forward kernel has no output width: once
-                            # label smoothing's sum of logits: softmax_ce only
-                            for sum_logits in (False, True) if not normalized else (False,):
-                                sig = {**common, "lse_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32"}
-                                sig |= {**scalars, "N_KEY": "i32"}
-                                flags = where + (" smoothing" if sum_logits else "")
-                                for cfg in _LSE_CONFIGS:
-                                    cx = {**base, "SUM_LOGITS": sum_logits, **cfg.kwargs}
-                                    add(_lse_kernel, "lse", prec, cfg, sig, cx, flags)
-                        grad = {**scalars, "off": "fp32", "alpha": "fp32", "N_KEY": "i32"}
-                        for cfg in _GRAD_CONFIGS[lists]:
-                            cx = {**base, **cfg.kwargs, "BLOCK_DO": width}
-                            sig = {**common, "lse_ptr": "*fp32", "part_ptr": "*fp32", **grad}
-                            add(_grad_x_kernel, "grad_x", prec, cfg, sig, cx, f"do{width} {where}", lists)
-                            # rows' gradients: into .grad (the weight's dtype; through out_rows when
-                            # subsampled), or a chunk at a time into fp32 scratch (no out_rows)
-                            writes = [(wt, has_rows, "into .grad")]
-                            if wt != "*fp32" or has_rows:
-                                writes.append(("*fp32", False, "via scratch"))
-                            for gt, out_rows, how in writes:
-                                sig = {**common, "lse_ptr": "*fp32", "gw_ptr": gt, "gb_ptr": gt}
-                                sig |= {"out_rows_ptr": "*i64" if out_rows else gt, **grad}
-                                cxw = {**cx, "OUT_ROWS": out_rows}
-                                flags = f"do{width} {where} {how}"
-                                add(_grad_w_kernel, "grad_w", prec, cfg, sig, cxw, flags, lists, (how,))
-    for wt in ("*fp32", "*bf16"):
-        for has_rows in (True, False):
-            sig = {"w_ptr": wt, "rows_ptr": "*i64" if has_rows else wt, "inv_ptr": "*fp32", "K": "i32", "D": "i32"}
-            cx = {"HAS_ROWS": has_rows, "BLOCK_R": 64, "BLOCK_K": 64}
-            add(
-                _inv_norm_kernel,
-                "inv_norm",
-                "fp32",
-                None,
-                {**sig, "eps": "fp32"},
-                cx,
-                f"w={wt[1:]} {'rows' if has_rows else 'all'}",
+
+class _GradCall:
+    """The backward kernels of one chunk: their common arguments, launched with a config."""
+
+    def __init__(self, args: tuple, tail: tuple, common: dict[str, Any]) -> None:
+        self.args, self.tail, self.common = args, tail, common
+        self.N, self.K = tail[0], tail[1]
+
+    def fused(self, cfg: LaunchConfig, gx: Tensor | None, h: Tensor | None, red: Tensor | None) -> None:
+        """One kernel, both gradients, atomics (``gx``, ``h``, ``red`` zeroed before)."""
+        dummy = self.args[1]
+        with _device(dummy):
+            _grad_kernel[(triton.cdiv(self.N, cfg["BLOCK_B"]), triton.cdiv(self.K, cfg["BLOCK_C"]))](
+                *self.args, _or(gx, dummy), _or(h, dummy), _or(red, dummy), *self.tail, **self.common,
+                NEED_X=gx is not None, NEED_W=h is not None, **cfg.kwargs(),
+            )  # fmt: skip
+
+    def fused_trial(self, need_x: bool, need_w: bool, cfg: LaunchConfig) -> None:
+        """:meth:`fused` on scratch outputs (for timing)."""
+        x, D = self.args[0], self.args[0].shape[1]
+        gx = torch.zeros(self.N, D, device=x.device) if need_x else None
+        h = torch.zeros(self.K, D, device=x.device) if need_w else None
+        self.fused(cfg, gx, h, None if h is None else torch.zeros(self.K, device=x.device))
+
+    def split_x(self, cfg: LaunchConfig) -> Tensor:
+        """The deterministic embeddings' gradient: one partial per class split, each written by one program."""
+        x, D = self.args[0], self.args[0].shape[1]
+        most = max(1, PARTIAL_BYTES // (4 * self.N * D))
+        splits = num_splits(
+            triton.cdiv(self.N, cfg["BLOCK_B"]), triton.cdiv(self.K, cfg["BLOCK_C"]), _programs(cfg, x.device), most
+        )
+        part = torch.zeros(splits, self.N, D, device=x.device)
+        with _device(x):
+            _grad_x_kernel[(triton.cdiv(self.N, cfg["BLOCK_B"]), splits)](
+                *self.args, part, *self.tail, **self.common, **cfg.kwargs()
             )
+        return part
+
+    def rows(self, cfg: LaunchConfig, h: Tensor, red: Tensor) -> None:
+        """The deterministic rows' gradient scratch: each class tile summed over the samples by one program."""
+        with _device(h):
+            _grad_w_kernel[(triton.cdiv(self.K, cfg["BLOCK_C"]),)](
+                *self.args, h, red, *self.tail, **self.common, **cfg.kwargs()
+            )
+
+
+def _rows_out(op: ShardOperands, out: RowGradTarget, ch: _Chunk, h: Tensor, red: Tensor) -> None:
+    w = op.weight
+    meta = {"BLOCK_R": _SMALL, "BLOCK_D": _SMALL} if INTERPRET else _ROWS_OUT.kwargs()
+    with _device(w):
+        _rows_out_kernel[(triton.cdiv(ch.K, meta["BLOCK_R"]),)](
+            h, red, _or(ch.inv, h), w, _or(op.rows, h), _or(op.count, h), _or(out.weight, h), _or(out.bias, h),
+            ch.c0, ch.K, D=w.shape[1], HAS_ROWS=op.rows is not None, HAS_COUNT=op.count is not None,
+            NORMALIZED=op.normalized, WRITE_W=out.weight is not None, WRITE_B=out.bias is not None,
+            ACCUMULATE=out.accumulate, **meta,
+        )  # fmt: skip
+
+
+# -- the offline compile contract ---------------------------------------------------------------------
+_D_VARIANT = 512  # D is a compile-time constant: every embedding width compiles its own; tiles do not depend on it
+
+
+def _sig(names: str, types: dict[str, str]) -> dict[str, str]:
+    return {n: types.get(n, "constexpr") for n in names.split()}
+
+
+def compile_variants() -> list[KernelVariant]:
+    """Every (candidate tiles × constexpr combination) the launchers pass, at D = 512.
+
+    ``spills_allowed`` only for fp32 (IEEE) products: they run on the CUDA cores, a reference
+    precision for exactness checks whose small tiles still spill a little in the backward kernels;
+    every bf16 and tf32 (tensor-core) variant must compile without spills.
+    """
+    out: list[KernelVariant] = []
+    for precision, op_t in (("bf16", "bf16"), ("tf32", "fp32"), ("fp32", "fp32")):
+        for normalized in (True, False):
+            for has_count in (False, True):
+                flags = dict(D=_D_VARIANT, HAS_COUNT=has_count, NORMALIZED=normalized, PREC=PREC_CODE[precision])
+                tag = f"{precision} {'normalized' if normalized else 'bias'}{' count' if has_count else ''}"
+                out += _lse_variants(op_t, precision, flags, tag)
+                out += _grad_variants(op_t, precision, flags, tag)
+    for op_t in ("bf16", "fp32"):
+        for normalized in (True, False):
+            for has_rows in (False, True):
+                for has_count in (False, True) if has_rows else (False,):  # a count comes with drawn rows
+                    out.append(_copy_variant(op_t, _D_VARIANT, normalized, has_rows, has_count))
+    for w_t in ("fp32", "bf16"):
+        for normalized in (True, False):
+            writes = [(True, False)] if normalized else [(True, True), (True, False), (False, True)]
+            for has_rows in (False, True):
+                for has_count in (False, True) if has_rows else (False,):  # a count comes with drawn rows
+                    for write_w, write_b in writes:
+                        for acc in (False, True):
+                            flags = dict(HAS_ROWS=has_rows, HAS_COUNT=has_count, NORMALIZED=normalized,
+                                         WRITE_W=write_w, WRITE_B=write_b, ACCUMULATE=acc)  # fmt: skip
+                            out.append(_rows_out_variant(w_t, _D_VARIANT, flags))
     return out
+
+
+_MAIN_TYPES = {
+    "b_ptr": "*fp32", "tcol_ptr": "*i32", "count_ptr": "*i64", "lse_ptr": "*fp32", "coef_ptr": "*fp32",
+    "out_ptr": "*fp32", "gx_ptr": "*fp32", "h_ptr": "*fp32", "red_ptr": "*fp32", "part_ptr": "*fp32",
+    "N": "i32", "K": "i32", "c0": "i32", "scale": "fp32",
+}  # fmt: skip
+
+
+def _variant(name: str, fn, sig: dict, consts: dict, cfg: LaunchConfig, precision: str) -> KernelVariant:
+    return KernelVariant(f"{name} {_tiles(cfg)}", fn, sig, {**consts, **dict(cfg.meta)}, cfg.num_warps,
+                         cfg.num_stages, spills_allowed=precision == "fp32", config=_tiles(cfg))  # fmt: skip
+
+
+def _lse_variants(op_t: str, precision: str, flags: dict, tag: str) -> list[KernelVariant]:
+    types = {**_MAIN_TYPES, "x_ptr": f"*{op_t}", "w_ptr": f"*{op_t}"}
+    sig = _sig("x_ptr w_ptr b_ptr tcol_ptr count_ptr out_ptr N K c0 scale D HAS_COUNT NORMALIZED SUM_LOGITS PREC "
+               "BLOCK_B BLOCK_C BLOCK_K", types)  # fmt: skip
+    out = []
+    for cfg in _CONFIGS[("lse", precision)]:
+        for sum_logits in (False, True) if not flags["NORMALIZED"] else (False,):
+            name = f"_lse_kernel {tag}{' sum' if sum_logits else ''}"
+            out.append(_variant(name, _lse_kernel, sig, {**flags, "SUM_LOGITS": sum_logits}, cfg, precision))
+    return out
+
+
+def _grad_variants(op_t: str, precision: str, flags: dict, tag: str) -> list[KernelVariant]:
+    types = {**_MAIN_TYPES, "x_ptr": f"*{op_t}", "w_ptr": f"*{op_t}"}
+    head = "x_ptr w_ptr b_ptr tcol_ptr count_ptr lse_ptr coef_ptr"
+    tail = "N K c0 scale D HAS_COUNT NORMALIZED"
+    fused = _sig(f"{head} gx_ptr h_ptr red_ptr {tail} NEED_X NEED_W PREC BLOCK_B BLOCK_C BLOCK_K BLOCK_D", types)
+    det_x = _sig(f"{head} part_ptr {tail} PREC BLOCK_B BLOCK_C BLOCK_K BLOCK_D", types)
+    det_w = _sig(f"{head} h_ptr red_ptr {tail} PREC BLOCK_B BLOCK_C BLOCK_K BLOCK_D", types)
+    out = []
+    for cfg in _CONFIGS[("grad", precision)]:
+        for need_x, need_w in ((True, True), (True, False), (False, True)):
+            consts = {**flags, "NEED_X": need_x, "NEED_W": need_w}
+            out.append(
+                _variant(f"_grad_kernel {tag} x={need_x} w={need_w}", _grad_kernel, fused, consts, cfg, precision)
+            )
+    for cfg in _CONFIGS[("grad_x", precision)]:
+        out.append(_variant(f"_grad_x_kernel {tag}", _grad_x_kernel, det_x, flags, cfg, precision))
+    for cfg in _CONFIGS[("grad_w", precision)]:
+        out.append(_variant(f"_grad_w_kernel {tag}", _grad_w_kernel, det_w, flags, cfg, precision))
+    return out
+
+
+def _copy_variant(op_t: str, D: int, normalized: bool, has_rows: bool, has_count: bool) -> KernelVariant:
+    types = {"w_ptr": "*fp32", "rows_ptr": "*i64", "b_ptr": "*fp32", "count_ptr": "*i64", "out_ptr": f"*{op_t}",
+             "inv_ptr": "*fp32", "bout_ptr": "*fp32", "c0": "i32", "K": "i32", "eps": "fp32"}  # fmt: skip
+    sig = _sig("w_ptr rows_ptr b_ptr count_ptr out_ptr inv_ptr bout_ptr c0 K eps D HAS_ROWS HAS_COUNT NORMALIZED "
+               "TO_BF16 BLOCK_R BLOCK_D", types)  # fmt: skip
+    consts = dict(D=D, HAS_ROWS=has_rows, HAS_COUNT=has_count, NORMALIZED=normalized, TO_BF16=op_t == "bf16",
+                  **dict(_COPY.meta))  # fmt: skip
+    name = f"_copy_rows_kernel to {op_t} normalized={normalized} rows={has_rows} count={has_count}"
+    return KernelVariant(name, _copy_rows_kernel, sig, consts, _COPY.num_warps, _COPY.num_stages, config=_tiles(_COPY))
+
+
+def _rows_out_variant(w_t: str, D: int, flags: dict[str, bool]) -> KernelVariant:
+    types = {"h_ptr": "*fp32", "red_ptr": "*fp32", "inv_ptr": "*fp32", "w_ptr": f"*{w_t}", "rows_ptr": "*i64",
+             "count_ptr": "*i64", "gw_ptr": f"*{w_t}", "gb_ptr": f"*{w_t}", "c0": "i32", "K": "i32"}  # fmt: skip
+    sig = _sig("h_ptr red_ptr inv_ptr w_ptr rows_ptr count_ptr gw_ptr gb_ptr c0 K D HAS_ROWS HAS_COUNT NORMALIZED "
+               "WRITE_W WRITE_B ACCUMULATE BLOCK_R BLOCK_D", types)  # fmt: skip
+    consts = dict(D=D, **flags, **dict(_ROWS_OUT.meta))
+    name = f"_rows_out_kernel {w_t} " + " ".join(f"{k.lower()}={v}" for k, v in flags.items())
+    return KernelVariant(
+        name, _rows_out_kernel, sig, consts, _ROWS_OUT.num_warps, _ROWS_OUT.num_stages, config=_tiles(_ROWS_OUT)
+    )
+
+
+def _tiles(cfg: LaunchConfig) -> str:
+    return "×".join(str(v) for _, v in sorted(cfg.meta)) + f" w{cfg.num_warps} s{cfg.num_stages}"

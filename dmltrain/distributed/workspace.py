@@ -7,6 +7,7 @@ gradient blocks) into buffers that live as long as they do. On CUDA the caching 
 would do the same; the buffers are harmless there.
 
 Each name holds one live tensor at a time: asking for a name again hands out the same memory.
+:data:`BLOCK_ELEMENTS` bounds every blocked pass of the classifier and its optimizer.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ import math
 
 import torch
 from torch import Tensor
+
+#: elements of one block of a blocked pass (logits, gathered rows, gradient rows, optimizer rows): 16 Mi
+#: numbers, 64 MiB in fp32. Few large element-wise passes beat many small ones (each is a parallel region).
+BLOCK_ELEMENTS = 1 << 24
 
 
 class Workspace:

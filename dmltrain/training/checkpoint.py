@@ -38,7 +38,6 @@ from typing import Any, Protocol
 import torch
 from ray.train.v2.api.validation_config import ValidationTaskConfig
 
-from dmltrain.distributed import load_by_class, save_by_class
 from dmltrain.errors import UserError
 from dmltrain.fileio import write_json
 from dmltrain.models import load_model, save_model
@@ -122,10 +121,8 @@ class Checkpointer:
         # collectives under ZeRO; ZeRO-3 runs resume only at their own world size (DeepSpeed's checkpoint)
         dp = full_dp_state(engine) if state.zero_stage < 3 else None
         weights = full_module_state_dict(engine)
-        if self.head.classifier is not None:
-            save_by_class(
-                self.head.classifier, directory / CLASSIFIER_DIR, self.head.classifier_optimizer
-            )  # collective
+        if self.head.classifier_head is not None:
+            self.head.classifier_head.save(directory / CLASSIFIER_DIR)  # collective
         torch.save(rng_state(), directory / f"rng-rank{self.rank}.pt")
         if self.rank != 0:
             return
@@ -156,10 +153,8 @@ class Checkpointer:
                 raise RuntimeError(f"{directory}: DeepSpeed could not load the engine checkpoint")
         else:
             self._load_portable(directory, state)
-        if self.head.classifier is not None:
-            load_by_class(
-                self.head.classifier, directory / CLASSIFIER_DIR, self.head.classifier_optimizer
-            )  # reads only overlapping pieces
+        if self.head.classifier_head is not None:
+            self.head.classifier_head.load(directory / CLASSIFIER_DIR)  # reads only overlapping pieces
         for stem, obj in self.states.items():
             obj.load_state_dict(_load(directory / f"{stem}.pt"))
         rng_file = directory / f"rng-rank{self.rank}.pt"

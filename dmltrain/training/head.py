@@ -3,8 +3,9 @@
 Two kinds of parameters train beside the engine, each with its own optimizer:
 
 * the class-sharded classifier's rows (model-parallel: DeepSpeed's data-parallel averaging
-  must never touch them), stepped by a row-sparse optimizer that moves only the rows drawn
-  this step;
+  must never touch them), a :class:`~dmltrain.distributed.classifier_head.ClassifierHead`: the
+  classifier with its row-sparse optimizer, which moves only the rows drawn this step, saved and
+  loaded by class id;
 * the replicated proxies of a proxy instance loss (``proxy_nca``, ``center``): the same on
   every worker, kept so by averaging their gradients before the step.
 
@@ -21,8 +22,7 @@ from typing import Any
 import torch
 
 from dmltrain.config import OptimConfig
-from dmltrain.distributed import make_classifier_optimizer
-from dmltrain.distributed.class_sampling import draw_seed
+from dmltrain.distributed.classifier_head import ClassifierHead
 from dmltrain.training.engine import build_optimizer
 from dmltrain.training.objective import Objective
 
@@ -38,29 +38,35 @@ class LossHead:
     def __init__(self, objective: Objective, optim: OptimConfig):
         self.objective = objective
         self.optim = optim
-        self.classifier = objective.classifier
-        self.proxies = objective.replicated
-        self.classifier_optimizer = None
-        if self.classifier is not None:
-            self.classifier_optimizer = make_classifier_optimizer(
-                self.classifier,
-                name=optim.name,
+        self.classifier_head = None
+        if objective.classifier is not None:
+            self.classifier_head = ClassifierHead(
+                objective.classifier,
+                optimizer=optim.name,
                 lr=self.base_lr,
                 momentum=optim.momentum,
                 nesterov=optim.nesterov,
                 weight_decay=optim.weight_decay,
                 betas=optim.betas,
-                bias_weight_decay=None
-                if optim.decay_norm_and_bias
-                else 0.0,  # softmax_ce's bias: the CE recipe decays weights only
-                # a bf16 weight's stochastic rounding: one stream per shard, apart from the class draws' (step >= 0)
-                seed=draw_seed(self.classifier.seed, -1, self.classifier.rank),
+                # softmax_ce's bias: the CE recipe decays weights only
+                bias_weight_decay=None if optim.decay_norm_and_bias else 0.0,
             )
+        self.proxies = objective.replicated
         self.proxy_optimizer = None
         if self.proxies is not None:
             self.proxy_optimizer = build_optimizer(
                 [{"params": objective.replicated_parameters(), "lr_mult": optim.new_param_lr_mult}], optim
             )
+
+    @property
+    def classifier(self):
+        """The sharded classifier (None without one)."""
+        return None if self.classifier_head is None else self.classifier_head.classifier
+
+    @property
+    def classifier_optimizer(self):
+        """The classifier rows' optimizer (None without a classifier)."""
+        return None if self.classifier_head is None else self.classifier_head.optimizer
 
     @property
     def base_lr(self) -> float:
@@ -76,8 +82,10 @@ class LossHead:
 
     def set_lr(self, factor: float) -> None:
         """Every group's learning rate to ``base_lr × factor`` (``factor``: the schedule's multiplier)."""
-        for opt in self.optimizers:
-            for g in opt.param_groups:
+        if self.classifier_head is not None:
+            self.classifier_head.set_lr(self.base_lr * factor)
+        if self.proxy_optimizer is not None:
+            for g in self.proxy_optimizer.param_groups:
                 g["lr"] = self.base_lr * factor
 
     def step(self, loss_scale: float = 1.0, applied: bool = True) -> None:
@@ -97,9 +105,10 @@ class LossHead:
                         p.grad = None
         if self.proxies is not None:
             self.objective.average_replicated_grads()
-        for opt in self.optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            self.proxy_optimizer.step()
+            self.proxy_optimizer.zero_grad(set_to_none=True)
+        if self.classifier_head is not None:
+            self.classifier_head.step()
 
     def state_dict(self) -> dict[str, Any]:
         if self.proxies is None:
@@ -114,8 +123,4 @@ class LossHead:
 
     def classifier_memory_mb(self) -> float | None:
         """The classifier shard held by this rank: its rows plus their optimizer state, in MB (None without one)."""
-        if self.classifier is None:
-            return None
-        tensors = list(self.classifier.parameters())
-        tensors += [v for st in self.classifier_optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-        return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+        return None if self.classifier_head is None else self.classifier_head.memory_bytes() / 2**20

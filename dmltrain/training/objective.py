@@ -25,7 +25,8 @@ class Objective(nn.Module):
     """Owns the model-parallel classifier and the gathered instance loss of a run.
 
     ``forward(embeddings, labels, step) -> loss``: local embeddings and global class ids in,
-    the global objective out (the same value on every worker). ``stats`` holds the parts and
+    the global objective out (the same value on every worker). Every worker's local batch has the
+    same size (the trainer's batch plan checks it), so the classifier needs no size exchange. ``stats`` holds the parts and
     their statistics of the last call, prefixed ``classifier/`` and ``instance/``, as host
     floats; they are read from the device when ``stats`` is read, not during ``forward``
     (``device_stats``: the same without reading them).
@@ -55,6 +56,7 @@ class Objective(nn.Module):
                 precision=c.precision,
                 weight_storage=c.weight_storage,
                 init_std=c.init_std,
+                deterministic=c.deterministic,
                 **c.params,
             )
         self.replicated: nn.Module | None = None
@@ -79,7 +81,8 @@ class Objective(nn.Module):
         parts = []
         if self.classifier is not None:
             x = F.dropout(emb, self.classifier_dropout, self.training) if self.classifier_dropout else emb
-            loss = self.classifier(x, labels, step=step)
+            # the batch plan gives every worker the same local batch: no size exchange (no host read)
+            loss = self.classifier(x, labels, step=step, sizes=[x.shape[0]] * self.world_size)
             total = total + self.w_classifier * loss
             parts.append(("classifier", self.classifier.stats, loss.detach(), self.w_classifier))
         if self.instance is not None:

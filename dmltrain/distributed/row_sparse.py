@@ -1,12 +1,27 @@
-"""Row-sparse optimizers for the class-sharded classifier.
+"""Row-sparse gradients of the class-sharded classifier, and the optimizers that step them.
 
 Every parameter's first dimension is the shard's class rows (weight ``C_local × D``, bias
-``C_local``). Each step updates only the rows that received a gradient this step (the rows
-drawn by class subsampling, reported by the classifier); every other row, and its optimizer
-state, is left bit-for-bit unchanged: no weight decay, no momentum decay, no Adam moment
-decay. When all rows are active the update runs in place on whole blocks of rows; otherwise
-it gathers the active rows, updates them and scatters them back, a block at a time, so
-temporary memory stays bounded whatever the shard size.
+``C_local``). One :class:`RowGrads` object holds their gradients and which rows hold one; the
+classifier's backward writes into it (:meth:`RowGrads.target`, then :meth:`RowGradTarget.finish`)
+and the optimizer built over the same object (:class:`RowSparseSGD`, :class:`RowSparseAdamW`)
+reads from it which rows to step. Nobody else is asked.
+
+Gradients. The buffers are the parameters' ``.grad`` (so the usual readers see them), written
+as Megatron's fused gradient accumulation does: overwritten when ``.grad`` was None (a fresh
+gradient), added otherwise. A fresh gradient reuses the buffer of the last one and zeroes only
+the rows written since, so a subsampled step never touches the ``C_local × D`` gradient in full.
+
+Row sets. A step's rows come as a :class:`RowSet`: ``rows`` (local row ids, None for all) and
+``count`` (None, or a 0-d device tensor: only ``rows[:count]`` hold a gradient; the entries after
+it are distinct rows that hold none, there so that every size is known on the host and nothing is
+read back from the device). Gradients accumulated over several calls keep the union, built on the
+device (:meth:`RowGrads.rows`).
+
+Optimizers. Each step updates only the rows holding a gradient; every other row, and its
+optimizer state, is left bit-for-bit unchanged: no weight decay, no momentum decay, no Adam
+moment decay. With all rows active the update runs in place on whole blocks of rows; otherwise
+it gathers the rows, updates them and scatters them back, a block at a time, so temporary memory
+stays bounded whatever the shard size (the entries past ``count`` are written back unchanged).
 
 * :class:`RowSparseSGD`: SGD with momentum (optionally Nesterov) and coupled weight decay,
   as ``torch.optim.SGD`` (dampening 0) on the rows that step.
@@ -15,7 +30,7 @@ temporary memory stays bounded whatever the shard size.
   gradients (a shared global count would over-correct rows that skip steps, as LazyAdam does).
   A row active at every step follows ``torch.optim.AdamW`` exactly.
 
-With no row source (``rows=None``) they behave as dense optimizers. Optimizer state is
+Without a :class:`RowGrads` (``grads=None``) they behave as dense optimizers. Optimizer state is
 created eagerly (zeros) so that it can be saved by class id before the first step.
 
 A bf16 parameter (the classifier's ``weight_storage="bf16"``) keeps fp32 optimizer state; its
@@ -28,21 +43,152 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from dmltrain.distributed.workspace import Workspace
-
-#: Elements per block of rows processed at once (bounds temporaries: 16 Mi floats = 64 MiB).
-BLOCK_ELEMENTS = 1 << 24
+from dmltrain.distributed.workspace import BLOCK_ELEMENTS, Workspace
 
 _FUSED_SGD = getattr(torch, "_fused_sgd_", None)
 #: parameter dtypes stored in low precision: fp32 state, fp32 update, stochastic rounding back
 LOW_PRECISION = (torch.bfloat16,)
 
 
+class RowSet(NamedTuple):
+    """Local rows: ``rows`` (None: every row) of which the first ``count`` (None: all) count."""
+
+    rows: Tensor | None
+    count: Tensor | None = None
+
+    def valid(self) -> Tensor | None:
+        """Which entries of ``rows`` count (None: all of them); on the device, no host read."""
+        if self.rows is None or self.count is None:
+            return None
+        return torch.arange(self.rows.numel(), device=self.rows.device) < self.count
+
+
+ALL_ROWS = RowSet(None)
+
+
+def add_rows(dst: Tensor, rows: Tensor, src: Tensor) -> None:
+    """``dst[rows] += src`` with repeated rows summed (index_put_ accumulates an order of magnitude
+    faster than index_add_ on the CPU, and in a fixed order on CUDA)."""
+    dst.index_put_((rows,), src.to(dst.dtype), accumulate=True)
+
+
+def _union(a: RowSet, b: RowSet, num_rows: int) -> RowSet:
+    """The rows of ``a`` or ``b``, as a row set whose size is known on the host (no sync)."""
+    if a.rows is None or b.rows is None:
+        return ALL_ROWS
+    cap = min(num_rows, a.rows.numel() + b.rows.numel())
+    marks = []
+    for s in (a, b):  # the rows of one set are distinct: a plain scatter
+        v = s.valid()
+        m = torch.zeros(num_rows, dtype=torch.bool, device=s.rows.device)
+        marks.append(m.index_put_((s.rows,), torch.ones_like(s.rows, dtype=torch.bool) if v is None else v))
+    mask = marks[0] | marks[1]
+    if cap == num_rows:
+        rows = torch.arange(num_rows, device=mask.device)
+    else:  # the marked rows first, then unmarked ones: distinct rows, the size known on the host
+        rows = torch.topk(mask.to(torch.int8), cap, sorted=True).indices
+    first = torch.sort(torch.where(mask[rows], rows, rows + num_rows)).values  # marked rows ascending, then the rest
+    return RowSet(torch.where(first >= num_rows, first - num_rows, first), mask.sum())
+
+
+@dataclass
+class RowGradTarget:
+    """Where one backward writes its row gradients: ``weight`` / ``bias`` (None when that parameter
+    needs none) at ``rows`` (see :class:`RowSet`); ``accumulate``: add to what is there, else
+    overwrite (every row of ``rows`` exactly once; the buffers' other rows are zero)."""
+
+    grads: RowGrads
+    rows: RowSet
+    weight: Tensor | None
+    bias: Tensor | None
+    accumulate: bool
+
+    def finish(self) -> None:
+        """Record the rows written (call after every write of this backward)."""
+        if self.weight is not None or self.bias is not None:
+            self.grads._written(self.rows)
+
+
+class RowGrads:
+    """The gradient buffers of a classifier shard's row parameters and the rows holding a gradient."""
+
+    def __init__(self, params: dict[str, nn.Parameter | None]) -> None:
+        self.params = {k: p for k, p in params.items() if p is not None}
+        self._bufs: dict[str, Tensor] = {}
+        self._dirty: dict[str, RowSet | None] = {}  # rows of a buffer that may be non-zero
+        self._touched: RowSet | None = None  # rows holding a gradient since it was last cleared
+
+    def _fresh(self, name: str, p: nn.Parameter, rows: RowSet) -> Tensor:
+        """The reused gradient buffer of ``p``, zero outside ``rows`` (and, for a dense write, not zeroed)."""
+        buf = self._bufs.get(name)
+        dense = rows.rows is None
+        if buf is None or buf.shape != p.shape or buf.device != p.device or buf.dtype != p.dtype:
+            buf = torch.empty_like(p, memory_format=torch.contiguous_format) if dense else torch.zeros_like(p)
+            self._bufs[name] = buf
+        elif not dense:
+            dirty = self._dirty.get(name)
+            if dirty is not None and dirty.rows is None:
+                buf.zero_()
+            elif dirty is not None and dirty.rows.numel():
+                buf.index_fill_(0, dirty.rows, 0)
+        self._dirty[name] = None
+        return buf
+
+    def target(self, rows: RowSet) -> RowGradTarget:
+        """The buffers one backward over ``rows`` writes into (``.grad`` set to them when it was None)."""
+        need = {n: p for n, p in self.params.items() if p.requires_grad}
+        fresh = {n: p.grad is None for n, p in need.items()}
+        for n, p in need.items():
+            if fresh[n]:
+                p.grad = self._fresh(n, p, rows)
+        accumulate = not all(fresh.values())
+        if accumulate and rows.rows is None:  # a dense fresh buffer was not zeroed: make it addable
+            for n, p in need.items():
+                if fresh[n]:
+                    p.grad.zero_()
+        if any(fresh.values()) and not accumulate:
+            self._touched = None  # a new gradient starts: forget the rows of the previous one
+        w, b = need.get("weight"), need.get("bias")
+        return RowGradTarget(self, rows, None if w is None else w.grad, None if b is None else b.grad, accumulate)
+
+    def _written(self, rows: RowSet) -> None:
+        n = next(iter(self.params.values())).shape[0]
+        self._touched = rows if self._touched is None else _union(self._touched, rows, n)
+        for name, p in self.params.items():
+            if p.grad is not None and p.grad is self._bufs.get(name):
+                dirty = self._dirty.get(name)
+                # every written entry may be non-zero, padding included: zeroing them again is harmless
+                self._dirty[name] = RowSet(rows.rows) if dirty is None else _union(dirty, RowSet(rows.rows), n)
+
+    def rows(self) -> RowSet | None:
+        """The rows holding a gradient since it was last cleared (None: no gradient)."""
+        return self._touched
+
+    def row_ids(self) -> Tensor:
+        """The sorted local ids of :meth:`rows` (reads the count from the device: for tests and logs)."""
+        rs = self._touched
+        if rs is None:
+            return torch.zeros(0, dtype=torch.int64)
+        if rs.rows is None:
+            return torch.arange(next(iter(self.params.values())).shape[0])
+        rows = rs.rows if rs.count is None else rs.rows[: int(rs.count)]
+        return torch.sort(rows).values
+
+    def cleared(self) -> None:
+        """The gradients were set to None or zeroed in place."""
+        for name, p in self.params.items():
+            if p.grad is not None and p.grad is self._bufs.get(name):
+                self._dirty[name] = None  # zeroed in place
+        self._touched = None
+
+
+# -- stochastic rounding ------------------------------------------------------------------------------
 def state_like(p: Tensor) -> Tensor:
     """Zero optimizer state for ``p``: fp32 for a low-precision parameter, else ``p``'s dtype."""
     dtype = torch.float32 if p.dtype in LOW_PRECISION else p.dtype
@@ -74,16 +220,7 @@ def _base(name: str) -> Callable[..., Any]:
     return getattr(fn, "__wrapped__", fn)
 
 
-class RowSource(Protocol):
-    """What a row-sparse optimizer asks its classifier each step."""
-
-    def grad_rows(self) -> Tensor | None:
-        """Local rows holding a gradient since it was last cleared; None means every row."""
-
-    def grad_cleared(self) -> None:
-        """The gradients were cleared (set to None or zeroed)."""
-
-
+# -- the optimizers -----------------------------------------------------------------------------------
 class RowSparseOptimizer(torch.optim.Optimizer):
     """Base class: row-blocked, row-sparse updates over parameters sharing their row count."""
 
@@ -91,10 +228,10 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     row_state: tuple[str, ...] = ()
 
     def __init__(
-        self, params: Iterable[Any], defaults: dict[str, Any], rows: RowSource | None = None, seed: int = 0
+        self, params: Iterable[Any], defaults: dict[str, Any], grads: RowGrads | None = None, seed: int = 0
     ) -> None:
         super().__init__(params, defaults)
-        self.row_source = rows
+        self.grads = grads
         self.seed = int(seed)
         self._generators: dict[torch.device, torch.Generator] = {}
         self._workspace = Workspace()  # gathered rows of a block (reused: no page faults per step)
@@ -127,9 +264,6 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     # -- driver -----------------------------------------------------------------------------------
-    def _rows(self) -> Tensor | None:
-        return None if self.row_source is None else self.row_source.grad_rows()
-
     def _store(self, p: Tensor, rounded_from: Tensor) -> Tensor:
         """fp32 rows updated for a low-precision parameter, rounded stochastically to its dtype."""
         gen = self._generators.get(p.device)
@@ -143,8 +277,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        rows = self._rows()
-        if rows is not None and rows.numel() == 0:
+        rows = ALL_ROWS if self.grads is None else self.grads.rows()
+        if rows is None or (rows.rows is not None and rows.rows.numel() == 0):
             return loss
         for group in self.param_groups:
             for p in group["params"]:
@@ -157,7 +291,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 self._step_param(group, p, rows)
         return loss
 
-    def _step_param(self, group: dict[str, Any], p: Tensor, rows: Tensor | None) -> None:
+    def _step_param(self, group: dict[str, Any], p: Tensor, rows: RowSet) -> None:
         n = p.shape[0]
         if n == 0:  # a shard that owns no class
             return
@@ -167,7 +301,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         sv = {k: state[k].view(n, -1) for k in self.row_state}
         block = max(1, BLOCK_ELEMENTS // max(cols, 1))
-        if rows is None:
+        if rows.rows is None:
             for s in range(0, n, block):
                 sl = slice(s, min(n, s + block))
                 sb = {k: v[sl] for k, v in sv.items()}
@@ -178,10 +312,11 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 else:
                     self._update(group, pv[sl], gv[sl], sb)
             return
-        rows = rows.to(p.device)
+        index = rows.rows.to(p.device)
+        valid = rows.valid()
         ws = self._workspace
-        for s in range(0, rows.numel(), block):
-            idx = rows[s : s + block]
+        for s in range(0, index.numel(), block):
+            idx = index[s : s + block]
             n_b = idx.numel()
 
             def gather(name: str, src: Tensor, idx: Tensor = idx, n_b: int = n_b) -> Tensor:
@@ -193,14 +328,22 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 pb, gb = pb.float(), gb.float()
             sb = {k: gather(f"state.{k}", v) for k, v in sv.items()}
             self._update(group, pb, gb, sb)
-            pv.index_copy_(0, idx, self._store(p, pb) if low else pb)
+            new_p = self._store(p, pb) if low else pb
+            if valid is None:
+                pv.index_copy_(0, idx, new_p)
+                for k, v in sv.items():
+                    v.index_copy_(0, idx, sb[k])
+                continue
+            # the entries past the count are rows holding no gradient: written back as they were
+            keep = valid[s : s + block, None]
+            pv.index_copy_(0, idx, torch.where(keep, new_p, pv.index_select(0, idx)))
             for k, v in sv.items():
-                v.index_copy_(0, idx, sb[k])
+                v.index_copy_(0, idx, torch.where(keep, sb[k], v.index_select(0, idx)))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         _base("zero_grad")(self, set_to_none=set_to_none)
-        if self.row_source is not None:
-            self.row_source.grad_cleared()
+        if self.grads is not None:
+            self.grads.cleared()
 
 
 class RowSparseSGD(RowSparseOptimizer):
@@ -217,7 +360,7 @@ class RowSparseSGD(RowSparseOptimizer):
         momentum: float = 0.0,
         nesterov: bool = False,
         weight_decay: float = 0.0,
-        rows: RowSource | None = None,
+        grads: RowGrads | None = None,
         seed: int = 0,
     ) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
@@ -227,7 +370,7 @@ class RowSparseSGD(RowSparseOptimizer):
         if nesterov and momentum <= 0:
             raise ValueError("RowSparseSGD: nesterov needs momentum > 0")
         super().__init__(
-            params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay), rows, seed
+            params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay), grads, seed
         )
 
     row_state = ("momentum_buffer",)
@@ -289,14 +432,14 @@ class RowSparseAdamW(RowSparseOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.01,
-        rows: RowSource | None = None,
+        grads: RowGrads | None = None,
         seed: int = 0,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(
                 f"RowSparseAdamW: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}"
             )
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), rows, seed)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), grads, seed)
 
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
         st = self.state[p]
@@ -304,7 +447,7 @@ class RowSparseAdamW(RowSparseOptimizer):
         st["exp_avg_sq"] = state_like(p)
         st["step"] = torch.zeros(p.shape[0], dtype=torch.int64, device=p.device)
 
-    def _step_param(self, group: dict[str, Any], p: Tensor, rows: Tensor | None) -> None:
+    def _step_param(self, group: dict[str, Any], p: Tensor, rows: RowSet) -> None:
         st = self.state[p]
         if st["step"].device != p.device:  # torch's load_state_dict leaves "step" where it was saved
             st["step"] = st["step"].to(p.device)
@@ -329,8 +472,10 @@ class RowSparseAdamW(RowSparseOptimizer):
         p.sub_(torch.div(m, denom, out=denom).mul_(step_size))
 
 
-def make_classifier_optimizer(
-    clf: Any,
+def make_row_optimizer(
+    weight: nn.Parameter,
+    bias: nn.Parameter | None,
+    grads: RowGrads | None,
     name: str = "sgd",
     lr: float = 0.01,
     momentum: float = 0.9,
@@ -341,21 +486,20 @@ def make_classifier_optimizer(
     bias_weight_decay: float | None = None,
     seed: int = 0,
 ) -> RowSparseOptimizer:
-    """The classifier's own optimizer (it stays out of DeepSpeed's data-parallel reduction).
+    """A row-sparse optimizer over a shard's ``weight`` (and ``bias``) stepping the rows ``grads`` reports.
 
-    One param group for ``clf.weight`` and, for ``softmax_ce``, one for ``clf.bias`` (its weight
-    decay is ``bias_weight_decay``, default ``weight_decay``); each group carries a ``name``.
-    Set ``param_groups[i]["lr"]`` from the schedule; call ``step()`` after ``engine.step()``.
-    ``seed`` seeds the stochastic rounding of a bf16 weight (give each worker its own).
+    One param group for the weight and, with a bias, one for it (its weight decay is
+    ``bias_weight_decay``, default ``weight_decay``); each group carries a ``name``
+    (``classifier.weight``, ``classifier.bias``). ``seed`` seeds the stochastic rounding of a bf16 weight.
     """
-    groups: list[dict[str, Any]] = [{"params": [clf.weight], "weight_decay": weight_decay, "name": "classifier.weight"}]
-    if getattr(clf, "bias", None) is not None:
+    groups: list[dict[str, Any]] = [{"params": [weight], "weight_decay": weight_decay, "name": "classifier.weight"}]
+    if bias is not None:
         bwd = weight_decay if bias_weight_decay is None else bias_weight_decay
-        groups.append({"params": [clf.bias], "weight_decay": bwd, "name": "classifier.bias"})
+        groups.append({"params": [bias], "weight_decay": bwd, "name": "classifier.bias"})
     if name == "sgd":
         return RowSparseSGD(
-            groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, rows=clf, seed=seed
+            groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, grads=grads, seed=seed
         )
     if name == "adamw":
-        return RowSparseAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rows=clf, seed=seed)
+        return RowSparseAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grads=grads, seed=seed)
     raise ValueError(f"classifier optimizer: unknown name {name!r} (choose sgd or adamw)")
