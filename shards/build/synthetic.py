@@ -332,13 +332,13 @@ def synthetic_layout(
 
 
 def family_options(family_size: int, family_spread: float, label_noise: float, label_noise_mode: str) -> dict:
-    """The family and noise options as a manifest records them (``options.synthetic``): the spread only with
-    families, the mode only with noise."""
-    out: dict = {"family_size": family_size, "label_noise": label_noise}
+    """The family and noise options as a manifest records them (``options.synthetic``): only those that change
+    the build (without families and noise, none: the manifest of builds before they existed)."""
+    out: dict = {}
     if family_size > 1:
-        out["family_spread"] = family_spread
+        out.update(family_size=family_size, family_spread=family_spread)
     if label_noise > 0:
-        out["label_noise_mode"] = label_noise_mode
+        out.update(label_noise=label_noise, label_noise_mode=label_noise_mode)
     return out
 
 
@@ -346,20 +346,18 @@ def check_built_as(manifest: Manifest, s: SyntheticData) -> None:
     """Refuse synthetic shards built with other families or label noise than ``data.synthetic`` asks for.
 
     Shards are built only when missing, so changing ``data.synthetic.family_size`` (say) over an existing folder
-    would otherwise train on the old task unawares. Builds older than families had none and no noise."""
+    would otherwise train on the old task unawares. A manifest without these options was built without them."""
     recorded = manifest.data.get("options", {}).get("synthetic")
     if manifest.layout != "synthetic" or not isinstance(recorded, dict):
         return
-    want = family_options(s.family_size, s.family_spread, s.label_noise, s.label_noise_mode)
-    have = family_options(
-        recorded.get("family_size", 1),
-        recorded.get("family_spread"),
-        recorded.get("label_noise", 0.0),
-        recorded.get("label_noise_mode"),
-    )
+    asked = s.model_dump(include={"family_size", "family_spread", "label_noise", "label_noise_mode"})
+    built = {"family_size": 1, "label_noise": 0.0} | {k: recorded[k] for k in asked if k in recorded}
+    want, have = family_options(**asked), family_options(**{**asked, **built})
     if have != want:
-        differ = ", ".join(
-            f"{k}={have.get(k)} (asked: {want.get(k)})" for k in {**have, **want} if have.get(k) != want.get(k)
+        differ = ", ".join(  # a key the build did not record (a spread without families) is implied by another
+            f"{k}={built[k]} (asked: {asked[k]})"
+            for k in asked
+            if have.get(k) != want.get(k) and k in built and built[k] != asked[k]
         )
         raise UserError(
             f"data.synthetic: {manifest.root} holds synthetic shards built with {differ}; shards are built only when "
