@@ -20,8 +20,8 @@ class ``c0`` would have on its own (``c0`` the family's first class), and each s
 every part of it: colour, centre, size, aspect and angle move by an offset whose direction is
 drawn from (seed, class) and whose size is ``family_spread`` times :data:`NUDGE` (per attribute,
 root mean square), so every sibling lies as far from the base as any other. Per-image jitter
-(colour σ 12, centre σ 0.06, size ±10 %, angle σ 0.1) is about a quarter of a spread-1 nudge:
-spread 1 is an easy fine-grained task, 0.25 a hard one, 0 makes siblings the same object.
+(colour σ 12, centre σ 0.06, size ±10 %, angle σ 0.1) is about a third of a spread-1 nudge:
+spread 1 is an easy fine-grained task, 0.5 (the default) a hard one, 0 makes siblings the same object.
 F = 1 gives every class its own object: the images of builds before families existed.
 
 *Label noise* (``label_noise`` p) gives round(p·N) of the N train images, drawn without
