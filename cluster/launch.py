@@ -170,8 +170,10 @@ def prepare_data(cfg: Config) -> None:
         from shards.build.synthetic import build_synthetic_shards
 
         s = cfg.data.synthetic
+        extra = f", families of {s.family_size} at spread {s.family_spread}" if s.family_size > 1 else ""
+        extra += f", {s.label_noise * 100:g}% {s.label_noise_mode} label noise" if s.label_noise else ""
         print(
-            f"building synthetic shards in {shards_dir} ({s.classes} classes x {s.per_class} images, {s.image_size}px)",
+            f"building synthetic shards in {shards_dir} ({s.classes} classes x {s.per_class} images, {s.image_size}px{extra})",
             file=sys.stderr,
         )
         build_synthetic_shards(
@@ -182,8 +184,16 @@ def prepare_data(cfg: Config) -> None:
             seed=s.seed,
             shard_size=s.shard_size,
             overwrite=False,
+            family_size=s.family_size,
+            family_spread=s.family_spread,
+            label_noise=s.label_noise,
+            label_noise_mode=s.label_noise_mode,
         )
     manifest = Manifest.load(shards_dir)
+    if cfg.data.synthetic is not None:
+        from shards.build.synthetic import check_built_as
+
+        check_built_as(manifest, cfg.data.synthetic)
     for key, split in [
         ("data.train_split", cfg.data.train_split),
         *(("data.eval_splits", s) for s in cfg.data.eval_splits),

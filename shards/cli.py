@@ -62,6 +62,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--classes", type=int, help="synthetic: train classes (as many disjoint test classes)")
     b.add_argument("--per-class", type=int, help="synthetic: images per class")
     b.add_argument("--image-size", type=int, default=64, help="synthetic: image side in pixels (default 64)")
+    b.add_argument(
+        "--family-size",
+        type=int,
+        help="synthetic: classes per family, alike but for small differences (default 1: every class its own object)",
+    )
+    b.add_argument(
+        "--family-spread",
+        type=float,
+        help="synthetic: how different a family's classes are, in [0, 1] (default 0.5; 0: the same object)",
+    )
+    b.add_argument(
+        "--label-noise",
+        type=float,
+        help="synthetic: share of train images labelled as another class, in [0, 1) (default 0; test labels never)",
+    )
+    b.add_argument(
+        "--label-noise-mode",
+        metavar="{uniform,family}",
+        help="synthetic: the wrong label is any other class (uniform, the default) or a sibling in the family",
+    )
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     add_storage_option(b)
     i = sub.add_parser(
@@ -73,6 +93,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     i.add_argument("--no-verify", action="store_true", help="only print the summary")
     i.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_storage_option(i)
+
+
+# the options of --layout synthetic (flag, attribute): refused with any other layout
+SYNTHETIC_ONLY = (
+    ("--classes", "classes"),
+    ("--per-class", "per_class"),
+    ("--family-size", "family_size"),
+    ("--family-spread", "family_spread"),
+    ("--label-noise", "label_noise"),
+    ("--label-noise-mode", "label_noise_mode"),
+)
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -104,11 +135,15 @@ def _build(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             resume=args.resume,
             storage_options=opts,
+            family_size=1 if args.family_size is None else args.family_size,
+            family_spread=0.5 if args.family_spread is None else args.family_spread,
+            label_noise=0.0 if args.label_noise is None else args.label_noise,
+            label_noise_mode=args.label_noise_mode or "uniform",
         )
     else:
         if not args.root:
             raise UserError(f"--root: required with --layout {args.layout}")
-        extra = [n for n, v in (("--classes", args.classes), ("--per-class", args.per_class)) if v is not None]
+        extra = [n for n, v in SYNTHETIC_ONLY if getattr(args, v) is not None]
         if extra:
             raise UserError(f"{', '.join(extra)}: only for --layout synthetic")
         from shards.build.builder import build_layout

@@ -29,6 +29,38 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+LABEL_NOISE_MODES = ("uniform", "family")
+
+
+def synthetic_problem(
+    classes: int, family_size: int, family_spread: float, label_noise: float, label_noise_mode: str
+) -> tuple[str, str] | None:
+    """The first problem of a synthetic build's family and noise options, as ``(option, message)`` (the option's
+    snake-case name, which the CLI and the config spell their own way), or None when they are fine."""
+    if not (isinstance(family_size, int) and family_size >= 1):
+        return "family_size", f"must be a whole number of classes, at least 1, got {family_size}"
+    if family_size > classes:
+        return "family_size", f"{family_size} is more than the {classes} classes (a family groups classes of a split)"
+    if not 0.0 <= family_spread <= 1.0:  # NaN fails both comparisons
+        return "family_spread", f"must be in [0, 1] (0: siblings are the same object), got {family_spread}"
+    if not 0.0 <= label_noise < 1.0:
+        return "label_noise", f"must be in [0, 1) (the share of train images relabelled), got {label_noise}"
+    if label_noise_mode not in LABEL_NOISE_MODES:
+        return "label_noise_mode", f"must be one of {', '.join(LABEL_NOISE_MODES)}, got {label_noise_mode!r}"
+    if label_noise > 0 and classes < 2:
+        return "label_noise", "needs at least 2 classes (a label is flipped to another class)"
+    if label_noise > 0 and label_noise_mode == "family":
+        if family_size < 2:
+            return "label_noise_mode", "family flips a label to a sibling class: needs a family size of at least 2"
+        if classes % family_size == 1:
+            return (
+                "label_noise_mode",
+                f"family: the last family of {classes} classes in families of {family_size} has one class, "
+                "whose labels could not be flipped to a sibling (choose a family size that leaves no single class)",
+            )
+    return None
+
+
 class SyntheticData(Section):
     """Procedurally generated shards, built on first use when ``data.shards`` is missing."""
 
@@ -37,6 +69,33 @@ class SyntheticData(Section):
     image_size: int = Field(32, ge=8, le=MAX_IMAGE_SIDE)
     seed: int = 0
     shard_size: int = Field(2000, ge=1, description="samples per shard")
+    family_size: int = Field(
+        1,
+        ge=1,
+        description="classes per family: siblings share one object and differ slightly (1: every class its own "
+        "object, the images of earlier versions); a split's last family is smaller when this does not divide classes",
+    )
+    family_spread: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="how different siblings are: 0 the same object, 1 clearly different colours, sizes, placement",
+    )
+    label_noise: float = Field(
+        0.0, ge=0.0, lt=1.0, description="share of train images given another class's label (test labels never)"
+    )
+    label_noise_mode: Literal["uniform", "family"] = Field(
+        "uniform", description="the wrong label: any other class (uniform), or another class of the same family"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> SyntheticData:
+        problem = synthetic_problem(
+            self.classes, self.family_size, self.family_spread, self.label_noise, self.label_noise_mode
+        )
+        if problem is not None:
+            raise ValueError(f"data.synthetic.{problem[0]}: {problem[1]}")
+        return self
 
 
 class ColorJitter(Section):

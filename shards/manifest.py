@@ -10,6 +10,10 @@ images skipped at build time. The group table has one row per class per shard it
 Splits that share a label space (In-Shop ``query`` and ``gallery``) carry the same mapping,
 built over their union, so an item has the same label in both.
 
+Optional, per split: ``families`` (the family id of every label: classes of a family are alike, as synthetic
+class families are) and ``noisy_labels`` (``{"index": [...], "clean_label": [...]}``: the samples whose label
+was deliberately changed, by their index in the split, with their true label; synthetic label noise).
+
 The folder may be a URL (:mod:`shards.storage.location`): the manifest is then fetched, and shard file names
 stay confined to the URL's prefix as they do to a local folder. In a local folder a shard must be a regular
 file of the folder itself: a symbolic link (which could point anywhere) is refused when the manifest is
@@ -99,6 +103,9 @@ class SplitInfo:
     label_space: list[str]  # the splits sharing this mapping
     skipped: list[dict[str, str]] = field(default_factory=list)
     location: Location | None = None  # the shard folder (how readers reach the shards); None: a local folder
+    families: list[int] | None = None  # family id of each label; None: the build recorded no families
+    # split index -> true label, for the samples whose label was deliberately made wrong (label noise)
+    clean_labels: dict[int, int] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
@@ -162,6 +169,8 @@ class Manifest:
                     label_space=list(s.get("label_space", [name])),
                     skipped=list(s.get("skipped", [])),
                     location=self.location,
+                    families=[int(f) for f in s["families"]] if s.get("families") is not None else None,
+                    clean_labels=_clean_labels(s.get("noisy_labels"), f"splits.{name}"),
                 )
                 _check_labels(info)
                 if (
@@ -376,6 +385,15 @@ def _check_shard(sh: ShardInfo, num_labels: int, where: str) -> None:
         raise ValueError(f"{where}: group counts add up to {int(count.sum())}, not the shard's {sh.samples} samples")
 
 
+def _clean_labels(noisy: Any, where: str) -> dict[int, int]:
+    if noisy is None:
+        return {}
+    index, clean = noisy["index"], noisy["clean_label"]
+    if len(index) != len(clean):
+        raise ValueError(f"{where}.noisy_labels: {len(index)} indexes but {len(clean)} clean labels")
+    return {int(i): int(c) for i, c in zip(index, clean)}
+
+
 def _check_labels(info: SplitInfo) -> None:
     where = f"splits.{info.name}"
     if info.num_labels < 0 or len(info.class_counts) != info.num_labels:
@@ -383,3 +401,14 @@ def _check_labels(info: SplitInfo) -> None:
     labels = list(info.classes.values())
     if any(not 0 <= v < info.num_labels for v in labels) or len(set(labels)) != len(labels):
         raise ValueError(f"{where}.classes: labels must be distinct and in [0, {info.num_labels})")
+    if info.families is not None and len(info.families) != info.num_labels:
+        raise ValueError(f"{where}.families: {len(info.families)} entries for num_labels {info.num_labels}")
+    bad = next(
+        ((i, c) for i, c in info.clean_labels.items() if not (0 <= i < info.num_images and 0 <= c < info.num_labels)),
+        None,
+    )
+    if bad is not None:
+        raise ValueError(
+            f"{where}.noisy_labels: sample {bad[0]} with clean label {bad[1]} is outside the split's "
+            f"{info.num_images} images or {info.num_labels} labels"
+        )

@@ -5,6 +5,10 @@ seed gives the same shards), each class's images in index order. Labels are cont
 the sorted original class ids of the split's label space. Images that cannot be read are
 skipped and listed in the manifest (``strict`` stops at the first one instead).
 
+A layout may carry class families (:attr:`Layout.families`: the manifest lists each label's family) and
+deliberately wrong labels (:attr:`Entry.clean_class_id`: each such sample's metadata holds its
+``clean_label``, and the manifest lists the split indexes whose label differs from the true one).
+
 The output may be a local folder or a URL (``s3://bucket/prefix``, ``gs://...``): shards are
 uploaded as they are finished (:mod:`shards.build.publish`). The manifest is written last and atomically:
 a folder without ``manifest.json`` is an unfinished build, and readers refuse it; ``resume``
@@ -202,7 +206,10 @@ def _write_splits(publisher: Publisher, layout: Layout, shard_size, seed, worker
     results: dict[str, SplitResult] = {}
     try:
         for space in layout.spaces():
-            ids = sorted({e.class_id for s in space for e in layout.splits[s]}, key=class_sort_key)
+            # a true class whose every image was relabelled (label noise) keeps its label, with no images
+            ids = {e.class_id for s in space for e in layout.splits[s]}
+            ids |= {e.clean_class_id for s in space for e in layout.splits[s] if e.clean_class_id is not None}
+            ids = sorted(ids, key=class_sort_key)
             mapping = {c: i for i, c in enumerate(ids)}
             for split in space:
                 entries = layout.splits[split]
@@ -228,6 +235,8 @@ def _write_splits(publisher: Publisher, layout: Layout, shard_size, seed, worker
                     bar=bar,
                 )
                 sj["label_space"] = list(space)
+                if layout.families is not None:
+                    sj["families"] = [layout.families[c] for c in ids]
                 splits_json[split] = sj
                 results[split] = res
     finally:
@@ -290,6 +299,8 @@ def _write_split(
     )
     res = SplitResult()
     class_counts = [0] * len(mapping)
+    noisy = any(e.clean_class_id is not None for e in entries)
+    flipped: dict[str, list[int]] = {"index": [], "clean_label": []}
     with bar, SplitWriter(publisher.staging, split, shard_size, on_shard=publisher.shard_done) as writer:
         it = iter(results)
         for label in order:
@@ -305,7 +316,14 @@ def _write_split(
                         raise UserError(f"{e.path}: {ext_or_reason} (--strict stops at the first bad image)")
                     res.skipped.append({"path": e.relpath, "reason": ext_or_reason})
                     continue
-                writer.write(label, data, ext_or_reason, {"class_id": e.class_id, "path": e.relpath})
+                meta: dict[str, Any] = {"class_id": e.class_id, "path": e.relpath}
+                if e.clean_class_id is not None:
+                    clean = mapping[e.clean_class_id]
+                    meta.update(clean_label=clean, clean_class_id=e.clean_class_id)
+                    if clean != label:
+                        flipped["index"].append(writer.num_samples)  # the index write() gives this sample
+                        flipped["clean_label"].append(clean)
+                writer.write(label, data, ext_or_reason, meta)
                 class_counts[label] += 1
     res.images = writer.num_samples
     res.classes = sum(1 for c in class_counts if c)
@@ -320,6 +338,8 @@ def _write_split(
         "skipped": res.skipped,
         "shards": [s.to_json() for s in writer.shards],
     }
+    if noisy:
+        sj["noisy_labels"] = flipped
     return res, sj
 
 

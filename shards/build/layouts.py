@@ -34,11 +34,15 @@ LAYOUTS = ("sop", "cub", "cars", "inshop", "folder", "synthetic")
 
 @dataclass(frozen=True)
 class Entry:
-    """One source image: where it is, its original class id (a string), and the path recorded in the shard."""
+    """One source image: where it is, its original class id (a string), and the path recorded in the shard.
+
+    ``clean_class_id`` is the true class of an image whose ``class_id`` was made noisy on purpose (synthetic
+    label noise), or None: the build then records the true label beside the noisy one."""
 
     path: str
     class_id: str
     relpath: str
+    clean_class_id: str | None = None
 
 
 @dataclass
@@ -50,6 +54,8 @@ class Layout:
     splits: dict[str, list[Entry]]
     # groups of splits whose labels come from one mapping over their union (In-Shop query+gallery)
     label_spaces: list[list[str]] = field(default_factory=list)
+    # original class id -> family id (groups of similar classes, synthetic families); None: no families
+    families: dict[str, int] | None = None
 
     def spaces(self) -> list[list[str]]:
         """Every split in exactly one label space (singletons for the splits not grouped)."""
