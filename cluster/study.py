@@ -153,6 +153,10 @@ def prepare_shards(cfg, classes: list[int] | None, progress: bool = True) -> dic
                 shard_size=s.shard_size,
                 overwrite=False,
                 progress=progress,
+                family_size=s.family_size,
+                family_spread=s.family_spread,
+                label_noise=s.label_noise,
+                label_noise_mode=s.label_noise_mode,
             )
         split = Manifest.load(d).split(cfg.data.train_split)
         if split.num_classes != n or split.num_images != n * s.per_class:
