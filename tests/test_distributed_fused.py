@@ -263,6 +263,38 @@ def _bf16_storage_case(rank, W, device):
     }
 
 
+def _subcenter_fallback_case(rank, W, device):
+    """Sub-centers (and the log-Q correction) with ``backend="triton"``: the documented fallback to the torch
+    backend's sub-center rows feeding a max, exact against one float64 process."""
+    from dmltrain.distributed import ShardedClassifier
+    from dmltrain.distributed.collectives import all_gather_uneven
+
+    k, params = 2, {"scale": 16.0, "margin": 0.5}
+    w_full = torch.randn(C, k, D, generator=torch.Generator().manual_seed(4))
+    clf = ShardedClassifier(C, D, "arcface", sample_ratio=0.5, seed=3, backend="auto" if device == "cuda" else "triton",
+                            sampling="mixed", sampling_correction=True, subcenters=k, **params).to(device)  # fmt: skip
+    clf.load_full_weight(w_full.to(device))
+    x_full, y_full = _global_batch(seed=5)
+    x = _local(x_full, rank, W).to(device).requires_grad_(True)
+    loss = clf(x, _local(y_full, rank, W).to(device), step=1)
+    loss.backward()
+    assert not clf.fused, "sub-centers run the torch backend"
+    ids = all_gather_uneven(clf.active_class_ids)[0].cpu()
+    offsets = all_gather_uneven(clf._active.offsets[: clf.active_rows.numel()])[0].cpu()
+    x_grad, w_grad = all_gather_uneven(x.grad)[0].cpu(), clf.gather_rows_all(clf.weight.grad).cpu()
+    if rank != 0:
+        return None
+    order = torch.argsort(ids)
+    xr, wr = x_full.double().requires_grad_(True), w_full.double().requires_grad_(True)
+    ref = dense_classifier_loss(xr, y_full, wr, None, "arcface", params, ids[order], offsets[order])
+    ref.backward()
+    return {
+        "loss": ("loss", rel_err(float(loss.detach()), float(ref.detach()))),
+        "embedding grad": ("grad", rel_err(x_grad, xr.grad)),
+        "weight grad": ("grad", rel_err(w_grad, wr.grad)),
+    }
+
+
 def _fused_world(rank, W, device):
     from dmltrain.distributed import softmax_kernels
 
@@ -282,6 +314,9 @@ def _fused_world(rank, W, device):
     for name, kind, params, precision, ratio in CASES[W]:
         det = name.endswith(" det")
         report["classifier"][name] = _classifier_case(rank, W, device, kind, params, precision, ratio, det=det)
+    report["classifier"]["arcface fp32 2 sub-centers, corrected (torch fallback)"] = _subcenter_fallback_case(
+        rank, W, device
+    )
     report["bf16 storage"] = _bf16_storage_case(rank, W, device)
     report["reruns identical"] = _rerun_identical(rank, W, device)
     return report

@@ -160,6 +160,10 @@ class CallStats(Mapping[str, float]):
     def on_device(self) -> dict[str, Tensor | float]:
         return {**self._device, **self._host}
 
+    def with_device(self, extra: Mapping[str, Tensor]) -> CallStats:
+        """These statistics and ``extra`` (device values), still unread."""
+        return CallStats({**self._device, **extra}, self._host)
+
     def _values(self) -> dict[str, float]:
         if self._read is None:
             keys = list(self._device)

@@ -20,6 +20,8 @@ from dmltrain.distributed import GatheredInstanceLoss, ShardedClassifier, grad_s
 from dmltrain.distributed.process_group import average_grads, broadcast_params
 from dmltrain.losses import ProxyLoss, make_loss
 
+PROBE = "probe/"  # the classifier's statistics from its probe of the full softmax (softmax/probe/ in MLflow)
+
 
 class Objective(nn.Module):
     """Owns the model-parallel classifier and the gathered instance loss of a run.
@@ -30,6 +32,11 @@ class Objective(nn.Module):
     their statistics of the last call, prefixed ``classifier/`` and ``instance/``, as host
     floats; they are read from the device when ``stats`` is read, not during ``forward``
     (``device_stats``: the same without reading them).
+
+    With ``loss.classifier.probe_every`` N, every N-th step first probes the classifier on the same
+    batch (:meth:`~dmltrain.distributed.sharded_softmax.ShardedClassifier.probe`: the full softmax
+    against the sampled one, nothing updated) and adds ``classifier/probe/<stat>`` to that step's
+    statistics.
     """
 
     def __init__(
@@ -57,8 +64,15 @@ class Objective(nn.Module):
                 weight_storage=c.weight_storage,
                 init_std=c.init_std,
                 deterministic=c.deterministic,
+                sampling=c.sampling,
+                nearest_share=c.nearest_share,
+                refresh_every=c.refresh_every,
+                sampling_correction=c.sampling_correction,
+                drop_after=c.drop_after,
+                drop_angle=c.drop_angle,
                 **c.params,
             )
+        self.probe_every = c.probe_every if c is not None else 0
         self.replicated: nn.Module | None = None
         if i is not None:
             loss = make_loss(i.kind, i.params, num_classes=num_classes, dim=dim)
@@ -82,9 +96,16 @@ class Objective(nn.Module):
         if self.classifier is not None:
             x = F.dropout(emb, self.classifier_dropout, self.training) if self.classifier_dropout else emb
             # the batch plan gives every worker the same local batch: no size exchange (no host read)
-            loss = self.classifier(x, labels, step=step, sizes=[x.shape[0]] * self.world_size)
+            sizes = [x.shape[0]] * self.world_size
+            probe = None
+            if self.probe_every and step % self.probe_every == 0:  # what the subsampling costs this batch
+                probe = self.classifier.probe(x, labels, step, sizes)
+            loss = self.classifier(x, labels, step=step, sizes=sizes)
             total = total + self.w_classifier * loss
-            parts.append(("classifier", self.classifier.stats, loss.detach(), self.w_classifier))
+            stats = self.classifier.stats
+            if probe is not None:
+                stats = stats.with_device({f"{PROBE}{k}": v for k, v in probe.items()})
+            parts.append(("classifier", stats, loss.detach(), self.w_classifier))
         if self.instance is not None:
             loss = self.instance(emb, labels)
             total = total + self.w_instance * loss
