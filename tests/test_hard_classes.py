@@ -140,7 +140,7 @@ def test_the_probe_measures_the_sampled_gradient_against_the_full_softmax(ratio,
 
 
 def test_the_objective_probes_every_probe_every_steps():
-    """``loss.classifier.probe_every``: the probe's figures join the classifier's statistics on those steps
+    """``loss.classifier.probe_every``: on those steps the probe's figures join the classifier's statistics
     (MLflow: softmax/probe/...), and the metrics average them over the steps that have them."""
     from dmltrain.config import build_config
     from dmltrain.training.metrics import TrainMetrics, mlflow_names
@@ -152,6 +152,8 @@ def test_the_objective_probes_every_probe_every_steps():
     seen = []
     for step in range(3):
         x, y = _batch(30, 8, seed=step)
+        if obj.probe_due(step):  # as the trainer does, the probe's time aside
+            obj.probe(x, y, step)
         obj(x.requires_grad_(True), y, step=step).backward()
         stats = obj.device_stats
         seen.append("classifier/probe/grad_cos" in stats)

@@ -33,10 +33,11 @@ class Objective(nn.Module):
     floats; they are read from the device when ``stats`` is read, not during ``forward``
     (``device_stats``: the same without reading them).
 
-    With ``loss.classifier.probe_every`` N, every N-th step first probes the classifier on the same
-    batch (:meth:`~dmltrain.distributed.sharded_softmax.ShardedClassifier.probe`: the full softmax
-    against the sampled one, nothing updated) and adds ``classifier/probe/<stat>`` to that step's
-    statistics.
+    With ``loss.classifier.probe_every`` N, the trainer calls :meth:`probe` before every N-th step's
+    ``forward`` (:meth:`probe_due`; the probe's time kept out of the step's): the classifier's full
+    softmax against its sampled one on the same batch, nothing updated
+    (:meth:`~dmltrain.distributed.sharded_softmax.ShardedClassifier.probe`), added to that step's
+    statistics as ``classifier/probe/<stat>``.
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class Objective(nn.Module):
             else:
                 self.instance = GatheredInstanceLoss(loss, group=group, mode=i.mode)
         self._parts: list[tuple[str, dict[str, Any], Tensor, float]] = []
+        self._probe: tuple[int, dict[str, Tensor]] | None = None
 
     def forward(self, embeddings: Tensor, labels: Tensor, step: int) -> Tensor:
         # The losses run in fp32 whatever the engine's precision (bf16 logits at T = 0.05 lose the ranking).
@@ -96,15 +98,12 @@ class Objective(nn.Module):
         if self.classifier is not None:
             x = F.dropout(emb, self.classifier_dropout, self.training) if self.classifier_dropout else emb
             # the batch plan gives every worker the same local batch: no size exchange (no host read)
-            sizes = [x.shape[0]] * self.world_size
-            probe = None
-            if self.probe_every and step % self.probe_every == 0:  # what the subsampling costs this batch
-                probe = self.classifier.probe(x, labels, step, sizes)
-            loss = self.classifier(x, labels, step=step, sizes=sizes)
+            loss = self.classifier(x, labels, step=step, sizes=[x.shape[0]] * self.world_size)
             total = total + self.w_classifier * loss
             stats = self.classifier.stats
-            if probe is not None:
-                stats = stats.with_device({f"{PROBE}{k}": v for k, v in probe.items()})
+            if self._probe is not None and self._probe[0] == step:
+                stats = stats.with_device({f"{PROBE}{k}": v for k, v in self._probe[1].items()})
+            self._probe = None
             parts.append(("classifier", stats, loss.detach(), self.w_classifier))
         if self.instance is not None:
             loss = self.instance(emb, labels)
@@ -112,6 +111,17 @@ class Objective(nn.Module):
             parts.append(("instance", self.instance.stats, loss.detach(), self.w_instance))
         self._parts = parts
         return total
+
+    def probe_due(self, step: int) -> bool:
+        """Whether step ``step`` probes the classifier (every ``loss.classifier.probe_every`` steps)."""
+        return self.classifier is not None and self.probe_every > 0 and step % self.probe_every == 0
+
+    @torch.no_grad()
+    def probe(self, embeddings: Tensor, labels: Tensor, step: int) -> None:
+        """What class subsampling costs this batch's gradient (the full softmax against the sampled one,
+        nothing updated); the figures join the next ``forward`` of the same step as ``classifier/probe/``."""
+        x = embeddings.detach().float()
+        self._probe = (step, self.classifier.probe(x, labels, step, sizes=[x.shape[0]] * self.world_size))
 
     @property
     def terms(self) -> list[str]:
