@@ -114,7 +114,7 @@ def default_measures(ks: Sequence[int], gpu: bool = False) -> list[Measure]:
 def probe_measures() -> list[Measure]:
     """What the classifier's probe (``loss.classifier.probe_every``) adds: the cosine of the sampled and the full
     softmax's embedding gradients, its mean over training in the table and its history in ``grad_cos.png``."""
-    about = "cosine of the sampled and the full softmax's embedding gradient (the probe)"
+    about = "cosine of the sampled and the full softmax's embedding gradients (the probe)"
     return [
         Measure(
             "grad cos", "metric", PROBE_GRAD_COS, "mean", "grad_cos", digits=3, curve=True, ylim=(0, 1.02), about=about
@@ -610,7 +610,7 @@ def plot_curve(summary: StudySummary, measure: Measure, path: Path) -> Path | No
         data,
         path,
         measure.name,
-        f"{measure.about or measure.name} over training" + (f" (mean over {reps} seeds)" if reps > 1 else ""),
+        f"{measure.about or measure.name}\nover training" + (f", the mean over {reps} seeds" if reps > 1 else ""),
         run_colors(list(data)),
         ylim=measure.ylim,
     )

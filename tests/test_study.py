@@ -431,7 +431,7 @@ def test_sampling_modes_share_one_full_softmax_and_say_what_share_of_the_gap_the
     files = sr.write_outputs(summary)
     assert files["grad_cos.png"].read_bytes()[:8] == PNG and files["tradeoff.png"].read_bytes()[:8] == PNG
     assert (
-        "`grad_cos.png`: cosine of the sampled and the full softmax's embedding gradient (the probe) over training"
+        "`grad_cos.png`: cosine of the sampled and the full softmax's embedding gradients (the probe) over training"
         in files["study.md"].read_text()
     )
     rows = {r["point"]: r for r in csv.DictReader(files["study.csv"].open())}
