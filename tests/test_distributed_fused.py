@@ -59,6 +59,7 @@ CASES = {
         ("cosface bf16 sub", "cosface", {"scale": 16.0, "margin": 0.35}, "bf16", 0.5),
         ("softmax_ce fp32 sub det", "softmax_ce", {"smoothing": 0.1}, "fp32", 0.5),
         ("arcface fp32 det", "arcface", {"scale": 16.0, "margin": 0.5}, "fp32", 1.0),
+        ("normsoftmax fp32 sub hard", "normsoftmax", {"temperature": 0.1}, "fp32", 0.6),  # nearest classes drawn
     ],
     3: [
         ("normsoftmax fp32", "normsoftmax", {"temperature": 0.1}, "fp32", 1.0),
@@ -97,7 +98,9 @@ def _local(t: torch.Tensor, rank: int, W: int) -> torch.Tensor:
     return t[s : s + SPLITS[W][rank]].clone()
 
 
-def _classifier_case(rank, W, device, kind, params, precision, ratio, weight_storage="fp32", steps=1, det=False):
+def _classifier_case(
+    rank, W, device, kind, params, precision, ratio, weight_storage="fp32", steps=1, det=False, sampling="uniform"
+):
     """Loss and gradients of ``steps`` calls (gradients accumulated) against one float64 process."""
     from dmltrain.distributed import ShardedClassifier
     from dmltrain.distributed.collectives import all_gather_uneven
@@ -105,7 +108,7 @@ def _classifier_case(rank, W, device, kind, params, precision, ratio, weight_sto
     w_full, b_full = _full_params(kind)
     backend = "auto" if device == "cuda" else "triton"
     clf = ShardedClassifier(C, D, kind, sample_ratio=ratio, seed=3, precision=precision, weight_storage=weight_storage,
-                            backend=backend, deterministic=det, **params).to(device)  # fmt: skip
+                            backend=backend, deterministic=det, sampling=sampling, **params).to(device)  # fmt: skip
     clf.load_full_weight(w_full.to(device), None if b_full is None else b_full.to(device))
     losses, xs, actives = [], [], []
     for step in range(steps):
@@ -312,8 +315,10 @@ def _fused_world(rank, W, device):
             rank, W, device, "cosface", {"scale": 16.0, "margin": 0.35}, "bf16", 0.5, weight_storage="bf16"
         )
     for name, kind, params, precision, ratio in CASES[W]:
-        det = name.endswith(" det")
-        report["classifier"][name] = _classifier_case(rank, W, device, kind, params, precision, ratio, det=det)
+        det, sampling = name.endswith(" det"), "hard" if name.endswith(" hard") else "uniform"
+        report["classifier"][name] = _classifier_case(
+            rank, W, device, kind, params, precision, ratio, det=det, sampling=sampling
+        )
     report["classifier"]["arcface fp32 2 sub-centers, corrected (torch fallback)"] = _subcenter_fallback_case(
         rank, W, device
     )
