@@ -12,7 +12,10 @@ The algorithm, top to bottom in this file (:meth:`ShardedClassifier.forward`, th
    are all-gathered (uneven local batch sizes allowed); labels are global class ids.
 2. **Draw.** With ``sample_ratio < 1`` the shard takes its active rows from the step's class draw
    (:func:`~dmltrain.distributed.class_sampling.draw_active`: every class of the global batch plus
-   uniformly drawn others, ``round(ratio × C)`` in all, computed on the device).
+   uniformly drawn others, ``round(ratio × C)`` in all, computed on the device; with ``sampling``
+   ``hard`` or ``mixed`` all or part of the others are the classes nearest the batch's, from the
+   nearness index of :mod:`~dmltrain.distributed.class_index`, and with ``sampling_correction`` the
+   uniformly drawn ones carry their log-Q offsets).
 3. **Targets.** Each sample whose class this shard holds among its active rows gets its column
    (:func:`_targets`); its target logit, with the kind's margin (:mod:`~dmltrain.losses.kinds`),
    is computed on its (embedding, class row) pair and differentiated by autograd there
@@ -31,6 +34,11 @@ The algorithm, top to bottom in this file (:meth:`ShardedClassifier.forward`, th
    not drawn stay exactly zero) and returns its share of the gathered embeddings' gradient; the
    pair path adds the targets'; the gather's backward sums the shards' shares and hands each
    worker its own samples'.
+
+Sub-centers (``params.subcenters`` k > 1): k rows per class, a class's logit its best sub-center's;
+they, the log-Q offsets and dropped samples (``drop_after``) run the torch backend on every device.
+:meth:`ShardedClassifier.probe` compares a batch's sampled loss and embedding gradient with the full
+softmax's, writing nothing.
 
 No host sync. Nothing in a call reads a device value back, at any ratio: the draw, the targets,
 the label-smoothing weights (device scalars) and the gradient coefficient stay on the device.
