@@ -197,11 +197,17 @@ def test_trains_evaluates_logs_and_checkpoints(env, plain_run):
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config", "data", "plots", "model", "best_model"} <= artifacts
     assert any(a.path.endswith(".png") for a in client.list_artifacts(run.info.run_id, "plots"))
-    # the exported model evaluates through the CLI
+    # the exported model is the model the run evaluated: every rank evaluated rank 0's BatchNorm statistics
+    # (each worker's own differ: per-worker BatchNorm), the ones model.pt holds
+    from dmltrain.config import build_config
+    from dmltrain.evaluate.embedding import evaluate_model
     from dmltrain.models import load_model
 
     model, config, extra = load_model(Path(s.storage_dir) / "model" / "model.pt")
     assert extra["step"] == steps and config["train"]["run_name"] == "plain"
+    cfg = build_config(config)
+    metrics, _ = evaluate_model(model.eval(), cfg.data.shards, cfg.data.eval_splits, cfg.eval, cfg.data, progress=False)
+    assert metrics["recall@1"] == pytest.approx(s.metrics["final"]["recall@1"], abs=1e-9)
 
 
 def _registered_checkpoints(run_dir: Path) -> list[str]:
