@@ -15,6 +15,7 @@ stream and so still sees a truncation).
 from __future__ import annotations
 
 import io
+import json
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -77,6 +78,16 @@ def reencode(data: bytes, resize: int) -> bytes:
     return out.getvalue()
 
 
+def ingest_bytes(data: bytes, resize: int | None = None) -> tuple[bytes, str]:
+    """(bytes to store, member extension) for an image's bytes; raises SkipImage when unusable."""
+    if not data:
+        raise SkipImage("empty file")
+    ext, _size = check_image(data)
+    if resize is not None:
+        return reencode(data, resize), "jpg"
+    return data, ext
+
+
 def ingest_file(path: str, resize: int | None = None) -> tuple[bytes, str]:
     """(bytes to store, member extension) for the image file at ``path``; raises SkipImage when unusable."""
     try:
@@ -84,12 +95,33 @@ def ingest_file(path: str, resize: int | None = None) -> tuple[bytes, str]:
             data = f.read()
     except OSError as e:
         raise SkipImage(f"unreadable: {e.strerror or e}") from None
-    if not data:
-        raise SkipImage("empty file")
-    ext, _size = check_image(data)
-    if resize is not None:
-        return reencode(data, resize), "jpg"
-    return data, ext
+    return ingest_bytes(data, resize)
+
+
+# one Location per (folder URL, options) and process: an SDK client is slow to make (about 0.3 s for S3)
+_LOCATIONS: dict[tuple[str, str], Any] = {}
+
+
+def ingest_source(
+    path: str, resize: int | None = None, storage_options: dict[str, Any] | None = None
+) -> tuple[bytes, str]:
+    """:func:`ingest_file` for a local path, or the same for a URL (read whole, with the retries of
+    :mod:`shards.storage.location`, through ``storage_options``)."""
+    from shards.storage.location import Location, is_url
+
+    if not is_url(path):
+        return ingest_file(path, resize)
+    folder, name = path.rsplit("/", 1)
+    key = (folder, json.dumps(storage_options or {}, sort_keys=True, default=str))
+    if key not in _LOCATIONS:
+        _LOCATIONS[key] = Location(folder, storage_options)
+    try:
+        data = _LOCATIONS[key].read_bytes(name)
+    except FileNotFoundError:
+        raise SkipImage("unreadable: not found") from None
+    except OSError as e:
+        raise SkipImage(f"unreadable: {e}") from None
+    return ingest_bytes(data, resize)
 
 
 def load_or_skip(load: Callable[[Any], tuple[bytes, str]], arg: Any) -> tuple[bool, Any, str]:
