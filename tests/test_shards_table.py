@@ -194,9 +194,10 @@ def test_inshop_metrics_from_table_equal_those_from_the_layout(tmp_path):
     torch.manual_seed(0)
     model = build_model({"backbone": "small_cnn", "embedding_dim": 64})
     data = DataConfig(eval_resize=32, eval_crop=32, loader_workers=0, eval_batch_size=8)
-    cfg = EvalConfig(ks=[1, 2, 4], nmi=False)
+    cfg = EvalConfig(ks=[1, 2, 4], nmi=False, rerank="kr", rerank_params={"candidates": 6, "kr_k1": 3, "kr_k2": 2})
     got = [evaluate_model(model, str(tmp_path / d), ["query", "gallery"], cfg, data)[0] for d in "ab"]
     assert got[0] == got[1] and got[0]["num_queries"] == 8 and got[0]["gallery_size"] == 10
+    assert {f"rerank/recall@{k}" for k in (1, 2, 4)} <= set(got[0])  # the evaluation re-ranks as configured
     ma, mb = Manifest.load(tmp_path / "a"), Manifest.load(tmp_path / "b")
     for split in ("query", "gallery"):
         assert ma.split(split).classes == mb.split(split).classes
