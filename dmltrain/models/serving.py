@@ -76,8 +76,9 @@ def model_contract(
     ev = config.get("eval") if isinstance(config.get("eval"), dict) else {}
     crop, resize = int(data.get("eval_crop", 224)), int(data.get("eval_resize", 256))
     head = getattr(model, "head", None)
+    device = next(model.parameters()).device
     with torch.no_grad():
-        dim = int(model.eval()(torch.zeros(2, 3, crop, crop)).shape[1])
+        dim = int(model.eval()(torch.zeros(2, 3, crop, crop, device=device)).shape[1])
     from shards.decode.transforms import IMAGENET_MEAN, IMAGENET_STD
 
     return Contract(
@@ -296,3 +297,26 @@ class _Inference(nn.Module):
 
     def forward(self, images: Tensor) -> Tensor:
         return self.program(images)
+
+
+def load_embedder(path: str | os.PathLike[str], device: str = "cpu") -> tuple[nn.Module, Contract, list[Path]]:
+    """What embeds images for ``dmltrain embed`` and ``index query``: ``(module, contract, files)`` of a
+    ``model.pt`` (or a folder holding one; its contract derived from the run config it stores) or of an exported
+    file (:func:`load_exported`); ``files`` are what the module was read from (for checksums)."""
+    from dmltrain.models.export import load_model
+
+    path = Path(path)
+    if path.is_dir() and (path / "model.pt").is_file():
+        path = path / "model.pt"
+    exported = path.name.endswith(tuple(FORMATS.values())) or contract_path(path).is_file()
+    if exported:
+        module, contract = load_exported(path, device)
+        return module, contract, [path, contract_path(path)]
+    model, config, extra = load_model(path, map_location=device)
+    source = {"model_file": str(path), **{k: extra[k] for k in ("step",) if k in extra}}
+    return model, model_contract(model, config, fmt="model.pt", precision="fp32", file=path.name, source=source), [path]
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """SHA-256 of a file, read in 1 MiB pieces."""
+    return _sha256(Path(path))

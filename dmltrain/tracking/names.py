@@ -28,7 +28,9 @@ TUNE_STOPPED_TAG = "dmltrain.tune.stopped_early"  # a trial the scheduler stoppe
 TUNE_BEST_TRIAL_TAG = "dmltrain.tune.best_trial"  # on a search's parent run
 TUNE_BEST_RUN_TAG = "dmltrain.tune.best_run_id"
 TUNE_BEST_VALUE_PREFIX = "dmltrain.tune.best."  # dmltrain.tune.best.<key>: the best trial's sampled values
-SERVING_TAG_PREFIX = "dmltrain.serving."  # dmltrain.serving.<format>.<field>: an exported model's contract, on its logged model
+SERVING_TAG_PREFIX = (
+    "dmltrain.serving."  # dmltrain.serving.<format>.<field>: an exported model's contract, on its logged model
+)
 
 # -- metrics (MLflow keys) ---------------------------------------------------------------------------
 LOSS = "loss"  # the objective (weighted sum of the parts); the parts are classifier/loss, instance/loss

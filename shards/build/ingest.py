@@ -90,38 +90,45 @@ def ingest_bytes(data: bytes, resize: int | None = None) -> tuple[bytes, str]:
 
 def ingest_file(path: str, resize: int | None = None) -> tuple[bytes, str]:
     """(bytes to store, member extension) for the image file at ``path``; raises SkipImage when unusable."""
+    return ingest_bytes(_read_file(path), resize)
+
+
+def _read_file(path: str) -> bytes:
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            return f.read()
     except OSError as e:
         raise SkipImage(f"unreadable: {e.strerror or e}") from None
-    return ingest_bytes(data, resize)
 
 
 # one Location per (folder URL, options) and process: an SDK client is slow to make (about 0.3 s for S3)
 _LOCATIONS: dict[tuple[str, str], Any] = {}
 
 
-def ingest_source(
-    path: str, resize: int | None = None, storage_options: dict[str, Any] | None = None
-) -> tuple[bytes, str]:
-    """:func:`ingest_file` for a local path, or the same for a URL (read whole, with the retries of
-    :mod:`shards.storage.location`, through ``storage_options``)."""
+def read_source(path: str, storage_options: dict[str, Any] | None = None) -> bytes:
+    """The bytes of a local file or a URL (read whole, with the retries of :mod:`shards.storage.location`,
+    through ``storage_options``); SkipImage when it cannot be read."""
     from shards.storage.location import Location, is_url
 
     if not is_url(path):
-        return ingest_file(path, resize)
+        return _read_file(path)
     folder, name = path.rsplit("/", 1)
     key = (folder, json.dumps(storage_options or {}, sort_keys=True, default=str))
     if key not in _LOCATIONS:
         _LOCATIONS[key] = Location(folder, storage_options)
     try:
-        data = _LOCATIONS[key].read_bytes(name)
+        return _LOCATIONS[key].read_bytes(name)
     except FileNotFoundError:
         raise SkipImage("unreadable: not found") from None
     except OSError as e:
         raise SkipImage(f"unreadable: {e}") from None
-    return ingest_bytes(data, resize)
+
+
+def ingest_source(
+    path: str, resize: int | None = None, storage_options: dict[str, Any] | None = None
+) -> tuple[bytes, str]:
+    """:func:`ingest_file` for a local path or a URL (:func:`read_source`)."""
+    return ingest_bytes(read_source(path, storage_options), resize)
 
 
 def load_or_skip(load: Callable[[Any], tuple[bytes, str]], arg: Any) -> tuple[bool, Any, str]:
