@@ -63,8 +63,8 @@ def test_contract_round_trips_and_other_formats(tmp_path):
     x = torch.randn(5, 3, 32, 32)
     with torch.no_grad():
         want = net(x)
-    for fmt, name in (("pt2", "model.pt2"), ("torchscript", "model.torchscript.pt"), ("onnx", "half.onnx")):
-        result = export_model(net, cfg.to_dict(), fmt, tmp_path / name, fp16=fmt == "onnx", source={"run_name": "r"})
+    for fmt, name, fp16 in (("pt2", "model.pt2", False), ("torchscript", "half.pt", True)):
+        result = export_model(net, cfg.to_dict(), fmt, tmp_path / name, fp16=fp16, source={"run_name": "r"})
         runner, contract = load_exported(result.path)
         with torch.no_grad():
             diff = (runner(x) - want).abs().max().item()
@@ -73,7 +73,7 @@ def test_contract_round_trips_and_other_formats(tmp_path):
         assert Contract.from_json(data) == contract and Contract.from_json(data).to_json() == data
         assert contract.check["max_abs_diff"] == result.max_abs_diff and contract.source == {"run_name": "r"}
         assert [f.name for f in result.files] == sorted(f.name for f in tmp_path.iterdir() if f.name.startswith(name))
-    assert contract.precision == "fp16" and contract.check["tolerance"] == TOLERANCE["fp16"]
+    assert contract.precision == "fp16" and contract.check["tolerance"] == TOLERANCE["fp16"]  # the torchscript one
     data["model"].pop("sha256")
     from dmltrain.errors import UserError
 
@@ -94,16 +94,21 @@ def test_export_command(tmp_path, capsys, monkeypatch, mlflow_store):
     save_model(tmp_path / "runs/r1/best_model/model.pt", build_model(cfg.model), cfg.to_dict(), extra={"step": 3})
     uri = mlflow_store
     handle = RunHandle.open(uri, cfg.tracking.experiment, "r1", {})
-    assert main(["export", "runs/r1", "--tracking-uri", uri]) == 0
+    assert main(["export", "runs/r1", "--tracking-uri", uri, "--fp16"]) == 0
     out = capsys.readouterr().out
     assert "wrote runs/r1/best_model/model.onnx (onnx, opset" in out and "through onnxruntime" in out
+    contract = load_contract(tmp_path / "runs/r1/best_model/model.onnx")
+    assert contract.precision == "fp16" and contract.check["max_abs_diff"] <= TOLERANCE["fp16"]
+    x = np.random.default_rng(2).standard_normal((3, 3, 32, 32), dtype=np.float32)  # float32 in and out
+    session = onnxruntime.InferenceSession(str(tmp_path / "runs/r1/best_model/model.onnx"))
+    assert session.run(None, {"images": x})[0].dtype == np.float32
     client = MlflowClient(tracking_uri=uri)
     (logged,) = client.search_logged_models([client.get_run(handle.run_id).info.experiment_id])
     assert logged.name == "best_model" and logged.source_run_id == handle.run_id
     files = {f.path for f in client.list_logged_model_artifacts(logged.model_id, "serving/onnx")}
     assert files == {"serving/onnx/model.onnx", "serving/onnx/model.onnx.json"}
     assert logged.tags["dmltrain.serving.onnx.embedding_dim"] == "64"
-    assert load_contract(tmp_path / "runs/r1/best_model/model.onnx").source["step"] == 3
+    assert contract.source["step"] == 3 and contract.source["run_name"] == "r1"
     cases = [
         (["export", "runs/none"], 2, "runs/none: no such file or folder"),
         (["export", "runs/r1", "--format", "tflite"], 2, "--format: unknown format 'tflite'"),
