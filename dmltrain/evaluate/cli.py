@@ -3,8 +3,10 @@
     dmltrain eval runs/sop/best/model.pt --shards data/sop --binary --ks 1,10,100,1000
     dmltrain eval runs/inshop/model.pt --shards data/inshop --split query,gallery --save-embeddings emb/
     dmltrain eval - --embeddings emb/ --split query,gallery --out inshop.json
+    dmltrain eval runs/sop/best/model.pt --shards data/sop --rerank kr --rerank-param kr_k1=20
 
-Prints a table (values in %) and writes the metrics JSON atomically (fractions in [0, 1]).
+Prints a table (values in %; float, re-ranked with ``--rerank``, binary with ``--binary``) and writes the
+metrics JSON atomically (fractions in [0, 1]).
 Defaults for ``--ks``, ``--split``, ``--shards``, ``--batch-size`` come from the checkpoint's
 run config when it has them.
 
