@@ -196,8 +196,9 @@ def test_approximate_index_recall_against_exact(tmp_path, capsys, kind, mlflow_s
 
 def test_index_query_prints_ids_and_scores(setup, tmp_path, capsys):
     images = setup["table"].parent / "images"
-    assert embed(setup, tmp_path / "f", "--folder", str(images)) == 0
+    assert embed(setup, tmp_path / "f", "--folder", str(images), "--binary") == 0
     assert main(["index", "build", str(tmp_path / "f"), "--kind", "hnsw"]) == 0
+    assert main(["index", "build", str(tmp_path / "f"), "--kind", "flat", "--binary"]) == 0
     capsys.readouterr()
     assert (
         main(["index", "query", str(tmp_path / "f/index-hnsw"), "--images", str(images / "belt/1.jpg"), "--k", "3"])
@@ -214,6 +215,8 @@ def test_index_query_prints_ids_and_scores(setup, tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "query q.npy[1]" in out and "1. bag/1.jpg  cosine 1.0000  label bag" in out
+    assert main(["index", "query", str(tmp_path / "f/index-flat-binary"), "--images", str(images / "belt/1.jpg")]) == 0
+    assert "    1. belt/1.jpg  hamming 0  label belt" in capsys.readouterr().out  # the sign bits of its embedding
     for argv, message in [
         (["index", "query", str(tmp_path / "f/index-hnsw")], "give one of --images, --vectors or --rows"),
         (["index", "build", str(tmp_path / "f"), "--kind", "lsh"], "--kind: unknown index kind 'lsh'"),

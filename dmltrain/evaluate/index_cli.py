@@ -354,13 +354,14 @@ def _query(args: argparse.Namespace) -> int:
         names = [f"row {r} ({es.ids['id'][r]})" for r in rows]
     else:
         vectors, names = _embed_images(args, saved)
-    dim = saved.index.d // 8 if binary else saved.index.d
-    if vectors.ndim != 2 or vectors.shape[1] != dim:
-        raise UserError(f"{args.vectors or 'the queries'}: {vectors.shape[-1]}-d vectors, the index holds {dim}-d ones")
-    if binary and args.vectors is None and not args.rows:
+    if binary and vectors.dtype != np.uint8:  # float embeddings: their sign bits (packed codes pass as they are)
         from dmltrain.models.binary import pack_sign_bits
 
         vectors = pack_sign_bits(vectors)
+    dim = saved.index.d // 8 if binary else saved.index.d
+    if vectors.ndim != 2 or vectors.shape[1] != dim:
+        what = "bytes of codes" if binary else "dimensions"
+        raise UserError(f"{args.vectors or 'the queries'}: {vectors.shape[-1]} {what}, the index holds {dim}")
     k = min(args.k, saved.index.ntotal)
     scores, found = search(saved.index, vectors, k, binary)
     labels = saved.ids.get("label")
