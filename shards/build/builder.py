@@ -3,7 +3,9 @@
 Order inside a split: images grouped by class, classes in a seeded random order (the same
 seed gives the same shards), each class's images in index order. Labels are contiguous over
 the sorted original class ids of the split's label space. Images that cannot be read are
-skipped and listed in the manifest (``strict`` stops at the first one instead).
+skipped and listed in the manifest (``strict`` stops at the first one instead). A table's splits
+(``--layout table``) also get a rows file, ``<split>-rows.parquet`` (each written sample's path, class id and
+the table's other columns, by its index), published like a shard and listed in the manifest.
 
 The output may be a local folder or a URL (``s3://bucket/prefix``, ``gs://...``): shards are
 uploaded as they are finished (:mod:`shards.build.publish`). The manifest is written last and atomically:
@@ -356,7 +358,8 @@ def build_layout(
     resume: bool = False,
     storage_options: dict[str, Any] | None = None,
 ) -> BuildResult:
-    """``dmltrain shards build --layout NAME --root ROOT --out DIR``: shards from an official layout or a folder tree."""
+    """``dmltrain shards build --layout NAME --root ROOT --out DIR``: shards from an official layout, a folder tree,
+    or a table (``ROOT`` the CSV or Parquet file; its URLs are read with ``storage_options``)."""
     if resize is not None and resize < 8:
         raise UserError(f"--resize: must be at least 8 pixels, got {resize}")
     layout = read_layout(layout_name, root, storage_options)
