@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dmltrain.cli import main
-from dmltrain.config import load_config
+from dmltrain.config import backbone_input, load_config
 from dmltrain.models import build_model, save_model
 from dmltrain.models.contract import Contract, contract_path, load_contract
 from dmltrain.models.serving import TOLERANCE, export_model, load_exported
@@ -23,11 +23,17 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 FAMILIES = [
     pytest.param("small_cnn", {}, 32, id="small_cnn"),
     pytest.param("resnet18", {}, 32, id="resnet"),  # the ResNet family at a tiny input size
+    pytest.param("test_vit", {}, 32, id="timm_vit"),  # timm's tiny ViT: attention through SDPA, a class token
 ]
 
 
 def _config(backbone: str, side: int, **model):
-    overrides = [f"model.backbone={backbone}", "model.embedding_dim=64", f"data.eval_crop={side}"]
+    overrides = [
+        f"model.backbone={backbone}",
+        "model.embedding_dim=64",
+        f"data.eval_crop={side}",
+        f"data.image_size={side}",
+    ]
     overrides += [f"data.eval_resize={side + 4}", *(f"model.{k}={v}" for k, v in model.items())]
     return load_config(None, overrides)
 
@@ -54,6 +60,9 @@ def test_onnx_matches_pytorch_through_onnxruntime(tmp_path, backbone, model, sid
     assert c == result.contract and c.embedding_dim == 64 and c.crop == side and c.resize == side + 4
     opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
     assert c.normalized and c.format == "onnx" and c.opset == opset
+    # the backbone's own input normalization and resampling (timm's ViT: 0.5, 0.5; the others ImageNet's)
+    mean, std, interpolation = backbone_input(backbone)
+    assert (c.mean, c.std, c.interpolation) == (tuple(mean), tuple(std), interpolation)
 
 
 def test_contract_round_trips_and_other_formats(tmp_path):

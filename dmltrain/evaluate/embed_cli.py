@@ -110,10 +110,19 @@ def run(args: argparse.Namespace) -> int:
         "chunk_size": args.chunk_size,
         "binary": args.binary,
         "precision": args.precision,
-        "input": {"resize": contract.resize, "crop": contract.crop, "grayscale": contract.grayscale},
+        "input": {
+            "resize": contract.resize,
+            "crop": contract.crop,
+            "grayscale": contract.grayscale,
+            "interpolation": contract.interpolation,
+            "mean": list(contract.mean),
+            "std": list(contract.std),
+        },
     }
     writer = ChunkedWriter(args.out, plan, resume=args.resume, overwrite=args.overwrite)
-    transform = EvalTransform(contract.resize, contract.crop, grayscale=contract.grayscale)
+    transform = EvalTransform(
+        contract.resize, contract.crop, grayscale=contract.grayscale, interpolation=contract.interpolation
+    )
     n_chunks = -(-source.count // args.chunk_size)
     kept = sum(1 for c in range(n_chunks) if writer.done(c))
     where = f"{source.kind} {getattr(source, 'where', '')}{getattr(source, 'location', '')}".strip()
@@ -133,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             if writer.done(c):
                 bar.update(hi - lo)
                 continue
-            batches = source.batches(lo, hi, transform, args.batch_size, args.loader_workers)
+            batches = source.batches(lo, hi, transform, args.batch_size, args.loader_workers, contract.norm())
             emb, _, index = embed_batches(
                 model,
                 iter_counted(batches, bar),

@@ -390,7 +390,9 @@ def _embed_images(args: argparse.Namespace, saved: Any) -> tuple[Any, list[str]]
     if not model_path or not Path(model_path).exists():
         raise UserError(f"--model: needed (the set's model {model_path or '(none recorded)'} is not there)")
     model, contract, _ = load_embedder(model_path, args.device)
-    transform = EvalTransform(contract.resize, contract.crop, grayscale=contract.grayscale)
+    transform = EvalTransform(
+        contract.resize, contract.crop, grayscale=contract.grayscale, interpolation=contract.interpolation
+    )
     arrays = []
     for image in args.images:
         try:
@@ -399,7 +401,7 @@ def _embed_images(args: argparse.Namespace, saved: Any) -> tuple[Any, list[str]]
             raise UserError(f"{image}: {e}") from None
         except Exception as e:  # noqa: BLE001 — PIL raises many types for a file that is not an image
             raise UserError(f"{image}: not an image PIL can read ({type(e).__name__})") from None
-    images = normalize_batch(torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous())
+    images = normalize_batch(torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous(), norm=contract.norm())
     model.eval()
     with torch.no_grad():
         emb = model(images.to(args.device)).float().cpu().numpy()

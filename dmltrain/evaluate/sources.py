@@ -17,6 +17,7 @@ source's own columns:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from dmltrain.errors import UserError
-from shards.decode.transforms import EvalTransform, normalize_batch
+from shards.decode.transforms import EvalTransform, PixelNorm, normalize_batch
 
 # what --folder takes for an image (PIL opens more; these are the usual photo formats)
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif", ".ppm"})
@@ -74,7 +75,7 @@ class ShardSource(Source):
             "sha256": digest,
         }
 
-    def batches(self, lo, hi, transform, batch_size, loader_workers):
+    def batches(self, lo, hi, transform, batch_size, loader_workers, norm):
         from shards.read.stream import eval_batches
 
         return eval_batches(
@@ -86,6 +87,8 @@ class ShardSource(Source):
             resize=transform.resize,
             crop=transform.crop,
             grayscale=transform.grayscale,
+            interpolation=transform.interpolation,
+            norm=norm,
             loader_workers=loader_workers,
             samples=(lo, hi),
         )
@@ -134,13 +137,13 @@ class FileSource(Source):
         h = hashlib.sha256("\n".join(self.paths).encode()).hexdigest()
         return {"kind": self.kind, "where": self.where, "count": self.count, "paths_sha256": h}
 
-    def batches(self, lo, hi, transform, batch_size, loader_workers):
+    def batches(self, lo, hi, transform, batch_size, loader_workers, norm):
         dataset = _FileImages(self.paths, transform, self.storage_options)
         loader = torch.utils.data.DataLoader(
             torch.utils.data.Subset(dataset, range(lo, hi)),
             batch_size=batch_size,
             num_workers=loader_workers,
-            collate_fn=_collate,
+            collate_fn=functools.partial(_collate, norm=norm),
         )
         return loader
 
@@ -171,14 +174,17 @@ class _FileImages(torch.utils.data.Dataset):
             return None, i
 
 
-def _collate(items: list[tuple[np.ndarray | None, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A batch of the readable images, normalized (the unreadable ones left out: their positions are absent)."""
+def _collate(
+    items: list[tuple[np.ndarray | None, int]], norm: PixelNorm
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch of the readable images, normalized by ``norm`` (the unreadable ones left out: their positions are
+    absent)."""
     good = [(a, i) for a, i in items if a is not None]
     index = torch.tensor([i for _, i in good], dtype=torch.int64)
     if not good:
         return torch.zeros((0, 3, 1, 1)), torch.full((0,), -1), index
     images = torch.from_numpy(np.stack([a for a, _ in good])).permute(0, 3, 1, 2).contiguous()
-    return normalize_batch(images), torch.full((len(good),), -1), index
+    return normalize_batch(images, norm=norm), torch.full((len(good),), -1), index
 
 
 def table_source(

@@ -4,9 +4,11 @@ A serving stack that runs the exported file (``model.onnx``, ``model.pt2``, ``mo
 ``<file>.json`` to prepare images as training's evaluation did and to compare what comes out:
 
 * input: ``images``, float32, ``N × 3 × crop × crop`` (NCHW, RGB; any N): decode as RGB, resize the shorter
-  side to ``resize`` (bilinear, antialiased), centre-crop ``crop × crop``, then per channel
-  ``(pixel / 255 - mean) / std``; with ``grayscale`` 1 or 3 the luminance (ITU-R 601-2) is repeated on the
-  three channels first (:class:`shards.decode.transforms.EvalTransform` and ``normalize_batch`` do exactly this);
+  side to ``resize`` (``interpolation``: bilinear or bicubic, antialiased as Pillow's), centre-crop
+  ``crop × crop``, then per channel ``(pixel / 255 - mean) / std`` (the backbone's own ``mean`` and ``std``:
+  ImageNet's for the torchvision networks, timm's pretrained config for a timm model); with ``grayscale``
+  1 or 3 the luminance (ITU-R 601-2) is repeated on the three channels first
+  (:class:`shards.decode.transforms.EvalTransform` and ``normalize_batch`` do exactly this);
 * output: ``embedding``, float32, ``N × dim``; ``normalized`` says whether rows come L2-normalized
   (compare by dot product, which is then the cosine; otherwise normalize first);
 * binary: ``binarizable`` when the sign bits carry information (a centred head), ``binary`` when the run
@@ -29,6 +31,7 @@ from typing import Any
 
 from dmltrain.errors import UserError
 from dmltrain.fileio import write_json
+from shards.decode.transforms import PixelNorm
 
 FORMAT = "dmltrain.serving-contract"
 VERSION = 1
@@ -60,6 +63,7 @@ class Contract:
     grayscale: int = 0
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    interpolation: str = "bilinear"
     opset: int | None = None
     input_name: str = "images"
     output_name: str = "embedding"
@@ -85,13 +89,13 @@ class Contract:
                 "channel_order": "RGB",
                 "resize": self.resize,
                 "crop": self.crop,
-                "interpolation": "bilinear, antialiased",
+                "interpolation": f"{self.interpolation}, antialiased",
                 "grayscale": self.grayscale,
                 "scale": 1 / 255,
                 "mean": list(self.mean),
                 "std": list(self.std),
                 "recipe": f"decode as RGB{'' if not self.grayscale else ', convert to luminance and repeat it on 3 channels'}; "
-                f"resize the shorter side to {self.resize}; centre-crop {self.crop}×{self.crop}; "
+                f"resize the shorter side to {self.resize} ({self.interpolation}); centre-crop {self.crop}×{self.crop}; "
                 "x = (pixel / 255 - mean) / std per channel",
             },
             "output": {
@@ -128,6 +132,7 @@ class Contract:
                 grayscale=int(i["grayscale"]),
                 mean=tuple(float(v) for v in i["mean"]),  # type: ignore[arg-type]
                 std=tuple(float(v) for v in i["std"]),  # type: ignore[arg-type]
+                interpolation=str(i.get("interpolation", "bilinear")).split(",")[0].strip(),
                 input_name=str(i["name"]),
                 output_name=str(o["name"]),
                 embedding_dim=int(o["dim"]),
@@ -141,6 +146,10 @@ class Contract:
             raise UserError(f"{where}: missing key {e}") from None
         except (TypeError, ValueError) as e:
             raise UserError(f"{where}: malformed contract ({e})") from None
+
+    def norm(self) -> PixelNorm:
+        """The input normalization as the data pipeline applies it."""
+        return PixelNorm.of(self.mean, self.std)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         write_json(path, self.to_json())

@@ -79,8 +79,10 @@ def model_contract(
     device = next(model.parameters()).device
     with torch.no_grad():
         dim = int(model.eval()(torch.zeros(2, 3, crop, crop, device=device)).shape[1])
-    from shards.decode.transforms import IMAGENET_MEAN, IMAGENET_STD
+    from dmltrain.models.export import input_spec
 
+    # what the model expects of its images: as loaded (model.input_spec), else from the run's config and backbone
+    spec = getattr(model, "input_spec", None) or input_spec(config, config.get("model") or {})
     return Contract(
         file=file,
         format=fmt,
@@ -89,8 +91,9 @@ def model_contract(
         crop=crop,
         resize=resize,
         grayscale=int((data.get("augment") or {}).get("grayscale", 0)),
-        mean=IMAGENET_MEAN,
-        std=IMAGENET_STD,
+        mean=tuple(float(v) for v in spec["mean"]),
+        std=tuple(float(v) for v in spec["std"]),
+        interpolation=str(spec["interpolation"]),
         embedding_dim=dim,
         normalized=bool(getattr(model, "normalized", False)),
         binarizable=bool(getattr(head, "centred", False)),
