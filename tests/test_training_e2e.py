@@ -485,7 +485,7 @@ def test_a_killed_driver_is_resumed_by_config_in_the_same_mlflow_run(env, tmp_pa
     assert f"run {name}: MLflow run " in log.read_text()  # the name and run id, printed before the workers started
     client, runs = _runs(root, name)
     assert len(runs) == 1 and runs[0].info.status == "RUNNING"  # what a killed driver leaves behind
-    logged = [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")]
+    logged = [m.step for m in client.get_metric_history(runs[0].info.run_id, "batch/loss")]
     assert logged == [1, 2, 3], logged  # released after their driver died, its workers logged no step 4
     saved = latest_checkpoint_step(run_dir)
     assert saved == 2
