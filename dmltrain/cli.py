@@ -29,6 +29,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("cluster.tune.cli", "search hyperparameters with Ray Tune (ASHA), trials logged as MLflow child runs"),
     "study": ("cluster.study", "run class-subsampling scalability studies (accuracy, speed, memory vs ratio)"),
     "report": ("dmltrain.report.cli", "compare MLflow runs in a Markdown and HTML report"),
+    "export": (
+        "dmltrain.models.cli",
+        "export a trained model as ONNX, TorchScript or pt2 with its preprocessing contract, checked against PyTorch",
+    ),
+    "embed": ("dmltrain.evaluate.embed_cli", "embed a gallery (shards, a table or a folder of images), resumably"),
+    "index": ("dmltrain.evaluate.index_cli", "build, evaluate and query a faiss index of embeddings"),
     "bench": ("dmltrain.bench", "benchmarks: input pipeline, losses, sharded classifier, evaluation"),
     "doctor": (
         "dmltrain.doctor",

@@ -345,6 +345,28 @@ class TrainConfig(Section):
         return self
 
 
+class RerankParams(Section):
+    """Parameters of ``eval.rerank`` (:mod:`dmltrain.evaluate.rerank`)."""
+
+    candidates: int = Field(100, ge=2, le=10000, description="each query's top candidates that are re-ranked")
+    qe_k: int = Field(2, ge=1, description="qe: nearest candidates averaged into the query")
+    qe_alpha: float = Field(
+        0.0, ge=0.0, description="qe: 0 averages them (AQE); α > 0 weights each by its cosine to the power α (αQE)"
+    )
+    kr_k1: int = Field(20, ge=1, description="kr: k1, the k of the k-reciprocal neighbours")
+    kr_k2: int = Field(6, ge=1, description="kr: k2, neighbours of the local query expansion (1: none)")
+    kr_lambda: float = Field(0.3, ge=0.0, le=1.0, description="kr: weight of the original distance in the final one")
+
+    @model_validator(mode="after")
+    def _check(self) -> RerankParams:
+        for key in ("qe_k", "kr_k1", "kr_k2"):
+            if getattr(self, key) > self.candidates + (key == "kr_k2"):
+                raise ValueError(
+                    f"eval.rerank_params.{key}: {getattr(self, key)} exceeds the {self.candidates} candidates"
+                )
+        return self
+
+
 class EvalConfig(Section):
     every: int = Field(1, ge=0, description="evaluate every N units (0: only at the end)")
     unit: Literal["epoch", "step"] = "epoch"
@@ -367,6 +389,13 @@ class EvalConfig(Section):
         description="GPUs of an asynchronous evaluation task (0: it evaluates on the CPU; a GPU that training leaves free, or the task waits)",
     )
 
+    rerank: Literal["none", "qe", "kr"] = Field(
+        "none",
+        description="re-rank each query's top candidates after the exact search: qe (query expansion) or kr "
+        "(k-reciprocal); reported as rerank/<metric> next to the plain metrics",
+    )
+    rerank_params: RerankParams = Field(default_factory=RerankParams)
+
     @field_validator("ks")
     @classmethod
     def _ks(cls, v: list[int]) -> list[int]:
@@ -379,8 +408,11 @@ class EvalConfig(Section):
         names = [f"recall@{k}" for k in self.ks]
         if self.map_at_r:
             names += ["map@r", "r_precision"]
+        plain = list(names)
         if self.binary:
-            names += [f"binary/{n}" for n in names]
+            names += [f"binary/{n}" for n in plain]
+        if self.rerank != "none":
+            names += [f"rerank/{n}" for n in plain]
         if self.nmi:
             names.append("nmi")
         return names

@@ -25,7 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Images are grouped by class, classes in a seeded random order; unreadable images are skipped and listed.",
     )
     b.add_argument("--layout", required=True, choices=LAYOUTS, help="dataset layout of --root (synthetic: generated)")
-    b.add_argument("--root", help="dataset root (the folder holding the index files); not for synthetic")
+    b.add_argument(
+        "--root",
+        help="dataset root (the folder holding the index files); for table the CSV or Parquet file (columns path, "
+        "label, split, optional is_query/is_gallery; a path or a URL); not for synthetic",
+    )
     b.add_argument(
         "--out",
         required=True,
@@ -165,6 +169,10 @@ def _build(args: argparse.Namespace) -> int:
             follow_symlinks=args.follow_symlinks,
         )
     print("\n".join(result.summary_lines()))
+    if {"query", "gallery"} <= set(result.splits):
+        print(
+            "evaluate query→gallery: data.eval_splits=[query,gallery] in the run config, --split query,gallery for eval"
+        )
     return 0
 
 

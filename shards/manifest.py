@@ -14,6 +14,11 @@ Optional, per split: ``families`` (the family id of every label: classes of a fa
 class families are) and ``noisy_labels`` (``{"index": [...], "clean_label": [...]}``: the samples whose label
 was deliberately changed, by their index in the split, with their true label; synthetic label noise).
 
+A split built from a table (``--layout table``) also lists its *rows file* under ``rows``
+(``file``, ``bytes``, ``sha256``, ``columns``): ``<split>-rows.parquet``, one row per sample by its
+index (``index``, ``path``, ``class_id`` and the table's other ``columns``), verified like a shard
+and read with :meth:`Manifest.rows`.
+
 The folder may be a URL (:mod:`shards.storage.location`): the manifest is then fetched, and shard file names
 stay confined to the URL's prefix as they do to a local folder. In a local folder a shard must be a regular
 file of the folder itself: a symbolic link (which could point anywhere) is refused when the manifest is
@@ -106,6 +111,8 @@ class SplitInfo:
     families: list[int] | None = None  # family id of each label; None: the build recorded no families
     # split index -> true label, for the samples whose label was deliberately made wrong (label noise)
     clean_labels: dict[int, int] = field(default_factory=dict)
+    rows: ShardInfo | None = None  # a table's rows file (no samples or groups of its own); None for other layouts
+    columns: list[str] = field(default_factory=list)  # the table's columns beyond path, label, split
 
     @property
     def bytes(self) -> int:
@@ -158,6 +165,18 @@ class Manifest:
                     )
                     _check_shard(info_sh, num_labels, where)
                     shards.append(info_sh)
+                rows, columns = None, []
+                if s.get("rows") is not None:
+                    where = f"splits.{name}.rows"
+                    r = s["rows"]
+                    file = _shard_file(r["file"], where)
+                    if file in files:
+                        raise ValueError(f"{where}.file: {file!r} is also listed at {files[file]}")
+                    files[file] = where
+                    url = self.location.url(file) if self.location.remote else str(self.root / file)
+                    rows = ShardInfo(file, 0, int(r["bytes"]), str(r["sha256"]), [], url)  # a file of rows, no samples
+                    _check_shard(rows, num_labels, where)
+                    columns = [str(c) for c in r.get("columns", [])]
                 info = SplitInfo(
                     name=name,
                     num_images=int(s["num_images"]),
@@ -171,6 +190,8 @@ class Manifest:
                     location=self.location,
                     families=[int(f) for f in s["families"]] if s.get("families") is not None else None,
                     clean_labels=_clean_labels(s.get("noisy_labels"), f"splits.{name}"),
+                    rows=rows,
+                    columns=columns,
                 )
                 _check_labels(info)
                 if (
@@ -250,6 +271,27 @@ class Manifest:
             raise UserError(f"{self.path}: no split {name!r} (it has {', '.join(self._splits) or 'none'})")
         return self._splits[name]
 
+    def rows(self, split: str) -> dict[str, list[Any]] | None:
+        """The rows file of ``split`` (a table's: ``index``, ``path``, ``class_id`` and its other columns) as
+        ``{column: values}`` in sample-index order; None when the split has none (layouts other than table)."""
+        info = self.split(split)
+        if info.rows is None:
+            return None
+        import io
+
+        import pyarrow.parquet as pq
+
+        try:
+            raw = self.location.read_bytes(info.rows.file)
+            table = pq.read_table(io.BytesIO(raw))
+        except Exception as e:  # noqa: BLE001 — missing file, truncated or foreign Parquet: one line either way
+            raise UserError(f"{info.rows.url}: unreadable rows file ({type(e).__name__}: {e})") from None
+        cols = table.to_pydict()
+        order = sorted(range(len(cols.get("index", []))), key=cols["index"].__getitem__) if "index" in cols else []
+        if len(order) != info.num_images:
+            raise UserError(f"{info.rows.url}: {len(order)} rows for the split's {info.num_images} samples")
+        return {k: [v[i] for i in order] for k, v in cols.items()}
+
     def summary(self) -> dict[str, Any]:
         """A JSON-ready digest: layout, source, options, and per split the images, classes, shards, bytes, skipped;
         redacted (:func:`dmltrain.redact.redact`), as it is printed and logged."""
@@ -269,6 +311,7 @@ class Manifest:
                         "shards": len(s.shards),
                         "bytes": s.bytes,
                         "skipped": len(s.skipped),
+                        **({"columns": s.columns} if s.rows is not None else {}),
                     }
                     for name, s in self._splits.items()
                 },
@@ -278,7 +321,7 @@ class Manifest:
     def verify(self, progress: bool = False, stats: IOStats | None = None) -> list[str]:
         """Re-hash every shard (a remote one streamed by ranged GETs); one problem line per missing, resized or
         altered shard (empty: all good). ``stats`` counts the remote requests and retries."""
-        shards = [sh for s in self._splits.values() for sh in s.shards]
+        shards = [sh for s in self._splits.values() for sh in [*s.shards, *([s.rows] if s.rows else [])]]
         bar = None
         if progress:
             from tqdm import tqdm

@@ -57,3 +57,10 @@ def read_only_dir(tmp_path):
         d.chmod(0o555)
         yield d
         d.chmod(0o755)
+
+
+@pytest.fixture(scope="session")
+def mlflow_store(tmp_path_factory) -> str:
+    """The URI of one SQLite MLflow store for the session (creating a store runs MLflow's migrations, about 7 s on
+    the 2-core machine); each test that uses it keeps to an experiment of its own."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"

@@ -212,6 +212,46 @@ def make_folder_shared_class(root: Path) -> Fixture:
     return make_folder_tree(root, {"train": {"apple": 2, "banana": 2}, "test": {"banana": 2, "cherry": 2}})
 
 
+def make_table(root: Path, fmt: str = "csv", *, inshop: bool = True) -> tuple[Path, Fixture]:
+    """A table of images (``table.csv`` or ``table.parquet``) with columns path, label, split, is_query, is_gallery
+    and two extras (``sku`` text, ``price`` numbers); the images live under ``root/images/<label>/`` and are
+    listed by relative paths, except the first image of each split, listed by its absolute path.
+
+    Train labels ``shoe``, ``bag``, ``hat`` (3 images each); test labels ``sock``, ``belt``, ``scarf``: with
+    ``inshop`` the first image of each test label is a query and the others gallery items (``scarf``'s 2 images
+    are both gallery: a distractor), else every test row is both (self-retrieval). The Parquet file stores the
+    flags as booleans, the price as floats (empty on train rows), the label as text.
+    """
+    fx = Fixture(root, classes={"train": {}, "query": {}, "gallery": {}} if inshop else {"train": {}, "test": {}})
+    rows = []
+    plan = [("train", "shoe", 3), ("train", "bag", 3), ("train", "hat", 3)]
+    plan += [("test", "sock", 3), ("test", "belt", 3), ("test", "scarf", 2)]
+    first = {"train": True, "test": True}
+    for ci, (split, label, count) in enumerate(plan):
+        for k in range(count):
+            rel = f"images/{label}/{k}.jpg"
+            save(class_image(70 + 3 * ci, k, (36, 30)), root / rel)
+            query = split == "test" and (not inshop or (k == 0 and label != "scarf"))
+            gallery = split == "test" and (not inshop or not query)
+            path = str((root / rel).resolve()) if first[split] else rel
+            first[split] = False
+            rows.append((path, label, split, query, gallery, f"sku-{label}-{k}", None if split == "train" else 9.5 + k))
+            key = split if not inshop or split == "train" else ("query" if query else "gallery")
+            fx.classes[key][label] = fx.classes[key].get(label, 0) + 1
+    import pandas as pd
+
+    frame = pd.DataFrame(rows, columns=["path", "label", "split", "is_query", "is_gallery", "sku", "price"])
+    if fmt == "csv":
+        table = root / "table.csv"
+        frame.assign(
+            is_query=frame.is_query.map({True: "1", False: "0"}), is_gallery=frame.is_gallery.astype(str)
+        ).to_csv(table, index=False)
+    else:
+        table = root / "table.parquet"
+        frame.to_parquet(table, index=False)
+    return table, fx
+
+
 MAKERS = {"sop": make_sop, "cub": make_cub, "cars": make_cars, "inshop": make_inshop, "folder": make_folder}
 
 

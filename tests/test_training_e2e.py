@@ -197,11 +197,17 @@ def test_trains_evaluates_logs_and_checkpoints(env, plain_run):
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config", "data", "plots", "model", "best_model"} <= artifacts
     assert any(a.path.endswith(".png") for a in client.list_artifacts(run.info.run_id, "plots"))
-    # the exported model evaluates through the CLI
+    # the exported model is the model the run evaluated: every rank evaluated rank 0's BatchNorm statistics
+    # (each worker's own differ: per-worker BatchNorm), the ones model.pt holds
+    from dmltrain.config import build_config
+    from dmltrain.evaluate.embedding import evaluate_model
     from dmltrain.models import load_model
 
     model, config, extra = load_model(Path(s.storage_dir) / "model" / "model.pt")
     assert extra["step"] == steps and config["train"]["run_name"] == "plain"
+    cfg = build_config(config)
+    metrics, _ = evaluate_model(model.eval(), cfg.data.shards, cfg.data.eval_splits, cfg.eval, cfg.data, progress=False)
+    assert metrics["recall@1"] == pytest.approx(s.metrics["final"]["recall@1"], abs=1e-9)
 
 
 def _registered_checkpoints(run_dir: Path) -> list[str]:
@@ -487,7 +493,7 @@ def test_a_killed_driver_is_resumed_by_config_in_the_same_mlflow_run(env, tmp_pa
     assert f"run {name}: MLflow run " in log.read_text()  # the name and run id, printed before the workers started
     client, runs = _runs(root, name)
     assert len(runs) == 1 and runs[0].info.status == "RUNNING"  # what a killed driver leaves behind
-    logged = [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")]
+    logged = [m.step for m in client.get_metric_history(runs[0].info.run_id, "batch/loss")]
     assert logged == [1, 2, 3], logged  # released after their driver died, its workers logged no step 4
     saved = latest_checkpoint_step(run_dir)
     assert saved == 2

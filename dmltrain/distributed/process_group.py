@@ -8,6 +8,9 @@
 * :func:`broadcast_params` and :func:`average_grads` keep replicated parameters (the proxies
   of a proxy instance loss, trained on every worker outside DeepSpeed) bit-identical: equal
   at the start, then stepped with the same averaged gradient.
+* :func:`broadcast_buffers` gives every rank rank 0's buffers (BatchNorm's running statistics,
+  which each worker updates from its own batches), as DDP does, so that a model every rank
+  evaluates is the one model rank 0 saves.
 
 Every function is a no-op in a group of one, so the same code runs in one process.
 """
@@ -57,6 +60,15 @@ def broadcast_params(params: Iterable[torch.nn.Parameter], group: dist.ProcessGr
     src = dist.get_global_rank(group, 0) if group is not None else 0
     for p in params:
         dist.broadcast(p.data, src=src, group=group)
+
+
+def broadcast_buffers(module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Overwrite every rank's buffers of ``module`` (running means and variances, batch counts) with rank 0's."""
+    if group_rank_size(group)[1] == 1:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for b in module.buffers():
+        dist.broadcast(b.data, src=src, group=group)
 
 
 def average_grads(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None = None) -> None:

@@ -11,8 +11,12 @@ the primitive behind every metric), :mod:`.hamming` (binary score blocks on the 
 Triton kernels of the GPU: rank counting, popcount), :mod:`.inputs` (checks of embeddings
 and labels), :mod:`.clustering` (k-means NMI) and :mod:`.kmeans` (k-means in torch),
 :mod:`.embedding` (embedding a model's batches, gathering to rank 0, evaluating a model on
-shards), :mod:`.store` (saved embeddings), :mod:`.plots` (Recall@K curves, 2-D maps),
-:mod:`.cli` (``dmltrain eval``), :mod:`.bench` (``dmltrain bench eval``).
+shards), :mod:`.rerank` (query expansion and k-reciprocal re-ranking of each query's top
+candidates), :mod:`.store` (saved embeddings), :mod:`.plots` (Recall@K curves, 2-D maps),
+:mod:`.cli` (``dmltrain eval``), :mod:`.bench` (``dmltrain bench eval``); for serving,
+:mod:`.sources` (shards, tables and folders of images), :mod:`.embedding_set` (``dmltrain embed``'s
+output, written chunk by chunk), :mod:`.embed_cli` (``dmltrain embed``), :mod:`.index` (faiss
+indexes and their recall against the exact search) and :mod:`.index_cli` (``dmltrain index``).
 
 Names are imported on first use, so ``dmltrain eval --help`` stays fast.
 """

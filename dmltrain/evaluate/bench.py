@@ -10,7 +10,15 @@ times, in one run on the same machine and device (``--device``):
    both computing Recall@K + MAP@R + R-precision; on CUDA both binary engines (``mma``: int8
    tensor-core GEMM of ±1 codes; ``popcount``: the Triton XOR + popcount kernel);
 5. optionally (``--faiss-peer``) faiss ``IndexFlatIP.search`` with k = max K, the peer the
-   GEMM + rank-counting design replaced.
+   GEMM + rank-counting design replaced;
+6. the approximate indexes of ``dmltrain index`` (``--index``, default ``ivf-pq,hnsw``, their default
+   parameters): build time, query time per query and Recall@1 against the exact search (and 10-recall@10)
+   for ``--index-queries`` held-out vectors, and the index's size, next to the exact search of the same
+   queries (:func:`~dmltrain.evaluate.knn.knn`); faiss's threads as torch's. The data
+   (``--index-data``): ``structured`` (default), class centres and within-class spread in a random
+   64-dimensional subspace plus a little isotropic noise, as trained embeddings concentrate near a
+   low-dimensional set; or ``isotropic``, the metrics' data above, whose 512 independent noise dimensions
+   leave every point nearly equidistant: the worst case of any approximate search.
 
 Contenders alternate over the same query chunks (``--chunks``; default 8 on the CPU, 1 on a
 GPU): chunk 1 for the GEMM, then for Recall, then for Recall + MAP@R, chunk 2 for each, and
@@ -56,6 +64,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON (make gpu-check reads them)")
+    parser.add_argument(
+        "--index", default="ivf-pq,hnsw", help="approximate indexes to time against the exact search ('' for none)"
+    )
+    parser.add_argument("--index-queries", type=int, default=1000, help="held-out queries of the index timings")
+    parser.add_argument("--index-only", action="store_true", help="only the index timings")
+    parser.add_argument(
+        "--index-data",
+        default="structured",
+        choices=["structured", "isotropic"],
+        help="the index timings' embeddings: structured (intrinsic dim 64, default) or isotropic (the metrics' data)",
+    )
 
 
 def _data(n: int, dim: int, classes: int, seed: int):
@@ -72,6 +91,62 @@ def _data(n: int, dim: int, classes: int, seed: int):
     emb = centers[labels]
     emb += 2.5 * (dim / 512) ** 0.25 * rng.standard_normal((n, dim), dtype=np.float32)
     return emb, labels
+
+
+def _structured_data(n: int, dim: int, classes: int, seed: int, intrinsic: int = 64):
+    """Labels as :func:`_data`; each embedding a class centre plus within-class spread (std 0.9 against the
+    centres' 1) in a random ``intrinsic``-dimensional subspace, plus isotropic noise of std 0.1: nearest
+    neighbours are mostly class-mates (Recall@1 about 0.9 on 3,000 of them), as with trained embeddings."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    labels = np.concatenate(
+        [np.arange(classes), np.arange(classes), rng.integers(0, classes, max(n - 2 * classes, 0))]
+    )[:n]
+    rng.shuffle(labels)
+    r = min(intrinsic, dim)
+    basis = np.linalg.qr(rng.standard_normal((dim, r)))[0].astype(np.float32)
+    z = rng.standard_normal((classes, r), dtype=np.float32)[labels] + 0.9 * rng.standard_normal(
+        (n, r), dtype=np.float32
+    )
+    return z @ basis.T + 0.1 * rng.standard_normal((n, dim), dtype=np.float32), labels
+
+
+def _index_bench(emb, kinds: list[str], n_queries: int, seed: int, threads: int, say) -> str:
+    """Each index kind against the exact search on ``n_queries`` held-out rows of ``emb``: build and query time,
+    Recall@1 vs exact, 10-recall@10, size. Returns the summary's part."""
+    import faiss
+    import numpy as np
+
+    from dmltrain.evaluate.index import IndexParams, build, index_bytes, recall_vs_exact, search
+    from dmltrain.evaluate.knn import knn
+
+    faiss.omp_set_num_threads(threads)
+    rng = np.random.default_rng(seed + 7)
+    held = np.sort(rng.choice(len(emb), n_queries, replace=False))
+    q, g = emb[held], np.delete(emb, held, axis=0)
+    t_exact, (_, exact) = _timed(lambda: knn(q, g, 10, device="cpu"))
+    say(
+        f"  exact search (knn), {len(q)} queries over {len(g):,}   {1000 * t_exact / len(q):8.3f} ms/query   "
+        f"(the reference)"
+    )
+    parts = []
+    for kind in kinds:
+        p = IndexParams(kind=kind, seed=seed).resolved(len(g), g.shape[1])
+        index, t_build = build(g, p)
+        t_query, (_, approx) = _timed(lambda index=index: search(index, q, 10, False))
+        rec = recall_vs_exact(approx, exact, [1, 10])
+        size = index_bytes(index)
+        shown = {
+            "ivf-pq": f"IVF{p.nlist},PQ{p.m}x{p.nbits} nprobe {p.nprobe}",
+            "hnsw": f"M {p.hnsw_m} efC {p.ef_construction} efS {p.ef_search}",
+        }.get(kind, "")
+        say(
+            f"  index {kind:<6} ({shown})   build {t_build:7.2f} s   query {1000 * t_query / len(q):7.3f} ms/query   "
+            f"Recall@1 vs exact {rec[1]:.3f}   10-recall@10 {rec[10]:.3f}   {size / 2**20:6.1f} MiB ({size / len(g):.0f} B/vector)"
+        )
+        parts.append(f"{kind} Recall@1 {rec[1]:.3f} at {1000 * t_query / len(q):.2f} ms/query (build {t_build:.1f} s)")
+    return f"index vs exact ({1000 * t_exact / len(q):.2f} ms/query): " + "; ".join(parts)
 
 
 def _timed(fn):
@@ -168,6 +243,23 @@ def run(args: argparse.Namespace) -> int:
         f"hamming={hamming_engine(device)} kmeans={kmeans_engine(device)} block={block_bytes >> 20} MiB chunks={chunks}"
     )
     emb, labels = _data(n, args.dim, classes, args.seed)
+    kinds = [k.strip() for k in args.index.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in ("flat", "ivf-pq", "hnsw")]
+    if unknown:
+        raise UserError(f"--index: unknown index kind {unknown[0]!r} (flat, ivf-pq, hnsw)")
+    if kinds and not 1 <= args.index_queries < n:
+        raise UserError(f"--index-queries: must be between 1 and n - 1, got {args.index_queries}")
+
+    def index_part() -> str:
+        data = emb if args.index_data == "isotropic" else _structured_data(n, args.dim, classes, args.seed + 3)[0]
+        say(f"  index data: {args.index_data}, {n:,} × {args.dim}")
+        return _index_bench(data, kinds, args.index_queries, args.seed, torch.get_num_threads(), say)
+
+    if args.index_only:
+        if not kinds:
+            raise UserError("--index-only: no --index kinds to time")
+        say(index_part())
+        return 0
     lab = _Labels.build(labels, None)
     gal = float_gallery(emb, device)
 
@@ -225,6 +317,8 @@ def run(args: argparse.Namespace) -> int:
         figures |= {"kmeans_s": t_nmi, "kmeans_engine": engine}
         if on_gpu:
             summary += f"; k-means {t_nmi:.2f} s (target <= 3 s)"
+    if kinds:
+        summary += "; " + index_part()
     emb = gal = None  # the float data goes before the binary pass allocates its own
     if not args.skip_binary:
         emb2, labels2 = _data(n, args.binary_dim, classes, args.seed + 1)

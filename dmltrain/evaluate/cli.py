@@ -3,8 +3,10 @@
     dmltrain eval runs/sop/best/model.pt --shards data/sop --binary --ks 1,10,100,1000
     dmltrain eval runs/inshop/model.pt --shards data/inshop --split query,gallery --save-embeddings emb/
     dmltrain eval - --embeddings emb/ --split query,gallery --out inshop.json
+    dmltrain eval runs/sop/best/model.pt --shards data/sop --rerank kr --rerank-param kr_k1=20
 
-Prints a table (values in %) and writes the metrics JSON atomically (fractions in [0, 1]).
+Prints a table (values in %; float, re-ranked with ``--rerank``, binary with ``--binary``) and writes the
+metrics JSON atomically (fractions in [0, 1]).
 Defaults for ``--ks``, ``--split``, ``--shards``, ``--batch-size`` come from the checkpoint's
 run config when it has them.
 
@@ -60,6 +62,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-map", action="store_true", help="skip MAP@R and R-precision")
     parser.add_argument(
+        "--rerank",
+        choices=["none", "qe", "kr"],
+        help="also re-rank each query's top candidates: qe (query expansion) or kr (k-reciprocal); rerank/ metrics "
+        "(default: the config's eval.rerank, else none)",
+    )
+    parser.add_argument(
+        "--rerank-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a parameter of --rerank, repeatable: candidates, qe_k, qe_alpha, kr_k1, kr_k2, kr_lambda "
+        "(default: the config's eval.rerank_params)",
+    )
+    parser.add_argument(
         "--out",
         metavar="JSON",
         help="metrics file (default: eval_metrics.json beside the checkpoint or in the embeddings folder)",
@@ -109,6 +125,28 @@ def _parse_splits(text: str | list[str]) -> list[str]:
     if len(splits) not in (1, 2) or not all(splits) or len(set(splits)) != len(splits):
         raise UserError(f"--split: expected 'test' or 'query,gallery' (one split, or two distinct ones), got '{text}'")
     return splits
+
+
+def _rerank(args: argparse.Namespace, ev: dict[str, Any]) -> Any:
+    """The :class:`~dmltrain.evaluate.rerank.Rerank` of ``--rerank``/``--rerank-param`` over the config's
+    ``eval.rerank``/``eval.rerank_params``; None for none. Parameters are checked as the config's are."""
+    import yaml
+    from pydantic import ValidationError
+
+    from dmltrain.config import RerankParams, _format_validation_error
+    from dmltrain.evaluate.rerank import Rerank
+
+    params = dict(ev.get("rerank_params") or {})
+    for item in args.rerank_param:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--rerank-param: expected KEY=VALUE, got '{item}'")
+        params[key.strip()] = yaml.safe_load(value)
+    try:
+        checked = RerankParams.model_validate(params)
+    except ValidationError as e:
+        raise UserError(_format_validation_error(e, "--rerank-param")) from None
+    return Rerank.of(args.rerank or ev.get("rerank") or "none", checked)
 
 
 def _checkpoint_file(text: str) -> Path:
@@ -238,15 +276,21 @@ def _embed_splits(
     return out, unreadable
 
 
+# the metric families a table shows side by side: (key prefix, column title)
+COLUMNS = (("", "float %"), ("rerank/", "rerank %"), ("binary/", "binary %"))
+
+
 def format_table(metrics: dict[str, Any]) -> str:
-    """Metrics as an aligned text table: one row per metric, float and binary columns, in %."""
-    names = [k for k in metrics if not k.startswith("binary/") and isinstance(metrics[k], float)]
-    names += [k[len("binary/") :] for k in metrics if k.startswith("binary/") and k[len("binary/") :] not in names]
-    has_binary = any(k.startswith("binary/") for k in metrics)
+    """Metrics as an aligned text table: one row per metric, float, re-ranked and binary columns, in %."""
+    prefixed = tuple(p for p, _ in COLUMNS if p)
+    names = [k for k in metrics if not k.startswith(prefixed) and isinstance(metrics[k], float)]
+    for p in prefixed:
+        names += [k[len(p) :] for k in metrics if k.startswith(p) and k[len(p) :] not in names]
+    columns = [(p, title) for p, title in COLUMNS if not p or any(k.startswith(p) for k in metrics)]
     width = max(len(n) for n in names + ["metric"])
-    lines = [f"{'metric':<{width}}  {'float %':>8}" + (f"  {'binary %':>8}" if has_binary else "")]
+    lines = [f"{'metric':<{width}}  " + "  ".join(f"{title:>8}" for _, title in columns)]
     for n in names:
-        cells = [metrics.get(n), metrics.get(f"binary/{n}")] if has_binary else [metrics.get(n)]
+        cells = [metrics.get(p + n) for p, _ in columns]
         lines.append(
             f"{n:<{width}}  " + "  ".join(f"{100 * v:8.2f}" if isinstance(v, float) else f"{'-':>8}" for v in cells)
         )
@@ -293,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
     ks = _parse_ks(args.ks) if args.ks else sorted(set(ev.get("ks") or DEFAULT_KS))
     splits = _parse_splits(args.split or _section(config, "data").get("eval_splits") or ["test"])
     binary = args.binary or bool(ev.get("binary", False))
+    rerank = _rerank(args, ev)
 
     if args.embeddings:
         from dmltrain.evaluate.store import load_embeddings
@@ -325,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             device=device,
             progress=True,
+            rerank=rerank,
         )
     except ValueError as e:
         raise UserError(f"{args.embeddings or ckpt_path}: {e}") from None
@@ -343,6 +389,7 @@ def run(args: argparse.Namespace) -> int:
         "metrics": metrics,
         "splits": splits,
         "ks": ks,
+        "rerank": None if rerank is None else vars(rerank),
         "checkpoint": str(ckpt_path) if ckpt_path else None,
         "shards": None if args.embeddings else redact_url(str(args.shards)),
         "embeddings": args.embeddings,

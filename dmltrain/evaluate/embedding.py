@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from dmltrain.evaluate.rerank import Rerank
 from dmltrain.evaluate.retrieval import retrieval_metrics
 from dmltrain.models.precision import autocast, to_channels_last
 from shards.decode.transforms import PixelNorm
@@ -181,10 +182,10 @@ def evaluate_model(
     """Embed ``splits`` of the shards on every rank, gather to rank 0, compute the metrics there.
 
     ``splits``: ``['test']`` (self-retrieval) or ``['query', 'gallery']`` (query→gallery).
-    Uses ``eval_cfg.ks``, ``nmi``, ``map_at_r``, ``binary`` and ``data_cfg.eval_batch_size``
-    (per worker), ``eval_resize``, ``eval_crop``, ``augment.grayscale``, ``loader_workers``, and the model's input
-    normalization ``mean``, ``std`` and resampling ``interpolation`` (ImageNet's and bilinear when None). Every rank
-    must call it.
+    Uses ``eval_cfg.ks``, ``nmi``, ``map_at_r``, ``binary``, ``rerank``, ``rerank_params`` and
+    ``data_cfg.eval_batch_size`` (per worker), ``eval_resize``, ``eval_crop``, ``augment.grayscale``,
+    ``loader_workers``, and the model's input normalization ``mean``, ``std`` and resampling ``interpolation``
+    (ImageNet's and bilinear when None). Every rank must call it.
     ``progress``: rank 0 draws bars (off inside training, where the driver shows progress).
     ``precision`` and ``channels_last``: as in :func:`embed_batches`; the metrics run on
     ``device`` when it is a GPU.
@@ -237,6 +238,7 @@ def evaluate_model(
     q_emb, q_lab = gathered[splits[0]]
     g_emb, g_lab = gathered[splits[1]] if len(splits) == 2 else (None, None)
     metric_device = device if torch.device(device).type == "cuda" else "cpu"
+    rerank = Rerank.of(getattr(eval_cfg, "rerank", None), getattr(eval_cfg, "rerank_params", None))
     metrics = retrieval_metrics(
         q_emb,
         q_lab,
@@ -248,6 +250,7 @@ def evaluate_model(
         binary=eval_cfg.binary,
         device=metric_device,
         progress=progress,
+        rerank=rerank,
     )
     if unreadable > 0:  # left out of the metrics, never replaced by another image
         metrics["unreadable_samples"] = float(unreadable)

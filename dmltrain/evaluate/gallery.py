@@ -186,6 +186,10 @@ class Gallery:
             return gpu_kernels.hamming_block(queries, self.data)  # type: ignore[union-attr, arg-type]
         return torch.from_numpy(hamming_block(np.ascontiguousarray(queries), self.data, engine=self.engine))  # type: ignore[arg-type]
 
+    def rows(self, ids: Tensor) -> Tensor:
+        """The prepared (float: normalized) rows of gallery items ``ids``, any shape of indices."""
+        return self.data[self.inverse[ids]] if self.inverse is not None else self.data[ids]  # type: ignore[index]
+
     def hamming(self, scores: Tensor) -> Tensor:
         """Hamming distances from this gallery's binary scores (``mma`` products converted)."""
         return (self.bits - scores.long()) // 2 if self.engine == "mma" else scores

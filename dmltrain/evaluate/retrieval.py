@@ -23,6 +23,9 @@ Protocol (SPEC "Evaluation"; MAP@R and R-precision as in Musgrave et al. 2020):
   every device up to the float rounding of the cosines themselves.
 * K larger than the number of candidates: Recall@K is 1 for every evaluated query, which is
   what it means; a ``RuntimeWarning`` says so.
+* ``rerank`` (:mod:`.rerank`: query expansion or k-reciprocal re-ranking of each query's top
+  candidates): the float metrics again after re-ranking, keys prefixed ``rerank/``, read off the
+  same score blocks; a pair beyond the re-ranked candidates keeps its exact rank.
 
 All values are fractions in [0, 1]; counts are ints.
 """
@@ -50,6 +53,7 @@ from dmltrain.evaluate.gallery import (
 )
 from dmltrain.evaluate.inputs import ArrayLike, as_embeddings, as_labels
 from dmltrain.evaluate.ranks import pair_ranks, row_starts
+from dmltrain.evaluate.rerank import Rerank
 
 # Per-block budget of (query, relevant item) pairs, ranked together.
 _MAX_PAIRS = 4 << 20
@@ -132,8 +136,10 @@ def _ranked_metrics(
     map_at_r: bool,
     block_bytes: int,
     progress: str | None,
-) -> _Totals:
-    """Recall@K hits, AP@R and R-precision of the ``valid`` queries, block by block.
+    rerank: Rerank | None = None,
+) -> tuple[_Totals, _Totals | None]:
+    """Recall@K hits, AP@R and R-precision of the ``valid`` queries, block by block; with ``rerank``
+    (a float gallery) the same after re-ranking, else None.
 
     ``queries`` is None for self-retrieval (query i is gallery row i). In each block every
     (query, relevant item) pair gets its exact rank (:func:`.ranks.pair_ranks`); Recall@K
@@ -142,10 +148,11 @@ def _ranked_metrics(
     self_search = queries is None
     larger = gal.larger_is_better
     tot = _Totals(ks)
+    tot_rr = _Totals(ks) if rerank is not None else None
+    n_cand = gal.size - self_search
     # Similar R together keeps the per-position passes of the fallback engines dense.
     order = valid[np.argsort(labels.R[valid], kind="stable")]
     max_rows = gal.rows_per_block(block_bytes)
-    ks_arr = np.asarray(ks)
     bar = tqdm(
         total=len(order), desc=progress, unit="query", leave=False, disable=progress is None or len(order) < 20000
     )
@@ -158,26 +165,35 @@ def _ranked_metrics(
         if self_search:
             mask_self(block, torch.from_numpy(qi), larger)
         rows, cols = labels.positive_pairs(qi, self_search)
-        if not map_at_r:  # Recall@K needs only each query's best-ranked relevant item
+        if not map_at_r and rerank is None:  # Recall@K needs only each query's best-ranked relevant item
             rows, cols = _best_pairs(block, rows, cols, larger)
         ranks = pair_ranks(block, rows, cols, larger)
+        if tot_rr is not None:
+            qv = gal.query_rows(qi) if self_search else gal.take(queries, qi)
+            moved = rerank.reranked_ranks(qv, gal.rows, block, ranks, rows, n_cand)  # type: ignore[union-attr]
+            _accumulate(tot_rr, moved, rows, labels.R[qi], map_at_r)
         del block
-        # Ranks of each query's relevant items, ascending: r_1 < r_2 < ... < r_R.
-        srt = np.lexsort((ranks, rows))
-        ranks, rows = ranks[srt], rows[srt]
-        starts = row_starts(rows)
-        tot.hits += (ranks[starts][:, None] <= ks_arr[None, :]).sum(0)
-        if map_at_r:
-            R = labels.R[qi]
-            m = np.arange(1, len(ranks) + 1) - np.repeat(starts, np.diff(np.r_[starts, len(ranks)]))
-            inside = ranks <= R[rows]  # the m-th relevant item is within the top R
-            tot.ap.append(np.add.reduceat(np.where(inside, m / ranks, 0.0), starts) / R)
-            tot.rp.append(np.add.reduceat(inside.astype(np.float64), starts) / R)
-        tot.n += len(qi)
+        _accumulate(tot, ranks, rows, labels.R[qi], map_at_r)
         bar.update(len(qi))
         lo = hi
     bar.close()
-    return tot
+    return tot, tot_rr
+
+
+def _accumulate(tot: _Totals, ranks: np.ndarray, rows: np.ndarray, R: np.ndarray, map_at_r: bool) -> None:
+    """Add a block's queries to ``tot`` from the ranks of their relevant items (``rows``: each pair's query
+    in the block, every query with at least one pair; ``R``: each query's relevant items)."""
+    # Ranks of each query's relevant items, ascending: r_1 < r_2 < ... < r_R.
+    srt = np.lexsort((ranks, rows))
+    ranks, rows = ranks[srt], rows[srt]
+    starts = row_starts(rows)
+    tot.hits += (ranks[starts][:, None] <= np.asarray(tot.ks)[None, :]).sum(0)
+    if map_at_r:
+        m = np.arange(1, len(ranks) + 1) - np.repeat(starts, np.diff(np.r_[starts, len(ranks)]))
+        inside = ranks <= R[rows]  # the m-th relevant item is within the top R
+        tot.ap.append(np.add.reduceat(np.where(inside, m / ranks, 0.0), starts) / R)
+        tot.rp.append(np.add.reduceat(inside.astype(np.float64), starts) / R)
+    tot.n += len(R)
 
 
 def _best_pairs(block: Tensor, rows: np.ndarray, cols: np.ndarray, larger: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -212,10 +228,12 @@ def path_metrics(
     block_bytes: int | None = None,
     progress: bool = False,
     binary_engine: str | None = None,
+    rerank: Rerank | None = None,
 ) -> dict[str, float]:
     """Recall@K (and MAP@R, R-precision) of one path, ``float`` (cosine) or ``binary`` (Hamming
     of the sign bits, keys prefixed ``binary/``; ``binary_engine`` as in
-    :func:`~.gallery.binary_gallery`), from checked inputs (see :func:`retrieval_metrics`)."""
+    :func:`~.gallery.binary_gallery`), from checked inputs (see :func:`retrieval_metrics`); with
+    ``rerank`` (float only) also the re-ranked ones, keys prefixed ``rerank/``."""
     if kind == "float":
         gal = float_gallery(q if g is None else g, device)
     elif kind == "binary":
@@ -224,8 +242,15 @@ def path_metrics(
         raise ValueError(f"path_metrics: kind must be 'float' or 'binary', got '{kind}'")
     queries = None if g is None else gal.queries(q)
     block_bytes = block_bytes or default_block_bytes(device)
-    tot = _ranked_metrics(gal, queries, labels, valid, ks, map_at_r, block_bytes, kind if progress else None)
-    return _report(tot, "" if kind == "float" else "binary/", map_at_r)
+    if rerank is not None and kind != "float":
+        raise ValueError("path_metrics: re-ranking works on float embeddings only")
+    tot, tot_rr = _ranked_metrics(
+        gal, queries, labels, valid, ks, map_at_r, block_bytes, kind if progress else None, rerank
+    )
+    out = _report(tot, "" if kind == "float" else "binary/", map_at_r)
+    if tot_rr is not None:
+        out.update(_report(tot_rr, "rerank/", map_at_r))
+    return out
 
 
 # -- the public entry point ------------------------------------------------------------------
@@ -244,8 +269,10 @@ def retrieval_metrics(
     block_bytes: int | None = None,
     nmi_iters: int = 20,
     progress: bool = False,
+    rerank: Rerank | None = None,
 ) -> dict[str, float]:
-    """Recall@K, MAP@R, R-precision, NMI (and their ``binary/`` twins) as fractions in [0, 1].
+    """Recall@K, MAP@R, R-precision, NMI (and their ``binary/`` twins, and with ``rerank`` their
+    ``rerank/`` twins) as fractions in [0, 1].
 
     ``query``/``gallery``: ``N × D`` float arrays or tensors (any device and float dtype);
     labels: 1-D, any comparable values. ``gallery=None``: self-retrieval, each query
@@ -283,7 +310,7 @@ def retrieval_metrics(
             stacklevel=2,
         )
     dev = resolve_device(device)
-    metrics = path_metrics(q, g, labels, valid, ks, map_at_r, "float", dev, block_bytes, progress)
+    metrics = path_metrics(q, g, labels, valid, ks, map_at_r, "float", dev, block_bytes, progress, rerank=rerank)
     if nmi:
         metrics["nmi"] = clustering_nmi(q, labels.q, seed=seed, niter=nmi_iters, device=dev)
     if binary:

@@ -7,7 +7,9 @@ Modules: :mod:`.backbones` (networks by name, named stages), :mod:`.timm_backbon
 ViT, DINOv2, CLIP, ConvNeXt, ...), :mod:`.pretrained` (local file, ImageNet, timm / Hugging Face cache
 weights), :mod:`.heads` (layernorm, batchnorm, none; multi-level; avg, max, GeM pooling),
 :mod:`.embedding_model` (the model, parameter groups, BN freezing), :mod:`.export` (files),
-:mod:`.precision` (autocast, channels_last), :mod:`.binary` (sign bits, Hamming distance).
+:mod:`.precision` (autocast, channels_last), :mod:`.binary` (sign bits, Hamming distance),
+:mod:`.serving` (ONNX, pt2 and TorchScript exports, checked and loaded back), :mod:`.contract`
+(the preprocessing contract beside an export), :mod:`.cli` (``dmltrain export``).
 
 Names are imported on first use, so ``import dmltrain.models.binary`` stays light.
 """

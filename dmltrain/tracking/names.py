@@ -68,6 +68,9 @@ CLASSIFIER_FACTS = {
 MODEL = "model"  # the trained model, at the end
 BEST_MODEL = "best_model"  # the best evaluation so far (eval.metric); one per run, replaced when beaten
 MODEL_STEP_TAG = "step"  # on a logged model: the step it was taken at; its eval.metric is a tag too
+SERVING_TAG_PREFIX = (
+    "dmltrain.serving."  # dmltrain.serving.<format>.<field>: an exported model's contract, on its logged model
+)
 
 # -- metrics (MLflow keys) ---------------------------------------------------------------------------
 LOSS = "batch/loss"  # the objective (weighted sum of the parts); the parts are softmax/loss, instance/loss

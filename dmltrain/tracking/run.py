@@ -376,6 +376,33 @@ class RunHandle:
                     client.finalize_logged_model(model_id, LoggedModelStatus.FAILED)
             return None
 
+    def attach_model_files(
+        self, name: str, files: list[str | os.PathLike[str]], artifact_path: str, tags: Mapping[str, Any]
+    ) -> str | None:
+        """Add ``files`` under ``artifact_path`` to this run's latest LoggedModel called ``name`` (one is created,
+        output of this run, when it logged none), and set ``tags`` on it; returns its id, or None when tracking
+        is off or the call failed (one warning). An exported serving model and its contract land here."""
+
+        def attach(c: MlflowClient) -> str:
+            run = c.get_run(self.run_id)
+            found = c.search_logged_models(
+                [run.info.experiment_id],
+                filter_string=f"source_run_id = '{self.run_id}' AND name = '{name}'",
+                order_by=[{"field_name": "creation_time", "ascending": False}],
+                max_results=1,
+            )
+            model_id = found[0].model_id if found else None
+            if model_id is None:
+                model_id = c.create_logged_model(run.info.experiment_id, name=name, source_run_id=self.run_id).model_id
+            for f in files:
+                c.log_model_artifact(model_id, str(f), artifact_path)
+            c.set_logged_model_tags(model_id, {k: str(v)[:TAG_CHARS] for k, v in tags.items()})
+            if not found:
+                c.finalize_logged_model(model_id, LoggedModelStatus.READY)
+            return model_id
+
+        return self.query(f"attach files to the logged model {name}", attach)
+
     def close(self) -> None:
         """Stop the system-metrics monitor; the run's final status is the driver's to set (:meth:`finish`)."""
         if self._monitor is not None:

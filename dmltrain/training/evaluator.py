@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from dmltrain.config import Config
-from dmltrain.distributed.process_group import broadcast_object
+from dmltrain.distributed.process_group import broadcast_buffers, broadcast_object
 from dmltrain.evaluate import evaluate_model, plot_embedding_map, plot_recall_at_k
 from dmltrain.tracking.description import describe_results, with_results
 from dmltrain.tracking.names import (
@@ -92,6 +92,8 @@ class Evaluator:
     def _metrics(self) -> tuple[dict[str, float], Any]:
         """The metrics on every rank; the embeddings (for plots) on rank 0, None elsewhere."""
         was_training = self.model.training
+        # per-worker BatchNorm statistics differ by rank: evaluate rank 0's model on every rank, the one it saves
+        broadcast_buffers(self.model)
         self.model.eval()
         # with train.ema_decay the weights' average is what is evaluated (and exported)
         with torch.no_grad(), self.ema.swapped() if self.ema is not None else contextlib.nullcontext():

@@ -3,7 +3,9 @@
 Order inside a split: images grouped by class, classes in a seeded random order (the same
 seed gives the same shards), each class's images in index order. Labels are contiguous over
 the sorted original class ids of the split's label space. Images that cannot be read are
-skipped and listed in the manifest (``strict`` stops at the first one instead).
+skipped and listed in the manifest (``strict`` stops at the first one instead). A table's splits
+(``--layout table``) also get a rows file, ``<split>-rows.parquet`` (each written sample's path, class id and
+the table's other columns, by its index), published like a shard and listed in the manifest.
 
 A layout may carry class families (:attr:`Layout.families`: the manifest lists each label's family) and
 deliberately wrong labels (:attr:`Entry.clean_class_id`: each such sample's metadata holds its
@@ -18,6 +20,7 @@ finishes one, keeping the shards already in place with the right checksum.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import signal
@@ -34,11 +37,12 @@ from typing import Any
 import numpy as np
 
 from dmltrain.errors import UserError
+from dmltrain.fileio import atomic_path
 from dmltrain.redact import redact_url
-from shards.build.ingest import ingest_file, load_or_skip
+from shards.build.ingest import ingest_file, ingest_source, load_or_skip
 from shards.build.layouts import Entry, Layout, class_sort_key, confine, read_layout
 from shards.build.publish import Publisher
-from shards.build.writer import SplitWriter
+from shards.build.writer import ShardRecord, SplitWriter
 from shards.config import MAX_IMAGE_SIDE
 from shards.manifest import FORMAT, MANIFEST_NAME, VERSION
 from shards.storage.location import Location, open_location
@@ -122,8 +126,13 @@ def check_disjoint_classes(layout: Layout, allow_shared: bool = False) -> list[s
                 continue
             a, b = "+".join(spaces[i]), "+".join(spaces[j])
             more = f" (and {len(shared) - 1} more)" if len(shared) > 1 else ""
+            rows = [
+                next((e.row for s in space for e in layout.splits[s] if e.class_id == shared[0]), None)
+                for space in (spaces[i], spaces[j])
+            ]
+            where = f" (rows {rows[0]} and {rows[1]}, column label)" if None not in rows else ""
             msg = (
-                f"--layout {layout.name} --root {layout.root}: class {shared[0]!r}{more} is in both the {a} and the {b} split; "
+                f"--layout {layout.name} --root {layout.root}: class {shared[0]!r}{more} is in both the {a} and the {b} split{where}; "
                 f"retrieval needs disjoint train and evaluation classes"
             )
             if not allow_shared:
@@ -204,6 +213,8 @@ def _write_splits(publisher: Publisher, layout: Layout, shard_size, seed, worker
     t0 = time.perf_counter()
     splits_json: dict[str, Any] = {}
     results: dict[str, SplitResult] = {}
+    # per split, what each written sample's row holds (a table's path, class id and other columns)
+    rows_of: dict[str, list[tuple[int, Entry]]] = {split: [] for split in layout.splits}
     try:
         for space in layout.spaces():
             # a true class whose every image was relabelled (label noise) keeps its label, with no images
@@ -233,10 +244,13 @@ def _write_splits(publisher: Publisher, layout: Layout, shard_size, seed, worker
                     rng=_split_seed(seed, split),
                     strict=strict,
                     bar=bar,
+                    written=rows_of[split] if layout.columns is not None else None,
                 )
                 sj["label_space"] = list(space)
                 if layout.families is not None:
                     sj["families"] = [layout.families[c] for c in ids]
+                if layout.columns is not None:
+                    sj["rows"] = _write_rows(publisher, split, rows_of[split], layout.columns)
                 splits_json[split] = sj
                 results[split] = res
     finally:
@@ -283,7 +297,19 @@ def _pool(workers: int):
 
 
 def _write_split(
-    publisher: Publisher, split, entries: list[Entry], args, mapping, *, load, pool, shard_size, rng, strict, bar
+    publisher: Publisher,
+    split,
+    entries: list[Entry],
+    args,
+    mapping,
+    *,
+    load,
+    pool,
+    shard_size,
+    rng,
+    strict,
+    bar,
+    written: list[tuple[int, Entry]] | None = None,
 ):
     by_label: dict[int, list[int]] = {}
     for i, e in enumerate(entries):
@@ -316,13 +342,19 @@ def _write_split(
                         raise UserError(f"{e.path}: {ext_or_reason} (--strict stops at the first bad image)")
                     res.skipped.append({"path": e.relpath, "reason": ext_or_reason})
                     continue
-                meta: dict[str, Any] = {"class_id": e.class_id, "path": e.relpath}
+                meta: dict[str, Any] = {
+                    "class_id": e.class_id,
+                    "path": e.relpath,
+                    **({"extra": dict(e.extra)} if e.extra else {}),
+                }
                 if e.clean_class_id is not None:
                     clean = mapping[e.clean_class_id]
                     meta.update(clean_label=clean, clean_class_id=e.clean_class_id)
                     if clean != label:
                         flipped["index"].append(writer.num_samples)  # the index write() gives this sample
                         flipped["clean_label"].append(clean)
+                if written is not None:
+                    written.append((writer.num_samples, e))
                 writer.write(label, data, ext_or_reason, meta)
                 class_counts[label] += 1
     res.images = writer.num_samples
@@ -343,6 +375,30 @@ def _write_split(
     return res, sj
 
 
+def _write_rows(publisher: Publisher, split: str, written: list[tuple[int, Entry]], columns: list[str]) -> dict:
+    """``<split>-rows.parquet``: one row per sample of the split, by its index (the position the shards give it):
+    ``index``, ``path`` (as the table wrote it), ``class_id``, then the table's other ``columns``, all text.
+    Published like a shard; returns its manifest entry."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = {
+        "index": pa.array([i for i, _ in written], pa.int64()),
+        "path": pa.array([e.relpath for _, e in written], pa.string()),
+        "class_id": pa.array([e.class_id for _, e in written], pa.string()),
+    }
+    for c in columns:
+        data[c] = pa.array([dict(e.extra).get(c) for _, e in written], pa.string())
+    name = f"{split}-rows.parquet"
+    path = publisher.staging / name
+    with atomic_path(path) as tmp:
+        pq.write_table(pa.table(data), tmp)
+    record = ShardRecord(name, len(written), path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest())
+    entry = {"file": name, "bytes": record.bytes, "sha256": record.sha256, "columns": list(columns)}
+    publisher.shard_done(record, path)
+    return entry
+
+
 def build_layout(
     layout_name: str,
     root: str | os.PathLike[str],
@@ -360,15 +416,23 @@ def build_layout(
     storage_options: dict[str, Any] | None = None,
     follow_symlinks: bool = False,
 ) -> BuildResult:
-    """``dmltrain shards build --layout NAME --root ROOT --out DIR``: shards from an official layout or a folder tree.
+    """``dmltrain shards build --layout NAME --root ROOT --out DIR``: shards from an official layout, a folder tree,
+    or a table (``ROOT`` the CSV or Parquet file; its URLs are read with ``storage_options``).
 
-    Every image must lie inside ``root`` (:func:`~shards.build.layouts.confine`); with ``follow_symlinks``
-    symbolic links may point outside it."""
+    Every image of a layout must lie inside ``root`` (:func:`~shards.build.layouts.confine`); with
+    ``follow_symlinks`` symbolic links may point outside it. A table names each of its files itself (absolute
+    paths and URLs are its entries), so no root confines it."""
     if resize is not None and not 8 <= resize <= MAX_IMAGE_SIDE:
         raise UserError(f"--resize: must be in [8, {MAX_IMAGE_SIDE}] pixels, got {resize}")
-    layout = read_layout(layout_name, root)
-    confine(layout, follow_symlinks)
-    load = functools.partial(ingest_file, resize=resize)
+    layout = read_layout(layout_name, root, storage_options)
+    if layout_name != "table":
+        confine(layout, follow_symlinks)
+    # a table may list URLs, read with the options of --out (its images and shards may share a store)
+    load = (
+        functools.partial(ingest_source, resize=resize, storage_options=storage_options or {})
+        if layout_name == "table"
+        else functools.partial(ingest_file, resize=resize)
+    )
     args = {s: [e.path for e in entries] for s, entries in layout.splits.items()}
     return build_shards(
         out_dir,

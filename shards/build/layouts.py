@@ -15,6 +15,7 @@ cub         ``images.txt`` + ``image_class_labels.txt``     train (classes 1-100
 cars        ``cars_annos.mat`` (struct ``annotations``)     train (classes 1-98), test (99-196)
 inshop      ``list_eval_partition.txt``                     train, query, gallery
 folder      ``train/<class>/*``, ``test/<class>/*``         train, test
+table       a CSV or Parquet file (:mod:`shards.build.table`)  train, test (or query, gallery)
 ==========  ==============================================  ==================================
 
 In-Shop's query and gallery share one label space (an item has the same label in both);
@@ -26,15 +27,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dmltrain.errors import UserError
 
-LAYOUTS = ("sop", "cub", "cars", "inshop", "folder", "synthetic")
+LAYOUTS = ("sop", "cub", "cars", "inshop", "folder", "table", "synthetic")
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One source image: where it is, its original class id (a string), and the path recorded in the shard.
+    """One source image: where it is, its original class id (a string), and the path recorded in the shard;
+    for a table also its row (1-based) and the table's other columns as ``(name, value)`` pairs.
 
     ``clean_class_id`` is the true class of an image whose ``class_id`` was made noisy on purpose (synthetic
     label noise), or None: the build then records the true label beside the noisy one."""
@@ -43,6 +46,8 @@ class Entry:
     class_id: str
     relpath: str
     clean_class_id: str | None = None
+    row: int | None = None
+    extra: tuple[tuple[str, str | None], ...] = ()
 
 
 @dataclass
@@ -56,6 +61,8 @@ class Layout:
     label_spaces: list[list[str]] = field(default_factory=list)
     # original class id -> family id (groups of similar classes, synthetic families); None: no families
     families: dict[str, int] | None = None
+    # a table's columns beyond path, label, split (kept per image); None: the layout keeps no rows file
+    columns: list[str] | None = None
 
     def spaces(self) -> list[list[str]]:
         """Every split in exactly one label space (singletons for the splits not grouped)."""
@@ -264,8 +271,13 @@ def confine(layout: Layout, follow_symlinks: bool = False) -> None:
 READERS = {"sop": read_sop, "cub": read_cub, "cars": read_cars, "inshop": read_inshop, "folder": read_folder}
 
 
-def read_layout(name: str, root: str | os.PathLike[str]) -> Layout:
-    """Parse the index of layout ``name`` under ``root`` (any of :data:`READERS`)."""
+def read_layout(name: str, root: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Layout:
+    """Parse the index of layout ``name`` under ``root`` (any of :data:`READERS`), or the table file ``root``
+    (``table``: a path or a URL, read with ``storage_options`` like the image URLs it lists)."""
+    if name == "table":
+        from shards.build.table import read_table
+
+        return read_table(root, storage_options)
     if name not in READERS:
         raise UserError(f"--layout: unknown layout {name!r} (choose from {', '.join(READERS)})")
     root = Path(root).expanduser()

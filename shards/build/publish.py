@@ -102,7 +102,11 @@ class Publisher:
                     f"--overwrite: {e}; cannot tell which files are its shards, so nothing was removed "
                     "(remove them yourself or choose another --out)"
                 ) from None
-            listed = {sh.file for name in old.splits for sh in old.split(name).shards}
+            listed = {
+                sh.file
+                for name in old.splits
+                for sh in [*old.split(name).shards, *([old.split(name).rows] if old.split(name).rows else [])]
+            }
         if self.overwrite:
             for name in sorted(present):
                 if SHARD_NAME.fullmatch(name) and name not in listed:

@@ -268,7 +268,7 @@ class EvalTransform:
         if crop > resize:
             raise ValueError(f"crop {crop} is larger than resize {resize}")
         self.resize, self.crop, self.draft, self.grayscale = int(resize), int(crop), draft, int(grayscale)
-        self.resample = resample_filter(interpolation)
+        self.interpolation, self.resample = interpolation, resample_filter(interpolation)
         self.channels, self.dtype = (1 if self.grayscale == 1 else 3), np.uint8
 
     def box(self, W: int, H: int) -> tuple[float, float, float, float]:

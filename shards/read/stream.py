@@ -444,8 +444,11 @@ def eval_batches(
     remote: Any = None,
     norm: PixelNorm = IMAGENET,
     interpolation: str | None = None,
+    samples: tuple[int, int] | None = None,
 ) -> EvalBatches:
-    """``(images, labels, index)`` batches of ``rank``'s contiguous share of ``split`` (an :class:`EvalBatches`).
+    """``(images, labels, index)`` batches of ``rank``'s contiguous share of ``split`` (an :class:`EvalBatches`);
+    with ``samples = (lo, hi)`` of the split's samples ``lo <= index < hi`` alone (one rank: a chunk of a large
+    split, as ``dmltrain embed`` reads it).
 
     Every rank yields the same number of batches (sizes may differ by one; a batch is empty
     only when the split has fewer samples than ranks × batches). Labels are the split's label
@@ -463,7 +466,13 @@ def eval_batches(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     manifest = Manifest.load(shard_dir, storage_options, remote)
     info = manifest.split(split)
-    ranges = eval_batch_ranges(info.num_images, world_size, rank, batch_size)
+    if samples is None:
+        ranges = eval_batch_ranges(info.num_images, world_size, rank, batch_size)
+    else:
+        lo, hi = samples
+        if not 0 <= lo <= hi <= info.num_images or world_size != 1:
+            raise ValueError(f"samples {samples} outside split {split!r} of {info.num_images}, or world_size > 1")
+        ranges = [(s, min(s + batch_size, hi)) for s in range(lo, hi, batch_size)]
     return EvalBatches(
         info,
         manifest.root,
