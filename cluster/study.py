@@ -26,6 +26,12 @@ gains. A run that fails is reported in the table and the others go on. Running t
 the same ``--name`` finds the runs already trained (they are resumed and end at once) and trains the
 rest.
 
+``--sampling uniform,hard,mixed`` adds the class draw as an axis (``loss.classifier.sampling``, one variant
+per mode; the ratio-1 point, a full softmax, is trained once and is every mode's reference) and turns
+the classifier's probe on (``loss.classifier.probe_every``, ``--probe-every``, default the config's or
+``train.log_every``): the table then says, per mode and ratio, what share of the uniform draw's Recall@1
+gap the mode closes, and the probe's gradient cosine, in the table and over training (``grad_cos.png``).
+
 Runs train one at a time by default, so their speed figures are comparable; ``--parallel N`` runs
 N at once when only the accuracy matters.
 
@@ -54,6 +60,7 @@ from cluster.study_results import (
     describe_study,
     parent_metrics,
     point_label,
+    probe_measures,
     render,
     write_outputs,
 )
@@ -92,6 +99,25 @@ def parse_ratios(text: str) -> list[float]:
         if not 0 < r <= 1 or not math.isfinite(r):
             raise UserError(f"--ratios: {r:g} is not a share of classes in (0, 1]")
     return sorted(set(out), reverse=True)
+
+
+SAMPLING_MODES = ("uniform", "hard", "mixed")  # loss.classifier.sampling
+
+
+def parse_sampling(text: str | None) -> list[str] | None:
+    """``uniform,hard`` -> ``["uniform", "hard"]`` (deduplicated, in the order given); ``None`` stays ``None``."""
+    if text is None:
+        return None
+    out = list(dict.fromkeys(_parse_list(text, "--sampling", str, "a mode", "uniform,hard,mixed")))
+    for mode in out:
+        if mode not in SAMPLING_MODES:
+            raise UserError(f"--sampling: '{mode}' is not a sampling mode ({', '.join(SAMPLING_MODES)})")
+    return out
+
+
+def sampling_variants(modes: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """The study's variants of ``--sampling``: one per mode, setting ``loss.classifier.sampling``."""
+    return [(mode, {"loss.classifier.sampling": mode}) for mode in modes]
 
 
 def parse_classes(text: str | None) -> list[int] | None:
@@ -178,17 +204,33 @@ def plan_points(
     study: str,
     seed: int,
     variants: list[tuple[str, dict[str, Any]]] | None = None,
+    full_once: bool = False,
 ) -> list[Point]:
     """Every (variant, class count, ratio) point with its overrides and its repeats (seeds ``seed + i``),
     each run named with its point first: ``r0.1-c100k-<study>`` (``-s<seed>`` before the study with
-    repeats). ``variants``: a further axis, ``(label, overrides)`` each (default: one without either)."""
+    repeats). ``variants``: a further axis, ``(label, overrides)`` each (default: one without either);
+    ``full_once``: the variants act only under subsampling (the class draw), so ratio 1 is one point
+    without a variant."""
     points = []
+    full_done: set[int] = set()
     for variant, extra in variants or [("", {})]:
         for n, d in shards.items():
             for r in ratios:
-                label = point_label(r, n, variant)
-                overrides = {"loss.classifier.sample_ratio": r, "data.shards": d, "data.synthetic.classes": n, **extra}
-                p = Point(r, n, d, label, overrides, variant)
+                if full_once and r >= 1:
+                    if n in full_done:
+                        continue
+                    full_done.add(n)
+                    variant_r, extra_r = "", {}
+                else:
+                    variant_r, extra_r = variant, extra
+                label = point_label(r, n, variant_r)
+                overrides = {
+                    "loss.classifier.sample_ratio": r,
+                    "data.shards": d,
+                    "data.synthetic.classes": n,
+                    **extra_r,
+                }
+                p = Point(r, n, d, label, overrides, variant_r)
                 for i in range(repeats):
                     s = seed + i
                     p.repeats.append(Repeat(s, f"{label}-s{s}-{study}" if repeats > 1 else f"{label}-{study}"))
@@ -228,6 +270,11 @@ def study_params(cfg, points: list[Point], repeats: int) -> dict[str, Any]:
         "study.repeats": repeats,
         "study.seeds": ",".join(str(r.seed) for r in points[0].repeats) if points else "",
         "study.points": ",".join(p.label for p in points),
+        **(
+            {"study.variants": ",".join(v)}
+            if (v := list(dict.fromkeys(p.variant for p in points if p.variant)))
+            else {}
+        ),
     }
 
 
@@ -273,6 +320,18 @@ def run_measures(uri: str, run_id: str | None, measures: list[Measure]) -> dict[
     return out
 
 
+def run_curves(uri: str, run_id: str | None, measures: list[Measure]) -> dict[str, list[tuple[int, float]]]:
+    """The ``(step, value)`` history of every curve measure of a run (empty when tracking was off)."""
+    wanted = [m for m in measures if m.curve]
+    if run_id is None or not wanted:
+        return {}
+
+    def read(client) -> dict[str, list[tuple[int, float]]]:
+        return {m.name: history(client, run_id, m.key) for m in wanted}
+
+    return RunHandle(uri, run_id, owner="the study").query(f"read the curves of MLflow run {run_id}", read, {})
+
+
 # -- the study -----------------------------------------------------------------------------------------------
 def _train_repeat(
     cfg,
@@ -305,6 +364,7 @@ def _train_repeat(
     repeat.final = dict((summary.metrics or {}).get("final") or {})
     repeat.values = {m.name: repeat.final.get(m.key, float("nan")) for m in measures if m.source == "eval"}
     repeat.values.update(run_measures(summary.tracking_uri, summary.mlflow_run_id, measures))
+    repeat.curves = run_curves(summary.tracking_uri, summary.mlflow_run_id, measures)
     repeat.status = "finished" if summary.ok else "failed"
     repeat.error = None if summary.error is None else one_line(summary.error)
     tags = {STUDY_POINT_TAG: point.label, STUDY_REPEAT_TAG: repeat.seed - cfg.train.seed}
@@ -354,11 +414,12 @@ def run_study(
     config_name: str | None = None,
     variants: list[tuple[str, dict[str, Any]]] | None = None,
     measures: list[Measure] | None = None,
+    full_once: bool = False,
 ) -> StudySummary:
     """Train every point ``repeats`` times (see the module doc), write the table and plots, log them to the
     parent run; returns the summary. ``variants``: a further axis of points, ``(label, dotted overrides)``
-    each (:func:`plan_points`); ``measures``: what is read of each run (default: :func:`default_measures`;
-    a study that logs more, such as a gradient probe, adds its own)."""
+    each (:func:`plan_points`, ``full_once`` too); ``measures``: what is read of each run (default:
+    :func:`default_measures`; a study that logs more, such as the gradient probe, adds its own)."""
     started = time.time()
     if cfg.loss.classifier is None:
         raise UserError(
@@ -377,7 +438,7 @@ def run_study(
     cfg = prepare_driver(cfg, shard_sets)
     study = RunGroup.place(cfg, "study", name=name, config_name=config_name, out=out)
     name, out_dir, runs_root = study.name, study.out_dir, study.runs_root
-    points = plan_points(ratios, shards, repeats, name, cfg.train.seed, variants)
+    points = plan_points(ratios, shards, repeats, name, cfg.train.seed, variants, full_once)
     measures = measures or default_measures(cfg.eval.ks)
     for p in points:  # every run's config is checked before anything starts
         point_config(cfg, p, p.repeats[0], runs_root)
@@ -457,6 +518,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repeats", type=int, default=1, help="runs per point, seeds train.seed, +1, ... (default 1; 3 for a spread)"
     )
+    p.add_argument(
+        "--sampling",
+        help="comma-separated class draws to compare at each ratio below 1 (loss.classifier.sampling), e.g. "
+        "uniform,hard,mixed; turns the gradient probe on",
+    )
+    p.add_argument(
+        "--probe-every",
+        type=int,
+        help="steps between two probes of the full softmax's gradient (loss.classifier.probe_every; default with "
+        "--sampling: the config's, or train.log_every when it is 0)",
+    )
     p.add_argument("--name", help="study name (default study-<config>-<time>); the same name resumes a study")
     p.add_argument("--out", help="directory of the table and plots (default <storage>/<name>)")
     p.add_argument(
@@ -468,7 +540,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     ratios = parse_ratios(args.ratios)
     classes = parse_classes(args.classes)
+    modes = parse_sampling(args.sampling)
+    if args.probe_every is not None and args.probe_every < 1:
+        raise UserError(f"--probe-every {args.probe_every}: must be at least 1")
     cfg = load_config(args.config, args.overrides)
+    c = cfg.loss.classifier
+    probe = args.probe_every or (c.probe_every if c is not None else 0)
+    if modes and not probe:
+        probe = cfg.train.log_every
+    if probe and c is not None and probe != c.probe_every:
+        cfg = load_config(args.config, [*args.overrides, f"loss.classifier.probe_every={probe}"])
+    measures = default_measures(cfg.eval.ks, gpu=cfg.cluster.use_gpu) + (probe_measures() if probe else [])
     summary = run_study(
         cfg,
         ratios,
@@ -479,6 +561,9 @@ def run(args: argparse.Namespace) -> int:
         parallel=args.parallel,
         progress=not args.no_progress,
         config_name=Path(args.config).stem,
+        variants=sampling_variants(modes) if modes else None,
+        measures=measures,
+        full_once=bool(modes),
     )
     print(render(summary))
     return 0 if summary.ok else 1

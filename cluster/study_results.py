@@ -17,6 +17,12 @@ deviation of the per-seed figures (none with one seed). Speed is the
 :func:`~dmltrain.tracking.queries.steady_state` of the run's logged windows, as ``dmltrain report``
 reads it.
 
+**Sampling modes.** A study of the class draw (``dmltrain study subsampling --sampling uniform,hard,mixed``)
+has one variant per mode; its ratio-1 point is trained once, without a variant (a full softmax draws
+nothing), and is every variant's reference. :func:`gap_closed` then says what share of the Recall@1
+lost by the uniform draw at a ratio each other mode wins back, and a :class:`Measure` with ``curve``
+(the probe's gradient cosine) is plotted over the training steps, one line per point.
+
 **Files** (:func:`write_outputs`, each written atomically): ``study.md`` (the table with the points
 as columns, so that it fits a page and MLflow's Markdown view, its notes and figures), ``study.csv``
 (one row per point: every measure's mean and spread), ``study_runs.csv`` (one row per run),
@@ -24,7 +30,8 @@ as columns, so that it fits a page and MLflow's Markdown view, its notes and fig
 wall time against the ratio, one line per class count; panels whose values do not vary are left out
 and said so), ``recall_vs_ratio.png`` (Recall@K against the ratio, the paper's Fig. 4, zero-based) and,
 with two class counts or more, ``vs_classes.png`` (the same trade-off and the step time against the
-number of classes, one line per ratio). :func:`render` is the text the command prints,
+number of classes, one line per ratio), and ``<measure>.png`` for every curve measure (its history over
+the training steps, one line per point, the mean over the seeds). :func:`render` is the text the command prints,
 :func:`parent_metrics` and :func:`describe_study` what the parent MLflow run shows.
 """
 
@@ -37,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dmltrain.evaluate.plots import Panel, plot_panels
+from dmltrain.evaluate.plots import Panel, plot_curves, plot_panels, run_colors
 from dmltrain.fileio import write_text
 from dmltrain.redact import redact_url
 from dmltrain.text import MISSING, csv_text, finite_number, markdown_table
@@ -45,7 +52,9 @@ from dmltrain.tracking.names import (
     ACTIVE_CLASSES_TAG,
     ACTIVE_ROWS_TAG,
     CLASSIFIER_MB_TAG,
+    CUDA_PEAK_MB,
     IMAGES_PER_S,
+    PROBE_GRAD_COS,
     RSS_MB,
     STEP_MS,
     STUDY_WALL_TAG,
@@ -60,7 +69,8 @@ class Measure:
     (an MLflow metric history, summarised by ``how``: ``steady``, ``max``, ``mean`` or ``last``), ``tag``
     (an MLflow tag) or ``wall`` (the wall time of the run's training, kept as the tag ``key`` so that a
     study run again reads the first training's, not the resumed no-op's). ``name`` heads its column; ``mlflow`` is its key
-    among the parent run's metrics; ``digits`` its decimals in the tables."""
+    among the parent run's metrics; ``digits`` its decimals in the tables; ``curve``: a ``metric`` whose history
+    is also plotted against the step (``<mlflow>.png``, within ``ylim``)."""
 
     name: str
     source: str
@@ -68,6 +78,9 @@ class Measure:
     how: str = "steady"
     mlflow: str = ""
     digits: int = 1
+    curve: bool = False  # a metric whose history is kept and plotted against the step
+    ylim: tuple[float, float] | None = None  # the curve's y range (None: matplotlib's)
+    about: str = ""  # what the curve shows, in words (its plot's title)
 
 
 @dataclass(frozen=True)
@@ -82,9 +95,11 @@ class Relative:
     axis: str  # the plot's y label
 
 
-def default_measures(ks: Sequence[int]) -> list[Measure]:
-    """Recall@K of the final evaluation, speed (steady state), memory, the classifier's draw, the wall time."""
+def default_measures(ks: Sequence[int], gpu: bool = False) -> list[Measure]:
+    """Recall@K of the final evaluation, speed (steady state), memory (peak RSS; with ``gpu`` the CUDA peak),
+    the classifier's draw, the wall time."""
     return [
+        *([Measure("CUDA peak MB", "metric", CUDA_PEAK_MB, "max", "cuda_peak_mb", digits=0)] if gpu else []),
         *(Measure(f"recall@{k}", "eval", f"recall@{k}", mlflow=f"recall_at_{k}", digits=4) for k in ks),
         Measure("step ms", "metric", STEP_MS, "steady", "step_ms"),
         Measure("images/s", "metric", IMAGES_PER_S, "steady", "images_per_s"),
@@ -93,6 +108,17 @@ def default_measures(ks: Sequence[int]) -> list[Measure]:
         Measure("active classes", "tag", ACTIVE_CLASSES_TAG, mlflow="active_classes", digits=0),
         Measure("active rows", "tag", ACTIVE_ROWS_TAG, mlflow="active_rows", digits=1),
         Measure("wall s", "wall", STUDY_WALL_TAG, mlflow="wall_s", digits=0),
+    ]
+
+
+def probe_measures() -> list[Measure]:
+    """What the classifier's probe (``loss.classifier.probe_every``) adds: the cosine of the sampled and the full
+    softmax's embedding gradients, its mean over training in the table and its history in ``grad_cos.png``."""
+    about = "cosine of the sampled and the full softmax's embedding gradients (the probe)"
+    return [
+        Measure(
+            "grad cos", "metric", PROBE_GRAD_COS, "mean", "grad_cos", digits=3, curve=True, ylim=(0, 1.02), about=about
+        )
     ]
 
 
@@ -113,6 +139,7 @@ class Repeat:
     status: str = "pending"  # finished, failed
     values: dict[str, float] = field(default_factory=dict)  # Measure name -> value
     final: dict[str, float] = field(default_factory=dict)  # the final evaluation, as the run reported it
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # curve Measure name -> (step, value)
     mlflow_run_id: str | None = None
     storage_dir: str | None = None
     seconds: float = 0.0
@@ -243,6 +270,36 @@ def relative(point: Point, ref: Point | None, rel: Relative) -> Stat:
     return summarise(out)
 
 
+#: the variant whose Recall@1 loss the other variants' :func:`gap_closed` is measured against
+GAP_BASELINE = "uniform"
+
+
+def gap_closed(point: Point, points: Sequence[Point]) -> Stat:
+    """The share (%) of the Recall@1 gap between the :data:`GAP_BASELINE` variant at ``point``'s ratio and
+    its reference (the full softmax) that ``point`` closes, seed by seed: ``100·(point − uniform) /
+    (reference − uniform)``; none for the baseline itself, a reference, or a seed without a gap."""
+    if not point.variant or point.variant == GAP_BASELINE:
+        return NO_STAT
+    ref = reference_of(point, points)
+    base = next(
+        (p for p in points if p.variant == GAP_BASELINE and p.ratio == point.ratio and p.classes == point.classes),
+        None,
+    )
+    if ref is None or base is None or ref is point:
+        return NO_STAT
+    r1 = "recall@1"
+    theirs = {
+        r.seed: (r.values.get(r1), u.values.get(r1)) for r in ref.finished for u in base.finished if u.seed == r.seed
+    }
+    out = []
+    for r in point.finished:
+        full, uniform = theirs.get(r.seed, (None, None))
+        mine = r.values.get(r1)
+        if finite_number(mine) and finite_number(full) and finite_number(uniform) and full != uniform:
+            out.append(100 * (mine - uniform) / (full - uniform))
+    return summarise(out)
+
+
 def _ref_text(summary: StudySummary) -> str:
     refs = sorted({p.ratio for p in summary.points if (r := reference_of(p, summary.points)) is p and r is not None})
     return (
@@ -281,6 +338,9 @@ def table(summary: StudySummary) -> tuple[list[str], list[list[str]]]:
     refs = [reference_of(p, pts) for p in pts]
     for rel in summary.relatives:
         rows.append([rel.name, *(relative(p, r, rel).text(2) for p, r in zip(pts, refs))])
+    gaps = [gap_closed(p, pts) for p in pts]
+    if any(g.n for g in gaps):
+        rows.append([f"R@1 gap to {GAP_BASELINE} closed (%)", *(g.text(0) for g in gaps)])
     for m in summary.measures:
         rows.append([m.name, *(stat(p, m.name).text(m.digits) for p in pts)])
     return ["point", *(p.label for p in pts)], rows
@@ -289,13 +349,14 @@ def table(summary: StudySummary) -> tuple[list[str], list[list[str]]]:
 def point_rows(summary: StudySummary) -> tuple[list[str], list[list[Any]]]:
     """``study.csv``: one row per point, every measure's and relative's mean and spread (None when absent)."""
     head = ["point", "ratio", "classes", "variant", "runs", "status"]
-    for name in [*(r.name for r in summary.relatives), *(m.name for m in summary.measures)]:
+    for name in [*(r.name for r in summary.relatives), "gap closed %", *(m.name for m in summary.measures)]:
         head += [name, f"{name} sd"]
     rows = []
     for p in summary.points:
         ref = reference_of(p, summary.points)
         row: list[Any] = [p.label, p.ratio, p.classes, p.variant, len(p.finished), p.status]
-        for s in [*(relative(p, ref, r) for r in summary.relatives), *(stat(p, m.name) for m in summary.measures)]:
+        figures = [*(relative(p, ref, r) for r in summary.relatives), gap_closed(p, summary.points)]
+        for s in [*figures, *(stat(p, m.name) for m in summary.measures)]:
             row += [s.mean if s.n else None, s.sd]
         rows.append(row)
     return head, rows
@@ -374,6 +435,11 @@ def _tradeoff_series(summary: StudySummary) -> list[_Series]:
     return out
 
 
+def _shared(point: Point, points: Sequence[Point]) -> bool:
+    """A point without a variant in a study with variants (its full softmax, trained once): on every line."""
+    return not point.variant and any(p.variant for p in points)
+
+
 def _panels(
     summary: StudySummary,
     series: list[_Series],
@@ -381,10 +447,17 @@ def _panels(
     group_of: Callable[[Point], Any],
     group_label: Callable[[Any], str],
 ) -> tuple[list[Panel], list[str]]:
-    """The panels of ``series`` (one line per group, error bars from the seeds); those whose values do not
-    vary are left out, each with a note of its one value."""
+    """The panels of ``series`` (one line per group, error bars from the seeds; a point shared by the variants
+    on each of their lines); those whose values do not vary are left out, each with a note of its one value."""
     done = [p for p in summary.points if p.finished]
-    groups = sorted({group_of(p) for p in done}, key=lambda g: (str(type(g)), g))
+    own = {group_of(p) for p in done if not _shared(p, done)}
+    # a shared point joins the variants' lines of its other coordinates, or forms its own line where there is none
+    alone = {group_of(p) for p in done if _shared(p, done) and not any(g[1:] == group_of(p)[1:] for g in own)}
+    groups = sorted(own | alone, key=lambda g: (str(type(g)), g))
+
+    def member(p: Point, g: Any) -> bool:
+        return group_of(p) == g or (_shared(p, done) and g not in alone and group_of(p)[1:] == g[1:])
+
     panels, dropped = [], []
     for s in series:
         stats = {id(p): s.of(p) for p in done}
@@ -395,7 +468,7 @@ def _panels(
             continue
         lines, errors = {}, {}
         for g in groups:
-            pts = sorted((p for p in done if group_of(p) == g and stats[id(p)].n), key=x_of)
+            pts = sorted((p for p in done if member(p, g) and stats[id(p)].n), key=x_of)
             lines[group_label(g)] = ([x_of(p) for p in pts], [stats[id(p)].mean for p in pts])
             errors[group_label(g)] = [stats[id(p)].sd if stats[id(p)].sd is not None else float("nan") for p in pts]
         panels.append(
@@ -418,7 +491,11 @@ def _line_label(summary: StudySummary) -> Callable[[Point], Any]:
 
 
 def _classes_name(g: Any) -> str:
-    return f"{g[0]}, {g[1]:,} classes" if isinstance(g, tuple) else f"{g:,} classes"
+    return (
+        f"{g[0]}, {g[1]:,} classes"
+        if isinstance(g, tuple) and g[0]
+        else f"{g[-1] if isinstance(g, tuple) else g:,} classes"
+    )
 
 
 def plot_tradeoff(summary: StudySummary, path: Path) -> tuple[Path | None, list[str]]:
@@ -454,8 +531,9 @@ def plot_recall_vs_ratio(summary: StudySummary, path: Path) -> Path | None:
         pts = sorted((p for p in done if p.classes == n), key=lambda p: (p.variant, p.ratio))
         lines, errors = {}, {}
         for k in summary.ks:
-            for v in sorted({p.variant for p in pts}):
-                sel = [(p, stat(p, f"recall@{k}")) for p in pts if p.variant == v]
+            for v in sorted({p.variant for p in pts if not _shared(p, done)}):
+                sel = [(p, stat(p, f"recall@{k}")) for p in pts if p.variant == v or _shared(p, done)]
+                sel.sort(key=lambda ps: ps[0].ratio)
                 sel = [(p, s) for p, s in sel if s.n]
                 label = f"R@{k}" + (f" {v}" if v else "")
                 lines[label] = ([p.ratio for p, _ in sel], [100 * s.mean for _, s in sel])
@@ -497,7 +575,7 @@ def plot_vs_classes(summary: StudySummary, path: Path) -> tuple[Path | None, lis
     ]
     variants = any(p.variant for p in summary.points)
     group = (lambda p: (p.variant, p.ratio)) if variants else (lambda p: p.ratio)
-    name = (lambda g: f"{g[0]}, ratio {g[1]:g}") if variants else (lambda g: f"ratio {g:g}")
+    name = (lambda g: f"{g[0] + ', ' if g[0] else ''}ratio {g[1]:g}") if variants else (lambda g: f"ratio {g:g}")
     panels, dropped = _panels(summary, series, lambda p: float(p.classes), group, name)
     if not panels:
         return None, dropped
@@ -511,6 +589,31 @@ def plot_vs_classes(summary: StudySummary, path: Path) -> tuple[Path | None, lis
         note=("Not plotted, the same at every point:\n" + "\n".join(dropped)) if dropped else None,
     )
     return path, dropped
+
+
+def plot_curve(summary: StudySummary, measure: Measure, path: Path) -> Path | None:
+    """``measure``'s history against the step, one line per point (the mean over its seeds at each step)."""
+    data = {}
+    for p in summary.points:
+        by_step: dict[int, list[float]] = {}
+        for r in p.finished:
+            for step, value in r.curves.get(measure.name, []):
+                if finite_number(value):
+                    by_step.setdefault(int(step), []).append(float(value))
+        if by_step:
+            steps = sorted(by_step)
+            data[p.label] = (steps, [statistics.fmean(by_step[s]) for s in steps])
+    if not data:
+        return None
+    reps = max(len(p.repeats) for p in summary.points)
+    return plot_curves(
+        data,
+        path,
+        measure.name,
+        f"{measure.about or measure.name}\nover training" + (f", the mean over {reps} seeds" if reps > 1 else ""),
+        run_colors(list(data)),
+        ylim=measure.ylim,
+    )
 
 
 # -- files, MLflow and the terminal ---------------------------------------------------------------------------
@@ -530,6 +633,9 @@ def write_outputs(summary: StudySummary) -> dict[str, Path]:
         vs, _ = plot_vs_classes(summary, out / "vs_classes.png")
         if vs:
             figures["vs_classes.png"] = vs
+    for m in summary.measures:
+        if m.curve and (curve := plot_curve(summary, m, out / f"{m.mlflow}.png")):
+            figures[f"{m.mlflow}.png"] = curve
     head, rows = table(summary)
     lines = [f"# Class-subsampling study {summary.name}", "", markdown_table(head, rows), ""]
     lines += [f"- {n}" for n in notes(summary)]
@@ -541,6 +647,11 @@ def write_outputs(summary: StudySummary) -> dict[str, Path]:
         "tradeoff.png": "the change of Recall@1, the speed-up, the memory factor and the wall time against the ratio",
         "recall_vs_ratio.png": "Recall@K against the ratio",
         "vs_classes.png": "the trade-off and the step time against the number of classes",
+        **{
+            f"{m.mlflow}.png": f"{m.about or m.name} over training, one line per point"
+            for m in summary.measures
+            if m.curve
+        },
     }
     if figures:
         lines += ["", "Figures, beside this file:"] + [f"- `{n}`: {described.get(n, '')}" for n in figures]
@@ -567,6 +678,8 @@ def parent_metrics(summary: StudySummary) -> dict[str, float]:
             s = relative(p, ref, rel)
             if s.n:
                 out[f"{CHANGE_PREFIX}{rel.mlflow}/{p.label}"] = s.mean
+        if (g := gap_closed(p, summary.points)).n:
+            out[f"{CHANGE_PREFIX}gap_closed_percent/{p.label}"] = g.mean
         for m in summary.measures:
             s = stat(p, m.name)
             if s.n and m.mlflow:
@@ -600,8 +713,10 @@ def describe_study(summary: StudySummary, config_line: str) -> str:
             continue
         by = {r.kind: relative(p, ref, r) for r in summary.relatives}
         d, sp, mem = (by.get(k, NO_STAT) for k in ("delta_points", "speedup", "factor"))
+        gap = gap_closed(p, summary.points)
         parts = [
             f"Recall@1 {d.text(2)} points" if d.n else None,
+            f"{gap.text(0)}% of the {GAP_BASELINE} draw's Recall@1 gap closed" if gap.n else None,
             f"{sp.text(2)}× step speed" if sp.n else None,
             f"classifier memory {mem.text(2)}×" if mem.n else None,
             f"{wall.mean:.0f} s per run" if wall.n else None,

@@ -164,12 +164,63 @@ class ClassifierLoss(Section):
         "lr·|g|/|w|²); pytorch-metric-learning's NormalizedSoftmaxLoss starts at 1",
     )
 
+    sampling: Literal["uniform", "hard", "mixed"] = Field(
+        "uniform",
+        description="with sample_ratio < 1, the classes besides the batch's: uniform (NormSoftmax's draw), hard (those "
+        "whose rows are nearest the batch's classes, from an index refreshed every refresh_every steps) or mixed "
+        "(nearest_share of them nearest, the rest uniform)",
+    )
+    nearest_share: float = Field(
+        0.5, ge=0.0, le=1.0, description="sampling mixed: the share of the drawn others taken by nearness"
+    )
+    refresh_every: int = Field(
+        100, ge=1, description="sampling hard/mixed: steps between two snapshots of the rows in the nearness index"
+    )
+    sampling_correction: bool = Field(
+        False,
+        description="log-Q correction of the uniformly drawn classes' logits: the sampled loss then estimates the "
+        "full softmax's (consistently); runs the torch backend",
+    )
+    probe_every: int = Field(
+        0,
+        ge=0,
+        description="every so many steps, the full softmax's loss and embedding gradient for the same batch, nothing "
+        "updated: logged as softmax/probe/ (gradient cosine, norm ratio, loss gap); 0: off",
+    )
+    drop_after: int | None = Field(
+        None,
+        ge=0,
+        description="with params.subcenters >= 2: from this step on, samples farther than drop_angle from their "
+        "class's dominant sub-center are left out of the loss (sub-center ArcFace's noisy-label recipe); null: never",
+    )
+    drop_angle: float = Field(75.0, gt=0.0, lt=180.0, description="drop_after: the angle in degrees")
+
     @field_validator("sample_ratio")
     @classmethod
     def _ratio(cls, v: float) -> float:
         if not 0.0 < v <= 1.0:
             raise ValueError(f"must be in (0, 1], got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _torch_only(self) -> ClassifierLoss:
+        subcenters = self.params.get("subcenters", 1)
+        if self.drop_after is not None and not (isinstance(subcenters, int | float) and subcenters >= 2):
+            raise ValueError(
+                "loss.classifier.drop_after: drops samples far from their class's dominant sub-center; it needs params.subcenters >= 2"
+            )
+        fallback = "sub-centers" if subcenters != 1 else "log-Q correction" if self.sampling_correction else None
+        if fallback:  # the torch backend computes in fp32 with an fp32 weight
+            if self.weight_storage != "fp32":
+                raise ValueError(
+                    f"loss.classifier.weight_storage: {self.weight_storage} needs the fused kernels, which take no {fallback}; use fp32"
+                )
+            if self.precision not in ("auto", "fp32"):
+                raise ValueError(
+                    f"loss.classifier.precision: with {fallback} the classifier runs the torch backend, in fp32; use precision "
+                    "auto or fp32"
+                )
+        return self
 
 
 class InstanceLoss(Section):

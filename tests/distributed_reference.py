@@ -20,15 +20,26 @@ def dense_classifier_loss(
     kind: str,
     params: dict,
     active: Tensor | None = None,
+    offsets: Tensor | None = None,
+    keep: Tensor | None = None,
 ) -> Tensor:
-    """Mean softmax loss of the batch over all classes (or the sorted ``active`` class ids)."""
+    """Mean softmax loss of the batch over all classes (or the sorted ``active`` class ids).
+
+    ``weight`` ``C × k × D``: k sub-centers per class, a class's cosine the largest of theirs (its
+    gradient reaches that one alone, as autograd's max gives it). ``offsets``: added to the logits of
+    the ``active`` columns (the log-Q correction); ``keep``: the samples in the mean (the others dropped).
+    """
     rows = torch.arange(labels.numel())
     if kind == "softmax_ce":
         logits = x @ weight.t() + bias
     else:
         xn = x / x.norm(dim=1, keepdim=True)
-        wn = weight / weight.norm(dim=1, keepdim=True)
-        cos = xn @ wn.t()
+        if weight.dim() == 3:
+            wn = weight / weight.norm(dim=2, keepdim=True)
+            cos = torch.einsum("bd,ckd->bck", xn, wn).amax(2)
+        else:
+            wn = weight / weight.norm(dim=1, keepdim=True)
+            cos = xn @ wn.t()
         if kind == "normsoftmax":
             logits = cos / params["temperature"]
         else:
@@ -43,13 +54,19 @@ def dense_classifier_loss(
     if active is not None:
         labels = torch.searchsorted(active, labels)
         logits = logits[:, active]
+        if offsets is not None:
+            logits = logits + offsets.to(logits.dtype)
     eps = params.get("smoothing", 0.0)
     if not eps:
-        return F.cross_entropy(logits, labels)
-    K = logits.shape[1]
-    q = torch.full_like(logits, eps / (K - 1))
-    q[rows, labels] = 1 - eps
-    return -(q * F.log_softmax(logits, dim=1)).sum(1).mean()
+        per = F.cross_entropy(logits, labels, reduction="none")
+    else:
+        K = logits.shape[1]
+        q = torch.full_like(logits, eps / (K - 1))
+        q[rows, labels] = 1 - eps
+        per = -(q * F.log_softmax(logits, dim=1)).sum(1)
+    if keep is None:
+        return per.mean()
+    return per[keep].sum() / max(1, int(keep.sum()))
 
 
 def rel_err(a, r) -> float:
@@ -99,3 +116,66 @@ def reference_draw(num_classes: int, batch_labels, sample_ratio: float, seed: in
     others = [c for c in range(num_classes) if c not in set(batch)]
     others.sort(key=lambda c: reference_class_key(c, num_classes, seed, step))
     return sorted(batch + others[: total - len(batch)])
+
+
+# -- hard-class sampling: the nearness index and the draw, transcribed -----------------------------------
+def _f32(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+def reference_index(weight: Tensor) -> tuple[list, list]:
+    """Each class's index rows (``C × k`` lists of integer lists) and scales: the unit row times
+    ``L / max|component|``, rounded, ``L = min(127, ⌊√((2²⁴ − 1)/D)⌋)`` (exact fp32 products)."""
+    w = weight.double() if weight.dim() == 3 else weight.double()[:, None, :]
+    D = w.shape[2]
+    L = min(127, math.isqrt(((1 << 24) - 1) // D))
+    codes, scales = [], []
+    for c in range(w.shape[0]):
+        cc, cs = [], []
+        for s in range(w.shape[1]):
+            u = w[c, s].float()
+            u = u / u.norm()
+            top = float(u.abs().max())
+            cc.append([int(v) for v in torch.round(u * (L / torch.tensor(top, dtype=torch.float32))).tolist()])
+            cs.append(_f32(top / L))
+        codes.append(cc)
+        scales.append(cs)
+    return codes, scales
+
+
+def reference_nearness(weight: Tensor, batch_labels) -> list[float]:
+    """Every class's nearness to the batch: its largest index cosine to a batch sample's class, over
+    every pair of sub-centers (whole-number dot products, then the two fp32 scale products)."""
+    codes, scales = reference_index(weight)
+    out = []
+    for c in range(len(codes)):
+        best = -math.inf
+        for b in batch_labels:
+            for qb, sb in zip(codes[b], scales[b]):
+                for qc, sc in zip(codes[c], scales[c]):
+                    dot = float(sum(i * j for i, j in zip(qb, qc)))
+                    best = max(best, _f32(_f32(dot * sb) * sc))
+        out.append(best)
+    return out
+
+
+def reference_hard_draw(
+    num_classes: int, batch_labels, sample_ratio: float, seed: int, step: int, weight: Tensor, share: float
+) -> tuple[list[int], dict[int, float]]:
+    """(sorted class ids of the step's softmax, each uniformly drawn class's log-Q offset): every batch
+    class, ``H = round(share × E)`` of the others nearest the batch (ties to the smaller id), then the
+    remaining ``E − H`` uniformly by key from the classes in neither; ``E = round(ratio × C) − P``."""
+    batch = sorted({int(c) for c in batch_labels})
+    total = max(len(batch), min(num_classes, int(sample_ratio * num_classes + 0.5)))
+    E = total - len(batch)
+    H = int(math.floor(E * share + 0.5))
+    near = reference_nearness(weight, [int(c) for c in batch_labels])
+    others = [c for c in range(num_classes) if c not in set(batch)]
+    hard = sorted(others, key=lambda c: (-near[c], c))[:H]
+    rest = sorted(
+        (c for c in others if c not in set(hard)), key=lambda c: reference_class_key(c, num_classes, seed, step)
+    )
+    uniform = rest[: E - H]
+    pool = num_classes - len(batch) - H
+    offsets = {c: math.log(pool / len(uniform)) for c in uniform}
+    return sorted(batch + hard + uniform), offsets

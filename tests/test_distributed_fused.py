@@ -59,6 +59,7 @@ CASES = {
         ("cosface bf16 sub", "cosface", {"scale": 16.0, "margin": 0.35}, "bf16", 0.5),
         ("softmax_ce fp32 sub det", "softmax_ce", {"smoothing": 0.1}, "fp32", 0.5),
         ("arcface fp32 det", "arcface", {"scale": 16.0, "margin": 0.5}, "fp32", 1.0),
+        ("normsoftmax fp32 sub hard", "normsoftmax", {"temperature": 0.1}, "fp32", 0.6),  # nearest classes drawn
     ],
     3: [
         ("normsoftmax fp32", "normsoftmax", {"temperature": 0.1}, "fp32", 1.0),
@@ -97,7 +98,9 @@ def _local(t: torch.Tensor, rank: int, W: int) -> torch.Tensor:
     return t[s : s + SPLITS[W][rank]].clone()
 
 
-def _classifier_case(rank, W, device, kind, params, precision, ratio, weight_storage="fp32", steps=1, det=False):
+def _classifier_case(
+    rank, W, device, kind, params, precision, ratio, weight_storage="fp32", steps=1, det=False, sampling="uniform"
+):
     """Loss and gradients of ``steps`` calls (gradients accumulated) against one float64 process."""
     from dmltrain.distributed import ShardedClassifier
     from dmltrain.distributed.collectives import all_gather_uneven
@@ -105,7 +108,7 @@ def _classifier_case(rank, W, device, kind, params, precision, ratio, weight_sto
     w_full, b_full = _full_params(kind)
     backend = "auto" if device == "cuda" else "triton"
     clf = ShardedClassifier(C, D, kind, sample_ratio=ratio, seed=3, precision=precision, weight_storage=weight_storage,
-                            backend=backend, deterministic=det, **params).to(device)  # fmt: skip
+                            backend=backend, deterministic=det, sampling=sampling, **params).to(device)  # fmt: skip
     clf.load_full_weight(w_full.to(device), None if b_full is None else b_full.to(device))
     losses, xs, actives = [], [], []
     for step in range(steps):
@@ -263,6 +266,38 @@ def _bf16_storage_case(rank, W, device):
     }
 
 
+def _subcenter_fallback_case(rank, W, device):
+    """Sub-centers (and the log-Q correction) with ``backend="triton"``: the documented fallback to the torch
+    backend's sub-center rows feeding a max, exact against one float64 process."""
+    from dmltrain.distributed import ShardedClassifier
+    from dmltrain.distributed.collectives import all_gather_uneven
+
+    k, params = 2, {"scale": 16.0, "margin": 0.5}
+    w_full = torch.randn(C, k, D, generator=torch.Generator().manual_seed(4))
+    clf = ShardedClassifier(C, D, "arcface", sample_ratio=0.5, seed=3, backend="auto" if device == "cuda" else "triton",
+                            sampling="mixed", sampling_correction=True, subcenters=k, **params).to(device)  # fmt: skip
+    clf.load_full_weight(w_full.to(device))
+    x_full, y_full = _global_batch(seed=5)
+    x = _local(x_full, rank, W).to(device).requires_grad_(True)
+    loss = clf(x, _local(y_full, rank, W).to(device), step=1)
+    loss.backward()
+    assert not clf.fused, "sub-centers run the torch backend"
+    ids = all_gather_uneven(clf.active_class_ids)[0].cpu()
+    offsets = all_gather_uneven(clf._active.offsets[: clf.active_rows.numel()])[0].cpu()
+    x_grad, w_grad = all_gather_uneven(x.grad)[0].cpu(), clf.gather_rows_all(clf.weight.grad).cpu()
+    if rank != 0:
+        return None
+    order = torch.argsort(ids)
+    xr, wr = x_full.double().requires_grad_(True), w_full.double().requires_grad_(True)
+    ref = dense_classifier_loss(xr, y_full, wr, None, "arcface", params, ids[order], offsets[order])
+    ref.backward()
+    return {
+        "loss": ("loss", rel_err(float(loss.detach()), float(ref.detach()))),
+        "embedding grad": ("grad", rel_err(x_grad, xr.grad)),
+        "weight grad": ("grad", rel_err(w_grad, wr.grad)),
+    }
+
+
 def _fused_world(rank, W, device):
     from dmltrain.distributed import softmax_kernels
 
@@ -280,8 +315,13 @@ def _fused_world(rank, W, device):
             rank, W, device, "cosface", {"scale": 16.0, "margin": 0.35}, "bf16", 0.5, weight_storage="bf16"
         )
     for name, kind, params, precision, ratio in CASES[W]:
-        det = name.endswith(" det")
-        report["classifier"][name] = _classifier_case(rank, W, device, kind, params, precision, ratio, det=det)
+        det, sampling = name.endswith(" det"), "hard" if name.endswith(" hard") else "uniform"
+        report["classifier"][name] = _classifier_case(
+            rank, W, device, kind, params, precision, ratio, det=det, sampling=sampling
+        )
+    report["classifier"]["arcface fp32 2 sub-centers, corrected (torch fallback)"] = _subcenter_fallback_case(
+        rank, W, device
+    )
     report["bf16 storage"] = _bf16_storage_case(rank, W, device)
     report["reruns identical"] = _rerun_identical(rank, W, device)
     return report

@@ -2,19 +2,21 @@
 
 Each world size W ∈ {1, 2, 3, 4} is spawned once and runs every check inside
 (:func:`_world_checks`); the tests then read its report. Uneven C/W (23 classes) and uneven
-local batches (one worker with no sample at W = 4). The W = 2 run ends with a tiny backbone
-under a real DeepSpeed ZeRO-1 engine.
+local batches (one worker with no sample at W = 4). Hard and mixed class draws (the nearness
+index, the log-Q correction) and sub-centers (with sample dropping) are checked at every W against
+the slow references too. The W = 2 run ends with a tiny backbone under a real DeepSpeed ZeRO-1 engine.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from distributed_reference import dense_classifier_loss, reference_draw, rel_err
+from distributed_reference import dense_classifier_loss, reference_draw, reference_hard_draw, rel_err
 from multiproc import run_workers
 
 pytestmark = pytest.mark.multiprocess
@@ -265,6 +267,115 @@ def _no_host_reads_step(rank, W):
     return {"drawn": clf.active_rows.tolist() == want, "count on the device": clf._active.count is not None}
 
 
+def _hard_checks(rank, W):
+    """Hard and mixed draws: every shard's part of the drawn set is the brute-force reference's (the same set
+    at every W), the log-Q offsets are its, and the loss and gradients equal one float64 process's on them."""
+    from dmltrain.distributed import ShardedClassifier
+    from dmltrain.distributed.collectives import all_gather_uneven
+
+    report = {}
+    x_full, y_full = _global_batch(seed=8)
+    cases = [
+        ("hard normsoftmax", "hard", 1.0, False, "normsoftmax", {"temperature": 0.1}),
+        ("mixed arcface, 2 sub-centers, corrected", "mixed", 0.5, True, "arcface", {"scale": 16.0, "margin": 0.5, "subcenters": 2}),
+    ]  # fmt: skip
+    for name, mode, share, corr, kind, params in cases:
+        k = params.get("subcenters", 1)
+        g = torch.Generator().manual_seed(9)
+        w_full = torch.randn(C, k, D, generator=g) if k > 1 else torch.randn(C, D, generator=g)
+        clf = ShardedClassifier(C, D, kind, sample_ratio=0.6, seed=7, sampling=mode, nearest_share=share,
+                                sampling_correction=corr, **params)  # fmt: skip
+        clf.load_full_weight(w_full)
+        x = _local(x_full, rank, W).requires_grad_(True)
+        loss = clf(x, _local(y_full, rank, W), step=4)
+        loss.backward()
+        ids = clf.active_class_ids
+        active = all_gather_uneven(ids)[0]
+        offs = all_gather_uneven(clf._active.offsets[: ids.numel()])[0] if corr else None
+        x_grad, w_grad = all_gather_uneven(x.grad)[0], clf.gather_rows_all(clf.weight.grad)
+        want, want_offs = reference_hard_draw(C, y_full.tolist(), 0.6, 7, 4, w_full, share)
+        entry = {
+            "local part": ids.tolist() == [c for c in want if clf.class_start <= c < clf.class_end],
+            "global set": sorted(active.tolist()) == want,
+            "nearest drawn": mode == "mixed" or len(want) > len(set(y_full.tolist())),
+        }
+        if corr:
+            got_offs = {int(c): float(o) for c, o in zip(active, offs) if o != 0}
+            entry["offsets"] = got_offs.keys() == want_offs.keys() and all(
+                abs(got_offs[c] - want_offs[c]) < 1e-6 for c in got_offs
+            )
+        if rank == 0:
+            xr, wr = x_full.double().requires_grad_(True), w_full.double().requires_grad_(True)
+            off_t = torch.tensor([want_offs.get(c, 0.0) for c in want]) if corr else None
+            ref = dense_classifier_loss(xr, y_full, wr, None, kind, clf.params, torch.tensor(want), off_t)
+            ref.backward()
+            entry["err"] = {
+                "loss": rel_err(float(loss.detach()), float(ref.detach())),
+                "weight grad": rel_err(w_grad, wr.grad),
+                "embedding grad": rel_err(x_grad, xr.grad),
+            }
+        report[name] = entry
+    return report
+
+
+def _subcenter_checks(rank, W):
+    """Sub-centers: ArcFace with 3 (every class, logits kept and chunked) and CosFace with 2 (subsampled),
+    the second over two steps with samples dropped at step 1 (far from the sub-center their class's samples
+    were nearest to at step 0), against one float64 process."""
+    from dmltrain.distributed import ShardedClassifier
+    from dmltrain.distributed.collectives import all_gather_uneven
+
+    report = {}
+    cases = [
+        ("arcface k=3", "arcface", {"scale": 16.0, "margin": 0.5, "subcenters": 3}, 1.0, 64.0, {}),
+        ("arcface k=3 chunked", "arcface", {"scale": 16.0, "margin": 0.5, "subcenters": 3}, 1.0, 1e-4, {}),
+        ("cosface k=2 sub, dropping", "cosface", {"scale": 16.0, "margin": 0.35, "subcenters": 2}, 0.5, 64.0,
+         {"drop_after": 1, "drop_angle": 90.0}),
+    ]  # fmt: skip
+    for name, kind, params, ratio, budget, extra in cases:
+        k = params["subcenters"]
+        w_full = torch.randn(C, k, D, generator=torch.Generator().manual_seed(11))
+        clf = ShardedClassifier(C, D, kind, sample_ratio=ratio, seed=7, logits_budget_mb=budget, **extra, **params)
+        clf.load_full_weight(w_full)
+        steps = 2 if extra else 1
+        entry = {"err": {}}
+        counts = torch.zeros(C, k, dtype=torch.long)
+        for step in range(steps):
+            x_full, y_full = _global_batch(seed=20 + step)
+            clf.zero_grad()
+            x = _local(x_full, rank, W).requires_grad_(True)
+            loss = clf(x, _local(y_full, rank, W), step=step)
+            loss.backward()
+            active = all_gather_uneven(clf.active_class_ids)[0]
+            x_grad, w_grad = all_gather_uneven(x.grad)[0], clf.gather_rows_all(clf.weight.grad)
+            if rank != 0:
+                continue
+            # the reference's dominant sub-centers: counted over the earlier steps' samples
+            xn = torch.nn.functional.normalize(x_full.double(), dim=1)
+            wn = torch.nn.functional.normalize(w_full.double(), dim=2)
+            sub_cos = torch.einsum("nd,nkd->nk", xn, wn[y_full])
+            keep = None
+            if extra and step >= extra["drop_after"]:
+                dominant = counts[y_full].argmax(1)
+                keep = sub_cos.gather(1, dominant[:, None]).squeeze(1) >= math.cos(math.radians(extra["drop_angle"]))
+                entry["dropped"] = (int((~keep).sum()), clf.stats["dropped"] * len(y_full))
+            for i, c in enumerate(y_full.tolist()):
+                counts[c, int(sub_cos[i].argmax())] += 1
+            xr, wr = x_full.double().requires_grad_(True), w_full.double().requires_grad_(True)
+            act = None if ratio >= 1 else torch.sort(active).values
+            ref = dense_classifier_loss(xr, y_full, wr, None, kind, clf.params, act, keep=keep)
+            ref.backward()
+            entry["err"].update(
+                {
+                    f"loss {step}": rel_err(float(loss.detach()), float(ref.detach())),
+                    f"weight grad {step}": rel_err(w_grad, wr.grad),
+                    f"embedding grad {step}": rel_err(x_grad, xr.grad),
+                }
+            )
+        report[name] = entry
+    return report
+
+
 def _train_for_checkpoint(rank, W, opt_name):
     """A classifier trained two subsampled steps at world size W (state depends on the draws)."""
     from dmltrain.distributed import ShardedClassifier, make_classifier_optimizer
@@ -296,11 +407,58 @@ def _flatten_state(state):
     return out
 
 
+def _subcenter_classifier(seed):
+    """Sub-center CosFace (3 per class) with hard draws and sample dropping: rows, index and counts to save."""
+    from dmltrain.distributed import ShardedClassifier
+
+    return ShardedClassifier(C, D, "cosface", sample_ratio=0.5, seed=seed, sampling="mixed", refresh_every=5,
+                             drop_after=10, scale=16.0, margin=0.2, subcenters=3)  # fmt: skip
+
+
+def _subcenter_checkpoint(rank, W, tmp):
+    """Saved at W = 3 after two steps, loaded at the others: every class's 3 rows, their optimizer state, its
+    index rows and its sub-center counts arrive together whatever the partition."""
+    from dmltrain.distributed import load_by_class, make_classifier_optimizer, save_by_class
+
+    def whole(clf):
+        tensors, scalars = clf.class_state()
+        return {"weight": clf.full_weight(), **{k: clf.gather_rows_all(v) for k, v in tensors.items()}}, scalars
+
+    if W == 3:
+        clf = _subcenter_classifier(5)
+        opt = make_classifier_optimizer(clf, "adamw", lr=0.05)
+        for step in range(2):
+            x_full, y_full = _global_batch(seed=30 + step)
+            clf(_local(x_full, rank, W), _local(y_full, rank, W), step=step).backward()
+            opt.step()
+            opt.zero_grad()
+        save_by_class(clf, tmp / "subcenters", opt)
+        saved, scalars = whole(clf)
+        if rank == 0:
+            torch.save({"tensors": saved, "scalars": scalars}, tmp / "subcenters.pt")
+        return {}
+    clf = _subcenter_classifier(99)
+    opt = make_classifier_optimizer(clf, "adamw", lr=0.5)
+    load_by_class(clf, tmp / "subcenters", opt)
+    got, scalars = whole(clf)
+    if rank != 0:
+        return {}
+    want = torch.load(tmp / "subcenters.pt", weights_only=True)
+    return {
+        "names": sorted(got)
+        == sorted(want["tensors"])
+        == ["index.codes", "index.scales", "subcenter_counts", "weight"],
+        "identical": all(torch.equal(got[k], want["tensors"][k]) for k in want["tensors"]),
+        "index step": scalars == want["scalars"] == {"index.built_at": 0},
+        "shape": tuple(got["weight"].shape) == (C, 3, D),
+    }
+
+
 def _checkpoint_checks(rank, W, tmpdir):
     from dmltrain.distributed import gather_state, load_by_class, load_state, save_by_class
 
     tmp = Path(tmpdir)
-    report = {}
+    report = {"subcenters": _subcenter_checkpoint(rank, W, tmp)}
     for opt_name in ("sgd", "adamw"):
         if W == 3:
             clf, opt = _train_for_checkpoint(rank, W, opt_name)
@@ -347,6 +505,8 @@ def _world_checks(rank: int, W: int, tmpdir: str) -> dict:
     report["few_classes"] = _few_classes_case(rank, W)
     report["instance"] = _instance_checks(rank, W)
     report["sampling"] = _sampling_checks(rank, W)
+    report["hard"] = _hard_checks(rank, W)
+    report["subcenters"] = _subcenter_checks(rank, W)
     report["checkpoint"] = _checkpoint_checks(rank, W, tmpdir)
     if W == 2 and DEEPSPEED:  # last: DeepSpeed wraps the process group (and its import is slow)
         report["deepspeed"] = _deepspeed_check(rank, W)
@@ -413,6 +573,33 @@ def test_class_subsampling(reports, W):
                 assert ok, f"W={W} rank {rank} {key}: {check} failed"
             if rank == 0 and "err" in entry:
                 _assert_errors(entry, f"W={W} {key} (sample_ratio=0.5)")
+
+
+@pytest.mark.parametrize("W", WORLDS)
+def test_hard_and_mixed_draws_equal_the_reference_at_every_world_size(reports, W):
+    for rank, rep in enumerate(reports[W]):
+        for name, entry in rep["hard"].items():
+            for check, ok in entry.items():
+                if check != "err":
+                    assert ok, f"W={W} rank {rank} {name}: {check} failed"
+            if rank == 0:
+                _assert_errors(entry, f"W={W} {name}")
+
+
+@pytest.mark.parametrize("W", WORLDS)
+def test_subcenters_equal_one_float64_process(reports, W):
+    rep = reports[W][0]["subcenters"]
+    for name, entry in rep.items():
+        _assert_errors(entry, f"W={W} {name}")
+    dropped, reported = rep["cosface k=2 sub, dropping"]["dropped"]
+    assert 0 < dropped < 16 and abs(reported - dropped) < 1e-9, f"W={W}: {dropped} dropped, reported {reported}"
+
+
+@pytest.mark.parametrize("W", [1, 2, 4])
+def test_sub_centers_and_their_index_reshard_by_class(reports, W):
+    entry = reports[W][0]["checkpoint"]["subcenters"]
+    for check, ok in entry.items():
+        assert ok, f"W=3 -> W={W}: {check} failed"
 
 
 @pytest.mark.parametrize("W", [1, 2, 4])

@@ -384,3 +384,76 @@ def test_report_over_the_study_compares_its_points(study, tmp_path):
     assert sorted(r.name for r in rep.records) == ["r0.75-c12-sub", "r1-c12-sub"]
     text = rep.markdown.read_text()
     assert "loss.classifier.sample_ratio" in text and rep.html.is_file()
+
+
+# -- sampling modes (--sampling) --------------------------------------------------------------------------------
+def _sampling_study(tmp_path):
+    """Ratios 1 and 0.1 at 100 classes, modes uniform and hard, two seeds; the probe's cosine over training."""
+    from cluster.study_results import Repeat
+
+    points = st.plan_points([1.0, 0.1], {100: "/s/100"}, 2, "s", 0, st.sampling_variants(["uniform", "hard"]), True)
+    r1 = {"r1-c100": (0.80, 0.84), "uniform-r0.1-c100": (0.70, 0.74), "hard-r0.1-c100": (0.76, 0.82)}
+    for p in points:
+        p.repeats = [
+            Repeat(
+                s,
+                f"{p.label}-s{s}",
+                "finished",
+                {"recall@1": r1[p.label][s], "step ms": 10.0, "grad cos": 0.5},
+                curves={"grad cos": [(0, 0.9), (10, 0.5 + 0.1 * s)]},
+            )  # fmt: skip
+            for s in (0, 1)
+        ]
+    measures = [*sr.default_measures([1]), *sr.probe_measures()]
+    return sr.StudySummary("s", [1], points, tmp_path / "out", {}, None, "", 1.0, measures)
+
+
+def test_sampling_modes_share_one_full_softmax_and_say_what_share_of_the_gap_they_close(tmp_path):
+    summary = _sampling_study(tmp_path)
+    pts = summary.points
+    assert [p.label for p in pts] == ["r1-c100", "uniform-r0.1-c100", "hard-r0.1-c100"]
+    assert pts[2].overrides["loss.classifier.sampling"] == "hard" and "loss.classifier.sampling" not in pts[0].overrides
+    assert sr.reference_of(pts[2], pts) is pts[0] and sr.reference_of(pts[1], pts) is pts[0]
+    # seed 0: (0.76 − 0.70) / (0.80 − 0.70) = 60 %; seed 1: (0.82 − 0.74) / (0.84 − 0.74) = 80 %
+    gap = sr.gap_closed(pts[2], pts)
+    assert (gap.mean, gap.n) == (pytest.approx(70.0), 2) and gap.sd == pytest.approx(math.sqrt(200))
+    assert sr.gap_closed(pts[1], pts).n == 0 and sr.gap_closed(pts[0], pts).n == 0
+    head, rows = sr.table(summary)
+    cells = {r[0]: r[1:] for r in rows}
+    assert cells["variant"] == ["—", "uniform", "hard"] and cells["R@1 gap to uniform closed (%)"] == [
+        "—",
+        "—",
+        "70 ± 14",
+    ]
+    assert cells["grad cos"] == ["0.500 ± 0.000"] * 3
+    assert sr.parent_metrics(summary)["change/gap_closed_percent/hard-r0.1-c100"] == pytest.approx(70.0)
+    assert "70 ± 14% of the uniform draw's Recall@1 gap closed" in sr.describe_study(summary, "")
+    files = sr.write_outputs(summary)
+    assert files["grad_cos.png"].read_bytes()[:8] == PNG and files["tradeoff.png"].read_bytes()[:8] == PNG
+    assert (
+        "`grad_cos.png`: cosine of the sampled and the full softmax's embedding gradients (the probe) over training"
+        in files["study.md"].read_text()
+    )
+    rows = {r["point"]: r for r in csv.DictReader(files["study.csv"].open())}
+    assert float(rows["hard-r0.1-c100"]["gap closed %"]) == pytest.approx(70.0)
+    assert st.parse_sampling("hard, uniform,hard") == ["hard", "uniform"] and st.parse_sampling(None) is None
+    with pytest.raises(UserError, match="^--sampling: 'nearest' is not a sampling mode"):
+        st.parse_sampling("uniform,nearest")
+
+
+def test_the_sampling_flag_sets_the_variants_and_turns_the_probe_on(monkeypatch, capsys):
+    seen = {}
+
+    def fake_run_study(cfg, ratios, classes, **kw):
+        seen.update(kw, cfg=cfg, ratios=ratios)
+        return sr.StudySummary("s", [1], [], Path("/nonexistent"), {}, None, "", 0.0)
+
+    monkeypatch.setattr(st, "run_study", fake_run_study)
+    main(["study", "subsampling", str(DEMO), "train.log_every=7", "--ratios", "1,0.1", "--sampling", "uniform,mixed"])
+    assert seen["variants"] == [("uniform", {"loss.classifier.sampling": "uniform"}),
+                                ("mixed", {"loss.classifier.sampling": "mixed"})]  # fmt: skip
+    assert seen["full_once"] and seen["cfg"].loss.classifier.probe_every == 7
+    assert "grad cos" in [m.name for m in seen["measures"]]
+    main(["study", "subsampling", str(DEMO), "--ratios", "1,0.1", "--probe-every", "3"])
+    assert seen["variants"] is None and seen["cfg"].loss.classifier.probe_every == 3
+    capsys.readouterr()

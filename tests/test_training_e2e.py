@@ -272,11 +272,16 @@ def test_worker_killed_mid_run_resumes_to_the_same_weights(env, plain_run, tmp_p
 
 
 def test_resume_at_a_different_worker_count(env):
-    """Also the recipes' bf16 engine and head-only start (the backbone frozen for the first step)."""
+    """Also the recipes' bf16 engine and head-only start (the backbone frozen for the first step), and the
+    classifier of #26: mixed hard/uniform draws from the nearness index, 2 sub-centers per class with samples
+    dropped from step 2, the probe of the full softmax at every step (its figures in MLflow)."""
     from cluster.launch import train
 
     root, shards = env
-    common = {"train.run_name": "reshard", "train.precision": "bf16", "schedule.unit": "step", "schedule.head_only": 1}
+    common = {"train.run_name": "reshard", "train.precision": "bf16", "schedule.unit": "step", "schedule.head_only": 1,
+              "loss.classifier.sampling": "mixed", "loss.classifier.refresh_every": 3,
+              "loss.classifier.params.subcenters": 2, "loss.classifier.drop_after": 2,
+              "loss.classifier.probe_every": 1}  # fmt: skip
     first = train(_config(root, shards, **common, **{"train.max_steps": 2}), progress=False)
     assert first.ok and first.metrics["step"] == 2, first.error
     again = train(_config(root, shards, **common, **{"train.max_steps": 4, "cluster.num_workers": 1}), progress=False)
@@ -288,6 +293,9 @@ def test_resume_at_a_different_worker_count(env):
     assert tags["dmltrain.resumed_from_step"] == "2" and tags["resumed.cluster.num_workers"] == "1"
     # step 2 was mid-epoch under a 2-worker batch plan: the 1-worker run starts the next epoch instead
     assert "world_size" in tags["dmltrain.resumed_at_epoch_start"]
+    cosines = [m.value for m in client.get_metric_history(runs[0].info.run_id, "softmax/probe/grad_cos")]
+    assert len(cosines) == 4 and all(0.0 < c <= 1.0 + 1e-9 for c in cosines), cosines
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "softmax/dropped")] == [1, 2, 3, 4]
 
 
 def test_a_timm_vit_fine_tunes_end_to_end(env, tmp_path):

@@ -143,6 +143,21 @@ def test_step_timer_parts_and_aside():
     assert all(v >= 0 for v in out.values()) and timer.steps == 0
 
 
+def test_work_aside_inside_a_step_is_left_out_of_its_part_and_of_the_step():
+    """The classifier's probe runs inside a step, aside: neither the forward part nor the step time counts it."""
+    import time
+
+    timer = StepTimer(torch.device("cpu"))
+    timer.start()
+    timer.lap("data")
+    with timer.aside(sync=True):
+        time.sleep(0.2)
+    for part in StepTimer.PARTS[1:]:
+        timer.lap(part)
+    out = timer.summary(global_batch=8)
+    assert out["time/forward_ms"] < 100 and out["time/step_ms"] < 100
+
+
 def test_statistics_stay_on_the_device_until_the_summary():
     """The sharded classifier's statistics are device scalars until read; the objective hands them over as such,
     TrainMetrics sums them as tensors, and the summary equals the host floats read step by step."""

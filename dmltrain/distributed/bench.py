@@ -2,7 +2,9 @@
 
 Each configuration runs in a fresh process (:mod:`~dmltrain.distributed.bench_runs`; ``W``
 processes when ``--workers W`` > 1) so that its peak memory is its own. One step = forward,
-backward and the row-sparse SGD-momentum step on random embeddings and uniformly random labels.
+backward and the row-sparse SGD-momentum step on random embeddings and uniformly random labels
+(``--sampling hard|mixed``: the draw from the nearness index, built at the warm-up step; ``--probe``:
+the probe of the full softmax timed apart, as a factor of the step).
 In the same process, after the run, the three bare GEMMs of that step (``B×D`` by ``D×K`` for
 the forward logits, and the two backward products, with ``K = R·N/W`` active classes per
 worker) are timed; the ratio of step time to them is the overhead of everything else.
@@ -98,6 +100,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--deterministic", action="store_true", help="CUDA: the deterministic two-kernel backward (bit-identical)"
     )
+    parser.add_argument(
+        "--sampling",
+        default="uniform",
+        choices=["uniform", "hard", "mixed"],
+        help="the class draw below ratio 1 (hard, mixed: with the nearness index, refreshed at the warm-up step)",
+    )
+    parser.add_argument(
+        "--probe", action="store_true", help="also time the probe of the full softmax (loss.classifier.probe_every)"
+    )
     parser.add_argument("--no-peer", action="store_true", help="skip the peers")
 
 
@@ -150,7 +161,8 @@ def _fmt_step(r: dict[str, Any], unit: str = "s") -> str:
 def _job(args: argparse.Namespace, R: float) -> dict[str, Any]:
     return dict(role="ours", device=args.device, N=args.classes, D=args.dim, B=args.batch, W=args.workers, R=R, steps=args.steps,
                 kind=args.kind, optimizer=args.optimizer, budget=args.logits_budget_mb, precision=args.precision,
-                storage=args.weight_storage, deterministic=args.deterministic)  # fmt: skip
+                storage=args.weight_storage, deterministic=args.deterministic, sampling=args.sampling,
+                probe=args.probe)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,6 +183,9 @@ def _measure(
             continue
         done[R] = res
         report(R, res)
+        if "probe" in res:
+            print(f"R={R:g}: probe (sampled and full softmax, embeddings' gradients only) {res['probe']:.3f} s = "
+                  f"{res['probe'] / res['step']:.2f}x the step (CPU time {res['probe_cpu'] / res['step_cpu']:.2f}x)", flush=True)  # fmt: skip
     if 1.0 in done:
         for R, r in done.items():
             if R < 1.0:
@@ -203,6 +218,7 @@ def _run_cpu(args: argparse.Namespace) -> int:
 
     header = (
         f"bench classifier: {args.kind}, N={N:,} classes, D={D}, global batch B={B}, W={W} worker(s), {args.optimizer}, "
+        f"{args.sampling} draws, "
         f"logits budget {args.logits_budget_mb:g} MB, {args.steps} timed steps (median) on {os.cpu_count()} CPU cores"
     )
     done = _measure(args, header, report)

@@ -128,9 +128,8 @@ def _ours_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
             "weight_storage": job["storage"],
             "deterministic": job["deterministic"],
         }
-    clf = ShardedClassifier(N, D, job["kind"], sample_ratio=R, seed=0, logits_budget_mb=job["budget"], **kwargs).to(
-        device
-    )
+    clf = ShardedClassifier(N, D, job["kind"], sample_ratio=R, seed=0, logits_budget_mb=job["budget"],
+                            sampling=job.get("sampling", "uniform"), refresh_every=10**9, **kwargs).to(device)  # fmt: skip
     opt = make_classifier_optimizer(clf, job["optimizer"], lr=0.01, momentum=0.9, weight_decay=1e-4, seed=rank)
     gen = torch.Generator().manual_seed(rank)
     if device.type == "cuda":
@@ -142,6 +141,18 @@ def _ours_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
         return _timed_phases(lambda: clf(x, y, step=i), opt, device)
 
     res: dict[str, Any] = _time_steps(step, job["steps"], f"R={R:g} rank {rank}")
+    if job.get("probe"):
+        times, cpu = [], []
+        for i in range(job["steps"]):
+            x = torch.randn(b, D, generator=gen).to(device)
+            y = torch.randint(0, N, (b,), generator=gen).to(device)
+            _sync(device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            clf.probe(x, y, step=i, sizes=[b] * W)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        res["probe"], res["probe_cpu"] = _median(times), _median(cpu)
     res["rss"] = _peak_rss()
     res["opt_bytes"] = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
     res["param_bytes"] = sum(p.numel() * p.element_size() for p in clf.parameters())

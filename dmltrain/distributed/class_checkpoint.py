@@ -4,9 +4,15 @@ A *piece* is a dict holding the rows ``class_start … class_end`` of the weight
 the optimizer state of those rows::
 
     {"format": FORMAT, "kind", "num_classes", "dim", "params", "class_start", "class_end",
-     "weight": (rows × D), "bias": (rows) | None,
+     "weight": (rows × D, or rows × k × D with k sub-centers), "bias": (rows) | None,
      "optimizer": None | {"type", "param_groups": [hyperparameters by group name],
-                          "rows": {"weight": {state: rows × …}, "bias": {...}}}}
+                          "rows": {"weight": {state: rows × …}, "bias": {...}}},
+     "class_state": {name: rows × …}, "class_scalars": {name: int}}
+
+``class_state`` is what the classifier keeps per class besides its rows
+(:meth:`~dmltrain.distributed.sharded_softmax.ShardedClassifier.class_state`: the nearness index of
+hard-class sampling, the sub-center counts of sample dropping), sliced and resharded like the rows;
+pieces saved before it existed have none (the index is then rebuilt at the next step).
 
 A whole state is one piece covering ``0 … C``. Loading takes a piece or a list of pieces
 and keeps, on each worker, the rows it owns; every owned row must be covered.
@@ -71,6 +77,9 @@ def local_state(clf: ShardedClassifier, optimizer: Any = None) -> dict[str, Any]
         "bias": None if clf.bias is None else clf.bias.detach().cpu(),
         "optimizer": None,
     }
+    tensors, scalars = clf.class_state()
+    piece["class_state"] = {k: v.detach().cpu() for k, v in tensors.items()}
+    piece["class_scalars"] = dict(scalars)
     if optimizer is not None:
         _check_optimizer(optimizer)
         rows = {
@@ -129,6 +138,9 @@ def gather_state(clf: ShardedClassifier, optimizer: Any = None, dst: int | None 
         "bias": None if clf.bias is None else gather(clf.bias),
         "optimizer": None,
     }
+    tensors, scalars = clf.class_state()
+    state["class_state"] = {k: gather(v) for k, v in tensors.items()}
+    state["class_scalars"] = dict(scalars)
     if optimizer is not None:
         _check_optimizer(optimizer)
         rows: dict[str, dict[str, Any]] = {}
@@ -150,6 +162,13 @@ def _check_piece(clf: ShardedClassifier, piece: dict[str, Any]) -> None:
             raise ValueError(
                 f"classifier checkpoint: saved {key} = {piece[key]!r} but this classifier has {getattr(clf, key)!r}"
             )
+    w = piece.get("weight")
+    saved_k = 1 if w is None or w.dim() < 3 else int(w.shape[1])
+    if saved_k != clf.subcenters:
+        raise ValueError(
+            f"classifier checkpoint: saved with {saved_k} sub-center(s) per class but this classifier has "
+            f"params.subcenters = {clf.subcenters}"
+        )
 
 
 @torch.no_grad()
@@ -161,10 +180,16 @@ def load_state(clf: ShardedClassifier, state: dict[str, Any] | list[dict[str, An
     covered = torch.zeros(clf.num_local, dtype=torch.bool)
     params = dict(_param_items(clf))
     hyper: list[dict[str, Any]] | None = None
+    extra: dict[str, Tensor] = {}  # the per-class state besides the rows, this worker's classes
+    extra_covered: dict[str, Tensor] = {}
+    scalars: dict[str, int] = {}
     for piece in pieces:
         _check_piece(clf, piece)
         s, e = int(piece["class_start"]), int(piece["class_end"])
         lo, hi = max(s, clf.class_start), min(e, clf.class_end)
+        for name, value in (piece.get("class_scalars") or {}).items():
+            if scalars.setdefault(name, int(value)) != int(value):
+                raise ValueError(f"classifier checkpoint: its pieces disagree on {name} ({scalars[name]} and {value})")
         if optimizer is not None:
             opt = piece.get("optimizer")
             if opt is None:
@@ -189,6 +214,12 @@ def load_state(clf: ShardedClassifier, state: dict[str, Any] | list[dict[str, An
                     target = optimizer.state[p][k]
                     target[dst] = saved[k][src].to(device=target.device, dtype=target.dtype)
         covered[dst] = True
+        for name, t in (piece.get("class_state") or {}).items():
+            if name not in extra:
+                extra[name] = torch.zeros((clf.num_local, *t.shape[1:]), dtype=t.dtype)
+                extra_covered[name] = torch.zeros(clf.num_local, dtype=torch.bool)
+            extra[name][dst] = t[src]
+            extra_covered[name][dst] = True
     if not bool(covered.all()):
         missing = (~covered).nonzero().squeeze(1)
         first = int(missing[0]) + clf.class_start
@@ -204,6 +235,8 @@ def load_state(clf: ShardedClassifier, state: dict[str, Any] | list[dict[str, An
             for k, v in saved.items():
                 if k in g and k not in ("params", "name"):
                     g[k] = tuple(v) if isinstance(g[k], tuple) else v
+    # a state only some pieces hold (saved by another version) is not this worker's: left out
+    clf.load_class_state({k: v for k, v in extra.items() if bool(extra_covered[k].all())}, scalars)
     if optimizer is not None:
         clf.row_grads.cleared()
 

@@ -24,6 +24,19 @@ exactly ``round(ratio × C)`` and no count is needed. Otherwise a shard's capaci
 batch classes (``min(global batch, its rows)``) plus its expected share of the others with ten
 standard deviations and 16 classes to spare; a draw beyond it (probability below 1e-20) would
 keep the capacity's smallest keys, every batch class among them.
+
+Nearest classes (``loss.classifier.sampling: hard | mixed``). Given every local row's *nearness key*
+(:func:`~dmltrain.distributed.class_index.nearest_keys`: unique, smallest for the class whose index
+row is nearest to the batch's classes), ``H = round(share × E)`` of the ``E`` others are the
+non-batch classes of smallest nearness key (``share`` 1 for ``hard``), found by the same radix
+select over every shard, and the remaining ``E − H`` are drawn uniformly as above from the classes
+neither in the batch nor among them. A shard may hold all ``H``: its capacity counts them in full.
+
+Log-Q correction (``offsets``): each uniformly drawn class stood for ``pool/(E − H)`` classes (the
+``pool = C − P − H`` it was drawn from); adding ``log(pool/(E − H))`` to its logit makes the
+softmax's normaliser an unbiased estimate of the full one's (the batch's and the nearest classes are
+in it for sure: no correction), so the sampled loss is a consistent estimator of the full softmax's.
+:attr:`ActiveRows.offsets` holds the per-column offsets (0 elsewhere), on the device.
 """
 
 from __future__ import annotations
@@ -120,29 +133,36 @@ class ActiveRows:
     ``rows``: ``capacity`` local row ids, the drawn ones first (ascending), then undrawn ones;
     ``count``: how many are drawn, a 0-d device tensor, or None when all are; ``sorted_keys``:
     ascending, the drawn rows as they are and the others plus the shard's row count, for
-    looking rows up with ``searchsorted``.
+    looking rows up with ``searchsorted``; ``offsets``: the log-Q correction of each row's logit
+    (fp32, 0 but for uniformly drawn rows; None without the correction).
     """
 
     rows: Tensor
     count: Tensor | None
     sorted_keys: Tensor
+    offsets: Tensor | None = None
 
     @property
     def capacity(self) -> int:
         return self.rows.numel()
 
 
-def capacity(partition: ClassPartition, rank: int, batch: int, sample_ratio: float) -> tuple[int, bool]:
-    """(rows returned by :func:`draw_active` on ``rank`` for a global batch of ``batch``, all of them drawn?)."""
+def capacity(
+    partition: ClassPartition, rank: int, batch: int, sample_ratio: float, nearest_share: float = 0.0
+) -> tuple[int, bool]:
+    """(rows returned by :func:`draw_active` on ``rank`` for a global batch of ``batch``, all of them drawn?);
+    ``nearest_share``: the share of the others taken by nearness (0: a uniform draw)."""
     C, W = partition.num_classes, partition.world_size
     n = partition.size(rank)
     R = round_total(C, sample_ratio)
     if W == 1 and R >= min(batch, C):
         return min(R, C), True
     most = max(R, min(batch, C))  # T never exceeds it
-    mean = R * n / max(1, C - min(batch, C))  # the most others a shard expects
+    near = min(R, math.ceil(nearest_share * R))  # H = round(share × E) with E ≤ R: all may be on this shard
+    uniform = R if nearest_share == 0 else min(R, math.ceil((1 - nearest_share) * R) + 1)
+    mean = uniform * n / max(1, C - min(batch, C) - near)  # the most uniformly drawn others a shard expects
     extra = min(n, math.ceil(mean + 10 * math.sqrt(mean) + 16))
-    return min(n, most, min(batch, n) + extra), False
+    return min(n, most, min(batch, n) + near + extra), False
 
 
 def _kth_smallest(keys: Tensor, candidates: Tensor, k: Tensor, bits: int, group: Any) -> Tensor:
@@ -169,37 +189,94 @@ def _kth_smallest(keys: Tensor, candidates: Tensor, k: Tensor, bits: int, group:
 
 
 def draw_active(
-    labels: Tensor, partition: ClassPartition, sample_ratio: float, seed: int, step: int, group: Any = None
+    labels: Tensor,
+    partition: ClassPartition,
+    sample_ratio: float,
+    seed: int,
+    step: int,
+    group: Any = None,
+    nearest: Tensor | None = None,
+    nearest_share: float = 1.0,
+    offsets: bool = False,
 ) -> ActiveRows | None:
     """This shard's rows in step ``step``'s softmax (None: every row, the ratio reaches all classes).
 
     ``labels``: the global batch's class ids, the same on every rank (on the weight's device).
-    Collective over ``group`` when subsampling at ``W > 1`` (three or four all-reduces of 512 KiB).
+    ``nearest``: this shard's nearness keys (None: a uniform draw), of which ``nearest_share`` of the
+    others are taken; ``offsets``: compute the log-Q correction (see the module doc).
+    Collective over ``group`` when subsampling at ``W > 1`` (three or four all-reduces of 512 KiB per
+    radix select: one select for a uniform draw, two with nearest classes).
     """
     rank, _ = group_rank_size(group)
     C, N = partition.num_classes, labels.numel()
-    if round_total(C, sample_ratio) >= C:
+    R = round_total(C, sample_ratio)
+    if R >= C:
         return None
     dev = labels.device
     start, n = partition.start(rank), partition.size(rank)
-    cap, exact = capacity(partition, rank, N, sample_ratio)
+    share = 0.0 if nearest is None else float(nearest_share)
+    cap, exact = capacity(partition, rank, N, sample_ratio, share)
     local = labels - start
     own = (local >= 0) & (local < n)
     batch = torch.zeros(n + 1, dtype=torch.bool, device=dev)
     batch.index_put_((torch.where(own, local, n),), torch.ones_like(own))
     batch = batch[:n]
     keys = class_keys(start, start + n, C, seed, step, dev)
-    ranked = torch.where(batch, -1, keys)  # batch classes ahead of every other
-    if exact:
-        rows = torch.sort(torch.topk(ranked, cap, largest=False, sorted=False).indices).values
-        return ActiveRows(rows, None, rows)
+    bits = 32 + id_bits(C)
     labels_sorted = torch.sort(labels).values
     P = (labels_sorted[1:] != labels_sorted[:-1]).sum() + (N > 0)  # distinct classes of the global batch
-    E = (round_total(C, sample_ratio) - P).clamp_(min=0)  # others to draw
-    tau = _kth_smallest(keys, ~batch, (E - 1).clamp(min=0), 32 + id_bits(C), group)
-    tau = torch.where(E > 0, tau, -1)
+    E = (R - P).clamp_(min=0)  # others to draw
+    if nearest is None:
+        ranked = torch.where(batch, -1, keys)  # batch classes ahead of every other
+        H = torch.zeros_like(E)
+        drawn_all = None
+    else:
+        H = torch.floor(E.double() * share + 0.5).long()  # the nearest others
+        tau_h = _kth_smallest(nearest, ~batch, (H - 1).clamp(min=0), bits, group)
+        near = ~batch & (nearest <= torch.where(H > 0, tau_h, -1))
+        U = E - H
+        tau_u = _kth_smallest(keys, ~batch & ~near, (U - 1).clamp(min=0), bits, group)
+        drawn_all = batch | near | (~batch & ~near & (keys <= torch.where(U > 0, tau_u, -1)))
+        # batch first, then the nearest, then the uniformly drawn by key: what a full capacity would keep
+        ranked = torch.where(batch, -2, torch.where(near, -1, keys))
+    if exact and drawn_all is None:
+        rows = torch.sort(torch.topk(ranked, cap, largest=False, sorted=False).indices).values
+        return ActiveRows(rows, None, rows, _offsets(rows, batch, None, E, H, C, P, offsets))
     idx = torch.topk(ranked, cap, largest=False, sorted=False).indices if cap else ranked.new_zeros(0)
-    drawn = ranked.gather(0, idx) <= tau
+    if drawn_all is None:
+        tau = _kth_smallest(keys, ~batch, (E - 1).clamp(min=0), bits, group)
+        drawn = ranked.gather(0, idx) <= torch.where(E > 0, tau, -1)
+    else:
+        drawn = drawn_all.gather(0, idx)
     sorted_keys = torch.sort(torch.where(drawn, idx, idx + n)).values
     rows = torch.where(sorted_keys >= n, sorted_keys - n, sorted_keys)
-    return ActiveRows(rows, drawn.sum(), sorted_keys)
+    near_rows = None if nearest is None else ranked.gather(0, rows) == -1
+    count = None if exact else drawn.sum()
+    if exact:
+        sorted_keys = rows
+    return ActiveRows(rows, count, sorted_keys, _offsets(rows, batch, near_rows, E, H, C, P, offsets, count))
+
+
+def _offsets(
+    rows: Tensor,
+    batch: Tensor,
+    near_rows: Tensor | None,
+    E: Tensor,
+    H: Tensor,
+    C: int,
+    P: Tensor,
+    wanted: bool,
+    count: Tensor | None = None,
+) -> Tensor | None:
+    """The log-Q correction of each active row: ``log(pool/(E − H))`` for the uniformly drawn, else 0."""
+    if not wanted:
+        return None
+    U = E - H
+    pool = C - P - H
+    logw = torch.log(pool.double().clamp(min=1) / U.double().clamp(min=1)).float()
+    uniform = ~batch.gather(0, rows)
+    if near_rows is not None:
+        uniform &= ~near_rows
+    if count is not None:
+        uniform &= torch.arange(rows.numel(), device=rows.device) < count
+    return torch.where(uniform & (U > 0), logw, 0.0)

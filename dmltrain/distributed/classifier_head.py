@@ -82,7 +82,9 @@ class ClassifierHead:
         load_by_class(self.classifier, directory, self.optimizer)
 
     def memory_bytes(self) -> int:
-        """The shard held by this rank: its rows plus their optimizer state."""
+        """The shard held by this rank: its rows plus their optimizer state and per-class state (the nearness
+        index of hard-class sampling, the sub-center counts)."""
         tensors = list(self.classifier.parameters())
         tensors += [v for st in self.optimizer.state.values() for v in st.values() if hasattr(v, "element_size")]
+        tensors += list(self.classifier.class_state()[0].values())
         return sum(t.numel() * t.element_size() for t in tensors)

@@ -12,7 +12,10 @@ The algorithm, top to bottom in this file (:meth:`ShardedClassifier.forward`, th
    are all-gathered (uneven local batch sizes allowed); labels are global class ids.
 2. **Draw.** With ``sample_ratio < 1`` the shard takes its active rows from the step's class draw
    (:func:`~dmltrain.distributed.class_sampling.draw_active`: every class of the global batch plus
-   uniformly drawn others, ``round(ratio × C)`` in all, computed on the device).
+   uniformly drawn others, ``round(ratio × C)`` in all, computed on the device; with ``sampling``
+   ``hard`` or ``mixed`` all or part of the others are the classes nearest the batch's, from the
+   nearness index of :mod:`~dmltrain.distributed.class_index`, and with ``sampling_correction`` the
+   uniformly drawn ones carry their log-Q offsets).
 3. **Targets.** Each sample whose class this shard holds among its active rows gets its column
    (:func:`_targets`); its target logit, with the kind's margin (:mod:`~dmltrain.losses.kinds`),
    is computed on its (embedding, class row) pair and differentiated by autograd there
@@ -31,6 +34,11 @@ The algorithm, top to bottom in this file (:meth:`ShardedClassifier.forward`, th
    not drawn stay exactly zero) and returns its share of the gathered embeddings' gradient; the
    pair path adds the targets'; the gather's backward sums the shards' shares and hands each
    worker its own samples'.
+
+Sub-centers (``params.subcenters`` k > 1): k rows per class, a class's logit its best sub-center's;
+they, the log-Q offsets and dropped samples (``drop_after``) run the torch backend on every device.
+:meth:`ShardedClassifier.probe` compares a batch's sampled loss and embedding gradient with the full
+softmax's, writing nothing.
 
 No host sync. Nothing in a call reads a device value back, at any ratio: the draw, the targets,
 the label-smoothing weights (device scalars) and the gradient coefficient stay on the device.
@@ -73,11 +81,13 @@ from torch import Tensor, nn
 
 from dmltrain.config import PRODUCT_PRECISIONS, WEIGHT_STORAGES, gpu_only
 from dmltrain.distributed import softmax_torch
+from dmltrain.distributed.class_index import ClassIndex, build_index, nearest_keys
 from dmltrain.distributed.class_partition import ClassPartition
-from dmltrain.distributed.class_sampling import ActiveRows, draw_active, init_block_seed
+from dmltrain.distributed.class_sampling import ActiveRows, draw_active, id_bits, init_block_seed, round_total
 from dmltrain.distributed.collectives import (
     all_gather_sizes,
     all_gather_stack,
+    all_reduce_sum,
     gather_rows,
     gather_with_grad,
     group_rank_size,
@@ -89,6 +99,8 @@ from dmltrain.losses.margins import pair_cos
 
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # by loss.classifier.weight_storage
 BACKENDS = ("auto", "torch", "triton")
+#: the class draw's modes (``loss.classifier.sampling``): uniform others, nearest others, or a share of each
+SAMPLING_MODES = ("uniform", "hard", "mixed")
 NORM_EPS = 1e-12
 #: classes per block of the W-independent weight initialisation
 _INIT_BLOCK = 1 << 16
@@ -122,7 +134,9 @@ class ShardOperands(NamedTuple):
     ``weight``/``bias``: the shard's rows; ``rows``/``count``: the active rows (None: all; see
     :class:`~dmltrain.distributed.class_sampling.ActiveRows`); ``tcol``: each sample's column among
     the active rows (int64, −1 when this shard does not hold its class); ``scale``: the logit scale
-    of the normalised kinds.
+    of the normalised kinds. The torch backend alone takes the rest: ``subcenters`` (the weight is
+    then ``rows × k × D``), ``offsets`` (each active column's log-Q correction) and ``sample_weight``
+    (each sample's weight in the loss, for dropped samples).
     """
 
     x: Tensor
@@ -133,6 +147,9 @@ class ShardOperands(NamedTuple):
     tcol: Tensor
     scale: float
     normalized: bool
+    subcenters: int = 1
+    offsets: Tensor | None = None
+    sample_weight: Tensor | None = None
 
 
 class CallStats(Mapping[str, float]):
@@ -150,6 +167,10 @@ class CallStats(Mapping[str, float]):
 
     def on_device(self) -> dict[str, Tensor | float]:
         return {**self._device, **self._host}
+
+    def with_device(self, extra: Mapping[str, Tensor]) -> CallStats:
+        """These statistics and ``extra`` (device values), still unread."""
+        return CallStats({**self._device, **extra}, self._host)
 
     def _values(self) -> dict[str, float]:
         if self._read is None:
@@ -192,12 +213,15 @@ def _target_pairs(
     bias: Tensor | None,
     row: Tensor,
     grad: bool,
-) -> tuple[tuple[Tensor, ...], Tensor, Tensor]:
-    """(leaves, target logits, target cosines) of every sample against its class row ``row``.
+) -> tuple[tuple[Tensor, ...], Tensor, Tensor, Tensor | None]:
+    """(leaves, target logits, target cosines, cosines to each sub-center) of every sample against its
+    class row ``row``.
 
     The leaves are (embeddings, class rows[, biases]), differentiable if ``grad``; normalised kinds
-    take the kind's margin on the unit rows, ``softmax_ce`` is ``x·w + b``. Unowned samples get a
-    value that the caller masks.
+    take the kind's margin (``params``: the target logit's) on the unit rows, with sub-centers (a
+    ``rows × k × D`` weight) on the sub-center nearest the sample (the max's gradient: that one alone
+    gets it; the last value is then the ``N × k`` cosines, else None); ``softmax_ce`` is ``x·w + b``.
+    Unowned samples get a value that the caller masks.
     """
     xt = x.detach()
     wt = weight.index_select(0, row).to(x.dtype)
@@ -206,11 +230,18 @@ def _target_pairs(
         leaves = tuple(t.detach().requires_grad_(True) for t in leaves)
     with torch.set_grad_enabled(grad):
         if spec.normalized:
-            wt_hat = F.normalize(leaves[1], dim=1, eps=NORM_EPS)
+            sub_cos = None
+            if wt.dim() == 3:  # sub-centers: the nearest one
+                w_all = F.normalize(leaves[1], dim=2, eps=NORM_EPS)
+                sub_cos = torch.einsum("nd,nkd->nk", leaves[0], w_all).detach()
+                best = sub_cos.argmax(1)
+                wt_hat = w_all.gather(1, best[:, None, None].expand(-1, 1, w_all.shape[2])).squeeze(1)
+            else:
+                wt_hat = F.normalize(leaves[1], dim=1, eps=NORM_EPS)
             zt = spec.target_logit(leaves[0], wt_hat, **params)
-            return leaves, zt, pair_cos(leaves[0], wt_hat).detach()
+            return leaves, zt, pair_cos(leaves[0], wt_hat).detach(), sub_cos
         zt = (leaves[0] * leaves[1]).sum(1) + leaves[2]
-        return leaves, zt, torch.zeros_like(zt).detach()
+        return leaves, zt, torch.zeros_like(zt).detach(), None
 
 
 class _Combined(NamedTuple):
@@ -218,22 +249,34 @@ class _Combined(NamedTuple):
     lse: Tensor  # the global log-sum-exp per sample
     on: Tensor | float  # label smoothing's weight of the target class
     off: Tensor | None  # ... and of each other class (None: no smoothing)
-    stats: Tensor  # loss, accuracy, mean target logit, mean target cosine, active classes
+    stats: Tensor  # loss, accuracy, mean target logit, mean target cosine, active classes, dropped share
+    weight: Tensor | None  # each sample's weight, N/kept for kept samples and 0 for dropped (None: none dropped)
 
 
 def _combine(
-    lse_local: Tensor, m: Tensor, sz: Tensor, z_t: Tensor, cos_t: Tensor, k_local: Tensor, eps: float, group: Any
+    lse_local: Tensor,
+    m: Tensor,
+    sz: Tensor,
+    z_t: Tensor,
+    cos_t: Tensor,
+    k_local: Tensor,
+    eps: float,
+    group: Any,
+    drop: Tensor | None = None,
 ) -> _Combined:
     """The loss over every shard from this shard's per-sample statistics (one all-gather).
 
     ``lse_local``, ``m``, ``sz``: log-sum-exp, max and sum of this shard's logits per sample, targets
     included; ``z_t``, ``cos_t``: target logits and cosines, zero where this shard does not hold the
-    class; ``k_local``: this shard's active columns (a 0-d tensor).
+    class; ``k_local``: this shard's active columns (a 0-d tensor); ``drop``: 1 for a sample this shard
+    drops from the loss (its class is here), else 0 (None: no sample is dropped). The loss is then
+    the mean over the kept samples.
     """
     N = lse_local.shape[0]
-    packed = torch.cat([torch.stack([lse_local, m, sz, z_t, cos_t]).double().flatten(), k_local.double().view(1)])
+    rows = [lse_local, m, sz, z_t, cos_t] + ([] if drop is None else [drop.to(lse_local.dtype)])
+    packed = torch.cat([torch.stack(rows).double().flatten(), k_local.double().view(1)])
     allp = all_gather_stack(packed, group)
-    parts = allp[:, :-1].view(allp.shape[0], 5, N)
+    parts = allp[:, :-1].view(allp.shape[0], len(rows), N)
     lse = torch.logsumexp(parts[:, 0], 0)
     zmax = parts[:, 1].amax(0)
     sum_z, tgt, cos_tgt = parts[:, 2].sum(0), parts[:, 3].sum(0), parts[:, 4].sum(0)
@@ -246,9 +289,18 @@ def _combine(
         per = lse - on * tgt - off * (sum_z - tgt)
     else:
         per = lse - tgt
-    loss = per.mean()
-    stats = torch.stack([loss, (tgt >= zmax).double().mean(), tgt.mean(), cos_tgt.mean(), k_total])
-    return _Combined(loss, lse, on, off, stats)
+    weight = None
+    dropped = torch.zeros((), dtype=torch.float64, device=lse.device)
+    if drop is None:
+        loss = per.mean()
+    else:
+        keep = 1.0 - parts[:, 5].sum(0)
+        kept = keep.sum()
+        weight = keep * (N / kept.clamp_min(1.0))
+        loss = (per * weight).mean()
+        dropped = 1.0 - kept / max(N, 1)
+    stats = torch.stack([loss, (tgt >= zmax).double().mean(), tgt.mean(), cos_tgt.mean(), k_total, dropped])
+    return _Combined(loss, lse, on, off, stats, weight)
 
 
 class _KeptClaim:
@@ -256,17 +308,21 @@ class _KeptClaim:
 
 
 class _ShardedSoftmax(torch.autograd.Function):
-    """Steps 3 to 6 of one call; autocast is off inside (the classifier chooses its own precision)."""
+    """Steps 3 to 6 of one call; autocast is off inside (the classifier chooses its own precision).
+
+    ``train``: a training call (not a probe's, not an evaluation's): it counts which sub-center each
+    sample is nearest to, for the dominant sub-centers of sample dropping."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, clf: ShardedClassifier, labels: Tensor,
-                active: ActiveRows | None, need_grad: bool) -> Tensor:  # fmt: skip
+                active: ActiveRows | None, need_grad: bool, train: bool) -> Tensor:  # fmt: skip
         with torch.autocast(device_type=x.device.type, enabled=False):
             n_local = weight.shape[0]
             tcol, row, owned = _targets(labels, clf.class_start, n_local, active)
             op = ShardOperands(x.detach(), weight.detach(), None if bias is None else bias.detach(),
                                None if active is None else active.rows, None if active is None else active.count,
-                               tcol, clf.scale, clf.spec.normalized)  # fmt: skip
+                               tcol, clf.scale, clf.spec.normalized, clf.subcenters,
+                               None if active is None else active.offsets)  # fmt: skip
             eps = clf.smoothing
             claim = None
             if clf.fused:
@@ -281,8 +337,10 @@ class _ShardedSoftmax(torch.autograd.Function):
                 lse_nt, mx, sz, saved = softmax_torch.partials(op, bool(eps), clf.workspace, kept, budget)
             if sz is None:
                 sz = torch.zeros_like(lse_nt)
+            sub_cos = None
             if n_local:
-                _, z_t, cos_t = _target_pairs(clf.spec, clf.params, op.x, op.weight, op.bias, row, grad=False)
+                _, z_t, cos_t, sub_cos = _target_pairs(clf.spec, clf.margin_params, op.x, op.weight, op.bias, row,
+                                                       grad=False)  # fmt: skip
             else:
                 z_t = cos_t = torch.zeros_like(lse_nt)
             z_own = torch.where(owned, z_t, -math.inf)
@@ -293,7 +351,10 @@ class _ShardedSoftmax(torch.autograd.Function):
                 k_local = torch.full((), float(n_local if active is None else active.capacity), device=x.device)
             else:
                 k_local = active.count
-            out = _combine(lse_local, m, sz + z_t, z_t, cos_t, k_local, eps, clf.group)
+            drop = clf._drops(sub_cos, row, owned, train)
+            out = _combine(lse_local, m, sz + z_t, z_t, cos_t, k_local, eps, clf.group, drop)
+        if out.weight is not None:
+            op = op._replace(sample_weight=out.weight.to(x.dtype))
         ctx.clf, ctx.op, ctx.saved, ctx.claim = clf, op, saved, claim
         ctx.row, ctx.owned, ctx.z_t, ctx.out = row, owned, z_t, out
         clf._record(out.stats, getattr(saved, "kept", None) is not None)
@@ -321,7 +382,9 @@ class _ShardedSoftmax(torch.autograd.Function):
             if op.weight.shape[0]:  # the targets: dL/d(target logit) through their pairs
                 on = out.on if isinstance(out.on, float) else out.on.to(x.dtype)
                 g_t = torch.where(ctx.owned, (torch.exp(ctx.z_t - lse) - on) * alpha, 0.0)
-                leaves, zt, _ = _target_pairs(clf.spec, clf.params, x, op.weight, op.bias, ctx.row, grad=True)
+                if op.sample_weight is not None:
+                    g_t = g_t * op.sample_weight
+                leaves, zt, _, _ = _target_pairs(clf.spec, clf.margin_params, x, op.weight, op.bias, ctx.row, grad=True)
                 # a scalar's gradient: no grad_outputs, whose check would import torch.fx (seconds, once a process)
                 with torch.enable_grad():
                     grads = torch.autograd.grad((zt * g_t.to(zt.dtype)).sum(), leaves)
@@ -337,7 +400,7 @@ class _ShardedSoftmax(torch.autograd.Function):
             if target is not None:
                 target.finish()
         ctx.op = ctx.saved = None
-        return None if grad_x is None else grad_x.to(x.dtype), None, None, None, None, None, None
+        return None if grad_x is None else grad_x.to(x.dtype), None, None, None, None, None, None, None
 
 
 # -- the module -------------------------------------------------------------------------------------------
@@ -366,6 +429,21 @@ class ShardedClassifier(nn.Module):
             ``triton`` (on the CPU only under ``TRITON_INTERPRET=1``, for tests).
         deterministic: fused path: the two-kernel backward, bit-identical run to run (the
             default's atomics agree to fp32 rounding only); the torch path always is.
+        sampling: the class draw with ``sample_ratio < 1``: ``uniform`` (NormSoftmax's), ``hard``
+            (the classes nearest the batch's, :mod:`~dmltrain.distributed.class_index`) or ``mixed``
+            (``nearest_share`` of the others nearest, the rest uniform).
+        refresh_every: steps between two snapshots of the rows in the nearness index.
+        sampling_correction: the log-Q correction of the uniformly drawn classes' logits.
+        drop_after, drop_angle: with sub-centers (``params.subcenters`` k > 1), from step ``drop_after``
+            on, a sample whose angle to its class's dominant sub-center (the one the class's samples
+            were nearest to most often, counted from the start) exceeds ``drop_angle`` degrees is left
+            out of the loss (sub-center ArcFace's noisy-label recipe); None: no sample is dropped.
+
+    Sub-centers (``params.subcenters`` k > 1, normalised kinds): the weight is ``rows × k × D``, a
+    class's logit its best sub-center's; saved and resharded by class id with its k rows. Sub-centers
+    and the log-Q correction run the torch backend on every device (the fused kernels take one row
+    per class and no per-column offset): on CUDA the block GEMMs of :mod:`softmax_torch`, still
+    without a host sync.
 
     Attributes: ``weight`` (local rows × D), ``bias`` (softmax_ce), ``class_start``/``class_end``
     (global ids of the local rows), ``row_grads`` (the rows' gradients, for the optimizer),
@@ -395,6 +473,12 @@ class ShardedClassifier(nn.Module):
         backend: str = "auto",
         init_std: float | None = None,
         deterministic: bool = False,
+        sampling: str = "uniform",
+        nearest_share: float = 0.5,
+        refresh_every: int = 100,
+        sampling_correction: bool = False,
+        drop_after: int | None = None,
+        drop_angle: float = 75.0,
         **params: float,
     ) -> None:
         super().__init__()
@@ -412,6 +496,27 @@ class ShardedClassifier(nn.Module):
                                      ("backend", backend, BACKENDS)):  # fmt: skip
             if value not in choices:
                 raise ValueError(f"ShardedClassifier: {name} must be one of {', '.join(choices)}, got {value!r}")
+        if sampling not in SAMPLING_MODES:
+            raise ValueError(
+                f"ShardedClassifier: sampling must be one of {', '.join(SAMPLING_MODES)}, got {sampling!r}"
+            )
+        if not 0.0 <= nearest_share <= 1.0:
+            raise ValueError(f"ShardedClassifier: nearest_share must be in [0, 1], got {nearest_share}")
+        if refresh_every < 1:
+            raise ValueError(f"ShardedClassifier: refresh_every must be at least 1, got {refresh_every}")
+        if not 0.0 < drop_angle < 180.0:
+            raise ValueError(f"ShardedClassifier: drop_angle must be in (0, 180) degrees, got {drop_angle}")
+        self.subcenters = self.spec.subcenters(self.params)
+        self.margin_params = self.spec.logit_params(self.params)
+        if drop_after is not None and self.subcenters < 2:
+            raise ValueError("ShardedClassifier: drop_after drops samples far from their dominant sub-center; "
+                             "it needs params.subcenters >= 2")  # fmt: skip
+        self.sampling, self.refresh_every = sampling, int(refresh_every)
+        self.nearest_share = 1.0 if sampling == "hard" else float(nearest_share)
+        self.sampling_correction = bool(sampling_correction)
+        self.drop_after = None if drop_after is None else int(drop_after)
+        self.drop_cos = math.cos(math.radians(drop_angle))
+        self.index: ClassIndex | None = None  # the nearness index (hard and mixed sampling)
         self.num_classes, self.dim, self.kind = int(num_classes), int(dim), kind
         self.sample_ratio, self.seed = float(sample_ratio), int(seed)
         if init_std is not None and not init_std > 0:
@@ -426,7 +531,17 @@ class ShardedClassifier(nn.Module):
         self.partition = ClassPartition(self.num_classes, self.world_size)
         self.class_start, self.class_end = self.partition.start(self.rank), self.partition.end(self.rank)
         n_local = self.class_end - self.class_start
-        self.weight = nn.Parameter(torch.empty(n_local, dim, dtype=STORAGE_DTYPES[weight_storage]))
+        if self.torch_only and weight_storage != "fp32":
+            raise ValueError(f"ShardedClassifier: weight_storage {weight_storage!r} needs the fused kernels, which take no "
+                             f"{self.torch_only}; use fp32")  # fmt: skip
+        rows = (n_local, dim) if self.subcenters == 1 else (n_local, self.subcenters, dim)
+        self.weight = nn.Parameter(torch.empty(*rows, dtype=STORAGE_DTYPES[weight_storage]))
+        # sub-center dropping: how often each class's samples were nearest to each of its sub-centers
+        self.register_buffer(
+            "subcenter_counts",
+            torch.zeros(n_local, self.subcenters, dtype=torch.float64) if self.drop_after is not None else None,
+            persistent=False,
+        )
         if self.spec.has_bias:
             self.bias = nn.Parameter(torch.zeros(n_local, dtype=self.weight.dtype))
         else:
@@ -435,7 +550,7 @@ class ShardedClassifier(nn.Module):
         self.row_grads = RowGrads({"weight": self.weight, "bias": self.bias})
         self.stats: Mapping[str, float] = {}
         self._active: ActiveRows | None = None
-        self._calls = 0
+        self._calls = self._step = 0
         self.fused, self.fused_precision = False, "fp32"
         self.workspace = Workspace()  # transient buffers (within one forward or backward)
         self._kept = Workspace()  # what a call keeps for its backward
@@ -462,15 +577,25 @@ class ShardedClassifier(nn.Module):
                 if s >= e:
                     continue
                 gen = torch.Generator().manual_seed(init_block_seed(self.seed, blk))
-                rows = torch.randn(hi - lo, self.dim, generator=gen).mul_(std)
+                rows = torch.randn(hi - lo, *self.weight.shape[1:], generator=gen).mul_(std)
                 self.weight[s - self.class_start : e - self.class_start] = rows[s - lo : e - lo].to(self.weight.device)
 
     def extra_repr(self) -> str:
         p = ", ".join(f"{k}={v:g}" for k, v in self.params.items())
         return (
             f"kind={self.kind}, classes={self.num_classes} (local {self.class_start}:{self.class_end}), dim={self.dim}, "
-            f"sample_ratio={self.sample_ratio:g}, precision={self.precision}, weight={str(self.weight.dtype)[6:]}, {p}"
+            f"sample_ratio={self.sample_ratio:g}, sampling={self.sampling}, precision={self.precision}, "
+            f"weight={str(self.weight.dtype)[6:]}, {p}"
         )
+
+    @property
+    def torch_only(self) -> str | None:
+        """What keeps this classifier on the torch backend (the fused kernels lack it), or None."""
+        if self.subcenters > 1:
+            return "sub-centers"
+        if self.sampling_correction:
+            return "log-Q correction"
+        return None
 
     # -- the call ---------------------------------------------------------------------------------
     def forward(
@@ -482,6 +607,21 @@ class ShardedClassifier(nn.Module):
         classifier counts its own calls. Labels are global class ids. ``sizes``: every rank's local
         batch size, when the caller knows them (else they are exchanged: one host read at W > 1).
         """
+        return self._call(embeddings, labels, step, sizes, self.weight, self.bias, full=False, train=True)
+
+    def _call(
+        self,
+        embeddings: Tensor,
+        labels: Tensor,
+        step: int | None,
+        sizes: Sequence[int] | None,
+        weight: Tensor,
+        bias: Tensor | None,
+        full: bool,
+        train: bool,
+    ) -> Tensor:
+        """One call: the step's draw (every class when ``full``), then the sharded softmax of ``weight``/``bias``
+        (the parameters, or detached views of them for a call that must not write their gradient)."""
         if embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
             raise ValueError(f"ShardedClassifier: expected embeddings B×{self.dim}, got {tuple(embeddings.shape)}")
         if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
@@ -507,18 +647,89 @@ class ShardedClassifier(nn.Module):
         if self.spec.normalized:
             x = F.normalize(x, dim=1)
         x_g = gather_with_grad(x, self.group, sizes)
-        active = None if self.sample_ratio >= 1.0 else draw_active(labels_g, self.partition, self.sample_ratio,
-                                                                    self.seed, int(step), self.group)  # fmt: skip
+        self._step = int(step)
+        active = None if full else self._draw(labels_g, int(step))
         self._active = active
         if N == 0:
             self.stats = {"loss": 0.0, "active_rows": float(self._num_active()), "active_classes": 0.0}
             return x_g.sum() * 0.0
-        params = [p for p in (self.weight, self.bias) if p is not None]
+        params = [p for p in (weight, bias) if p is not None]
         need_grad = torch.is_grad_enabled() and (x_g.requires_grad or any(p.requires_grad for p in params))
-        return _ShardedSoftmax.apply(x_g, self.weight, self.bias, self, labels_g, active, need_grad)
+        return _ShardedSoftmax.apply(x_g, weight, bias, self, labels_g, active, need_grad, train and need_grad)
+
+    def _draw(self, labels_g: Tensor, step: int) -> ActiveRows | None:
+        """This shard's rows in step ``step``'s softmax (None: all of them)."""
+        if round_total(self.num_classes, self.sample_ratio) >= self.num_classes:
+            return None
+        nearest = None
+        if self.sampling != "uniform":
+            index = self.nearness_index(step)
+            nearest = nearest_keys(index, labels_g, self.class_start, id_bits(self.num_classes), self.group)
+        return draw_active(labels_g, self.partition, self.sample_ratio, self.seed, step, self.group, nearest,
+                           self.nearest_share, self.sampling_correction)  # fmt: skip
+
+    def nearness_index(self, step: int) -> ClassIndex:
+        """The nearness index of step ``step``: rebuilt from the rows as they are when ``refresh_every``
+        steps have passed since the last one was built (or none is held), else the one held."""
+        if self.index is None or self.index.stale(step, self.refresh_every):
+            self.index = build_index(self.weight, self.subcenters, step)
+        return self.index
+
+    def _drops(self, sub_cos: Tensor | None, row: Tensor, owned: Tensor, train: bool) -> Tensor | None:
+        """Which samples of the global batch this shard drops from the loss this call (None: no dropping).
+
+        ``sub_cos``: each sample's cosines to its class's sub-centers (None without sub-centers). A
+        training call first reads the dominant sub-centers, then counts its own samples' nearest."""
+        if self.subcenter_counts is None or sub_cos is None:
+            return None
+        counts = self.subcenter_counts
+        if counts.device != sub_cos.device:
+            counts = self.subcenter_counts = counts.to(sub_cos.device)
+        drop = None
+        if self._step >= self.drop_after:
+            dominant = counts.index_select(0, row).argmax(1)
+            drop = owned & (sub_cos.gather(1, dominant[:, None]).squeeze(1) < self.drop_cos)
+        if train:
+            counts.index_put_((row, sub_cos.argmax(1)), owned.to(counts.dtype), accumulate=True)
+        return drop
+
+    # -- the price of subsampling -----------------------------------------------------------------------
+    def probe(
+        self, embeddings: Tensor, labels: Tensor, step: int, sizes: Sequence[int] | None = None
+    ) -> dict[str, Tensor]:
+        """What subsampling costs this batch: the full softmax's loss and embedding gradient against the
+        sampled one's (the same draw as the step's), computed without writing any gradient or state.
+
+        Returns 0-d device tensors (no host read): ``grad_cos`` (cosine of the two gradients over the
+        whole global batch), ``grad_norm_ratio`` (sampled norm / full norm), ``loss_gap`` (sampled −
+        full loss) and ``full_loss``. Costs one sampled and one full forward and backward of the
+        classifier for the embeddings only (no row gradient). At ``sample_ratio`` 1 the two are one.
+        """
+        stats, active, calls = self.stats, self._active, self._calls
+        x = embeddings.detach().requires_grad_(True)
+        w = self.weight.detach()
+        b = None if self.bias is None else self.bias.detach()
+        out = []
+        with torch.enable_grad():
+            for full in (False, True):
+                loss = self._call(x, labels, step, sizes, w, b, full=full, train=False)
+                (g,) = torch.autograd.grad(loss, x)
+                out.append((loss.detach().double(), g.double()))
+        (ls, gs), (lf, gf) = out
+        sums = torch.stack([(gs * gf).sum(), (gs * gs).sum(), (gf * gf).sum()])
+        all_reduce_sum(sums, self.group)
+        self.stats, self._active, self._calls = stats, active, calls
+        tiny = torch.finfo(torch.float64).tiny
+        return {
+            "grad_cos": sums[0] / (sums[1] * sums[2]).sqrt().clamp_min(tiny),
+            "grad_norm_ratio": (sums[1] / sums[2].clamp_min(tiny)).sqrt(),
+            "loss_gap": ls - lf,
+            "full_loss": lf,
+        }
 
     def _record(self, stats: Tensor, kept: bool) -> None:
-        """The last call's statistics (``stats``: loss, accuracy, target logit, target cosine, active classes)."""
+        """The last call's statistics (``stats``: loss, accuracy, target logit, target cosine, active classes,
+        dropped share)."""
         on_device = {
             "loss": stats[0],
             "accuracy": stats[1],
@@ -526,6 +737,8 @@ class ShardedClassifier(nn.Module):
             "active_classes": stats[4],
             "active_share": stats[4] / self.num_classes,
         }
+        if self.drop_after is not None:
+            on_device["dropped"] = stats[5]
         if self.spec.normalized:
             on_device["target_cos"] = stats[3]
         rows = self._num_active()
@@ -549,6 +762,7 @@ class ShardedClassifier(nn.Module):
         combination cannot run."""
         dev, dt = self.weight.device, self.weight.dtype
         fused = self.backend == "triton" or (self.backend == "auto" and dev.type == "cuda" and dt != torch.float64)
+        fused = fused and self.torch_only is None  # sub-centers, the correction: the torch backend (class doc)
         if dt not in (torch.float32, torch.bfloat16, torch.float64):
             raise ValueError(
                 f"ShardedClassifier: a {str(dt)[6:]} weight is not supported (fp32, bf16 on the fused path, or float64)"
@@ -613,9 +827,32 @@ class ShardedClassifier(nn.Module):
         super().zero_grad(set_to_none=set_to_none)
         self.row_grads.cleared()
 
+    # -- per-class state beside the rows (saved and resharded with them) ---------------------------------
+    def class_state(self) -> tuple[dict[str, Tensor], dict[str, int]]:
+        """This shard's per-class tensors besides the rows (first dimension: its classes) and their scalars:
+        the nearness index (``index.codes``, ``index.scales``; ``index.built_at``) and the sub-center counts
+        of sample dropping (``subcenter_counts``); empty when there is none."""
+        tensors: dict[str, Tensor] = {}
+        scalars: dict[str, int] = {}
+        if self.index is not None:
+            tensors["index.codes"], tensors["index.scales"] = self.index.codes, self.index.scales
+            scalars["index.built_at"] = self.index.built_at
+        if self.subcenter_counts is not None:
+            tensors["subcenter_counts"] = self.subcenter_counts
+        return tensors, scalars
+
+    def load_class_state(self, tensors: Mapping[str, Tensor], scalars: Mapping[str, int]) -> None:
+        """This shard's rows of a :meth:`class_state` (sliced to its classes); names it does not use are ignored."""
+        dev = self.weight.device
+        if self.sampling != "uniform" and "index.codes" in tensors:
+            codes, scales = tensors["index.codes"].to(dev), tensors["index.scales"].to(dev)
+            self.index = ClassIndex(codes, scales, int(scalars["index.built_at"]))
+        if self.subcenter_counts is not None and "subcenter_counts" in tensors:
+            self.subcenter_counts = tensors["subcenter_counts"].to(device=dev, dtype=torch.float64)
+
     # -- the whole weight ------------------------------------------------------------------------------
     def full_weight(self) -> Tensor:
-        """The whole ``C × D`` weight on every worker (an all-gather: mind the memory for large C)."""
+        """The whole ``C × D`` (``C × k × D``) weight on every worker (an all-gather: mind the memory for large C)."""
         return self.gather_rows_all(self.weight.detach())
 
     def full_bias(self) -> Tensor | None:
@@ -629,9 +866,10 @@ class ShardedClassifier(nn.Module):
     @torch.no_grad()
     def load_full_weight(self, weight: Tensor, bias: Tensor | None = None) -> None:
         """Keep this worker's rows of a whole ``C × D`` weight (and ``C`` bias)."""
-        if tuple(weight.shape) != (self.num_classes, self.dim):
+        want = (self.num_classes, *self.weight.shape[1:])
+        if tuple(weight.shape) != want:
             raise ValueError(
-                f"load_full_weight: expected a {self.num_classes}×{self.dim} weight, got {tuple(weight.shape)}"
+                f"load_full_weight: expected a {'×'.join(map(str, want))} weight, got {tuple(weight.shape)}"
             )
         self.weight.copy_(weight[self.class_start : self.class_end])
         if bias is not None:

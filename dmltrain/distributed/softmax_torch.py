@@ -8,6 +8,17 @@ the same two the Triton backend (:mod:`~dmltrain.distributed.softmax_kernels`) e
 * :func:`gradients`: the embeddings' gradient and the active rows' gradients of those columns,
   given the global log-sum-exp and the gradient coefficients (device scalars).
 
+Beyond the fused kernels, this backend also takes (and is the path for, on CUDA too):
+
+* **sub-centers** (``op.subcenters`` k > 1; weight ``rows × k × D``): a column is a class, its logit
+  the largest of its k sub-centers' (the block scores the ``k·block`` sub-center rows, then takes
+  the max and remembers which); in backward each column's gradient goes to that sub-center alone,
+  so the sub-center rows are ordinary columns with a gradient that is zero off the max;
+* **per-column logit offsets** (``op.offsets``, the log-Q correction): added to the logits of the
+  softmax, not to the logits' sum nor to the row normalisation's backward;
+* **per-sample weights** (``op.sample_weight``, samples dropped from the loss): each sample's row of
+  the softmax's gradient scaled by its weight.
+
 The gathered batch is scored against the active rows a block of classes at a time, the
 log-sum-exp accumulated online. When the whole ``global batch × active rows`` logit matrix (plus,
 when subsampling, the gathered active rows) fits ``budget`` bytes it is kept for the backward pass
@@ -40,7 +51,8 @@ NORM_EPS = 1e-12
 
 @dataclass
 class Saved:
-    """What :func:`partials` hands to :func:`gradients`: block size, inverse row norms, kept buffers."""
+    """What :func:`partials` hands to :func:`gradients`: block size, inverse row norms (one per sub-center
+    row), kept buffers."""
 
     block: int
     inv: Tensor | None
@@ -51,32 +63,36 @@ def _columns(op: ShardOperands) -> int:
     return op.weight.shape[0] if op.rows is None else op.rows.numel()
 
 
+def _sub(op: ShardOperands) -> int:
+    return op.subcenters
+
+
 def _blocks(k: int, block: int):
     for c0 in range(0, k, block):
         yield c0, min(k, c0 + block)
 
 
 def _block_weight(op: ShardOperands, saved: Saved, c0: int, c1: int, forward: bool, ws: Workspace):
-    """The block's weight rows (a view, kept rows, or gathered into a scratch buffer) and bias."""
+    """The block's weight rows (``k·block × D``: a view, kept rows, or gathered into a scratch buffer) and bias."""
     dt, dev, D = op.x.dtype, op.x.device, op.x.shape[1]
     if op.rows is None:
-        wb = op.weight[c0:c1]
+        wb = op.weight[c0:c1].reshape(-1, D)
         bb = None if op.bias is None else op.bias[c0:c1]
         return wb.to(dt), None if bb is None else bb.to(dt)
-    k = _columns(op)
+    k, tail = _columns(op), tuple(op.weight.shape[1:])
     if saved.kept is not None:
-        wb = saved.kept.get("w", (k, D), dev, op.weight.dtype)[c0:c1]
+        wb = saved.kept.get("w", (k, *tail), dev, op.weight.dtype)[c0:c1]
         bb = None if op.bias is None else saved.kept.get("b", (k,), dev, op.bias.dtype)[c0:c1]
         if not forward:  # gathered in forward
-            return wb.to(dt), None if bb is None else bb.to(dt)
+            return wb.reshape(-1, D).to(dt), None if bb is None else bb.to(dt)
     else:
-        wb = ws.get("w", (c1 - c0, D), dev, op.weight.dtype)
+        wb = ws.get("w", (c1 - c0, *tail), dev, op.weight.dtype)
         bb = None if op.bias is None else ws.get("b", (c1 - c0,), dev, op.bias.dtype)
     r = op.rows[c0:c1]
     torch.index_select(op.weight, 0, r, out=wb)
     if bb is not None:
         torch.index_select(op.bias, 0, r, out=bb)
-    return wb.to(dt), None if bb is None else bb.to(dt)
+    return wb.reshape(-1, D).to(dt), None if bb is None else bb.to(dt)
 
 
 def _exclude(t: Tensor, op: ShardOperands, c0: int, c1: int, value: float) -> Tensor:
@@ -91,8 +107,10 @@ def _exclude(t: Tensor, op: ShardOperands, c0: int, c1: int, value: float) -> Te
 
 
 def _block_logits(op: ShardOperands, saved: Saved, c0: int, c1: int, forward: bool, ws: Workspace):
-    """Logits of the block (every column), its weight rows and inverse row norms."""
+    """Logits of the block (every column), its weight rows, their inverse norms and, with sub-centers,
+    which sub-center gave each logit (``N × block`` int8; None without)."""
     N, nb, dt = op.x.shape[0], c1 - c0, op.x.dtype
+    sub = _sub(op)
     if forward and saved.kept is not None:
         out = saved.kept.get("z", (N * _columns(op),), op.x.device, dt)[N * c0 : N * c1].view(N, nb)
     else:
@@ -100,47 +118,65 @@ def _block_logits(op: ShardOperands, saved: Saved, c0: int, c1: int, forward: bo
     wb, bb = _block_weight(op, saved, c0, c1, forward, ws)
     if not op.normalized:
         z = torch.mm(op.x, wb.t(), out=out) if bb is None else torch.addmm(bb, op.x, wb.t(), out=out)
-        return z, wb, None
+        return z, wb, None, None
+    s0, s1 = c0 * sub, c1 * sub
     if forward:
-        torch.linalg.vector_norm(wb, dim=1, out=saved.inv[c0:c1])
-        saved.inv[c0:c1].clamp_min_(NORM_EPS).reciprocal_()
-    inv = saved.inv[c0:c1]
-    z = torch.mm(op.x, wb.t(), out=out)
-    z.mul_(inv * op.scale)
-    return z, wb, inv
+        torch.linalg.vector_norm(wb, dim=1, out=saved.inv[s0:s1])
+        saved.inv[s0:s1].clamp_min_(NORM_EPS).reciprocal_()
+    inv = saved.inv[s0:s1]
+    if sub == 1:
+        z = torch.mm(op.x, wb.t(), out=out)
+        return z.mul_(inv * op.scale), wb, inv, None
+    zk = torch.mm(op.x, wb.t(), out=ws.get("zk", (N, nb * sub), op.x.device, dt)).mul_(inv * op.scale)
+    if forward and saved.kept is not None:
+        arg = saved.kept.get("arg", (N * _columns(op),), op.x.device, torch.int8)[N * c0 : N * c1].view(N, nb)
+    else:
+        arg = ws.get("arg", (N, nb), op.x.device, torch.int8)
+    z, idx = torch.max(zk.view(N, nb, sub), 2)
+    out.copy_(z)
+    arg.copy_(idx)
+    return out, wb, inv, arg
 
 
 def partials(
     op: ShardOperands, sum_logits: bool, ws: Workspace, kept: Workspace | None, budget: float
 ) -> tuple[Tensor, Tensor, Tensor | None, Saved]:
-    """Per sample: log-sum-exp, max and (``sum_logits``) sum of the active columns' logits but its
-    target's (−inf, −inf, 0 where there is none), and what :func:`gradients` needs.
+    """Per sample: log-sum-exp (with ``op.offsets`` added), max and (``sum_logits``) sum of the active
+    columns' logits but its target's (−inf, −inf, 0 where there is none), and what :func:`gradients` needs.
 
     ``kept``: a workspace for the logits kept until backward (None: nothing is kept, e.g. without
     gradients); ``budget``: the bytes they may take.
     """
     x, (N, D), dt, dev = op.x, op.x.shape, op.x.dtype, op.x.device
-    k = _columns(op)
+    k, sub = _columns(op), _sub(op)
+    offsets = op.offsets
     size = x.element_size()
-    keep = kept is not None and size * k * (N + (D if op.rows is not None else 0)) <= budget
-    # A block of logits (N × block) and of gathered rows or their gradient (block × D) is at
+    rows_d = D * sub if op.rows is not None else 0
+    keep = kept is not None and k * (size * (N + rows_d) + (N if sub > 1 else 0)) <= budget
+    # A block of logits (N × block·k) and of gathered rows or their gradient (block·k × D) is at
     # most BLOCK_ELEMENTS and, when chunking, at most the budget.
     cap = BLOCK_ELEMENTS if keep else min(BLOCK_ELEMENTS, int(budget // size))
-    block = max(1, min(k, cap // max(N, D if op.rows is not None else 1, 1)))
-    saved = Saved(block, torch.empty(k, device=dev, dtype=dt) if op.normalized else None, kept if keep else None)
+    block = max(1, min(k, cap // (sub * max(N, D if op.rows is not None or sub > 1 else 1, 1))))
+    inv = torch.empty(k * sub, device=dev, dtype=dt) if op.normalized else None
+    saved = Saved(block, inv, kept if keep else None)
     m = torch.full((N,), -math.inf, device=dev, dtype=dt)
     lse = torch.full((N,), -math.inf, device=dev, dtype=dt)
     sz = torch.zeros(N, device=dev, dtype=dt) if sum_logits else None
     for c0, c1 in _blocks(k, block):
-        z, _, _ = _block_logits(op, saved, c0, c1, True, ws)
+        z, _, _, _ = _block_logits(op, saved, c0, c1, True, ws)
         _exclude(z, op, c0, c1, -math.inf)
+        zs = z  # the softmax's logits: with the offsets when there are some
+        if offsets is not None:
+            zs = torch.add(z, offsets[c0:c1].to(dt), out=ws.get("zo", tuple(z.shape), dev, dt))
+            m = torch.maximum(m, z.amax(1))
         # the block's log-sum-exp from torch's fused log_softmax (one vectorised pass),
         # read at each row's maximum where it is most precise: lse = max − log_softmax(max)
-        zmax, arg = torch.max(z, 1)
-        lsm = torch.ops.aten._log_softmax.out(z, 1, False, out=ws.get("lsm", tuple(z.shape), dev, dt))
+        zmax, arg = torch.max(zs, 1)
+        lsm = torch.ops.aten._log_softmax.out(zs, 1, False, out=ws.get("lsm", tuple(z.shape), dev, dt))
         lse_b = zmax - lsm.gather(1, arg[:, None]).squeeze(1)
         lse = torch.logaddexp(lse, torch.where(zmax == -math.inf, -math.inf, lse_b))  # a row with nothing left: -inf
-        m = torch.maximum(m, zmax)
+        if offsets is None:
+            m = torch.maximum(m, zmax)
         if keep or sz is not None:
             _exclude(z, op, c0, c1, 0.0)  # finite again for backward's Σ G·z and the sum
         if sz is not None:
@@ -160,10 +196,12 @@ def gradients(
 ) -> Tensor | None:
     """The embeddings' gradient (None unless ``need_x``) and, into ``out`` at ``op.rows``, the active
     rows' gradients, of ``Σ_ij G_ij z_ij`` over the non-target, non-padding columns with
-    ``G_ij = (exp(z_ij − lse_i) − off)·alpha`` (the softmax's gradient; ``off``: label smoothing's
-    weight of each other class, None for none)."""
+    ``G_ij = (exp(z_ij + o_j − lse_i) − off)·alpha·w_i`` (the softmax's gradient; ``o``: the offsets,
+    ``w``: the sample weights, when there are; ``off``: label smoothing's weight of each other class,
+    None for none)."""
     x, N = op.x, op.x.shape[0]
-    k = _columns(op)
+    k, sub = _columns(op), _sub(op)
+    offsets, weights = op.offsets, op.sample_weight
     if not need_x and (out is None or (out.weight is None and out.bias is None)):
         return None
     grad_x = torch.zeros_like(x) if need_x else None
@@ -173,13 +211,21 @@ def gradients(
         if saved.kept is not None:
             z = saved.kept.get("z", (N * k,), x.device, x.dtype)[N * c0 : N * c1].view(N, nb)
             wb, _ = _block_weight(op, saved, c0, c1, False, ws)
-            inv = saved.inv[c0:c1] if op.normalized else None
+            inv = saved.inv[c0 * sub : c1 * sub] if op.normalized else None
+            arg = (
+                saved.kept.get("arg", (N * k,), x.device, torch.int8)[N * c0 : N * c1].view(N, nb) if sub > 1 else None
+            )
         else:
-            z, wb, inv = _block_logits(op, saved, c0, c1, False, ws)
-        G = torch.add(z, neg_lse, out=ws.get("g", (N, nb), x.device, x.dtype)).exp_()  # probabilities
+            z, wb, inv, arg = _block_logits(op, saved, c0, c1, False, ws)
+        G = torch.add(z, neg_lse, out=ws.get("g", (N, nb), x.device, x.dtype))
+        if offsets is not None:
+            G.add_(offsets[c0:c1].to(x.dtype))
+        G.exp_()  # probabilities
         if off is not None:
             G.sub_(off)
         _exclude(G, op, c0, c1, 0.0)
+        if weights is not None:
+            G.mul_(weights.to(x.dtype)[:, None])
         if not op.normalized:
             G.mul_(alpha)
             if grad_x is not None:
@@ -188,7 +234,14 @@ def gradients(
             continue
         # Off target, cos_ij = z_ij / s and dL/dcos_ij = s·G_ij. The row normalisation's
         # backward needs S_j = Σ_i dL/dcos_ij · cos_ij = Σ_i G_ij z_ij.
-        S = z.mul_(G).sum(0).mul_(alpha)
+        if sub == 1:
+            S = z.mul_(G).sum(0).mul_(alpha)
+        else:  # each column's G goes to the sub-center that gave its logit: the sub-center rows are columns
+            idx = arg.long()[:, :, None]
+            S = ws.get("sk", (N, nb, sub), x.device, x.dtype).zero_().scatter_(2, idx, z.mul_(G)[:, :, None])
+            S = S.sum(0).view(-1).mul_(alpha)
+            Gk = ws.get("gk", (N, nb, sub), x.device, x.dtype).zero_().scatter_(2, idx, G[:, :, None])
+            G = Gk.view(N, nb * sub)
         G.mul_(inv * (alpha * op.scale))  # now dL/d(x·w_j) off target
         if grad_x is not None:
             grad_x.addmm_(G, wb)
@@ -207,14 +260,15 @@ def _write_rows(
     gb: Tensor | None,
     ws: Workspace,
 ) -> None:
-    """Active columns ``c0:c1``: weight gradient ``Gᵀx − coef·wb`` (coef None: no such term), bias ``gb``."""
+    """Active columns ``c0:c1`` (their ``k`` sub-center rows each): weight gradient ``Gᵀx − coef·wb`` (coef
+    None: no such term), bias ``gb``."""
     if out is None:
         return
-    x = op.x
+    x, D = op.x, op.x.shape[1]
     rows = None if op.rows is None else op.rows[c0:c1]
     if out.weight is not None:
         if rows is None:
-            dst = out.weight[c0:c1]
+            dst = out.weight[c0:c1].view(-1, D)
             if out.accumulate:
                 dst.addmm_(G.t(), x)
             else:
@@ -222,10 +276,10 @@ def _write_rows(
             if coef is not None:
                 dst.addcmul_(wb, coef[:, None], value=-1)
         else:
-            gw = torch.mm(G.t(), x, out=ws.get("gw", (c1 - c0, x.shape[1]), x.device, x.dtype))
+            gw = torch.mm(G.t(), x, out=ws.get("gw", (G.shape[1], D), x.device, x.dtype))
             if coef is not None:
                 gw.addcmul_(wb, coef[:, None], value=-1)
-            _put(out.weight, rows, c0, c1, gw, out.accumulate)
+            _put(out.weight, rows, c0, c1, gw.view(c1 - c0, *out.weight.shape[1:]), out.accumulate)
     if out.bias is not None and gb is not None:
         _put(out.bias, rows, c0, c1, gb, out.accumulate)
 

@@ -182,10 +182,12 @@ def plot_curves(
     ylabel: str,
     title: str,
     colors: Mapping[str, Any],
+    ylim: tuple[float, float] | None = None,
 ) -> Path | None:
     """Each run's ``(steps, values)`` overlaid against the step in one PNG; None (and no file) when ``data`` is empty.
 
     Points are marked on curves of at most 30 points; beyond 4 runs the legend moves beside the axes.
+    ``ylim``: a fixed y range (e.g. 0 to 1 for a cosine), else matplotlib's.
     """
     if not data:
         return None
@@ -204,6 +206,8 @@ def plot_curves(
         )
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     if len(data) <= 4:

@@ -82,6 +82,11 @@ class KindClassifierLoss(ClassifierLoss):
 
     def __init__(self, num_classes: int, dim: int, **params: float) -> None:
         self.params = self.spec.resolve(params)
+        if self.spec.subcenters(self.params) != 1:
+            raise ValueError(
+                f"{self.spec.name}: subcenters > 1 is the class-sharded classifier's (loss.classifier); "
+                "this replicated loss keeps one row per class"
+            )
         for name, value in self.params.items():
             setattr(self, name, value)
         super().__init__(num_classes, dim)
@@ -94,7 +99,7 @@ class MarginClassifierLoss(KindClassifierLoss):
     def scores(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         x_hat, w_hat = normalize(embeddings), normalize(self.weight)
         cos = similarity(x_hat, w_hat, allow_autocast=True)
-        target = self.spec.target_logit(x_hat, w_hat[labels], **self.params)
+        target = self.spec.target_logit(x_hat, w_hat[labels], **self.spec.logit_params(self.params))
         rows = torch.arange(labels.shape[0], device=labels.device)
         return (self.spec.logit_scale(self.params) * cos).index_put((rows, labels), target), cos
 

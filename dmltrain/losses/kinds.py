@@ -12,6 +12,11 @@ build their hyperparameters from it), the class-sharded classifier
 * ``softmax_ce``: a linear layer with bias on unnormalised features and label smoothing
   (``smoothing`` ε in [0, 1), 0.1).
 
+The normalised kinds also take ``subcenters`` k (a whole number, default 1): sub-center ArcFace
+(Deng et al., ECCV 2020), k rows per class, the class's cosine the best of its k. It shapes the
+weight, not the target logit: :meth:`ClassifierKind.logit_params` leaves it out of what
+``target_logit`` receives. Only the class-sharded classifier takes k > 1.
+
 Errors are one line naming the parameter: :meth:`ClassifierKind.resolve` raises
 ``TypeError`` (unknown name) or ``ValueError`` (out of bounds); :func:`check_classifier`
 returns the same reason keyed by ``kind`` or ``params.<name>`` for config messages.
@@ -39,6 +44,7 @@ class KindParam:
     low_open: bool = False
     high_open: bool = True
     high_label: str | None = None  # how the upper bound reads in messages ("pi")
+    integer: bool = False  # a whole number (a count)
 
     def bound_text(self) -> str:
         if self.high == math.inf:
@@ -52,6 +58,8 @@ class KindParam:
         """None when ``value`` is allowed, else ``"<name> must be <bound>, got <value>"`` (NaN is refused)."""
         above = value > self.low if self.low_open else value >= self.low
         below = value < self.high if self.high_open else value <= self.high
+        if self.integer and above and below and value != int(value):
+            return f"{self.name} must be a whole number, got {value:g}"
         return None if above and below else f"{self.name} must be {self.bound_text()}, got {value:g}"
 
 
@@ -83,6 +91,15 @@ class ClassifierKind:
     def defaults(self) -> dict[str, float]:
         return {p.name: p.default for p in self.params}
 
+    def logit_params(self, params: Mapping[str, float]) -> dict[str, float]:
+        """The hyperparameters of ``target_logit`` and ``logit_scale`` (those that shape the weight left out)."""
+        return {k: v for k, v in params.items() if k not in STRUCTURAL}
+
+    @staticmethod
+    def subcenters(params: Mapping[str, float]) -> int:
+        """Rows per class (1 when the kind has no sub-centers)."""
+        return int(params.get("subcenters", 1))
+
     def problem(self, params: Mapping[str, float]) -> str | None:
         """The first problem of ``params`` as ``"params.<name>: <reason>"``, or None."""
         for key in params:
@@ -112,6 +129,9 @@ class ClassifierKind:
 
 
 _SCALE = KindParam("scale", 64.0, low=0.0, low_open=True)
+_SUBCENTERS = KindParam("subcenters", 1.0, low=1.0, high=1024.0, high_open=False, integer=True)
+#: hyperparameters that shape the weight rather than the logits
+STRUCTURAL = ("subcenters",)
 
 #: every classifier kind by name
 KINDS: dict[str, ClassifierKind] = {
@@ -119,21 +139,21 @@ KINDS: dict[str, ClassifierKind] = {
     for k in (
         ClassifierKind(
             "normsoftmax",
-            (KindParam("temperature", 0.05, low=0.0, low_open=True),),
+            (KindParam("temperature", 0.05, low=0.0, low_open=True), _SUBCENTERS),
             normalized=True,
             logit_scale=lambda p: 1.0 / p["temperature"],
             target_logit=normsoftmax_target,
         ),
         ClassifierKind(
             "cosface",
-            (_SCALE, KindParam("margin", 0.35, low=0.0)),
+            (_SCALE, KindParam("margin", 0.35, low=0.0), _SUBCENTERS),
             normalized=True,
             logit_scale=lambda p: p["scale"],
             target_logit=cosface_target,
         ),
         ClassifierKind(
             "arcface",
-            (_SCALE, KindParam("margin", 0.5, low=0.0, high=math.pi, high_label="pi")),
+            (_SCALE, KindParam("margin", 0.5, low=0.0, high=math.pi, high_label="pi"), _SUBCENTERS),
             normalized=True,
             logit_scale=lambda p: p["scale"],
             target_logit=arcface_target,

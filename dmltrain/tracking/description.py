@@ -59,6 +59,7 @@ def loss_line(cfg: Any, share: bool = True) -> str:
         parts.append(
             f"classifier {c.kind}{_params(c.params)} ×{c.weight:g}"
             + (f", each step's softmax over {_share(c.sample_ratio)}" if share else "")
+            + (f" ({c.sampling} draws)" if share and c.sample_ratio < 1 and c.sampling != "uniform" else "")
         )
     if i is not None:
         parts.append(f"instance {i.kind}{_params(i.params)} ×{i.weight:g}")

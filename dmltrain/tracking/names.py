@@ -11,7 +11,8 @@ in them by code unit (``"-" < "0" < "A" < "_" < "a"``). The prefixes are chosen 
 ``batch/`` (the objective and the learning rate) comes first, then ``eval/`` (Recall@K only), then
 the other evaluation metrics (``eval/binary/``, ``eval/clustering/``, ``eval/ranking/``), then what
 explains the cost and the losses (``instance/``, ``memory/``, ``softmax/`` (the classifier's
-statistics), ``time/``, ``train/``). ``data/`` (remote reads, skipped samples: empty for most
+statistics), ``softmax/probe/`` (what class subsampling costs the gradient, right after them),
+``time/``, ``train/``). ``data/`` (remote reads, skipped samples: empty for most
 runs) sorts before ``eval/``. What does not change during a run (the classifier's active classes
 and rows, its memory, the evaluation's query and gallery counts) is a tag, not a metric series.
 
@@ -80,6 +81,11 @@ STEP_MS = "time/step_ms"  # wall time per step; time/<part>_ms splits it (data, 
 RSS_MB = "memory/rss_mb"  # rank 0's resident memory
 CUDA_PEAK_MB = "memory/cuda_peak_mb"
 CLASSIFIER_PREFIX = "softmax/"  # softmax/<stat>: the sharded classifier's loss and statistics
+# softmax/probe/<stat>: every loss.classifier.probe_every steps, the full softmax against the sampled one on the
+# same batch: grad_cos (cosine of the embeddings' gradients), grad_norm_ratio (sampled / full), loss_gap (sampled −
+# full), full_loss
+PROBE_PREFIX = CLASSIFIER_PREFIX + "probe/"
+PROBE_GRAD_COS = PROBE_PREFIX + "grad_cos"
 INSTANCE_PREFIX = "instance/"  # instance/<stat>: the instance loss's
 CLASSIFIER_LOSS = CLASSIFIER_PREFIX + "loss"
 INSTANCE_LOSS = INSTANCE_PREFIX + "loss"

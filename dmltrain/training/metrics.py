@@ -60,19 +60,22 @@ class TrainMetrics:
 
     def reset(self) -> None:
         self.sums: dict[str, float | torch.Tensor] = {}
+        self.counts: dict[str, int] = {}  # the steps that reported each statistic
         self.steps = 0
 
     def add(self, stats: Mapping[str, float | torch.Tensor]) -> None:
-        """One step's statistics: host floats, or 0-d tensors kept where they are (no sync)."""
+        """One step's statistics: host floats, or 0-d tensors kept where they are (no sync). A statistic
+        some steps do not report (the classifier's probe) is averaged over the steps that do."""
         for k, v in stats.items():
             if isinstance(v, torch.Tensor):
                 v = v.detach().double()
             self.sums[k] = self.sums.get(k, 0.0) + v
+            self.counts[k] = self.counts.get(k, 0) + 1
         self.steps += 1
 
     def summary(self) -> dict[str, float]:
-        """The mean of each statistic since the last summary (device sums read back here); starts a new window."""
-        n = max(1, self.steps)
+        """The mean of each statistic since the last summary over the steps that reported it (device sums
+        read back here); starts a new window."""
         host = {k: float(v) for k, v in self.sums.items() if not isinstance(v, torch.Tensor)}
         on_device = [k for k, v in self.sums.items() if isinstance(v, torch.Tensor)]
         by_device: dict[torch.device, list[str]] = {}
@@ -80,11 +83,11 @@ class TrainMetrics:
             by_device.setdefault(self.sums[k].device, []).append(k)
         for keys in by_device.values():  # one read per device
             host.update(zip(keys, torch.stack([self.sums[k] for k in keys]).tolist()))
-        out = {k: host[k] / n for k in self.sums}
+        out = {k: host[k] / max(1, self.counts[k]) for k in self.sums}
         for k in CLASSIFIER_FACTS:
             if k in host:
                 self._fact_sums[k] = self._fact_sums.get(k, 0.0) + host[k]
-                self._fact_steps[k] = self._fact_steps.get(k, 0) + self.steps
+                self._fact_steps[k] = self._fact_steps.get(k, 0) + self.counts[k]
         self.reset()
         return out
 

@@ -20,6 +20,8 @@ from dmltrain.distributed import GatheredInstanceLoss, ShardedClassifier, grad_s
 from dmltrain.distributed.process_group import average_grads, broadcast_params
 from dmltrain.losses import ProxyLoss, make_loss
 
+PROBE = "probe/"  # the classifier's statistics from its probe of the full softmax (softmax/probe/ in MLflow)
+
 
 class Objective(nn.Module):
     """Owns the model-parallel classifier and the gathered instance loss of a run.
@@ -30,6 +32,12 @@ class Objective(nn.Module):
     their statistics of the last call, prefixed ``classifier/`` and ``instance/``, as host
     floats; they are read from the device when ``stats`` is read, not during ``forward``
     (``device_stats``: the same without reading them).
+
+    With ``loss.classifier.probe_every`` N, the trainer calls :meth:`probe` before every N-th step's
+    ``forward`` (:meth:`probe_due`; the probe's time kept out of the step's): the classifier's full
+    softmax against its sampled one on the same batch, nothing updated
+    (:meth:`~dmltrain.distributed.sharded_softmax.ShardedClassifier.probe`), added to that step's
+    statistics as ``classifier/probe/<stat>``.
     """
 
     def __init__(
@@ -57,8 +65,15 @@ class Objective(nn.Module):
                 weight_storage=c.weight_storage,
                 init_std=c.init_std,
                 deterministic=c.deterministic,
+                sampling=c.sampling,
+                nearest_share=c.nearest_share,
+                refresh_every=c.refresh_every,
+                sampling_correction=c.sampling_correction,
+                drop_after=c.drop_after,
+                drop_angle=c.drop_angle,
                 **c.params,
             )
+        self.probe_every = c.probe_every if c is not None else 0
         self.replicated: nn.Module | None = None
         if i is not None:
             loss = make_loss(i.kind, i.params, num_classes=num_classes, dim=dim)
@@ -71,6 +86,7 @@ class Objective(nn.Module):
             else:
                 self.instance = GatheredInstanceLoss(loss, group=group, mode=i.mode)
         self._parts: list[tuple[str, dict[str, Any], Tensor, float]] = []
+        self._probe: tuple[int, dict[str, Tensor]] | None = None
 
     def forward(self, embeddings: Tensor, labels: Tensor, step: int) -> Tensor:
         # The losses run in fp32 whatever the engine's precision (bf16 logits at T = 0.05 lose the ranking).
@@ -84,13 +100,28 @@ class Objective(nn.Module):
             # the batch plan gives every worker the same local batch: no size exchange (no host read)
             loss = self.classifier(x, labels, step=step, sizes=[x.shape[0]] * self.world_size)
             total = total + self.w_classifier * loss
-            parts.append(("classifier", self.classifier.stats, loss.detach(), self.w_classifier))
+            stats = self.classifier.stats
+            if self._probe is not None and self._probe[0] == step:
+                stats = stats.with_device({f"{PROBE}{k}": v for k, v in self._probe[1].items()})
+            self._probe = None
+            parts.append(("classifier", stats, loss.detach(), self.w_classifier))
         if self.instance is not None:
             loss = self.instance(emb, labels)
             total = total + self.w_instance * loss
             parts.append(("instance", self.instance.stats, loss.detach(), self.w_instance))
         self._parts = parts
         return total
+
+    def probe_due(self, step: int) -> bool:
+        """Whether step ``step`` probes the classifier (every ``loss.classifier.probe_every`` steps)."""
+        return self.classifier is not None and self.probe_every > 0 and step % self.probe_every == 0
+
+    @torch.no_grad()
+    def probe(self, embeddings: Tensor, labels: Tensor, step: int) -> None:
+        """What class subsampling costs this batch's gradient (the full softmax against the sampled one,
+        nothing updated); the figures join the next ``forward`` of the same step as ``classifier/probe/``."""
+        x = embeddings.detach().float()
+        self._probe = (step, self.classifier.probe(x, labels, step, sizes=[x.shape[0]] * self.world_size))
 
     @property
     def terms(self) -> list[str]:

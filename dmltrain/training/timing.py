@@ -9,7 +9,8 @@ the previous step to the moment the device could start this one (a device waitin
 or for a host that is late to queue it, counts here), ``forward``, ``backward`` and ``optimizer`` each
 the device time of their own kernels (``optimizer``: the engine's and the classifier's steps;
 ``time/step_ms`` is the wall time per step). Work outside training steps (evaluation, checkpoints) runs
-inside :meth:`StepTimer.aside` and is left out of ``time/step_ms`` and ``images_per_s``.
+inside :meth:`StepTimer.aside` and is left out of ``time/step_ms`` and ``images_per_s``; so is work
+inside a step that is not the step's (the classifier's probe), and out of the part it falls in too.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class StepTimer:
         self._events: list[list[torch.cuda.Event]] = []  # per step: its start, then one per part
         self._current: list[torch.cuda.Event] = []
         self._boundary: torch.cuda.Event | None = None  # the end of the previous step, where the next one starts
+        self._asides: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []  # (part, start, end) inside steps
 
     def _record(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
@@ -70,14 +72,27 @@ class StepTimer:
             self.steps += 1
 
     @contextlib.contextmanager
-    def aside(self) -> Iterator[None]:
-        """Time spent in the block is left out of the throughput (evaluation, checkpoints)."""
+    def aside(self, sync: bool = False) -> Iterator[None]:
+        """Time spent in the block is left out of the throughput (evaluation, checkpoints) and, inside a
+        step, out of the part it falls in. ``sync``: on CUDA, wait for the device before the block (that
+        wait is the step's) and at its end, so that the block's device work is left out of the wall time
+        too (the probe: two synchronisations on the steps that run it)."""
+        if sync and self.cuda:
+            torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
+        start = self._record() if self.cuda and self._current else None
         try:
             yield
         finally:
-            self.window_start += time.perf_counter() - t0
-            self._boundary = None  # the next step's data part starts after the block, not before it
+            if sync and self.cuda:
+                torch.cuda.synchronize(self.device)
+            elapsed = time.perf_counter() - t0
+            self.window_start += elapsed
+            self._last += elapsed
+            if start is not None:
+                self._asides.append((len(self._current) - 1, start, self._record()))
+            else:
+                self._boundary = None  # the next step's data part starts after the block, not before it
 
     def _device_totals(self) -> None:
         if not self._events:
@@ -86,6 +101,8 @@ class StepTimer:
         for events in self._events:
             for i, part in enumerate(self.PARTS):
                 self.total[part] += events[i].elapsed_time(events[i + 1]) / 1000
+        for i, start, end in self._asides:
+            self.total[self.PARTS[i]] -= start.elapsed_time(end) / 1000
 
     def summary(self, global_batch: int) -> dict[str, float]:
         """Mean ms per part, wall ms per step and images/s since the last summary; starts a new window."""

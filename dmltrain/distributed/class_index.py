@@ -1,0 +1,109 @@
+"""The nearest-class index of hard-class sampling: each shard's class rows, quantised, and how near
+every one of them is to the classes of a global batch.
+
+``loss.classifier.sampling: hard`` (or ``mixed``) draws, besides the batch's own classes, the classes
+whose rows are nearest to theirs. How near is the cosine of the normalised rows as an index holds
+them: a snapshot of the shard's rows taken every ``refresh_every`` steps (:func:`build_index`), each
+unit row (each sub-center's) stored as integers in ``[−L, L]`` times a per-row scale (``L = 127``
+for ``D ≤ 1040``, fewer levels beyond so that ``D·L² < 2²⁴``). One row's cosine resolution is
+about ``1/(2L)`` of its largest component: ample to rank neighbours.
+
+Why integers: the products of two rows are then whole numbers below ``2²⁴``, which fp32 GEMMs
+(CPU, CUDA, TF32 included: 11 bits hold ``±127``) compute *exactly* in any order and any blocking.
+So the nearness of every class, and the drawn set, is bit-identical on every rank, at every world
+size and on every device; a float GEMM would round differently with the shard's shape.
+
+Scoring (:func:`nearest_keys`): every shard contributes its batch classes' index rows to one
+all-reduce (``N × k × (D + 1)`` numbers, each the sum of zeros and one value: exact), then scores its
+own rows in exact blocked GEMMs: a class's nearness is its largest cosine to any sample's class
+(over every pair of sub-centers). Keys order the classes nearest first, ties by class id, for the
+radix select of :func:`~dmltrain.distributed.class_sampling.draw_active`. Device work per step:
+``O(N·k² × local classes × D)``, no host read; memory ``O(local classes × k × D)`` bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dmltrain.distributed.collectives import all_reduce_sum
+from dmltrain.distributed.workspace import BLOCK_ELEMENTS
+
+_EXACT = (1 << 24) - 1  # fp32 holds every whole number up to it
+
+
+def levels(dim: int) -> int:
+    """The integer levels ``L`` of a ``dim``-wide index row: ``D·L² < 2²⁴`` (exact fp32 products), at most 127."""
+    return max(1, min(127, math.isqrt(_EXACT // max(1, dim))))
+
+
+@dataclass
+class ClassIndex:
+    """A shard's rows as the index holds them: ``codes`` (``rows × k × D`` int8 in ``[−L, L]``),
+    ``scales`` (``rows × k`` fp32: a unit row is ``codes · scale``), and the step it was built at."""
+
+    codes: Tensor
+    scales: Tensor
+    built_at: int
+
+    def stale(self, step: int, refresh_every: int) -> bool:
+        """Whether step ``step`` needs a fresh index (``refresh_every`` steps after this one was built, or before it)."""
+        return step < self.built_at or step >= self.built_at + refresh_every
+
+
+@torch.no_grad()
+def build_index(weight: Tensor, subcenters: int, step: int) -> ClassIndex:
+    """The index of a shard's ``weight`` (``rows × D``, or ``rows × k × D`` with sub-centers) at ``step``."""
+    n, D = weight.shape[0], weight.shape[-1]
+    w = F.normalize(weight.detach().float().reshape(n, subcenters, D), dim=2)
+    L = levels(D)
+    top = w.abs().amax(2).clamp_min(1e-30)
+    codes = torch.round(w * (L / top)[..., None]).to(torch.int8)
+    return ClassIndex(codes, (top / L).contiguous(), int(step))
+
+
+def _ordered(score: Tensor) -> Tensor:
+    """fp32 values as non-negative int64 in the same order (the IEEE bit pattern, sign folded)."""
+    bits = score.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(bits >= 1 << 31, 0xFFFFFFFF - bits, bits | (1 << 31))
+
+
+def nearest_keys(index: ClassIndex, labels: Tensor, start: int, id_bits: int, group=None) -> Tensor:
+    """Every local row's draw key by nearness to the global batch's classes (``labels``, the same on every
+    rank): unique int64, *smallest for the nearest*, ``(2³² − 1 − ordered cosine) << id_bits | class id``.
+
+    ``start``: the global id of the shard's first row. Collective over ``group`` (one all-reduce).
+    """
+    codes, scales = index.codes, index.scales
+    n, k, D = codes.shape
+    N = labels.numel()
+    dev = codes.device
+    ids = torch.arange(start, start + n, dtype=torch.int64, device=dev)
+    if n == 0 or N == 0:
+        return ids  # nothing to rank: every class ties
+    local = labels - start
+    own = (local >= 0) & (local < n)
+    row = local.clamp(0, n - 1)
+    # the batch's rows: each shard fills the samples whose class it holds (zeros elsewhere); summed, exact
+    packed = torch.cat(
+        [
+            torch.where(own[:, None, None], codes.index_select(0, row).float(), 0.0).flatten(),
+            torch.where(own[:, None], scales.index_select(0, row), 0.0).flatten(),
+        ]
+    )
+    all_reduce_sum(packed, group)
+    q = packed[: N * k * D].view(N * k, D)
+    qs = packed[N * k * D :].view(N * k, 1)
+    best = torch.empty(n, device=dev, dtype=torch.float32)
+    block = max(1, BLOCK_ELEMENTS // max(1, N * k * k, D * k))
+    for c0 in range(0, n, block):
+        c1 = min(n, c0 + block)
+        rows = codes[c0:c1].reshape(-1, D).float()
+        dots = torch.mm(q, rows.t())  # whole numbers below 2**24: exact in any order
+        cos = dots.mul_(qs).mul_(scales[c0:c1].reshape(1, -1))
+        best[c0:c1] = cos.view(N * k, c1 - c0, k).amax(dim=(0, 2))
+    return ((0xFFFFFFFF - _ordered(best)) << id_bits) | ids
