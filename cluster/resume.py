@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
-from cluster.run_location import RunLocation
+from cluster.run_location import RunLocation, check_name
 from cluster.run_records import RUNNING, RunRecord, crashed_runs, latest_run
 from dmltrain.config import RUN_NAME_PATTERN, Config
 from dmltrain.errors import UserError
@@ -39,8 +39,8 @@ def resolve_run_name(cfg: Config, where: RunLocation, config_file: str | None, r
     named = cfg.train.run_name
     if resume is None:
         return named
-    if resume and not re.match(RUN_NAME_PATTERN, resume):
-        raise UserError(f"--resume {resume}: not a run name (letters, digits, _ . -)")
+    if resume:
+        check_name(resume, "--resume")
     if resume and named and resume != named:
         raise UserError(f"--resume {resume}: train.run_name is {named}; give one of them")
     name = resume or named

@@ -14,12 +14,24 @@ tracking URI); everything else asks a :class:`RunLocation`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dmltrain.config import RUN_NAME_PATTERN
+from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
+from dmltrain.text import printable
 from shards.storage.location import is_url
+
+
+def check_name(name: str, flag: str, kind: str = "run") -> str:
+    """``name`` when it names one folder of the runs root (:data:`~dmltrain.config.RUN_NAME_PATTERN`, as
+    ``train.run_name``: no separator, no ``..``, no leading dot); else one line, ``<flag> <name>: not a <kind> name``."""
+    if not isinstance(name, str) or not re.match(RUN_NAME_PATTERN, name) or len(name) > 200:
+        raise UserError(f"{flag} {printable(name, 80)}: not a {kind} name (letters, digits, _ . -)")
+    return name
 
 
 @dataclass(frozen=True)

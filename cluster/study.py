@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.launch import RunGroup, init_ray, prepare_data, prepare_driver, train
+from cluster.run_location import check_name
 from cluster.study_results import (
     Measure,
     Point,
@@ -429,6 +430,8 @@ def run_study(
         raise UserError(f"--parallel {parallel}: must be at least 1")
     if repeats < 1:
         raise UserError(f"--repeats {repeats}: must be at least 1")
+    if name is not None:  # the study is the folder <root>/<name>
+        check_name(name, "--name", "study")
     shards: dict[int, str] = {}
 
     def shard_sets(c):  # every class count's shards (built when missing), each checked as a training

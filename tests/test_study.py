@@ -90,7 +90,7 @@ def test_synthetic_shards_of_other_class_counts_sit_beside_the_configs():
     assert st.synthetic_shards_dir(cfg, 1000) == Path("data/synthetic-sop-1000c")
 
 
-def test_cli_refuses_a_study_without_a_classifier_or_classes_of_a_real_dataset(tmp_path, capsys):
+def test_cli_refuses_a_study_without_a_classifier_or_classes_of_a_real_dataset(tmp_path, capsys, monkeypatch):
     rc = main(["study", "subsampling", str(DEMO), "loss.classifier=null", "--ratios", "1,0.1"])
     assert rc == 2 and capsys.readouterr().err.strip() == (
         "dmltrain: error: loss.classifier: a class-subsampling study needs a classifier loss (it is null in this config)"
@@ -117,6 +117,14 @@ def test_cli_refuses_a_study_without_a_classifier_or_classes_of_a_real_dataset(t
     )
     rc = main(["study", "subsampling", str(DEMO), "--ratios", "2"])
     assert rc == 2 and "--ratios: 2 is not a share" in capsys.readouterr().err
+    # a study is the folder <root>/<name>: its name is one folder name, checked before anything is built
+    from cluster import study
+
+    monkeypatch.setattr(study, "prepare_driver", lambda *a: pytest.fail("--name ../x was accepted"))
+    rc = main(["study", "subsampling", str(DEMO), "--ratios", "1,0.1", "--name", "../x"])
+    assert rc == 2 and capsys.readouterr().err.strip() == (
+        "dmltrain: error: --name ../x: not a study name (letters, digits, _ . -)"
+    )
 
 
 def test_history_summaries():

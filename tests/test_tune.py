@@ -261,6 +261,65 @@ def test_only_this_users_own_search_state_is_resumed(tmp_path, monkeypatch, caps
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("name", ["../x", "team/s", ".x", "ABS"])
+def test_a_search_name_that_is_not_one_folder_name_is_refused(tmp_path, monkeypatch, capsys, name):
+    """--name is a folder name, as train.run_name is: ``../x`` would resume a search outside the storage, ``team/s``
+    would put Tune's state where the sealing does not look; refused in one line before anything of it is read."""
+    import pickle
+
+    import ray
+
+    from cluster.tune import search
+    from cluster.tune.sealed_state import SearchState
+
+    name = name.replace("ABS", str(tmp_path / "x"))  # an absolute path
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setattr(search, "prepare_driver", lambda cfg: pytest.fail(f"--name {name} was accepted"))
+    runs, marker = tmp_path / "runs", tmp_path / "code-ran"
+    for planted in (tmp_path / "x", runs / "team" / "s"):  # searches planted where the names lead
+        planted.mkdir(parents=True)
+        (planted / "tuner.pkl").write_bytes(pickle.dumps(_Planted(marker)))
+    space = _space(tmp_path, {"metric": "recall@1", "space": {"optim.lr": {"choice": [0.1]}}})
+    argv = ["tune", str(DEMO), f"train.output_dir={runs}", f"data.shards={tmp_path / 'none'}", "--space", str(space)]
+    for extra in ([], ["--resume"]):
+        assert main([*argv, "--name", name, *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"dmltrain: error: --name {name}: not a search name (letters, digits, _ . -)", err
+        assert not marker.exists() and not ray.is_initialized() and not (tmp_path / "none").exists()
+    with pytest.raises(UserError, match="not a search name"):
+        SearchState(str(runs), name)
+
+
+def test_the_sealed_file_system_refuses_state_outside_its_root(tmp_path, monkeypatch):
+    """A file Ray may unpickle is read only from the storage root, verified: one outside it (``<root>/../x``, another
+    folder) is refused, not handed through unverified, and nothing is sealed there either."""
+    import pickle
+
+    import pyarrow.fs
+
+    from cluster.tune.sealed_state import SealedFileSystem, StateNotAuthentic
+    from dmltrain.private import state_key
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    runs, outside = tmp_path / "runs", tmp_path / "x"
+    (runs / "s").mkdir(parents=True)
+    outside.mkdir()
+    payload = pickle.dumps(_Planted(tmp_path / "code-ran"))
+    for name in ("tuner.pkl", "experiment_state-1.json", "notes.txt"):
+        (outside / name).write_bytes(payload)
+    fs = pyarrow.fs.PyFileSystem(SealedFileSystem(pyarrow.fs.LocalFileSystem(), str(runs), state_key()))
+    for path in (f"{runs}/../x/tuner.pkl", f"{runs}/s/../../x/experiment_state-1.json", f"{outside}/tuner.pkl"):
+        with pytest.raises(StateNotAuthentic, match="outside the storage"):
+            fs.open_input_stream(path)
+        with pytest.raises(StateNotAuthentic, match="outside the storage"):
+            fs.open_input_file(path)
+    with pytest.raises(StateNotAuthentic, match="outside the storage"):
+        with fs.open_output_stream(f"{runs}/../x/new.pkl") as f:
+            f.write(b"x")
+    assert not (outside / "new.pkl").exists()
+    assert fs.open_input_stream(f"{outside}/notes.txt").read() == payload  # other files are data: they pass
+
+
 def test_only_new_evaluations_reach_tune(monkeypatch):
     from types import SimpleNamespace
 

@@ -25,7 +25,10 @@ system in front of the real one (local, or the ``s3://`` / ``gs://`` one of the 
   this user's key (:func:`dmltrain.private.state_key`, ``~/.config/dmltrain/state.key``, 0600);
 * every such file is *verified* when read through it: the bytes are read whole, checked against
   the tag, and only then handed to Ray (so a file swapped after the check is not the file read);
-  one without a valid tag is refused (:class:`StateNotAuthentic`), before Ray unpickles anything.
+  one without a valid tag is refused (:class:`StateNotAuthentic`), before Ray unpickles anything;
+* it fails closed: a ``*.json`` or ``*.pkl`` outside the storage root (``<root>/../x/tuner.pkl``) is neither read
+  nor written through it. A search's name is one folder name (:func:`cluster.run_location.check_name`), so its
+  files lie exactly where :func:`is_sealed` looks.
 
 :func:`check_resumable` runs the same verification over the whole folder before Ray starts, so a
 search that is not this user's own is refused in one line (``dmltrain tune --resume``). Other
@@ -48,6 +51,7 @@ from dataclasses import dataclass
 import pyarrow
 import pyarrow.fs
 
+from cluster.run_location import check_name
 from dmltrain.errors import UserError
 from dmltrain.private import state_key
 from dmltrain.text import printable
@@ -105,20 +109,32 @@ class SealedFileSystem(pyarrow.fs.FileSystemHandler):
         return path[len(self.root) + 1 :]
 
     def sealed(self, path: str) -> bool:
+        """Whether ``path`` is read verified and written with its tag: :func:`is_sealed` inside the root, and outside
+        it every name Ray may unpickle (failing closed: :meth:`_inside` then refuses it)."""
         rel = self.relpath(path)
-        return rel is not None and is_sealed(rel)
+        if rel is None:
+            return path.endswith((".pkl", ".json"))
+        return is_sealed(rel)
+
+    def _inside(self, path: str) -> str:
+        """The sealed file ``path`` relative to the root; :class:`StateNotAuthentic` outside it."""
+        rel = self.relpath(path)
+        if rel is None:
+            raise StateNotAuthentic(f"{printable(path)}: outside the storage {printable(self.root)}; refused")
+        return rel
 
     def read_verified(self, path: str) -> bytes:
         """The bytes of the sealed file ``path``, checked against its tags; :class:`StateNotAuthentic` if they are not.
 
         The bytes are read before the tags, and a mismatch is read again twice (0.1 s apart): a file being
         rewritten through :meth:`write_sealed` lists both tags while its bytes change."""
+        rel = self._inside(path)
         for attempt in range(3):
             if attempt:
                 time.sleep(0.1)
             with self.inner.open_input_stream(path) as f:
                 data = f.read()
-            if self.key is not None and tag(self.key, self.relpath(path), data) in self._tags(path):
+            if self.key is not None and tag(self.key, rel, data) in self._tags(path):
                 return data
         raise StateNotAuthentic(f"{printable(path)}: not written by this user's dmltrain (no valid signature)")
 
@@ -134,11 +150,12 @@ class SealedFileSystem(pyarrow.fs.FileSystemHandler):
 
         A reader sees the old bytes or the new ones, each with its tag listed: the new tag is added to the
         sidecar, the bytes replaced at once, then the old tag dropped (each write a whole-file replace)."""
+        rel = self._inside(path)
         if self.key is None:
             self._drop_tag(path)
             self._put(path, data)
             return
-        new = tag(self.key, self.relpath(path), data)
+        new = tag(self.key, rel, data)
         self._put(path + SIG_SUFFIX, "\n".join([new, *sorted(self._tags(path) - {new})][:2]).encode())
         self._put(path, data)
         self._put(path + SIG_SUFFIX, new.encode())
@@ -214,6 +231,7 @@ class SealedFileSystem(pyarrow.fs.FileSystemHandler):
 
     def open_output_stream(self, path: str, metadata=None):
         if self.sealed(path):
+            self._inside(path)  # refused at once, not when closed
             return pyarrow.PythonFile(_SealOnClose(self, path), mode="w")
         return self.inner.open_output_stream(path, metadata=metadata)
 
@@ -258,6 +276,9 @@ class SearchState:
     root: str
     name: str
 
+    def __post_init__(self):
+        check_name(self.name, "--name", "search")
+
     def _inner(self) -> tuple[pyarrow.fs.FileSystem, str]:
         if is_url(self.root):
             return pyarrow.fs.FileSystem.from_uri(self.root)
@@ -289,7 +310,7 @@ class SearchState:
         for entry in entries:
             if entry.type == pyarrow.fs.FileType.File and sealer.sealed(entry.path):
                 try:
-                    sealer.read_verified(entry.path)
+                    sealer.read_verified(entry.path)  # refused outside the root too
                 except StateNotAuthentic as e:
                     raise UserError(
                         f"tune --resume {self.name}: {e}; Ray would unpickle it (run code from it), so the search "
