@@ -89,10 +89,20 @@ def state_key() -> bytes:
     ``config_dir()/state.key``, created 0600 on first use); refused in one line if the file is not this user's
     alone or not a key."""
     path = config_dir() / KEY_FILE
-    with contextlib.suppress(FileExistsError):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(secrets.token_bytes(KEY_BYTES))
+    if not os.path.lexists(path):
+        # written whole under a temporary name, then linked into place (which never replaces a key there already):
+        # a start that dies half-way, or one racing another, never leaves a short key that every later run refuses
+        tmp = path.with_name(f".{KEY_FILE}.{secrets.token_hex(8)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(KEY_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)
+        finally:
+            os.unlink(tmp)
     problem = not_private(path, kind="file", owners=(os.getuid(),), others=0o077)
     if problem:
         raise UserError(f"dmltrain's key: {problem}; it must be a file of yours that only you can read")

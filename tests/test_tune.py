@@ -320,6 +320,45 @@ def test_the_sealed_file_system_refuses_state_outside_its_root(tmp_path, monkeyp
     assert fs.open_input_stream(f"{outside}/notes.txt").read() == payload  # other files are data: they pass
 
 
+def test_tags_are_compared_in_constant_time_and_the_key_is_never_left_half_made(tmp_path, monkeypatch):
+    """The tag check uses hmac.compare_digest for every stored tag; the key file appears whole or not at all, so a
+    start that dies while making it (or a concurrent one) never leaves an empty key that refuses every later run."""
+    import hmac
+    import secrets
+
+    import pyarrow.fs
+
+    from cluster.tune import sealed_state
+    from dmltrain import private
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+    def dies_making_the_key(n):  # the start ends (Ctrl-C, a kill) as the key's bytes are drawn
+        if n == private.KEY_BYTES:
+            raise KeyboardInterrupt
+        return real_bytes(n)
+
+    real_bytes = secrets.token_bytes
+    monkeypatch.setattr(private.secrets, "token_bytes", dies_making_the_key)
+    with pytest.raises(KeyboardInterrupt):
+        private.state_key()
+    monkeypatch.setattr(private.secrets, "token_bytes", real_bytes)
+    key = private.state_key()  # made anew, not refused as a 0-byte key
+    assert len(key) == private.KEY_BYTES and private.state_key() == key
+    assert [p.name for p in (tmp_path / "config" / "dmltrain").iterdir()] == [private.KEY_FILE]
+
+    compared = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(sealed_state.hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b))
+    runs = tmp_path / "runs"
+    (runs / "s").mkdir(parents=True)
+    fs = pyarrow.fs.PyFileSystem(sealed_state.SealedFileSystem(pyarrow.fs.LocalFileSystem(), str(runs), key))
+    with fs.open_output_stream(f"{runs}/s/tuner.pkl") as f:
+        f.write(b"state")
+    compared.clear()
+    assert fs.open_input_stream(f"{runs}/s/tuner.pkl").read() == b"state" and compared
+
+
 def test_only_new_evaluations_reach_tune(monkeypatch):
     from types import SimpleNamespace
 
