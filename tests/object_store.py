@@ -152,12 +152,27 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
     """Static files with single ``Range: bytes=a-b`` requests answered 206, through :class:`Faults`."""
 
     faults: Faults
+    auth: str | None = None  # "user:password": every request must carry it (HTTP basic auth), else 401
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *args) -> None:  # quiet
         pass
 
+    def _refused(self) -> bool:
+        import base64
+
+        if self.auth is None or self.headers.get("Authorization") == "Basic " + base64.b64encode(
+            self.auth.encode()
+        ).decode("ascii"):
+            return False
+        self.send_response(401)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+        return True
+
     def do_GET(self) -> None:
+        if self._refused():
+            return
         fault = self.faults.draw("GET", self.path)
         if fault == "503":
             self.send_response(503)
@@ -194,6 +209,8 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_HEAD(self) -> None:
+        if self._refused():
+            return
         path = Path(self.translate_path(self.path))
         if not path.is_file():
             self.send_error(404)
@@ -205,10 +222,11 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
 
 
 class RangeHTTPServer:
-    """Serve ``root`` on 127.0.0.1 (a free port) in a thread; ``url`` is its base URL."""
+    """Serve ``root`` on 127.0.0.1 (a free port) in a thread; ``url`` is its base URL; ``auth`` (``user:password``):
+    only requests with these basic-auth credentials are answered."""
 
-    def __init__(self, root: Path, faults: Faults):
-        handler = type("Handler", (_RangeHandler,), {"faults": faults})
+    def __init__(self, root: Path, faults: Faults, auth: str | None = None):
+        handler = type("Handler", (_RangeHandler,), {"faults": faults, "auth": auth})
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(handler, directory=str(root)))
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)

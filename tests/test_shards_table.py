@@ -11,6 +11,7 @@ import pytest
 from dataset_fixtures import make_inshop, make_table
 
 from dmltrain.cli import main
+from dmltrain.evaluate.sources import table_source
 from shards.build.table import read_table
 from shards.manifest import Manifest
 
@@ -104,6 +105,42 @@ def test_urls_are_read_through_fsspec(tmp_path, capsys):
         )
     finally:
         fs.rm("/dmltrain-test", recursive=True)
+
+
+def test_a_url_password_in_the_table_fetches_but_is_never_printed_or_written(tmp_path, capsys):
+    """Rows naming ``http://user:PASSWORD@host/...`` (a loopback server that answers only with those credentials):
+    the images are fetched with the password, and every output carries the URL without it: the summary, the
+    manifest's skipped list, each sample's JSON in the shards, the rows file, and ``embed --table``'s ids."""
+    from object_store import Faults, RangeHTTPServer
+
+    table, _ = make_table(tmp_path, "csv", inshop=False)
+    frame = pd.read_csv(table, dtype=str, keep_default_na=False)
+    (tmp_path / "images" / "broken.jpg").write_bytes(b"not an image")
+    server = RangeHTTPServer(tmp_path / "images", Faults(seed=0), auth="reader:SEKRET-pw").start()
+    try:
+        with_password = server.url.replace("http://", "http://reader:SEKRET-pw@")
+        for i in (3, 12):
+            frame.loc[i, "path"] = f"{with_password}/{frame.path[i].removeprefix('images/')}"
+        frame.loc[5, "path"] = f"{with_password}/broken.jpg"  # skipped, and listed
+        out, urls = tmp_path / "out", _write(tmp_path, frame, "urls.csv")
+        assert main(["shards", "build", "--layout", "table", "--root", str(urls), "--out", str(out), "--quiet"]) == 0
+        source = table_source(urls, "test")  # dmltrain embed --table: the ids it writes, the paths it reads
+    finally:
+        server.stop()
+    printed = "".join(capsys.readouterr())
+    shown = server.url.replace("http://", "http://<redacted>@")
+    assert f"{shown}/belt/0.jpg" in source.ids and f"{with_password}/belt/0.jpg" in source.paths
+    assert f"skipped {shown}/broken.jpg" in printed
+    m = Manifest.load(out)
+    assert sum(m.split(s).num_images for s in m.splits) == len(frame) - 1  # the two URL rows read, with the password
+    rows = [p for s in m.splits for p in m.rows(s)["path"]]
+    assert sum(p.startswith(f"{shown}/") for p in rows) == 2
+    written = [printed, (out / "manifest.json").read_text()]
+    written += [str(pd.read_parquet(f).to_dict()) for f in out.glob("*-rows.parquet")]
+    for shard in out.glob("*.tar"):
+        with tarfile.open(shard) as tar:
+            written += [tar.extractfile(x).read().decode() for x in tar.getmembers() if x.name.endswith(".json")]
+    assert not [w for w in written if "SEKRET" in w]
 
 
 def _write(tmp_path, frame: pd.DataFrame, name="bad.csv"):

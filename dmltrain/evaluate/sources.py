@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from dmltrain.errors import UserError
+from dmltrain.redact import redact_url
 from shards.decode.transforms import EvalTransform, PixelNorm, normalize_batch
 
 # what --folder takes for an image (PIL opens more; these are the usual photo formats)
@@ -212,7 +213,7 @@ def table_source(
     check_files(t, keep, paths, storage_options)
     labels = [t.columns["label"][i] for i in keep] if "label" in t.columns else [None] * len(keep)
     others = {c: [v[i] for i in keep] for c, v in t.columns.items() if c not in ("path", "label")}
-    ids = [t.columns["path"][i] for i in keep]
+    ids = [redact_url(t.columns["path"][i]) for i in keep]  # written and printed: a URL without its password
     return FileSource("table", t.name, paths, ids, labels, others, storage_options)
 
 

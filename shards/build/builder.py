@@ -340,7 +340,7 @@ def _write_split(
                 if not ok:
                     if strict:
                         raise UserError(f"{e.path}: {ext_or_reason} (--strict stops at the first bad image)")
-                    res.skipped.append({"path": e.relpath, "reason": ext_or_reason})
+                    res.skipped.append({"path": e.relpath, "reason": redact_url(ext_or_reason)})
                     continue
                 meta: dict[str, Any] = {
                     "class_id": e.class_id,

@@ -4,7 +4,9 @@ The columns (names as written, case-sensitive; the order does not matter):
 
 ==============  ==========================================================================================
 ``path``        the image: relative to the table's folder, absolute, or a URL (``s3://``, ``gs://``,
-                ``https://``, ``file://``; read with ``--storage-option``, as ``--out`` is)
+                ``https://``, ``file://``; read with ``--storage-option``, as ``--out`` is). A URL's user name
+                and password (``https://USER:PASSWORD@host/...``) are used to read it and written nowhere: the
+                shards, the manifest and the rows file hold it as ``https://<redacted>@host/...``
 ``label``       its class: any text (numeric labels sort as numbers); train and test labels are disjoint
 ``split``       ``train`` or ``test`` (``val`` and ``validation``, OML's name, read as ``test``)
 ``is_query``,   optional, together (true/false, 1/0, yes/no; empty is false): In-Shop-style evaluation.
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from dmltrain.errors import UserError
+from dmltrain.redact import redact_url
 from shards.build.layouts import Entry, Layout
 from shards.storage.location import Location, is_url, open_location
 
@@ -223,9 +226,9 @@ def read_table(table: str | os.PathLike[str], storage_options: Mapping[str, Any]
     splits = {
         split: [
             Entry(
-                resolved[i],
+                resolved[i],  # what is fetched: a URL's user name and password kept
                 column_of["label"][i],
-                column_of["path"][i],
+                redact_url(column_of["path"][i]),  # what is written and printed: without them
                 row=i + 1,
                 extra=tuple((c, column_of[c][i]) for c in extras),
             )
