@@ -37,7 +37,11 @@ SAFE_STORAGE_OPTIONS = frozenset(
         "client_kwargs.use_ssl", "client_kwargs.api_version", "config_kwargs.*",
         "s3_additional_kwargs.ServerSideEncryption", "s3_additional_kwargs.StorageClass", "s3_additional_kwargs.ACL",
         # gcsfs
-        "project", "access", "consistency", "requests_timeout", "default_location", "endpoint", "session_kwargs.*",
+        "project", "access", "consistency", "requests_timeout", "default_location", "endpoint",
+        # aiohttp's ClientSession (gcsfs's and fsspec http's session_kwargs): named settings, never its headers or auth
+        "session_kwargs.trust_env", "session_kwargs.timeout.*", "session_kwargs.read_timeout",
+        "session_kwargs.conn_timeout", "session_kwargs.raise_for_status", "session_kwargs.auto_decompress",
+        "session_kwargs.read_bufsize", "session_kwargs.max_line_size", "session_kwargs.max_field_size",
         # fsspec's http and common options
         "block_size", "simple_links", "same_scheme", "size_policy", "use_listings_cache", "listings_expiry_time",
         "max_paths", "skip_instance_cache", "timeout", "client_kwargs.timeout.*", "client_kwargs.trust_env",

@@ -60,6 +60,38 @@ def test_urls_lose_their_userinfo_and_options_outside_the_allow_list_their_value
     )
 
 
+def test_an_aiohttp_sessions_headers_are_redacted_and_its_harmless_settings_kept(capsys):
+    """gcsfs's and fsspec-http's ``session_kwargs`` go to aiohttp's ClientSession, headers included: only named
+    harmless settings keep their values, nested and flattened alike, in ``config show`` too."""
+    opts = {
+        "session_kwargs": {
+            "headers": {"X-Auth-Token": SECRET, "PRIVATE-TOKEN": PASSWORD},
+            "auth": SECRET,
+            "trust_env": True,
+            "timeout": {"total": 30},
+        }
+    }
+    out = redact(opts, "storage_options")["session_kwargs"]
+    assert out["headers"] == {"X-Auth-Token": REDACTED, "PRIVATE-TOKEN": REDACTED} and out["auth"] == REDACTED
+    assert out["trust_env"] is True and out["timeout"] == {"total": 30}
+    flat = {"data.storage_options.session_kwargs.headers.X-Auth-Token": SECRET}
+    assert redact(flat) == {"data.storage_options.session_kwargs.headers.X-Auth-Token": REDACTED}
+    assert (
+        main(
+            [
+                "config",
+                "show",
+                f"data.storage_options.session_kwargs.headers.X-Auth-Token={SECRET}",
+                f"data.storage_options.session_kwargs.headers.PRIVATE-TOKEN={PASSWORD}",
+                "data.storage_options.session_kwargs.trust_env=true",
+            ]
+        )
+        == 0
+    )
+    shown = capsys.readouterr().out
+    assert _clean(shown) and "X-Auth-Token: <redacted>" in shown and "trust_env: true" in shown
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
