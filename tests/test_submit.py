@@ -234,6 +234,49 @@ def test_a_credential_that_would_go_is_refused_with_one_line(tmp_path, monkeypat
     assert "--allow-file configs/nothing.yaml: not a file of the upload" in capsys.readouterr().err
 
 
+# passwords whose value starts like a reference, is cut at "#", or sits under a key name the first scan missed
+MISSED_SECRETS = [
+    ("app.env", "DB_PASSWORD=!Xk9pQ2zL\n"),
+    ("app.env", "DB_PASSWORD=@dm1nPw9\n"),
+    ("app.env", "DB_PASSWORD=ab#cdefgh\n"),
+    ("app.env", "DB_PASS=Xk9pQ2zL\n"),
+    ("app.env", "MYSQL_PWD=Xk9pQ2zL\n"),
+    ("db.yaml", 'password: "*Hunter2*xyz"\n'),
+    ("db.yaml", "db:\n  password: |\n    Xk9pQ2zL\n"),
+    ("settings.py", 'PASSWORD = "!Xk9pQ2zL"\n'),
+    ("azure.txt", "conn = DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=bXlrZXkxMjM0NTY3OA==;\n"),
+    ("docker.json", '{"auths": {"registry.example": {"auth": "dXNlcjpYazlwUTJ6TA=="}}}\n'),
+    ("curl.sh", "curl -H 'Authorization: Basic dXNlcjpYazlwUTJ6TA==' https://x\n"),
+]
+# references, placeholders and code: no finding
+NOT_SECRETS = [
+    ("app.env", "DB_PASSWORD=${DB_PASSWORD}\nAPI_TOKEN=$(cat /run/token)\nPASS=$SMTP_PASS\nPWD=/home/me/work\n"),
+    ("db.yaml", 'password: "${DB_PASSWORD}"\ntoken: <your-token>\nsecret: "{{ vault_secret }}"\npassword: changeme\n'),
+    ("db.yaml", "x: &pw Hunter2xyz\npassword: *pw\nPassword: !Ref DbPassword\ncredentials: ~/.aws/credentials\n"),
+    ("db.yaml", "token_file: /var/run/secrets/token\nauth: null\ncredentials: {type: env}\npassword: >-\n  ${PW}\n"),
+    ("app.ini", "password = %(db_password)s\n"),
+    ("keys.py", "token = args.token\npassword = os.environ['DB_PASSWORD']\nauth = request.auth\n"),
+    ("notes.md", "# the secret: kubectl get secret mlflow\nauthors = [{name = 'x'}]\nbypass: always\n"),
+]
+
+
+@pytest.mark.parametrize("name, text", MISSED_SECRETS)
+def test_the_content_scan_finds_passwords_in_every_common_form(tmp_path, name, text):
+    from cluster.credential_scan import find_secret
+
+    found = find_secret(tmp_path / name, text.encode())
+    key_line = text.count("\n") - text.endswith("|\n    Xk9pQ2zL\n")  # a block scalar: the line of its key
+    assert found is not None and found.line == key_line, (text, found)
+    assert not any(part in found.what for part in ("Xk9p", "Hunter2", "dXNl", "bXlr")), found
+
+
+@pytest.mark.parametrize("name, text", NOT_SECRETS)
+def test_the_content_scan_leaves_references_placeholders_and_code(tmp_path, name, text):
+    from cluster.credential_scan import find_secret
+
+    assert find_secret(tmp_path / name, text.encode()) is None
+
+
 def test_the_repository_itself_is_accepted_and_its_dry_run_shows_no_password(in_repo, monkeypatch, capsys):
     """The project's own code, configs, cluster files and README pass the content scan (no false positive), and
     the job printed by --dry-run hides a tracking URI's password."""
