@@ -75,7 +75,12 @@ def resume_checkpoint(run_dir: Path) -> tuple[Path, int] | None:
             f"{printable(run_dir / RAY_SNAPSHOT)}: names the checkpoint {printable(json.dumps(name), 80)}, "
             "not a folder of the run; refused"
         )
-    return run_dir / name, step
+    folder = run_dir / name
+    if folder.is_symlink() or not folder.resolve().is_relative_to(run_dir.resolve()):
+        raise UserError(
+            f"{printable(folder)}: a symbolic link to {printable(folder.resolve())}, not a folder of the run; refused"
+        )
+    return folder, step
 
 
 def latest_checkpoint_step(run_dir: Path) -> int | None:

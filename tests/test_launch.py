@@ -339,6 +339,29 @@ def test_a_planted_run_record_is_data(tmp_path, store, capsys):
         claim_run(runs / "planted", "planted")
 
 
+def test_a_checkpoint_folder_that_is_a_link_out_of_the_run_is_refused(tmp_path):
+    """Ray's snapshot names ``checkpoint-step8``, a symbolic link to a folder outside the run: the resume would read
+    that folder, so the run is refused in one line before anything of it is scanned or loaded."""
+    import json
+
+    from cluster.resume import claim_run
+
+    run, outside = tmp_path / "runs" / "r", tmp_path / "outside"
+    (outside / "engine").mkdir(parents=True)
+    run.mkdir(parents=True)
+    torch.save({"w": torch.zeros(2)}, outside / "engine" / "a.pt")  # data only: the scan alone would pass it
+    (run / "checkpoint-step8").symlink_to(outside, target_is_directory=True)
+    snapshot = {"latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint-step8", "metrics": {"step": 8}}}
+    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps(snapshot))
+    with pytest.raises(UserError) as e:
+        claim_run(run, "r")
+    assert str(e.value).startswith(f"{run / 'checkpoint-step8'}: a symbolic link to {outside}, not a folder of the run")
+    assert "\n" not in str(e.value)
+    (run / "checkpoint-step8").unlink()
+    (run / "checkpoint-step8").mkdir()
+    assert claim_run(run, "r") is None  # a real folder of the run: resumed
+
+
 def test_a_worker_group_stops_when_its_driver_dies_or_another_takes_the_run_over(tmp_path):
     import psutil
 

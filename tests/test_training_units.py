@@ -451,6 +451,15 @@ def test_the_checkpoint_scan_follows_links_and_refuses_those_leaving_the_checkpo
         scan_checkpoint(ckpt)
     (ckpt / "rng-rank0.pt").unlink()
     scan_checkpoint(ckpt)  # data only again
+    # the checkpoint folder itself a link out (as the workers are handed it): refused, not resolved and walked
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    torch.save({"w": torch.zeros(2)}, elsewhere / "model.pt")  # data only: the walk alone would pass it
+    linked = tmp_path / "checkpoint-step00000008"
+    linked.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(UserError) as e:
+        scan_checkpoint(linked)
+    assert str(e.value).startswith(f"{linked}: a symbolic link to {elsewhere}; refused") and "\n" not in str(e.value)
     assert not marker.exists()
 
 

@@ -121,7 +121,13 @@ def checkpoint_files(directory: str | os.PathLike[str]) -> list[Path]:
     stands for its target (listed under the link's name, as a reader would open it), and a link
     leaving the checkpoint (or a broken one) is refused with one line: it would make the resume
     read whatever it points at (pathlib's ``rglob`` of Python 3.11 does not follow folder links, so a
-    scan by it would not even see those files)."""
+    scan by it would not even see those files). The folder itself must not be a link: it is refused, not
+    resolved and walked (it would stand for whatever folder it names)."""
+    if Path(directory).is_symlink():
+        raise UserError(
+            f"{directory}: a symbolic link to {Path(directory).resolve()}; refused (a checkpoint is a folder of its "
+            f"run: {TRUST_NOTE})"
+        )
     root = Path(directory).resolve()
     out = []
     for here, dirs, files in os.walk(root):
