@@ -81,13 +81,18 @@ def cell(value: Any) -> str:
 # Markdown's inline syntax: escaped with a backslash (an underscore only where it could open or close emphasis)
 _MD_PUNCT = re.compile(r"[\\`*\[\]|~]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
 _URL_SAFE = ":/?#[]@!$&*+,;=%~-._"  # kept as they are in a link target; anything else is percent-encoded
+# what GitHub's Markdown makes a link by itself (a bare scheme://, www.): a character reference in the middle
+# (``https&#58;//``, ``www&#46;``) shows the same text and makes no link
+_AUTOLINK = re.compile(r"(?<=[A-Za-z0-9])(:)(?=//)|(?<![A-Za-z0-9])(?i:www)(\.)")
 
 
 def md_text(text: Any) -> str:
-    """``text`` as inert Markdown on one line: HTML's ``& < >`` as entities (no tag, no autolink), Markdown's
+    """``text`` as inert Markdown on one line: HTML's ``& < >`` as entities (no tag, no autolink), the ``:`` of a
+    bare ``scheme://`` and the dot of ``www.`` as character references (no link of GitHub's), Markdown's
     punctuation backslash-escaped (no link, image, emphasis or code of its own), ``|`` escaped for tables."""
     s = " ".join(str(text).splitlines())
     s = s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    s = _AUTOLINK.sub(lambda m: "&#58;" if m.group(1) else m.group(0)[:-1] + "&#46;", s)
     return _MD_PUNCT.sub(lambda m: "\\" + m.group(0), s)
 
 

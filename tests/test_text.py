@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import html
 import io
 import math
+import re
 
 from dmltrain.text import (
     cell,
@@ -82,6 +84,12 @@ def test_untrusted_text_is_inert_in_markdown_csv_and_paths():
         "&lt;img src=x onerror=alert(1)&gt; &amp; \\[a\\](javascript:b) \\*c\\* \\`d\\` e\\|f"
     )
     assert md_text("sample_ratio _x_") == "sample_ratio \\_x\\_"  # only an underscore that could emphasize
+    # bare URLs and www. names, which GitHub's Markdown links by itself: split by a character reference, shown alike
+    for name in ("https://evil.example/login", "see www.evil.example now", "HTTP://x.example", "a ftp://b/c"):
+        inert = md_text(name)
+        assert not re.search(r"(?i)://|\bwww\.", inert), inert
+        assert html.unescape(inert) == name
+    assert md_text("a: b // c, wwwx.y") == "a: b // c, wwwx.y"  # not a URL: left alone
     assert md_code("a``b") == "```a``b```" and md_code("`x") == "`` `x ``" and md_code("two\nlines") == "`two lines`"
     assert md_url('http://u/#/x?a=[1] (y) "z" <w>') == "http://u/#/x?a=[1]%20%28y%29%20%22z%22%20%3Cw%3E"
     assert [csv_cell(x) for x in ("=1+2", "+a", "-a", "@a", "\tx", "-0.5", "+1e3", "a=b", 3, -2, None)] == [
