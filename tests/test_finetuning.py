@@ -189,11 +189,34 @@ def test_layer_decay_gives_each_block_its_rate():
             else:  # cls token, position embeddings, patch embedding
                 want = lr * d**depth
             assert g["lr"] == pytest.approx(want * factor), (step, name)
-            assert g["weight_decay"] == (0.0 if p.ndim <= 1 else cfg.optim.weight_decay), name
+            undecayed = p.ndim <= 1 or name in ("backbone.net.cls_token", "backbone.net.pos_embed")
+            assert g["weight_decay"] == (0.0 if undecayed else cfg.optim.weight_decay), name
     chain = build_model(load_config(None, [*SMALL, "model.backbone=small_cnn", f"optim.layer_decay={d}"]).model)
     mults = {g["name"]: g["lr_mult"] for g in param_groups(chain, cfg.optim.model_copy(update={"layer_decay": d}))}
     want = {f"{g}.layer{i}": d ** (4 - i) for g in ("backbone", "backbone_no_decay") for i in (1, 2, 3, 4)}
     assert mults == want | {"head": 10.0}  # small_cnn has no stem: its stages are layers 1-4
+
+
+def test_a_timm_models_tokens_and_position_embeddings_are_not_decayed():
+    """With decay_norm_and_bias false, the names a timm model's ``no_weight_decay()`` lists (a ViT's class token and
+    position embeddings) join the norms and biases in the undecayed groups, as timm's and BEiT's optimizer factories
+    do, with and without layer decay; the patch embedding's weight stays decayed."""
+    from dmltrain.models import build_model, param_groups
+
+    model = build_model(load_config(None, [*SMALL, "model.backbone=test_vit"]).model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    tokens = {"backbone.net.cls_token", "backbone.net.pos_embed"}
+    for over in ({}, {"layer_decay": 0.8}):
+        optim = load_config(None, ["optim.decay_norm_and_bias=false", "optim.weight_decay=0.05"]).optim
+        groups = param_groups(model, optim.model_copy(update=over))
+        undecayed = {names[id(p)] for g in groups if g["weight_decay"] == 0.0 for p in g["params"]}
+        decayed = {names[id(p)] for g in groups if g["weight_decay"] == 0.05 for p in g["params"]}
+        assert tokens <= undecayed and not tokens & decayed, over
+        assert all(g["name"].split(".")[0].endswith("_no_decay") for g in groups if g["weight_decay"] == 0.0)
+        assert "backbone.net.patch_embed.proj.weight" in decayed
+        assert undecayed - tokens == {n for n, p in model.named_parameters() if p.ndim <= 1}
+    everything = param_groups(model, load_config(None, ["optim.weight_decay=0.05"]).optim)  # decay_norm_and_bias
+    assert {g["weight_decay"] for g in everything} == {0.05}
 
 
 class _NoHead:
