@@ -341,6 +341,12 @@ class TrainConfig(Section):
         description="keep an exponential moving average of the model's weights (backbone and embedding head), "
         "ema = d·ema + (1 − d)·w after each optimizer step, and evaluate and export it; None: off",
     )
+    ema_warmup: bool = Field(
+        True,
+        description="warm the average up (timm's ModelEmaV3 use_warmup): the t-th update uses "
+        "d_t = min(train.ema_decay, 1 − t^(−2/3)), the first copying the weights; false: train.ema_decay from the "
+        "first update, so (ema_decay)^steps of the weights as built stay in the average",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

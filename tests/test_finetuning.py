@@ -256,6 +256,46 @@ def test_weight_average_follows_its_formula_and_swaps():
     assert again.updates == 5 and all(torch.equal(again.shadow[n], v) for n, v in ema.shadow.items())
 
 
+def test_weight_average_warms_up_as_timm_and_resumes_exactly():
+    """train.ema_warmup: the t-th update's decay is min(d, 1 − t^(−2/3)) (timm's ModelEmaV3 with use_warmup, whose
+    own get_decay is the reference): the first update copies the weights, d caps it from t = 4 for d = 0.6. An
+    average saved after 3 updates and loaded into a fresh one goes on bit for bit as the uninterrupted one."""
+    from timm.utils.model_ema import ModelEmaV3
+
+    from dmltrain.config import TrainConfig
+    from dmltrain.training.ema import WeightEMA
+
+    assert TrainConfig.model_fields["ema_warmup"].default is True
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    d = 0.6
+    ema, timm_ema = WeightEMA(net, d, warmup=True), ModelEmaV3(net, decay=d, use_warmup=True)
+    want = {n: p.detach().double().clone() for n, p in net.named_parameters()}
+    steps = [{n: torch.randn_like(p) for n, p in net.named_parameters()} for _ in range(6)]
+    resumed = None
+    for t, step in enumerate(steps, 1):
+        with torch.no_grad():
+            for n, p in net.named_parameters():
+                p.add_(step[n])
+        dt = 0.0 if t == 1 else min(d, 1 - t ** (-2 / 3))
+        assert ema.decay_at(t) == pytest.approx(dt, abs=1e-12) == pytest.approx(timm_ema.get_decay(t), abs=1e-12)
+        for n, p in net.named_parameters():
+            want[n] = dt * want[n] + (1 - dt) * p.detach().double()
+        ema.update()
+        if resumed is not None:
+            resumed.update()
+        if t == 3:
+            resumed = WeightEMA(net, d, warmup=True)
+            resumed.load_state_dict(ema.state_dict())
+        if t == 1:
+            assert all(torch.equal(ema.shadow[n], p.detach()) for n, p in net.named_parameters())
+    assert [ema.decay_at(t) for t in (3, 4)] == [pytest.approx(1 - 3 ** (-2 / 3)), d]
+    for n, v in ema.shadow.items():
+        torch.testing.assert_close(v.double(), want[n], rtol=1e-6, atol=1e-6, msg=n)
+        assert torch.equal(resumed.shadow[n], v), n
+    assert resumed.updates == ema.updates == 6
+
+
 def test_a_checkpoints_average_is_what_an_asynchronous_evaluation_loads(tmp_path):
     """``eval.mode: async`` evaluates a checkpoint's ``model.pt``: with ``ema.pt`` beside it, the average."""
     from dmltrain.models import build_model, save_model
