@@ -152,7 +152,7 @@ def clustered(n: int, d: int, classes: int, seed: int = 0) -> tuple[np.ndarray, 
     return emb, labels
 
 
-def test_flat_index_equals_exact_search(tmp_path):
+def test_flat_index_equals_exact_search(tmp_path, capsys):
     emb, labels = clustered(1200, 24, 60)
     write_set(tmp_path / "g", emb, labels)
     assert main(["index", "build", str(tmp_path / "g"), "--kind", "flat", "--holdout", "50"]) == 0
@@ -167,6 +167,12 @@ def test_flat_index_equals_exact_search(tmp_path):
     record = json.loads((tmp_path / "g/index-flat/index_eval.json").read_text())
     assert record["metrics"]["index/recall@1"] == record["metrics"]["index/recall@10"] == 1.0
     assert record["metrics"]["index/label_recall@1"] == record["metrics"]["index/exact_label_recall@1"]
+    # the index's own set as the queries: each would find itself (recall 1), refused whatever the path's spelling
+    argv = ["index", "eval", str(tmp_path / "g/index-flat"), "--queries", str(tmp_path / "g/../g"), "--no-tracking"]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is the embedding set the index was built from" in err[0], err
 
 
 # the floors of k-recall@k against the exact search on the clustered gallery below (the measured values are printed)

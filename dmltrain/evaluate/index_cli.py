@@ -8,10 +8,11 @@ and answers to a handful of queries.
     dmltrain index query emb/gallery/index-hnsw --vectors q.npy --k 5
 
 ``build`` takes an embedding set (``dmltrain embed``'s folder); the index folder is described in
-:mod:`dmltrain.evaluate.index`. ``eval`` searches the held-out rows (``build --holdout``) or ``--queries`` with
-the index and exactly (:func:`dmltrain.evaluate.knn.knn`, the evaluation's exact search), and reports
-``k``-recall@``k`` against the exact neighbours, Recall@K by label for both when there are labels, the build
-time, the query time per query and the index's size; it writes ``index_eval.json`` beside the index and logs
+:mod:`dmltrain.evaluate.index`. ``eval`` searches the held-out rows (``build --holdout``) or ``--queries`` (another
+set than the index's own, whose rows would find themselves: refused) with the index and exactly
+(:func:`dmltrain.evaluate.knn.knn`, the evaluation's exact search), and reports ``k``-recall@``k`` against the
+exact neighbours, Recall@K by label for both when there are labels, the build time, the query time per query
+and the index's size; it writes ``index_eval.json`` beside the index and logs
 the same to MLflow (``--run-id`` to add them to an existing run, else a run named after the index in
 ``--experiment``). ``query`` embeds ``--images`` with the set's model (or ``--model``) as its contract says.
 
@@ -66,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     e.add_argument("index", metavar="INDEX", help="an index folder (dmltrain index build)")
     e.add_argument(
-        "--queries", metavar="EMBEDDINGS", help="an embedding set of queries (default: the rows held out at build)"
+        "--queries",
+        metavar="EMBEDDINGS",
+        help="an embedding set of queries, not the index's own (default: the rows held out at build)",
     )
     e.add_argument("--ks", default="1,10,100", help="the k of k-recall@k and Recall@K (default 1,10,100)")
     e.add_argument("--nprobe", type=int, help="ivf-pq: cells searched (default: the index's)")
@@ -218,6 +221,11 @@ def _eval(args: argparse.Namespace) -> int:
     gallery_rows = saved.rows
     if args.queries:
         query_set = load_embedding_set(args.queries)
+        if query_set.folder.resolve() == gallery_set.folder.resolve():
+            raise UserError(
+                f"--queries: {query_set.folder} is the embedding set the index was built from: every query would find "
+                "itself; hold rows out (index build --holdout N) or give another set's embeddings"
+            )
         if query_set.dim != gallery_set.dim:
             raise UserError(
                 f"--queries: {query_set.folder} holds {query_set.dim}-d embeddings, the index {gallery_set.dim}-d"
