@@ -11,10 +11,11 @@ and answers to a handful of queries.
 :mod:`dmltrain.evaluate.index`. ``eval`` searches the held-out rows (``build --holdout``) or ``--queries`` (another
 set than the index's own, whose rows would find themselves: refused) with the index and exactly
 (:func:`dmltrain.evaluate.knn.knn`, the evaluation's exact search), and reports ``k``-recall@``k`` against the
-exact neighbours, Recall@K by label for both when there are labels, the build time, the query time per query
-and the index's size; it writes ``index_eval.json`` beside the index and logs
-the same to MLflow (``--run-id`` to add them to an existing run, else a run named after the index in
-``--experiment``). ``query`` embeds ``--images`` with the set's model (or ``--model``) as its contract says.
+exact neighbours, Recall@K by label for both when there are labels (queries without an item of their label in
+the index left out, and counted), the build time, the query time per query and the index's size; it writes
+``index_eval.json`` beside the index and logs the same to MLflow (``--run-id`` to add them to an existing run,
+else a run named after the index in ``--experiment``). ``query`` embeds ``--images`` with the set's model (or
+``--model``) as its contract says.
 
 A command module: what running the command needs is imported where it runs, so ``dmltrain index --help``
 answers without loading torch or faiss (the CLI's lazy dispatch).
@@ -257,11 +258,17 @@ def _eval(args: argparse.Namespace) -> int:
     recall = recall_vs_exact(approx, exact, ks)
     metrics: dict[str, float] = {f"index/recall@{x}": v for x, v in recall.items()}
     g_labels = gallery_set.labels()
+    n_q = len(q_float)
     if q_labels is not None and g_labels is not None:
         g_labels = g_labels[gallery_rows]
         for name, found in (("index/label_recall", approx), ("index/exact_label_recall", exact)):
-            metrics.update({f"{name}@{x}": v for x, v in label_recall(found, q_labels, g_labels, ks).items()})
-    n_q = len(q_float)
+            recalls, excluded = label_recall(found, q_labels, g_labels, ks)
+            metrics.update({f"{name}@{x}": v for x, v in recalls.items()})
+        metrics["index/excluded_queries"] = excluded
+        if excluded:
+            print(
+                f"{excluded} of {n_q} queries have no item of their label in the index: left out of Recall@K by label"
+            )
     metrics.update(
         {
             "index/build_s": float(saved.info["build_seconds"]),
