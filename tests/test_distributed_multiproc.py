@@ -318,6 +318,23 @@ def _hard_checks(rank, W):
     return report
 
 
+def _reference_keep(counts, x_full, y_full, w_full, extra, step):
+    """The samples one float64 process keeps at ``step`` with ``extra``'s ``drop_after`` and ``drop_angle`` (None:
+    no dropping): those of a class not counted yet, and those near its dominant sub-center, counted over the
+    earlier steps' samples; then counts this step's samples' nearest sub-centers into ``counts`` (C × k)."""
+    xn = torch.nn.functional.normalize(x_full.double(), dim=1)
+    wn = torch.nn.functional.normalize(w_full.double(), dim=2)
+    sub_cos = torch.einsum("nd,nkd->nk", xn, wn[y_full])
+    keep = None
+    if extra.get("drop_after") is not None and step >= extra["drop_after"]:
+        seen = counts[y_full]
+        near = sub_cos.gather(1, seen.argmax(1)[:, None]).squeeze(1) >= math.cos(math.radians(extra["drop_angle"]))
+        keep = (seen.sum(1) == 0) | near
+    for i, c in enumerate(y_full.tolist()):
+        counts[c, int(sub_cos[i].argmax())] += 1
+    return keep
+
+
 def _subcenter_checks(rank, W):
     """Sub-centers: ArcFace with 3 (every class, logits kept and chunked) and CosFace with 2 (subsampled),
     the second over two steps with samples dropped at step 1 (far from the sub-center their class's samples
@@ -350,17 +367,9 @@ def _subcenter_checks(rank, W):
             x_grad, w_grad = all_gather_uneven(x.grad)[0], clf.gather_rows_all(clf.weight.grad)
             if rank != 0:
                 continue
-            # the reference's dominant sub-centers: counted over the earlier steps' samples
-            xn = torch.nn.functional.normalize(x_full.double(), dim=1)
-            wn = torch.nn.functional.normalize(w_full.double(), dim=2)
-            sub_cos = torch.einsum("nd,nkd->nk", xn, wn[y_full])
-            keep = None
-            if extra and step >= extra["drop_after"]:
-                dominant = counts[y_full].argmax(1)
-                keep = sub_cos.gather(1, dominant[:, None]).squeeze(1) >= math.cos(math.radians(extra["drop_angle"]))
+            keep = _reference_keep(counts, x_full, y_full, w_full, extra, step)
+            if keep is not None:
                 entry["dropped"] = (int((~keep).sum()), clf.stats["dropped"] * len(y_full))
-            for i, c in enumerate(y_full.tolist()):
-                counts[c, int(sub_cos[i].argmax())] += 1
             xr, wr = x_full.double().requires_grad_(True), w_full.double().requires_grad_(True)
             act = None if ratio >= 1 else torch.sort(active).values
             ref = dense_classifier_loss(xr, y_full, wr, None, kind, clf.params, act, keep=keep)

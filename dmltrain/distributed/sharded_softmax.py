@@ -679,16 +679,19 @@ class ShardedClassifier(nn.Module):
         """Which samples of the global batch this shard drops from the loss this call (None: no dropping).
 
         ``sub_cos``: each sample's cosines to its class's sub-centers (None without sub-centers). A
-        training call first reads the dominant sub-centers, then counts its own samples' nearest."""
+        training call first reads the dominant sub-centers, then counts its own samples' nearest. A class
+        none of whose samples was counted yet has no dominant sub-center: nothing of it is dropped."""
         if self.subcenter_counts is None or sub_cos is None:
             return None
+        dropping = self._step >= self.drop_after
         counts = self.subcenter_counts
         if counts.device != sub_cos.device:
             counts = self.subcenter_counts = counts.to(sub_cos.device)
         drop = None
-        if self._step >= self.drop_after:
-            dominant = counts.index_select(0, row).argmax(1)
-            drop = owned & (sub_cos.gather(1, dominant[:, None]).squeeze(1) < self.drop_cos)
+        if dropping:
+            seen = counts.index_select(0, row)
+            dominant = seen.argmax(1)
+            drop = owned & (seen.sum(1) > 0) & (sub_cos.gather(1, dominant[:, None]).squeeze(1) < self.drop_cos)
         if train:
             counts.index_put_((row, sub_cos.argmax(1)), owned.to(counts.dtype), accumulate=True)
         return drop
