@@ -678,12 +678,16 @@ class ShardedClassifier(nn.Module):
     def _drops(self, sub_cos: Tensor | None, row: Tensor, owned: Tensor, train: bool) -> Tensor | None:
         """Which samples of the global batch this shard drops from the loss this call (None: no dropping).
 
-        ``sub_cos``: each sample's cosines to its class's sub-centers (None without sub-centers). A
-        training call first reads the dominant sub-centers, then counts its own samples' nearest. A class
-        none of whose samples was counted yet has no dominant sub-center: nothing of it is dropped."""
-        if self.subcenter_counts is None or sub_cos is None:
+        ``sub_cos``: each sample's cosines to its class's sub-centers (None without sub-centers, or on a shard
+        without classes). A training call first reads the dominant sub-centers, then counts its own samples'
+        nearest. A class none of whose samples was counted yet has no dominant sub-center: nothing of it is
+        dropped. From ``drop_after`` on every shard returns a mask, an empty one too: all of them pack as many
+        numbers for :func:`_combine`'s all-gather."""
+        if self.subcenter_counts is None:
             return None
         dropping = self._step >= self.drop_after
+        if sub_cos is None:  # no class here
+            return torch.zeros_like(owned) if dropping else None
         counts = self.subcenter_counts
         if counts.device != sub_cos.device:
             counts = self.subcenter_counts = counts.to(sub_cos.device)
