@@ -465,6 +465,44 @@ def test_stochastic_rounding_is_unbiased_and_bf16_rows_learn_below_resolution():
     assert abs(float(p.detach().float().mean()) - (1 - 50 * 1e-4)) < 2e-4
 
 
+_BF16_OPTIMIZERS = {
+    "sgd": lambda p: RowSparseSGD([p], lr=1e-3, momentum=0.9, weight_decay=1e-2, seed=3),
+    "adamw": lambda p: RowSparseAdamW([p], lr=1e-4, weight_decay=0.1, seed=3),
+}
+
+
+def _saved_and_loaded(opt, make, p):
+    """A new optimizer over a copy of ``p`` loaded from ``opt``'s state_dict (through torch.save, as a checkpoint)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    q = torch.nn.Parameter(p.detach().clone())
+    other = make(q)
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    return q, other
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_a_bf16_parameter_s_loaded_optimizer_state_stays_fp32(name):
+    """torch's load_state_dict casts floating state to the parameter's dtype: a bf16 parameter's fp32 state is
+    restored as it was saved, and the loaded optimizer's next step updates it as the saved one's does."""
+    make = _BF16_OPTIMIZERS[name]
+    p = torch.nn.Parameter(torch.randn(50, 6).bfloat16())
+    opt = make(p)
+    g1, g2 = (g.bfloat16() for g in _grads(p.shape, 2, seed=4))
+    p.grad = g1
+    opt.step()
+    q, other = _saved_and_loaded(opt, make, p)
+    for step in range(2):  # as loaded, then after a step
+        for k, v in opt.state[p].items():
+            assert other.state[q][k].dtype == v.dtype and torch.equal(other.state[q][k], v), f"{k} after {step}"
+        p.grad, q.grad = g2.clone(), g2.clone()
+        opt.step()
+        other.step()
+
+
 # -- checkpoints by class id (one process; the W=3 → W=2/1 round trip is multi-process) -----------------
 def test_checkpoint_round_trip_and_gaps():
     C, D = 40, 5

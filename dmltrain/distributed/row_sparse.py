@@ -36,7 +36,8 @@ created eagerly (zeros) so that it can be saved by class id before the first ste
 A bf16 parameter (the classifier's ``weight_storage="bf16"``) keeps fp32 optimizer state; its
 rows are updated in fp32 and written back with stochastic rounding (:func:`round_stochastic`:
 unbiased, so updates far below bf16's resolution still move the weight on average, without an
-fp32 master copy). The rounding draws from the optimizer's own generator (``seed``).
+fp32 master copy). The rounding draws from the optimizer's own generator (``seed``). ``load_state_dict``
+keeps such a parameter's state fp32.
 """
 
 from __future__ import annotations
@@ -253,7 +254,17 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         return _base("state_dict")(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, but a low-precision parameter's floating state stays fp32 (:func:`state_like`): torch casts
+        it to the parameter's dtype (losing its precision, and refused by the next step)."""
         _base("load_state_dict")(self, state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params):
+            if p.dtype not in LOW_PRECISION:
+                continue
+            for k, v in state_dict["state"].get(i, {}).items():
+                if isinstance(v, Tensor) and v.is_floating_point():
+                    self.state[p][k] = v.to(device=p.device, dtype=torch.float32)
 
     # -- subclass hooks ---------------------------------------------------------------------------
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
