@@ -503,6 +503,33 @@ def test_a_bf16_parameter_s_loaded_optimizer_state_stays_fp32(name):
         other.step()
 
 
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_bf16_stochastic_rounding_resumes_bit_for_bit(name):
+    """Two steps straight equal one step, the state saved and loaded into a new optimizer, one step: the
+    rounding noise comes from (seed, step), nothing of it saved. A resumed optimizer replaying step 0's noise
+    (what a generator restarted from the seed did) rounds otherwise."""
+    make = _BF16_OPTIMIZERS[name]
+    w0 = (1 + torch.rand(200, 8)).bfloat16()  # updates far below bf16's resolution: the rounding decides
+    grads = [g.bfloat16() for g in _grads(w0.shape, 2, seed=5)]
+    p = torch.nn.Parameter(w0.clone())
+    straight = make(p)
+    for step, g in enumerate(grads):
+        p.grad = g.clone()
+        straight.step(rounding_step=step)
+    first = torch.nn.Parameter(w0.clone())
+    opt = make(first)
+    first.grad = grads[0].clone()
+    opt.step(rounding_step=0)
+    ends = {}
+    for key in (1, 0):
+        q, resumed = _saved_and_loaded(opt, make, first)
+        q.grad = grads[1].clone()
+        resumed.step(rounding_step=key)
+        ends[key] = q.detach()
+    assert torch.equal(ends[1], p.detach())
+    assert not torch.equal(ends[0], p.detach())
+
+
 # -- checkpoints by class id (one process; the W=3 → W=2/1 round trip is multi-process) -----------------
 def test_checkpoint_round_trip_and_gaps():
     C, D = 40, 5

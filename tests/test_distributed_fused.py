@@ -242,27 +242,47 @@ def _kernel_checks(device):
 
 
 def _bf16_storage_case(rank, W, device):
-    """A bf16 weight: gradient in bf16, the optimizer's fp32 state and stochastic rounding."""
-    from dmltrain.distributed import ShardedClassifier, make_classifier_optimizer
+    """A bf16 weight: gradient in bf16, the optimizer's fp32 state and stochastic rounding, then a resume: the
+    state after step 0 loaded by class id into a fresh head, step 1 ends with the uninterrupted run's rows and
+    state bit for bit (the deterministic backward; the rounding noise is keyed by the step, none of it saved)."""
+    from dmltrain.distributed import ClassifierHead, ShardedClassifier
+    from dmltrain.distributed.class_checkpoint import load_state, local_state
 
     backend = "auto" if device == "cuda" else "triton"
-    clf = ShardedClassifier(
-        C, D, "cosface", sample_ratio=0.5, weight_storage="bf16", precision="bf16", backend=backend
-    ).to(device)
-    opt = make_classifier_optimizer(clf, "sgd", lr=0.5, momentum=0.9)
+
+    def head(seed: int = 3) -> ClassifierHead:
+        clf = ShardedClassifier(C, D, "cosface", sample_ratio=0.5, weight_storage="bf16", precision="bf16",
+                                backend=backend, deterministic=True, seed=seed).to(device)  # fmt: skip
+        return ClassifierHead(clf, "sgd", lr=0.5, momentum=0.9)
+
+    def forward(h: ClassifierHead, step: int) -> None:
+        x, y = _global_batch(seed=step)
+        h(_local(x, rank, W).to(device), _local(y, rank, W).to(device), step=step).backward()
+
+    straight = head()
+    clf, opt = straight.classifier, straight.optimizer
     before = clf.weight.detach().clone()
-    x, y = _global_batch()
-    clf(_local(x, rank, W).to(device), _local(y, rank, W).to(device), step=0).backward()
+    forward(straight, 0)
     rows = clf.row_grads.row_ids().to(device)
     ok = clf.weight.grad.dtype == torch.bfloat16 and opt.state[clf.weight]["momentum_buffer"].dtype == torch.float32
-    opt.step()
+    straight.step()
     moved = (clf.weight.detach() != before).any(1)
     inactive = torch.ones(clf.num_local, dtype=torch.bool, device=device)
     inactive[rows] = False
+    piece = local_state(clf, opt)
+    resumed = head(seed=3)
+    with torch.no_grad():
+        resumed.classifier.weight.zero_()  # loading must overwrite it
+    load_state(resumed.classifier, piece, resumed.optimizer)
+    for h in (straight, resumed):
+        forward(h, 1)
+        h.step()
+    mom = [h.optimizer.state[h.classifier.weight]["momentum_buffer"] for h in (straight, resumed)]
     return {
         "dtypes": ok,
         "active rows moved": bool(moved[rows].any()),
         "inactive rows kept": not bool(moved[inactive].any()),
+        "resumed bit for bit": torch.equal(clf.weight, resumed.classifier.weight) and torch.equal(*mom),
     }
 
 
@@ -408,4 +428,5 @@ def test_bf16_weight_storage_steps_only_active_rows(fused_reports, W):
     for rank, rep in enumerate(reports[W]):
         assert rep["bf16 storage"]["dtypes"], f"{device} W={W} rank {rank}: bf16 gradient, fp32 optimizer state"
         assert rep["bf16 storage"]["inactive rows kept"], f"{device} W={W} rank {rank}"
+        assert rep["bf16 storage"]["resumed bit for bit"], f"{device} W={W} rank {rank}: the resumed bf16 rows differ"
     assert any(rep["bf16 storage"]["active rows moved"] for rep in reports[W])

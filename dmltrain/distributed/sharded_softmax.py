@@ -818,6 +818,11 @@ class ShardedClassifier(nn.Module):
 
     # -- the last call ------------------------------------------------------------------------------------
     @property
+    def last_step(self) -> int:
+        """The step of the last call (its draw's key; 0 before any)."""
+        return self._step
+
+    @property
     def active_rows(self) -> Tensor:
         """Local row indices that took part in the last call (sorted; reads the drawn count when there is one)."""
         if self._active is None:
