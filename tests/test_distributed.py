@@ -793,3 +793,42 @@ def test_tuned_configs_are_chosen_once_and_kept_across_processes(tmp_path, monke
     path.chmod(0o666)
     assert Tuner("NVIDIA H100 80GB HBM3", "3.8.0").choose("lse", (512, 1024), cands, time_config) == cands[1]
     assert len(timed) == 6  # a file others may write is ignored
+
+
+def test_deterministic_kernels_take_fixed_tiles_whatever_each_rank_and_run_tuned(tmp_path, monkeypatch):
+    """Two ranks tuning at once on one folder (timings favouring different candidates), then a later run
+    reading the file: the tuned choices may differ, so the deterministic kernels (whose tiles set the order
+    of their sums) take each kind's first candidate, untimed, on every rank and in every run. CUDA is
+    stubbed: the tuners' timings and the device."""
+    import functools
+
+    from dmltrain.distributed import softmax_kernels as sk
+    from dmltrain.kernel_tuning import Tuner
+
+    monkeypatch.setenv("DMLTRAIN_TUNING_DIR", str(tmp_path))
+    cuda = torch.device("cuda", 0)
+    key = (512, 1024, 1 << 20, "bf16", True, True)
+    timed = []
+    ranks = [Tuner("NVIDIA H100 80GB HBM3", "3.8.0") for _ in range(2)]
+    for t in ranks:
+        t._entries()  # both read the (empty) file before either writes: tuning at once
+
+    def timing(prefer: int, launch, cfg) -> float:  # the rank's timings favour its candidate `prefer`
+        timed.append(cfg)
+        cands = next(c for c in sk._CONFIGS.values() if cfg in c)
+        return 1.0 if cands.index(cfg) == prefer % len(cands) else 2.0
+
+    def choices(tuner: Tuner, prefer: int, deterministic: bool) -> dict:
+        monkeypatch.setattr(sk, "_tuner", lambda index: tuner)
+        monkeypatch.setattr(sk, "time_launch", functools.partial(timing, prefer))
+        kinds = ("lse", "grad_x", "grad_w") if deterministic else ("lse", "grad")
+        return {k: sk._choose(k, key, "bf16", cuda, None, deterministic) for k in kinds}
+
+    tuned = [choices(t, prefer, False) for prefer, t in enumerate(ranks)]
+    assert tuned[0]["lse"] != tuned[1]["lse"] and timed, "the default path tunes, each rank its own way"
+    timed.clear()
+    later_run = Tuner("NVIDIA H100 80GB HBM3", "3.8.0")
+    fixed = {k: sk._CONFIGS[(k, "bf16")][0] for k in ("lse", "grad_x", "grad_w")}
+    for prefer, t in [(0, ranks[0]), (1, ranks[1]), (1, later_run)]:
+        assert choices(t, prefer, True) == fixed
+    assert not timed, "deterministic tiles are never timed"

@@ -60,7 +60,8 @@ computes in fp32, or in float64 for a classifier moved to float64 (``.double()``
 fp32 unless ``weight_storage="bf16"`` (fused path; its gradient is then bf16 and the optimizer
 keeps fp32 state and rounds stochastically). Embeddings in bf16/fp16 are cast to the compute
 dtype, autocast is disabled inside, and the embeddings' gradient returns in their dtype.
-``deterministic`` (fused path): bit-identical gradients run to run, at one more product per step.
+``deterministic`` (fused path): bit-identical gradients run to run, at one more product per step, and
+fixed kernel tiles (a tuned choice could differ between ranks and runs).
 
 Memory (torch path): besides the weight, its gradient and the optimizer state, the classifier
 keeps reusable scratch buffers and the kept logits (at most ``logits_budget_mb``) from call to
@@ -326,7 +327,8 @@ class _ShardedSoftmax(torch.autograd.Function):
             eps = clf.smoothing
             claim = None
             if clf.fused:
-                lse_nt, mx, sz, saved = softmax_kernels.partials(op, bool(eps), clf.fused_precision)
+                lse_nt, mx, sz, saved = softmax_kernels.partials(op, bool(eps), clf.fused_precision,
+                                                                 clf.deterministic)  # fmt: skip
                 lse_nt, mx = lse_nt.to(x.dtype), mx.to(x.dtype)
                 sz = None if sz is None else sz.to(x.dtype)
             else:
