@@ -269,7 +269,11 @@ class OptimConfig(Section):
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = False
     weight_decay: float = Field(1e-4, ge=0)
-    decay_norm_and_bias: bool = Field(True, description="False: no weight decay on biases and norm parameters")
+    decay_norm_and_bias: bool = Field(
+        True,
+        description="False: no weight decay on biases, norm parameters and those a timm model's no_weight_decay() "
+        "names (a ViT's class token and position embeddings)",
+    )
     betas: tuple[float, float] = (0.9, 0.999)
     new_param_lr_mult: float = Field(1.0, gt=0, description="lr multiplier of the head and the classifier")
     layer_decay: float | None = Field(
@@ -336,6 +340,12 @@ class TrainConfig(Section):
         lt=1,
         description="keep an exponential moving average of the model's weights (backbone and embedding head), "
         "ema = d·ema + (1 − d)·w after each optimizer step, and evaluate and export it; None: off",
+    )
+    ema_warmup: bool = Field(
+        True,
+        description="warm the average up (timm's ModelEmaV3 use_warmup): the t-th update uses "
+        "d_t = min(train.ema_decay, 1 − t^(−2/3)), the first copying the weights; false: train.ema_decay from the "
+        "first update, so (ema_decay)^steps of the weights as built stay in the average",
     )
 
     @model_validator(mode="after")

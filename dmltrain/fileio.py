@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -30,14 +31,12 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    # mkstemp makes the file private (0600); give it the permissions a plain open() would
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp_path, 0o666 & ~umask)
+    # The name is chosen before the file exists, so a Ctrl-C at any moment after its creation is inside the
+    # ``try`` and removes it (``mkstemp`` creates the file before it returns its name). O_EXCL refuses a file
+    # or symlink already there; mode 0666 less the umask is what a plain open() gives.
+    tmp_path = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
     try:
+        os.close(os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         yield tmp_path
         os.replace(tmp_path, path)
     except BaseException:

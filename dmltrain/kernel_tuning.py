@@ -7,7 +7,9 @@ keeps the choice in a JSON file per (GPU name, Triton version) in a private fold
 (``$DMLTRAIN_TUNING_DIR``, default ``~/.cache/dmltrain/triton-tuning``, created 0700; written
 atomically). The file is read as data only: an entry names a config by its tile values and is used
 only when it is one of the kernel's own candidates, so a stale or edited file can at worst pick
-another candidate. Ranks sharing the folder reuse each other's choices once written.
+another candidate. Ranks sharing the folder reuse each other's choices once written; ranks tuning at
+once may each keep their own (the file keeps the last written), so kernels that must give the same bits
+on every rank and run take fixed tiles instead (the classifier's ``deterministic``).
 
 Configs the device cannot run are pruned here: Triton refuses to launch a kernel whose shared memory
 (or registers) exceed the device's, and :func:`time_launch` counts such a config as infinitely slow,

@@ -465,6 +465,71 @@ def test_stochastic_rounding_is_unbiased_and_bf16_rows_learn_below_resolution():
     assert abs(float(p.detach().float().mean()) - (1 - 50 * 1e-4)) < 2e-4
 
 
+_BF16_OPTIMIZERS = {
+    "sgd": lambda p: RowSparseSGD([p], lr=1e-3, momentum=0.9, weight_decay=1e-2, seed=3),
+    "adamw": lambda p: RowSparseAdamW([p], lr=1e-4, weight_decay=0.1, seed=3),
+}
+
+
+def _saved_and_loaded(opt, make, p):
+    """A new optimizer over a copy of ``p`` loaded from ``opt``'s state_dict (through torch.save, as a checkpoint)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    q = torch.nn.Parameter(p.detach().clone())
+    other = make(q)
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    return q, other
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_a_bf16_parameter_s_loaded_optimizer_state_stays_fp32(name):
+    """torch's load_state_dict casts floating state to the parameter's dtype: a bf16 parameter's fp32 state is
+    restored as it was saved, and the loaded optimizer's next step updates it as the saved one's does."""
+    make = _BF16_OPTIMIZERS[name]
+    p = torch.nn.Parameter(torch.randn(50, 6).bfloat16())
+    opt = make(p)
+    g1, g2 = (g.bfloat16() for g in _grads(p.shape, 2, seed=4))
+    p.grad = g1
+    opt.step()
+    q, other = _saved_and_loaded(opt, make, p)
+    for step in range(2):  # as loaded, then after a step
+        for k, v in opt.state[p].items():
+            assert other.state[q][k].dtype == v.dtype and torch.equal(other.state[q][k], v), f"{k} after {step}"
+        p.grad, q.grad = g2.clone(), g2.clone()
+        opt.step()
+        other.step()
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_bf16_stochastic_rounding_resumes_bit_for_bit(name):
+    """Two steps straight equal one step, the state saved and loaded into a new optimizer, one step: the
+    rounding noise comes from (seed, step), nothing of it saved. A resumed optimizer replaying step 0's noise
+    (what a generator restarted from the seed did) rounds otherwise."""
+    make = _BF16_OPTIMIZERS[name]
+    w0 = (1 + torch.rand(200, 8)).bfloat16()  # updates far below bf16's resolution: the rounding decides
+    grads = [g.bfloat16() for g in _grads(w0.shape, 2, seed=5)]
+    p = torch.nn.Parameter(w0.clone())
+    straight = make(p)
+    for step, g in enumerate(grads):
+        p.grad = g.clone()
+        straight.step(rounding_step=step)
+    first = torch.nn.Parameter(w0.clone())
+    opt = make(first)
+    first.grad = grads[0].clone()
+    opt.step(rounding_step=0)
+    ends = {}
+    for key in (1, 0):
+        q, resumed = _saved_and_loaded(opt, make, first)
+        q.grad = grads[1].clone()
+        resumed.step(rounding_step=key)
+        ends[key] = q.detach()
+    assert torch.equal(ends[1], p.detach())
+    assert not torch.equal(ends[0], p.detach())
+
+
 # -- checkpoints by class id (one process; the W=3 → W=2/1 round trip is multi-process) -----------------
 def test_checkpoint_round_trip_and_gaps():
     C, D = 40, 5
@@ -728,3 +793,42 @@ def test_tuned_configs_are_chosen_once_and_kept_across_processes(tmp_path, monke
     path.chmod(0o666)
     assert Tuner("NVIDIA H100 80GB HBM3", "3.8.0").choose("lse", (512, 1024), cands, time_config) == cands[1]
     assert len(timed) == 6  # a file others may write is ignored
+
+
+def test_deterministic_kernels_take_fixed_tiles_whatever_each_rank_and_run_tuned(tmp_path, monkeypatch):
+    """Two ranks tuning at once on one folder (timings favouring different candidates), then a later run
+    reading the file: the tuned choices may differ, so the deterministic kernels (whose tiles set the order
+    of their sums) take each kind's first candidate, untimed, on every rank and in every run. CUDA is
+    stubbed: the tuners' timings and the device."""
+    import functools
+
+    from dmltrain.distributed import softmax_kernels as sk
+    from dmltrain.kernel_tuning import Tuner
+
+    monkeypatch.setenv("DMLTRAIN_TUNING_DIR", str(tmp_path))
+    cuda = torch.device("cuda", 0)
+    key = (512, 1024, 1 << 20, "bf16", True, True)
+    timed = []
+    ranks = [Tuner("NVIDIA H100 80GB HBM3", "3.8.0") for _ in range(2)]
+    for t in ranks:
+        t._entries()  # both read the (empty) file before either writes: tuning at once
+
+    def timing(prefer: int, launch, cfg) -> float:  # the rank's timings favour its candidate `prefer`
+        timed.append(cfg)
+        cands = next(c for c in sk._CONFIGS.values() if cfg in c)
+        return 1.0 if cands.index(cfg) == prefer % len(cands) else 2.0
+
+    def choices(tuner: Tuner, prefer: int, deterministic: bool) -> dict:
+        monkeypatch.setattr(sk, "_tuner", lambda index: tuner)
+        monkeypatch.setattr(sk, "time_launch", functools.partial(timing, prefer))
+        kinds = ("lse", "grad_x", "grad_w") if deterministic else ("lse", "grad")
+        return {k: sk._choose(k, key, "bf16", cuda, None, deterministic) for k in kinds}
+
+    tuned = [choices(t, prefer, False) for prefer, t in enumerate(ranks)]
+    assert tuned[0]["lse"] != tuned[1]["lse"] and timed, "the default path tunes, each rank its own way"
+    timed.clear()
+    later_run = Tuner("NVIDIA H100 80GB HBM3", "3.8.0")
+    fixed = {k: sk._CONFIGS[(k, "bf16")][0] for k in ("lse", "grad_x", "grad_w")}
+    for prefer, t in [(0, ranks[0]), (1, ranks[1]), (1, later_run)]:
+        assert choices(t, prefer, True) == fixed
+    assert not timed, "deterministic tiles are never timed"

@@ -318,6 +318,70 @@ def _hard_checks(rank, W):
     return report
 
 
+def _reference_keep(counts, x_full, y_full, w_full, extra, step):
+    """The samples one float64 process keeps at ``step`` with ``extra``'s ``drop_after`` and ``drop_angle`` (None:
+    no dropping): those of a class not counted yet, and those near its dominant sub-center, counted over the
+    earlier steps' samples; then counts this step's samples' nearest sub-centers into ``counts`` (C × k)."""
+    xn = torch.nn.functional.normalize(x_full.double(), dim=1)
+    wn = torch.nn.functional.normalize(w_full.double(), dim=2)
+    sub_cos = torch.einsum("nd,nkd->nk", xn, wn[y_full])
+    keep = None
+    if extra.get("drop_after") is not None and step >= extra["drop_after"]:
+        seen = counts[y_full]
+        near = sub_cos.gather(1, seen.argmax(1)[:, None]).squeeze(1) >= math.cos(math.radians(extra["drop_angle"]))
+        keep = (seen.sum(1) == 0) | near
+    for i, c in enumerate(y_full.tolist()):
+        counts[c, int(sub_cos[i].argmax())] += 1
+    return keep
+
+
+def _empty_shard_checks(rank, W):
+    """2 classes: at W = 3 and 4 some shards own none, and still join every collective of a hard draw (the
+    nearness index's all-reduce) and of sub-centers dropping samples from step 0 (the drops in the combine's
+    all-gather); two steps against one float64 process."""
+    from dmltrain.distributed import ShardedClassifier
+    from dmltrain.distributed.collectives import all_gather_uneven
+
+    y_full = torch.arange(16) % 2
+    cases = [
+        ("hard normsoftmax", "normsoftmax", {"temperature": 0.1}, {"sample_ratio": 0.5, "sampling": "hard"}),
+        ("cosface 2 sub-centers, dropping from step 0", "cosface", {"scale": 16.0, "margin": 0.2, "subcenters": 2},
+         {"drop_after": 0, "drop_angle": 80.0}),
+    ]  # fmt: skip
+    report = {}
+    for name, kind, params, extra in cases:
+        k = params.get("subcenters", 1)
+        w_full = torch.randn(2, k, D, generator=torch.Generator().manual_seed(12)).squeeze(1)
+        clf = ShardedClassifier(2, D, kind, seed=3, **extra, **params)
+        clf.load_full_weight(w_full)
+        counts = torch.zeros(2, k, dtype=torch.long)
+        entry = {"err": {}}
+        for step in range(2):
+            x_full = _global_batch(seed=40 + step)[0]
+            clf.zero_grad()
+            x = _local(x_full, rank, W).requires_grad_(True)
+            loss = clf(x, _local(y_full, rank, W), step=step)
+            loss.backward()
+            x_grad, w_grad = all_gather_uneven(x.grad)[0], clf.gather_rows_all(clf.weight.grad)
+            if rank != 0:
+                continue
+            keep = _reference_keep(counts, x_full, y_full, w_full, extra, step) if k > 1 else None
+            if keep is not None and step:
+                entry["dropped"] = (int((~keep).sum()), clf.stats["dropped"] * len(y_full))
+            xr, wr = x_full.double().requires_grad_(True), w_full.double().requires_grad_(True)
+            ref = dense_classifier_loss(xr, y_full, wr, None, kind, clf.params, keep=keep)
+            ref.backward()
+            entry["err"].update(
+                {
+                    f"loss {step}": rel_err(float(loss.detach()), float(ref.detach())),
+                    f"weight grad {step}": rel_err(w_grad, wr.grad),
+                    f"embedding grad {step}": rel_err(x_grad, xr.grad),
+                }
+            )
+        report[name] = entry
+    return report
+
+
 def _subcenter_checks(rank, W):
     """Sub-centers: ArcFace with 3 (every class, logits kept and chunked) and CosFace with 2 (subsampled),
     the second over two steps with samples dropped at step 1 (far from the sub-center their class's samples
@@ -350,17 +414,9 @@ def _subcenter_checks(rank, W):
             x_grad, w_grad = all_gather_uneven(x.grad)[0], clf.gather_rows_all(clf.weight.grad)
             if rank != 0:
                 continue
-            # the reference's dominant sub-centers: counted over the earlier steps' samples
-            xn = torch.nn.functional.normalize(x_full.double(), dim=1)
-            wn = torch.nn.functional.normalize(w_full.double(), dim=2)
-            sub_cos = torch.einsum("nd,nkd->nk", xn, wn[y_full])
-            keep = None
-            if extra and step >= extra["drop_after"]:
-                dominant = counts[y_full].argmax(1)
-                keep = sub_cos.gather(1, dominant[:, None]).squeeze(1) >= math.cos(math.radians(extra["drop_angle"]))
+            keep = _reference_keep(counts, x_full, y_full, w_full, extra, step)
+            if keep is not None:
                 entry["dropped"] = (int((~keep).sum()), clf.stats["dropped"] * len(y_full))
-            for i, c in enumerate(y_full.tolist()):
-                counts[c, int(sub_cos[i].argmax())] += 1
             xr, wr = x_full.double().requires_grad_(True), w_full.double().requires_grad_(True)
             act = None if ratio >= 1 else torch.sort(active).values
             ref = dense_classifier_loss(xr, y_full, wr, None, kind, clf.params, act, keep=keep)
@@ -507,6 +563,7 @@ def _world_checks(rank: int, W: int, tmpdir: str) -> dict:
     report["sampling"] = _sampling_checks(rank, W)
     report["hard"] = _hard_checks(rank, W)
     report["subcenters"] = _subcenter_checks(rank, W)
+    report["empty shards"] = _empty_shard_checks(rank, W)
     report["checkpoint"] = _checkpoint_checks(rank, W, tmpdir)
     if W == 2 and DEEPSPEED:  # last: DeepSpeed wraps the process group (and its import is slow)
         report["deepspeed"] = _deepspeed_check(rank, W)
@@ -593,6 +650,15 @@ def test_subcenters_equal_one_float64_process(reports, W):
         _assert_errors(entry, f"W={W} {name}")
     dropped, reported = rep["cosface k=2 sub, dropping"]["dropped"]
     assert 0 < dropped < 16 and abs(reported - dropped) < 1e-9, f"W={W}: {dropped} dropped, reported {reported}"
+
+
+@pytest.mark.parametrize("W", WORLDS)
+def test_shards_without_classes_keep_the_collectives_in_step(reports, W):
+    for name, entry in reports[W][0]["empty shards"].items():
+        _assert_errors(entry, f"W={W} 2 classes, {name}")
+        if "dropped" in entry:
+            dropped, reported = entry["dropped"]
+            assert 0 < dropped < 16 and abs(reported - dropped) < 1e-9, f"W={W}: {dropped} dropped, reported {reported}"
 
 
 @pytest.mark.parametrize("W", [1, 2, 4])

@@ -14,7 +14,7 @@ from dataset_fixtures import make_table, write_truncated_jpeg
 from dmltrain.cli import main
 from dmltrain.config import load_config
 from dmltrain.evaluate.embedding_set import ChunkedWriter, load_embedding_set
-from dmltrain.evaluate.index import load_index, search
+from dmltrain.evaluate.index import label_recall, load_index, search
 from dmltrain.evaluate.knn import knn
 from dmltrain.models import build_model, save_model
 
@@ -152,7 +152,7 @@ def clustered(n: int, d: int, classes: int, seed: int = 0) -> tuple[np.ndarray, 
     return emb, labels
 
 
-def test_flat_index_equals_exact_search(tmp_path):
+def test_flat_index_equals_exact_search(tmp_path, capsys):
     emb, labels = clustered(1200, 24, 60)
     write_set(tmp_path / "g", emb, labels)
     assert main(["index", "build", str(tmp_path / "g"), "--kind", "flat", "--holdout", "50"]) == 0
@@ -167,6 +167,41 @@ def test_flat_index_equals_exact_search(tmp_path):
     record = json.loads((tmp_path / "g/index-flat/index_eval.json").read_text())
     assert record["metrics"]["index/recall@1"] == record["metrics"]["index/recall@10"] == 1.0
     assert record["metrics"]["index/label_recall@1"] == record["metrics"]["index/exact_label_recall@1"]
+    # the index's own set as the queries: each would find itself (recall 1), refused whatever the path's spelling
+    argv = ["index", "eval", str(tmp_path / "g/index-flat"), "--queries", str(tmp_path / "g/../g"), "--no-tracking"]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is the embedding set the index was built from" in err[0], err
+
+
+def test_label_recall_leaves_out_queries_without_their_label_in_the_index(tmp_path, capsys):
+    """Recall@K by label as the evaluation defines it: a query with no item of its label in the index (R = 0) cannot
+    be retrieved, so it is left out and counted (retrieval_metrics' excluded_queries, the reference on random data);
+    ids -1 (nothing found) are misses. index eval reports the count."""
+    from dmltrain.evaluate.retrieval import retrieval_metrics
+
+    gallery, queries = np.array(["a", "a", "b"]), np.array(["a", "c", "b"])
+    assert label_recall(np.array([[2, 0], [0, 1], [-1, 2]]), queries, gallery, [1, 2]) == ({1: 0.0, 2: 1.0}, 1)
+    assert label_recall(np.array([[0], [1]]), np.array(["x", "y"]), gallery, [1]) == ({}, 2)
+    rng = np.random.default_rng(0)
+    g, q = rng.standard_normal((60, 8)).astype(np.float32), rng.standard_normal((25, 8)).astype(np.float32)
+    g_labels, q_labels = rng.integers(0, 12, 60).astype(str), rng.integers(8, 16, 25).astype(str)  # 12..15: absent
+    _, exact = knn(q, g, 4)
+    ks = [1, 2, 4]
+    want = retrieval_metrics(q, q_labels, g, g_labels, ks, nmi=False, map_at_r=False, device="cpu")
+    got, excluded = label_recall(exact, q_labels, g_labels, ks)
+    assert excluded == want["excluded_queries"] > 0
+    assert got == pytest.approx({k: want[f"recall@{k}"] for k in ks}, abs=1e-12)
+    write_set(tmp_path / "g", g, g_labels)
+    write_set(tmp_path / "q", q, q_labels)
+    assert main(["index", "build", str(tmp_path / "g"), "--kind", "flat"]) == 0
+    argv = ["index", "eval", str(tmp_path / "g/index-flat"), "--queries", str(tmp_path / "q"), "--ks", "1,2,4"]
+    assert main([*argv, "--no-tracking"]) == 0
+    metrics = json.loads((tmp_path / "g/index-flat/index_eval.json").read_text())["metrics"]
+    assert metrics["index/excluded_queries"] == excluded
+    assert metrics["index/exact_label_recall@2"] == pytest.approx(want["recall@2"], abs=1e-12)
+    assert f"{excluded} of 25 queries have no item of their label in the index" in capsys.readouterr().out
 
 
 # the floors of k-recall@k against the exact search on the clustered gallery below (the measured values are printed)

@@ -189,11 +189,34 @@ def test_layer_decay_gives_each_block_its_rate():
             else:  # cls token, position embeddings, patch embedding
                 want = lr * d**depth
             assert g["lr"] == pytest.approx(want * factor), (step, name)
-            assert g["weight_decay"] == (0.0 if p.ndim <= 1 else cfg.optim.weight_decay), name
+            undecayed = p.ndim <= 1 or name in ("backbone.net.cls_token", "backbone.net.pos_embed")
+            assert g["weight_decay"] == (0.0 if undecayed else cfg.optim.weight_decay), name
     chain = build_model(load_config(None, [*SMALL, "model.backbone=small_cnn", f"optim.layer_decay={d}"]).model)
     mults = {g["name"]: g["lr_mult"] for g in param_groups(chain, cfg.optim.model_copy(update={"layer_decay": d}))}
     want = {f"{g}.layer{i}": d ** (4 - i) for g in ("backbone", "backbone_no_decay") for i in (1, 2, 3, 4)}
     assert mults == want | {"head": 10.0}  # small_cnn has no stem: its stages are layers 1-4
+
+
+def test_a_timm_models_tokens_and_position_embeddings_are_not_decayed():
+    """With decay_norm_and_bias false, the names a timm model's ``no_weight_decay()`` lists (a ViT's class token and
+    position embeddings) join the norms and biases in the undecayed groups, as timm's and BEiT's optimizer factories
+    do, with and without layer decay; the patch embedding's weight stays decayed."""
+    from dmltrain.models import build_model, param_groups
+
+    model = build_model(load_config(None, [*SMALL, "model.backbone=test_vit"]).model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    tokens = {"backbone.net.cls_token", "backbone.net.pos_embed"}
+    for over in ({}, {"layer_decay": 0.8}):
+        optim = load_config(None, ["optim.decay_norm_and_bias=false", "optim.weight_decay=0.05"]).optim
+        groups = param_groups(model, optim.model_copy(update=over))
+        undecayed = {names[id(p)] for g in groups if g["weight_decay"] == 0.0 for p in g["params"]}
+        decayed = {names[id(p)] for g in groups if g["weight_decay"] == 0.05 for p in g["params"]}
+        assert tokens <= undecayed and not tokens & decayed, over
+        assert all(g["name"].split(".")[0].endswith("_no_decay") for g in groups if g["weight_decay"] == 0.0)
+        assert "backbone.net.patch_embed.proj.weight" in decayed
+        assert undecayed - tokens == {n for n, p in model.named_parameters() if p.ndim <= 1}
+    everything = param_groups(model, load_config(None, ["optim.weight_decay=0.05"]).optim)  # decay_norm_and_bias
+    assert {g["weight_decay"] for g in everything} == {0.05}
 
 
 class _NoHead:
@@ -231,6 +254,46 @@ def test_weight_average_follows_its_formula_and_swaps():
     again = WeightEMA(net, d)
     again.load_state_dict(ema.state_dict())
     assert again.updates == 5 and all(torch.equal(again.shadow[n], v) for n, v in ema.shadow.items())
+
+
+def test_weight_average_warms_up_as_timm_and_resumes_exactly():
+    """train.ema_warmup: the t-th update's decay is min(d, 1 − t^(−2/3)) (timm's ModelEmaV3 with use_warmup, whose
+    own get_decay is the reference): the first update copies the weights, d caps it from t = 4 for d = 0.6. An
+    average saved after 3 updates and loaded into a fresh one goes on bit for bit as the uninterrupted one."""
+    from timm.utils.model_ema import ModelEmaV3
+
+    from dmltrain.config import TrainConfig
+    from dmltrain.training.ema import WeightEMA
+
+    assert TrainConfig.model_fields["ema_warmup"].default is True
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    d = 0.6
+    ema, timm_ema = WeightEMA(net, d, warmup=True), ModelEmaV3(net, decay=d, use_warmup=True)
+    want = {n: p.detach().double().clone() for n, p in net.named_parameters()}
+    steps = [{n: torch.randn_like(p) for n, p in net.named_parameters()} for _ in range(6)]
+    resumed = None
+    for t, step in enumerate(steps, 1):
+        with torch.no_grad():
+            for n, p in net.named_parameters():
+                p.add_(step[n])
+        dt = 0.0 if t == 1 else min(d, 1 - t ** (-2 / 3))
+        assert ema.decay_at(t) == pytest.approx(dt, abs=1e-12) == pytest.approx(timm_ema.get_decay(t), abs=1e-12)
+        for n, p in net.named_parameters():
+            want[n] = dt * want[n] + (1 - dt) * p.detach().double()
+        ema.update()
+        if resumed is not None:
+            resumed.update()
+        if t == 3:
+            resumed = WeightEMA(net, d, warmup=True)
+            resumed.load_state_dict(ema.state_dict())
+        if t == 1:
+            assert all(torch.equal(ema.shadow[n], p.detach()) for n, p in net.named_parameters())
+    assert [ema.decay_at(t) for t in (3, 4)] == [pytest.approx(1 - 3 ** (-2 / 3)), d]
+    for n, v in ema.shadow.items():
+        torch.testing.assert_close(v.double(), want[n], rtol=1e-6, atol=1e-6, msg=n)
+        assert torch.equal(resumed.shadow[n], v), n
+    assert resumed.updates == ema.updates == 6
 
 
 def test_a_checkpoints_average_is_what_an_asynchronous_evaluation_loads(tmp_path):

@@ -200,6 +200,35 @@ def test_subcenter_weight_starts_the_same_at_every_world_size_and_loads_by_class
         clf.load_full_weight(torch.zeros(10, 4))
 
 
+def test_a_class_is_never_dropped_against_a_dominant_sub_center_it_has_not_got_yet():
+    """Dropping from step 0: a class none of whose samples was counted yet has no dominant sub-center, so its
+    samples stay in the loss (step 0 wholly, then a class first seen at step 1 whose samples lie on its third
+    sub-center); once counted, a sample 90° from its class's dominant sub-center is dropped."""
+    C, D, k = 2, 8, 3
+    w = torch.eye(D)[: C * k].view(C, k, D)  # class c's sub-center j: the unit vector e_{3c+j}
+    clf = ShardedClassifier(C, D, "cosface", seed=1, drop_after=0, drop_angle=75.0, subcenters=k, margin=0.2)
+    clf.load_full_weight(w)
+    on = lambda c, j, n: (w[c, j].repeat(n, 1), torch.full((n,), c))  # noqa: E731 — n samples on sub-center j
+    batches = [
+        [on(0, 1, 4)],  # class 0 seen first, on its sub-center 1
+        [on(1, 2, 4), on(0, 1, 1), on(0, 0, 2)],  # class 1 first seen on sub-center 2; two of class 0's at 90°
+    ]
+    for step, parts in enumerate(batches):
+        x, y = (torch.cat(t) for t in zip(*parts))
+        x.requires_grad_(True)
+        loss = clf(x, y, step=step)
+        loss.backward()
+        keep = torch.ones(len(y), dtype=torch.bool) if step == 0 else torch.tensor([True] * 5 + [False] * 2)
+        assert clf.stats["dropped"] == pytest.approx(float((~keep).double().mean())), f"step {step}"
+        xr, wr = x.detach().double().requires_grad_(True), w.double().requires_grad_(True)
+        ref = dense_classifier_loss(xr, y, wr, None, "cosface", clf.params, keep=keep)
+        ref.backward()
+        assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-6)
+        assert torch.allclose(x.grad.double(), xr.grad, atol=1e-6)
+        clf.zero_grad()
+    assert clf.subcenter_counts.tolist() == [[2, 5, 0], [0, 0, 4]]  # dropped samples count too
+
+
 # -- no host reads ----------------------------------------------------------------------------------------
 def test_a_hard_subcenter_step_with_probe_and_dropping_reads_nothing_back():
     """Mixed draws with the correction, 2 sub-centers, samples dropped, the probe: forward, backward and the

@@ -441,6 +441,23 @@ def test_interrupted_build_leaves_no_half_shard(built, tmp_path, monkeypatch):
         Manifest.load(out)
 
 
+def test_ctrl_c_the_moment_a_temporary_file_exists_removes_it(tmp_path, monkeypatch):
+    """The window the loaded-machine run of the Ctrl-C test hit: the interrupt lands right after the temporary
+    shard file was created, before ``atomic_path`` could know its name or was inside its ``try``."""
+    import dmltrain.fileio
+
+    real_close = os.close
+
+    def interrupted_close(fd):  # the first call after the temporary file's creation
+        real_close(fd)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dmltrain.fileio.os, "close", interrupted_close)
+    with pytest.raises(KeyboardInterrupt), dmltrain.fileio.atomic_path(tmp_path / "train-000000.tar"):
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_resize_reencodes(built, tmp_path):
     fx, _ = built["cars"]
     out = tmp_path / "resized"

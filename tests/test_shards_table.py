@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -11,8 +12,9 @@ import pytest
 from dataset_fixtures import make_inshop, make_table
 
 from dmltrain.cli import main
+from dmltrain.errors import UserError
 from dmltrain.evaluate.sources import table_source
-from shards.build.table import read_table
+from shards.build.table import Table, read_table
 from shards.manifest import Manifest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -103,6 +105,32 @@ def test_urls_are_read_through_fsspec(tmp_path, capsys):
             "urls.csv row 6 (line 7), column path: memory://dmltrain-test/none.jpg: image file not found"
             in error_line(capsys)
         )
+    finally:
+        fs.rm("/dmltrain-test", recursive=True)
+
+
+def test_relative_paths_resolve_against_a_url_as_against_a_folder(tmp_path):
+    """A relative path under a URL table is joined as a local one is (``.`` and ``..`` segments resolved, dot files
+    kept); one climbing above the URL's bucket or host is refused naming the row, before anything is read."""
+    import fsspec
+
+    url = Table("t.csv", {}, True, "s3://bucket/data")
+    local = Table("t.csv", {}, True, str(tmp_path / "data"))
+    for raw, under in [
+        ("./.hidden/a.jpg", "data/.hidden/a.jpg"),
+        ("./../img/a.jpg", "img/a.jpg"),
+        ("../img/a.jpg", "img/a.jpg"),
+        ("sub/./x/../a.jpg", "data/sub/a.jpg"),
+        ("..data/a.jpg", "data/..data/a.jpg"),
+    ]:
+        assert url.resolve(raw, 0) == f"s3://bucket/{under}", raw
+        assert Path(local.resolve(raw, 0)).resolve() == tmp_path.resolve() / under, raw  # the same file, locally
+    fs = fsspec.filesystem("memory")
+    try:
+        fs.pipe("/dmltrain-test/t/table.csv", b"path,label,split\na.jpg,x,train\n../../b.jpg,y,test\n")
+        with pytest.raises(UserError) as e:
+            read_table("memory://dmltrain-test/t/table.csv")
+        assert "table.csv row 2 (line 3), column path: ../../b.jpg climbs above memory://dmltrain-test" in str(e.value)
     finally:
         fs.rm("/dmltrain-test", recursive=True)
 

@@ -83,18 +83,20 @@ def nearest_keys(index: ClassIndex, labels: Tensor, start: int, id_bits: int, gr
     N = labels.numel()
     dev = codes.device
     ids = torch.arange(start, start + n, dtype=torch.int64, device=dev)
-    if n == 0 or N == 0:
-        return ids  # nothing to rank: every class ties
-    local = labels - start
-    own = (local >= 0) & (local < n)
-    row = local.clamp(0, n - 1)
-    # the batch's rows: each shard fills the samples whose class it holds (zeros elsewhere); summed, exact
-    packed = torch.cat(
-        [
-            torch.where(own[:, None, None], codes.index_select(0, row).float(), 0.0).flatten(),
-            torch.where(own[:, None], scales.index_select(0, row), 0.0).flatten(),
-        ]
-    )
+    if N == 0:
+        return ids  # nothing to rank (on every rank alike): every class ties
+    if n == 0:  # a shard without classes holds none of the batch's rows, but joins the all-reduce
+        packed = torch.zeros(N * k * (D + 1), device=dev)
+    else:  # the batch's rows: each shard fills the samples whose class it holds (zeros elsewhere); summed, exact
+        local = labels - start
+        own = (local >= 0) & (local < n)
+        row = local.clamp(0, n - 1)
+        packed = torch.cat(
+            [
+                torch.where(own[:, None, None], codes.index_select(0, row).float(), 0.0).flatten(),
+                torch.where(own[:, None], scales.index_select(0, row), 0.0).flatten(),
+            ]
+        )
     all_reduce_sum(packed, group)
     q = packed[: N * k * D].view(N * k, D)
     qs = packed[N * k * D :].view(N * k, 1)

@@ -6,7 +6,8 @@ and the row-sparse optimizer built over the classifier's
 from that object, never from the classifier), and saves and loads both by global class id
 (:mod:`~dmltrain.distributed.class_checkpoint`), so a run resumes at any world size. Its
 optimizer's stochastic rounding of a bf16 weight draws from
-:func:`~dmltrain.distributed.class_sampling.rounding_seed`, apart from the class draws.
+:func:`~dmltrain.distributed.class_sampling.rounding_seed` and the step of the classifier's last call,
+apart from the class draws, so a resumed run rounds as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ class ClassifierHead:
             g["lr"] = lr
 
     def step(self) -> None:
-        """Step the rows holding a gradient, then clear the gradients."""
-        self.optimizer.step()
+        """Step the rows holding a gradient (the rounding of a bf16 weight keyed by the classifier's last step),
+        then clear the gradients."""
+        self.optimizer.step(rounding_step=self.classifier.last_step)
         self.optimizer.zero_grad(set_to_none=True)
 
     def save(self, directory: str | os.PathLike[str]) -> None:

@@ -36,7 +36,10 @@ created eagerly (zeros) so that it can be saved by class id before the first ste
 A bf16 parameter (the classifier's ``weight_storage="bf16"``) keeps fp32 optimizer state; its
 rows are updated in fp32 and written back with stochastic rounding (:func:`round_stochastic`:
 unbiased, so updates far below bf16's resolution still move the weight on average, without an
-fp32 master copy). The rounding draws from the optimizer's own generator (``seed``).
+fp32 master copy). The rounding noise of a step is drawn from a generator seeded by (``seed``, the
+step, the parameter), so nothing of it is saved: a resumed run (at the same world size) rounds
+as the uninterrupted one did, and a resharded one starts streams of its own. ``load_state_dict``
+keeps such a parameter's state fp32.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from dmltrain.distributed.class_sampling import draw_seed
 from dmltrain.distributed.workspace import BLOCK_ELEMENTS, Workspace
 
 _FUSED_SGD = getattr(torch, "_fused_sgd_", None)
@@ -234,6 +238,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         self.grads = grads
         self.seed = int(seed)
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._steps = 0  # the rounding's step key when step() is given none
         self._workspace = Workspace()  # gathered rows of a block (reused: no page faults per step)
         n_rows = {p.shape[0] for g in self.param_groups for p in g["params"]}
         if len(n_rows) > 1:
@@ -253,7 +258,17 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         return _base("state_dict")(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, but a low-precision parameter's floating state stays fp32 (:func:`state_like`): torch casts
+        it to the parameter's dtype (losing its precision, and refused by the next step)."""
         _base("load_state_dict")(self, state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params):
+            if p.dtype not in LOW_PRECISION:
+                continue
+            for k, v in state_dict["state"].get(i, {}).items():
+                if isinstance(v, Tensor) and v.is_floating_point():
+                    self.state[p][k] = v.to(device=p.device, dtype=torch.float32)
 
     # -- subclass hooks ---------------------------------------------------------------------------
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
@@ -264,34 +279,44 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     # -- driver -----------------------------------------------------------------------------------
-    def _store(self, p: Tensor, rounded_from: Tensor) -> Tensor:
-        """fp32 rows updated for a low-precision parameter, rounded stochastically to its dtype."""
+    def _rounding(self, p: Tensor, step: int, index: int) -> torch.Generator | None:
+        """The generator of ``p``'s stochastic rounding at ``step`` (``index``: ``p``'s place among the
+        parameters), seeded afresh from (seed, step, index); None for a parameter that is not rounded.
+        Seeding sets the generator's state on the host: no device sync."""
+        if p.dtype not in LOW_PRECISION:
+            return None
         gen = self._generators.get(p.device)
         if gen is None:
-            gen = self._generators[p.device] = torch.Generator(device=p.device).manual_seed(self.seed)
-        return round_stochastic(rounded_from, gen)
+            gen = self._generators[p.device] = torch.Generator(device=p.device)
+        return gen.manual_seed(draw_seed(self.seed, step, index))
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, rounding_step: int | None = None) -> Any:
+        """Step the rows holding a gradient. ``rounding_step`` keys a low-precision parameter's rounding noise
+        with the seed: the training step, so that a resumed run rounds as an uninterrupted one (default:
+        this optimizer's count of its calls, which a new optimizer starts again at 0)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        key = self._steps if rounding_step is None else int(rounding_step)
+        self._steps = key + 1
         rows = ALL_ROWS if self.grads is None else self.grads.rows()
         if rows is None or (rows.rows is not None and rows.rows.numel() == 0):
             return loss
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(
-                        f"{type(self).__name__}: sparse .grad tensors are not supported; gradients are dense row blocks"
-                    )
-                self._step_param(group, p, rows)
+        params = [(group, p) for group in self.param_groups for p in group["params"]]
+        for index, (group, p) in enumerate(params):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(
+                    f"{type(self).__name__}: sparse .grad tensors are not supported; gradients are dense row blocks"
+                )
+            self._step_param(group, p, rows, self._rounding(p, key, index))
         return loss
 
-    def _step_param(self, group: dict[str, Any], p: Tensor, rows: RowSet) -> None:
+    def _step_param(self, group: dict[str, Any], p: Tensor, rows: RowSet, gen: torch.Generator | None) -> None:
+        """Update ``p``'s rows in ``rows``; ``gen``: the rounding's generator of a low-precision ``p``."""
         n = p.shape[0]
         if n == 0:  # a shard that owns no class
             return
@@ -308,7 +333,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 if low:
                     pb = pv[sl].float()
                     self._update(group, pb, gv[sl].float(), sb)
-                    pv[sl] = self._store(p, pb)
+                    pv[sl] = round_stochastic(pb, gen)
                 else:
                     self._update(group, pv[sl], gv[sl], sb)
             return
@@ -328,7 +353,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 pb, gb = pb.float(), gb.float()
             sb = {k: gather(f"state.{k}", v) for k, v in sv.items()}
             self._update(group, pb, gb, sb)
-            new_p = self._store(p, pb) if low else pb
+            new_p = round_stochastic(pb, gen) if low else pb
             if valid is None:
                 pv.index_copy_(0, idx, new_p)
                 for k, v in sv.items():
@@ -447,11 +472,11 @@ class RowSparseAdamW(RowSparseOptimizer):
         st["exp_avg_sq"] = state_like(p)
         st["step"] = torch.zeros(p.shape[0], dtype=torch.int64, device=p.device)
 
-    def _step_param(self, group: dict[str, Any], p: Tensor, rows: RowSet) -> None:
+    def _step_param(self, group: dict[str, Any], p: Tensor, rows: RowSet, gen: torch.Generator | None) -> None:
         st = self.state[p]
         if st["step"].device != p.device:  # torch's load_state_dict leaves "step" where it was saved
             st["step"] = st["step"].to(p.device)
-        super()._step_param(group, p, rows)
+        super()._step_param(group, p, rows, gen)
 
     def _update(self, group: dict[str, Any], p: Tensor, g: Tensor, state: dict[str, Tensor]) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
@@ -490,7 +515,8 @@ def make_row_optimizer(
 
     One param group for the weight and, with a bias, one for it (its weight decay is
     ``bias_weight_decay``, default ``weight_decay``); each group carries a ``name``
-    (``classifier.weight``, ``classifier.bias``). ``seed`` seeds the stochastic rounding of a bf16 weight.
+    (``classifier.weight``, ``classifier.bias``). ``seed`` seeds the stochastic rounding of a bf16 weight
+    (with the step: :meth:`RowSparseOptimizer.step`).
     """
     groups: list[dict[str, Any]] = [{"params": [weight], "weight_decay": weight_decay, "name": "classifier.weight"}]
     if bias is not None:

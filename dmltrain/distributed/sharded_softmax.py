@@ -60,7 +60,8 @@ computes in fp32, or in float64 for a classifier moved to float64 (``.double()``
 fp32 unless ``weight_storage="bf16"`` (fused path; its gradient is then bf16 and the optimizer
 keeps fp32 state and rounds stochastically). Embeddings in bf16/fp16 are cast to the compute
 dtype, autocast is disabled inside, and the embeddings' gradient returns in their dtype.
-``deterministic`` (fused path): bit-identical gradients run to run, at one more product per step.
+``deterministic`` (fused path): bit-identical gradients run to run, at one more product per step, and
+fixed kernel tiles (a tuned choice could differ between ranks and runs).
 
 Memory (torch path): besides the weight, its gradient and the optimizer state, the classifier
 keeps reusable scratch buffers and the kept logits (at most ``logits_budget_mb``) from call to
@@ -326,7 +327,8 @@ class _ShardedSoftmax(torch.autograd.Function):
             eps = clf.smoothing
             claim = None
             if clf.fused:
-                lse_nt, mx, sz, saved = softmax_kernels.partials(op, bool(eps), clf.fused_precision)
+                lse_nt, mx, sz, saved = softmax_kernels.partials(op, bool(eps), clf.fused_precision,
+                                                                 clf.deterministic)  # fmt: skip
                 lse_nt, mx = lse_nt.to(x.dtype), mx.to(x.dtype)
                 sz = None if sz is None else sz.to(x.dtype)
             else:
@@ -678,17 +680,24 @@ class ShardedClassifier(nn.Module):
     def _drops(self, sub_cos: Tensor | None, row: Tensor, owned: Tensor, train: bool) -> Tensor | None:
         """Which samples of the global batch this shard drops from the loss this call (None: no dropping).
 
-        ``sub_cos``: each sample's cosines to its class's sub-centers (None without sub-centers). A
-        training call first reads the dominant sub-centers, then counts its own samples' nearest."""
-        if self.subcenter_counts is None or sub_cos is None:
+        ``sub_cos``: each sample's cosines to its class's sub-centers (None without sub-centers, or on a shard
+        without classes). A training call first reads the dominant sub-centers, then counts its own samples'
+        nearest. A class none of whose samples was counted yet has no dominant sub-center: nothing of it is
+        dropped. From ``drop_after`` on every shard returns a mask, an empty one too: all of them pack as many
+        numbers for :func:`_combine`'s all-gather."""
+        if self.subcenter_counts is None:
             return None
+        dropping = self._step >= self.drop_after
+        if sub_cos is None:  # no class here
+            return torch.zeros_like(owned) if dropping else None
         counts = self.subcenter_counts
         if counts.device != sub_cos.device:
             counts = self.subcenter_counts = counts.to(sub_cos.device)
         drop = None
-        if self._step >= self.drop_after:
-            dominant = counts.index_select(0, row).argmax(1)
-            drop = owned & (sub_cos.gather(1, dominant[:, None]).squeeze(1) < self.drop_cos)
+        if dropping:
+            seen = counts.index_select(0, row)
+            dominant = seen.argmax(1)
+            drop = owned & (seen.sum(1) > 0) & (sub_cos.gather(1, dominant[:, None]).squeeze(1) < self.drop_cos)
         if train:
             counts.index_put_((row, sub_cos.argmax(1)), owned.to(counts.dtype), accumulate=True)
         return drop
@@ -810,6 +819,11 @@ class ShardedClassifier(nn.Module):
         self._kept_owner = None
 
     # -- the last call ------------------------------------------------------------------------------------
+    @property
+    def last_step(self) -> int:
+        """The step of the last call (its draw's key; 0 before any)."""
+        return self._step
+
     @property
     def active_rows(self) -> Tensor:
         """Local row indices that took part in the last call (sorted; reads the drawn count when there is one)."""

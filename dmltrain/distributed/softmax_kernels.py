@@ -42,9 +42,12 @@ fp32, which is what the tensor cores compute.
 Launch geometry: on CUDA each kernel's tiles are chosen per shape key (``D``, the batch's and the
 class count's powers of two, precision, kind, padding) by timing its candidates once, the choice
 kept across ranks and runs (:class:`~dmltrain.kernel_tuning.Tuner`); the class splits follow from
-the chosen sample tile so that the grid fills whole waves of the GPU. Every candidate fits the
-shared memory of an A100 (sm_80) and an H100 (sm_90): :func:`compile_variants` lists them for the
-offline compile tests.
+the chosen sample tile so that the grid fills whole waves of the GPU. ``deterministic`` takes each
+kernel's first candidate instead, untuned: the tiles set the order of the sums, and a tuned choice may
+differ between ranks tuning at once and between runs, fixed ones are the same on every rank and in
+every run, so a rerun gives the same bits (on the same GPU model). Every candidate fits the shared
+memory of an A100 (sm_80) and an H100 (sm_90): :func:`compile_variants` lists them for the offline
+compile tests.
 """
 
 from __future__ import annotations
@@ -541,12 +544,19 @@ def _sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _choose(kind: str, key: tuple, precision: str, device: torch.device, launch) -> LaunchConfig:
+def _choose(
+    kind: str, key: tuple, precision: str, device: torch.device, launch, deterministic: bool = False
+) -> LaunchConfig:
     """The tiles of ``kind`` for ``key``: fixed under the interpreter, else tuned once (``launch(cfg)`` runs
-    the kernel on scratch outputs) and remembered across ranks and runs."""
+    the kernel on scratch outputs) and remembered across ranks and runs.
+
+    ``deterministic``: the kind's first candidate, never tuned. The tiles set the order of the kernels'
+    sums, and a tuned choice may differ between ranks that tune at once and between runs (timings vary, a
+    tuning file is rewritten or lost); fixed tiles give the same bits on every rank and in every run."""
     if INTERPRET or device.type != "cuda":
         return _interpreter_config(kind)
-
+    if deterministic:
+        return _CONFIGS[(kind, precision)][0]
     return _tuner(device.index or 0).choose(
         kind, key, _CONFIGS[(kind, precision)], functools.partial(time_launch, launch)
     )
@@ -632,9 +642,12 @@ def _key(op: ShardOperands, K: int, precision: str) -> tuple:
 
 
 # -- the backend's two functions --------------------------------------------------------------------
-def partials(op: ShardOperands, sum_logits: bool, precision: str) -> tuple[Tensor, Tensor, Tensor | None, None]:
+def partials(
+    op: ShardOperands, sum_logits: bool, precision: str, deterministic: bool = False
+) -> tuple[Tensor, Tensor, Tensor | None, None]:
     """Per sample: log-sum-exp, max and sum of the logits of the active columns but its target
-    (−inf, −inf, 0 where there is none), fp32; nothing is kept for backward."""
+    (−inf, −inf, 0 where there is none), fp32; nothing is kept for backward. ``deterministic``: fixed
+    tiles (:func:`_choose`)."""
     N, D = op.x.shape
     dev = op.x.device
     x, dtype, prec, elt = _operands(op, precision)
@@ -657,7 +670,7 @@ def partials(op: ShardOperands, sum_logits: bool, precision: str) -> tuple[Tenso
                 )  # fmt: skip
             return out
 
-        part = launch(_choose("lse", _key(op, ch.K, precision), precision, dev, launch))
+        part = launch(_choose("lse", _key(op, ch.K, precision), precision, dev, launch, deterministic))
         lse = torch.logaddexp(lse, torch.logsumexp(part[:, 0], 0))
         mx = torch.maximum(mx, part[:, 1].amax(0))
         sm += part[:, 2].sum(0)
@@ -698,11 +711,12 @@ def gradients(
         key = _key(op, ch.K, precision)
         if deterministic:
             if need_x:
-                part = call.split_x(_choose("grad_x", key, precision, dev, call.split_x))
+                part = call.split_x(_choose("grad_x", key, precision, dev, call.split_x, True))
                 for s in range(part.shape[0]):  # a fixed order
                     grad_x += part[s]
             if need_w:
-                call.rows(_choose("grad_w", key, precision, dev, functools.partial(call.rows, h=h, red=red)), h, red)
+                rows = functools.partial(call.rows, h=h, red=red)
+                call.rows(_choose("grad_w", key, precision, dev, rows, True), h, red)
         else:
             cfg = _choose("grad", key, precision, dev, functools.partial(call.fused_trial, need_x, need_w))
             call.fused(cfg, grad_x, h, red)

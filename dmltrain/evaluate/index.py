@@ -237,9 +237,13 @@ def recall_vs_exact(approx: np.ndarray, exact: np.ndarray, ks: list[int]) -> dic
 
 def label_recall(
     neighbours: np.ndarray, query_labels: np.ndarray, gallery_labels: np.ndarray, ks: list[int]
-) -> dict[int, float]:
-    """Recall@K by label (the evaluation's definition): the share of queries with an item of their label among the
-    first ``k`` returned (ids -1, nothing found, count as misses)."""
+) -> tuple[dict[int, float], int]:
+    """Recall@K by label (the evaluation's definition, :mod:`.retrieval`): the share of queries with an item of their
+    label among the first ``k`` returned (ids -1, nothing found, count as misses), and the number of queries left
+    out: those with no item of their label in the gallery (``R = 0``: they cannot be retrieved). With none left,
+    the recalls are ``{}``."""
+    kept = np.isin(query_labels, gallery_labels)
     found = np.where(neighbours >= 0, gallery_labels[np.maximum(neighbours, 0)], None)
-    same = found == query_labels[:, None]
-    return {k: float(same[:, :k].any(axis=1).mean()) for k in ks}
+    same = (found == query_labels[:, None])[kept]
+    recalls = {k: float(same[:, :k].any(axis=1).mean()) for k in ks} if len(same) else {}
+    return recalls, int(len(kept) - kept.sum())

@@ -8,12 +8,14 @@ and answers to a handful of queries.
     dmltrain index query emb/gallery/index-hnsw --vectors q.npy --k 5
 
 ``build`` takes an embedding set (``dmltrain embed``'s folder); the index folder is described in
-:mod:`dmltrain.evaluate.index`. ``eval`` searches the held-out rows (``build --holdout``) or ``--queries`` with
-the index and exactly (:func:`dmltrain.evaluate.knn.knn`, the evaluation's exact search), and reports
-``k``-recall@``k`` against the exact neighbours, Recall@K by label for both when there are labels, the build
-time, the query time per query and the index's size; it writes ``index_eval.json`` beside the index and logs
-the same to MLflow (``--run-id`` to add them to an existing run, else a run named after the index in
-``--experiment``). ``query`` embeds ``--images`` with the set's model (or ``--model``) as its contract says.
+:mod:`dmltrain.evaluate.index`. ``eval`` searches the held-out rows (``build --holdout``) or ``--queries`` (another
+set than the index's own, whose rows would find themselves: refused) with the index and exactly
+(:func:`dmltrain.evaluate.knn.knn`, the evaluation's exact search), and reports ``k``-recall@``k`` against the
+exact neighbours, Recall@K by label for both when there are labels (queries without an item of their label in
+the index left out, and counted), the build time, the query time per query and the index's size; it writes
+``index_eval.json`` beside the index and logs the same to MLflow (``--run-id`` to add them to an existing run,
+else a run named after the index in ``--experiment``). ``query`` embeds ``--images`` with the set's model (or
+``--model``) as its contract says.
 
 A command module: what running the command needs is imported where it runs, so ``dmltrain index --help``
 answers without loading torch or faiss (the CLI's lazy dispatch).
@@ -66,7 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     e.add_argument("index", metavar="INDEX", help="an index folder (dmltrain index build)")
     e.add_argument(
-        "--queries", metavar="EMBEDDINGS", help="an embedding set of queries (default: the rows held out at build)"
+        "--queries",
+        metavar="EMBEDDINGS",
+        help="an embedding set of queries, not the index's own (default: the rows held out at build)",
     )
     e.add_argument("--ks", default="1,10,100", help="the k of k-recall@k and Recall@K (default 1,10,100)")
     e.add_argument("--nprobe", type=int, help="ivf-pq: cells searched (default: the index's)")
@@ -218,6 +222,11 @@ def _eval(args: argparse.Namespace) -> int:
     gallery_rows = saved.rows
     if args.queries:
         query_set = load_embedding_set(args.queries)
+        if query_set.folder.resolve() == gallery_set.folder.resolve():
+            raise UserError(
+                f"--queries: {query_set.folder} is the embedding set the index was built from: every query would find "
+                "itself; hold rows out (index build --holdout N) or give another set's embeddings"
+            )
         if query_set.dim != gallery_set.dim:
             raise UserError(
                 f"--queries: {query_set.folder} holds {query_set.dim}-d embeddings, the index {gallery_set.dim}-d"
@@ -249,11 +258,17 @@ def _eval(args: argparse.Namespace) -> int:
     recall = recall_vs_exact(approx, exact, ks)
     metrics: dict[str, float] = {f"index/recall@{x}": v for x, v in recall.items()}
     g_labels = gallery_set.labels()
+    n_q = len(q_float)
     if q_labels is not None and g_labels is not None:
         g_labels = g_labels[gallery_rows]
         for name, found in (("index/label_recall", approx), ("index/exact_label_recall", exact)):
-            metrics.update({f"{name}@{x}": v for x, v in label_recall(found, q_labels, g_labels, ks).items()})
-    n_q = len(q_float)
+            recalls, excluded = label_recall(found, q_labels, g_labels, ks)
+            metrics.update({f"{name}@{x}": v for x, v in recalls.items()})
+        metrics["index/excluded_queries"] = excluded
+        if excluded:
+            print(
+                f"{excluded} of {n_q} queries have no item of their label in the index: left out of Recall@K by label"
+            )
     metrics.update(
         {
             "index/build_s": float(saved.info["build_seconds"]),

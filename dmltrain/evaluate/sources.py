@@ -209,7 +209,7 @@ def table_source(
     for i in keep:
         if t.columns["path"][i] is None:
             raise UserError(f"{t.where(i, 'path')}: empty")
-    paths = [t.resolve(t.columns["path"][i]) for i in keep]
+    paths = [t.resolve(t.columns["path"][i], i) for i in keep]
     check_files(t, keep, paths, storage_options)
     labels = [t.columns["label"][i] for i in keep] if "label" in t.columns else [None] * len(keep)
     others = {c: [v[i] for i in keep] for c, v in t.columns.items() if c not in ("path", "label")}

@@ -78,6 +78,11 @@ class Backbone(nn.Module):
         """Each parameter's layer, 0 at the input, rising towards the output (layer-wise learning-rate decay)."""
         raise NotImplementedError
 
+    def no_weight_decay(self) -> set[str]:
+        """Names of parameters of more than one dimension that are not decayed with ``decay_norm_and_bias=False``
+        (a ViT's class token and position embeddings); none here."""
+        return set()
+
     def forward(self, x: Tensor, stages: Sequence[str] | None = None) -> list[Tensor]:  # pragma: no cover
         raise NotImplementedError
 

@@ -209,8 +209,9 @@ def param_groups(model: nn.Module, optim_cfg: Any, extra_new: Iterable[nn.Module
     ``params``, ``weight_decay`` (``optim_cfg.weight_decay``, or 0 in the ``*_no_decay``
     groups), ``lr_mult`` (``optim_cfg.new_param_lr_mult`` for new parameters, else 1) and
     ``name``. With ``decay_norm_and_bias=False`` every parameter of at most one dimension
-    (biases, BatchNorm and LayerNorm scales) goes to a ``*_no_decay`` group: only conv and
-    linear weights are decayed. Empty groups are left out.
+    (biases, BatchNorm and LayerNorm scales) goes to a ``*_no_decay`` group, and so do the backbone's
+    :meth:`~.backbones.Backbone.no_weight_decay` ones (a timm ViT's class token and position embeddings,
+    as timm's optimizer factory does): only conv and linear weights are decayed. Empty groups are left out.
 
     With ``optim_cfg.layer_decay = d`` the backbone groups are split by layer as well (named
     ``backbone.layer<i>`` and ``backbone_no_decay.layer<i>``): a parameter of layer ``i``
@@ -228,6 +229,8 @@ def param_groups(model: nn.Module, optim_cfg: Any, extra_new: Iterable[nn.Module
         ids = model.backbone.layer_ids()
         last = max(ids.values(), default=0)
         layer_of = {id(p): ids[n] for n, p in model.backbone.named_parameters()}
+    exempt_names = model.backbone.no_weight_decay()
+    exempt = {id(p) for n, p in model.backbone.named_parameters() if n in exempt_names}
     groups: dict[str, list[nn.Parameter]] = {}
     mults: dict[str, float] = {}
     seen: set[int] = set()
@@ -238,7 +241,7 @@ def param_groups(model: nn.Module, optim_cfg: Any, extra_new: Iterable[nn.Module
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            name = f"{section}_no_decay" if split and p.ndim <= 1 else section
+            name = f"{section}_no_decay" if split and (p.ndim <= 1 or id(p) in exempt) else section
             mult = float(optim_cfg.new_param_lr_mult) if section == "head" else 1.0
             if section == "backbone" and decay is not None:
                 layer = layer_of[id(p)]

@@ -26,6 +26,7 @@ it is convolutional), from the model built on the meta device (no memory, no wei
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import inspect
 import sys
@@ -178,6 +179,14 @@ class TimmBackbone(Backbone):
         ids = group_parameters(self.net, self.net.group_matcher(coarse=False), reverse=True)
         last = max(ids.values(), default=0)
         return {f"net.{n}": ids.get(n, last) for n, _ in self.net.named_parameters()}
+
+    def no_weight_decay(self) -> set[str]:
+        """The parameters matching the model's ``no_weight_decay()`` names (shell patterns, as timm's optimizer
+        factory reads them: a ViT's ``cls_token``, ``pos_embed``, ``reg_token``, ``dist_token``)."""
+        patterns = self.net.no_weight_decay() if hasattr(self.net, "no_weight_decay") else ()
+        return {
+            f"net.{n}" for n, _ in self.net.named_parameters() if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)
+        }
 
     def _output(self, final: Tensor, x: Tensor) -> Tensor:
         """``model.features`` of the final features (tokens ``B × N × C``, or a ``B × C × h × w`` map)."""

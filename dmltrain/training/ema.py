@@ -1,8 +1,14 @@
 """An exponential moving average of the model's weights (``train.ema_decay``), evaluated and exported in their place.
 
 After every optimizer step :meth:`WeightEMA.update` moves each float parameter's average towards the
-parameter: ``ema ← d·ema + (1 − d)·w``, starting from the weights as built (the pretrained ones). The
-average is kept in float32 whatever the engine's precision, so its small updates are not rounded away;
+parameter: ``ema ← d·ema + (1 − d)·w``, starting from the weights as built (the pretrained ones). With
+``warmup`` (``train.ema_warmup``, timm's ``ModelEmaV3(use_warmup=True)`` with its defaults) the ``t``-th update
+(``t = 1, 2, ...``) uses ``d_t = min(d, 1 − t^(−2/3))`` instead: the first copies the weights, 0.999 is reached
+after 31,623 updates, so a short run's average does not keep the weights as built (a new head's random ones:
+0.999^960 = 38% of them after 960 plain updates). The count is part of the saved state, so a resumed average
+goes on with the same ``d_t``.
+
+The average is kept in float32 whatever the engine's precision, so its small updates are not rounded away;
 under bf16 the ``w`` it averages are the engine's bf16 copies of the fp32 master weights. Buffers
 (BatchNorm statistics) are not averaged: the model's current ones are used. The average covers the
 engine's model, backbone and embedding head; the classifier rows are not part of it (nothing that is
@@ -27,21 +33,25 @@ from torch import Tensor, nn
 class WeightEMA:
     """The average of ``module``'s floating-point parameters with decay ``decay`` (see the module doc)."""
 
-    def __init__(self, module: nn.Module, decay: float):
+    def __init__(self, module: nn.Module, decay: float, warmup: bool = False):
         if not 0.0 < decay < 1.0:
             raise ValueError(f"ema decay must be in (0, 1), got {decay}")
-        self.module, self.decay = module, float(decay)
+        self.module, self.decay, self.warmup = module, float(decay), warmup
         self.params = {n: p for n, p in module.named_parameters() if p.is_floating_point()}
         self.shadow = {n: p.detach().float().clone() for n, p in self.params.items()}
         self.updates = 0
 
+    def decay_at(self, t: int) -> float:
+        """The decay of the ``t``-th update (1-based): ``d``, or with warm-up ``min(d, 1 − t^(−2/3))``."""
+        return min(self.decay, 1.0 - t ** (-2.0 / 3.0)) if self.warmup else self.decay
+
     @torch.no_grad()
     def update(self) -> None:
         """One step of the average, after the optimizer's step."""
-        d = self.decay
+        self.updates += 1
+        d = self.decay_at(self.updates)
         for name, p in self.params.items():
             self.shadow[name].lerp_(p.detach().float(), 1.0 - d)  # d·ema + (1 − d)·w
-        self.updates += 1
 
     def state_dict_of_module(self) -> dict[str, Tensor]:
         """``module.state_dict()`` with the averaged parameters (float32) in place of the trained ones."""

@@ -137,7 +137,7 @@ class Trainer:
             model = model.to(memory_format=torch.channels_last)
         self.engine, self.ds_config = build_engine(model, param_groups(model, cfg.optim), cfg, self.world)
         self.model = self.engine.module
-        self.ema = WeightEMA(self.model, t.ema_decay) if t.ema_decay is not None else None
+        self.ema = WeightEMA(self.model, t.ema_decay, t.ema_warmup) if t.ema_decay is not None else None
         self.input_dtype = autocast_dtype(t.precision) or torch.float32
         # the next batch is copied (or decoded and augmented) on a side stream while this one trains
         self.input = DeviceInput.from_config(

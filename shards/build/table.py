@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import io
 import os
+import posixpath
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -59,15 +60,22 @@ class Table:
         line = f" (line {i + 2})" if self.csv else ""
         return f"{self.name} row {i + 1}{line}, column {column}"
 
-    def resolve(self, raw: str) -> str:
-        """A path cell as what ingestion opens: a local absolute path, or a URL (``file://`` made local)."""
+    def resolve(self, raw: str, row: int) -> str:
+        """The path cell ``raw`` of row ``row`` (0-based) as what ingestion opens: a local absolute path, or a URL
+        (``file://`` made local). A relative path under a URL base is joined as a local one would be (``.`` and
+        ``..`` segments resolved); one climbing above the URL's bucket or host is refused in one line."""
         if is_url(raw):
             return Location(raw).root if raw.lower().startswith("file://") else raw
         p = Path(raw).expanduser()
         if p.is_absolute():
             return str(p)
         if is_url(self.base):
-            return f"{self.base}/{raw.lstrip('./') if raw.startswith('./') else raw}"
+            scheme, _, rest = self.base.partition("://")
+            root, _, folder = rest.partition("/")
+            joined = posixpath.normpath(posixpath.join(folder, raw))
+            if joined == ".." or joined.startswith("../"):
+                raise UserError(f"{self.where(row, 'path')}: {raw} climbs above {redact_url(f'{scheme}://{root}')}")
+            return f"{scheme}://{root}/{joined}"
         return str(Path(self.base, p))
 
 
@@ -193,7 +201,7 @@ def read_table(table: str | os.PathLike[str], storage_options: Mapping[str, Any]
         split = SPLITS.get(split_text.lower())
         if split is None:
             raise UserError(f"{t.where(i, 'split')}: unknown split {split_text!r} (train or test; val, validation)")
-        path = t.resolve(t.columns["path"][i])
+        path = t.resolve(t.columns["path"][i], i)
         if path in seen:
             raise UserError(f"{t.where(i, 'path')}: {path} is listed twice (also at row {seen[path] + 1})")
         seen[path] = i
