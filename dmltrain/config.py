@@ -170,10 +170,10 @@ class ClassifierLoss(Section):
         "whose rows are nearest the batch, see nearest_to, from an index refreshed every refresh_every steps) or mixed "
         "(nearest_share of them nearest, the rest uniform)",
     )
-    nearest_to: Literal["samples", "classes"] = Field(
-        "samples",
-        description="sampling hard/mixed: rank the classes by their best cosine to the batch's embeddings (samples: "
-        "the classes its samples score highest) or to the rows of the batch's classes (classes)",
+    nearest_to: Literal["classes", "samples"] = Field(
+        "classes",
+        description="sampling hard/mixed: rank the classes by their best cosine to the rows of the batch's classes "
+        "(classes) or to the batch's embeddings (samples: the classes its samples score highest)",
     )
     nearest_share: float = Field(
         0.5, ge=0.0, le=1.0, description="sampling mixed: the share of the drawn others taken by nearness"

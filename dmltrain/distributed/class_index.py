@@ -2,9 +2,9 @@
 every one of them is to a global batch: to its samples' embeddings, or to its classes' rows.
 
 ``loss.classifier.sampling: hard`` (or ``mixed``) draws, besides the batch's own classes, the classes
-nearest to the batch. ``nearest_to: samples`` (the default) ranks a class by its best cosine to any
-of the batch's embeddings: the classes its samples score highest, i.e. confuse themselves with.
-``nearest_to: classes`` ranks it by its best cosine to the rows of the batch's classes. The two differ
+nearest to the batch. ``nearest_to: classes`` (the default) ranks a class by its best cosine to the
+rows of the batch's classes; ``nearest_to: samples`` by its best cosine to any of the batch's
+embeddings: the classes its samples score highest, i.e. confuse themselves with. The two differ
 because a softmax pushes the rows of look-alike classes apart: on synthetic families (README), a
 trained full softmax's row nearest a class's is a sibling for 10 % of the classes, while a sample's
 highest wrong logit is a sibling's for 66 % of the samples. How near is the cosine of the normalised

@@ -101,8 +101,8 @@ STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # by loss.clas
 BACKENDS = ("auto", "torch", "triton")
 #: the class draw's modes (``loss.classifier.sampling``): uniform others, nearest others, or a share of each
 SAMPLING_MODES = ("uniform", "hard", "mixed")
-#: what the nearest classes are nearest to (``loss.classifier.nearest_to``): the batch's embeddings or its classes' rows
-NEAREST_TO = ("samples", "classes")
+#: what the nearest classes are nearest to (``loss.classifier.nearest_to``): the batch's classes' rows or its embeddings
+NEAREST_TO = ("classes", "samples")
 NORM_EPS = 1e-12
 #: classes per block of the W-independent weight initialisation
 _INIT_BLOCK = 1 << 16
@@ -434,8 +434,8 @@ class ShardedClassifier(nn.Module):
         sampling: the class draw with ``sample_ratio < 1``: ``uniform`` (NormSoftmax's), ``hard``
             (the classes nearest the batch, :mod:`~dmltrain.distributed.class_index`) or ``mixed``
             (``nearest_share`` of the others nearest, the rest uniform).
-        nearest_to: ``samples`` (a class is as near as its best cosine to the batch's embeddings) or
-            ``classes`` (to the rows of the batch's classes).
+        nearest_to: ``classes`` (a class is as near as its best cosine to the rows of the batch's
+            classes) or ``samples`` (to the batch's embeddings).
         refresh_every: steps between two snapshots of the rows in the nearness index.
         sampling_correction: the log-Q correction of the uniformly drawn classes' logits.
         drop_after, drop_angle: with sub-centers (``params.subcenters`` k > 1), from step ``drop_after``
@@ -478,7 +478,7 @@ class ShardedClassifier(nn.Module):
         init_std: float | None = None,
         deterministic: bool = False,
         sampling: str = "uniform",
-        nearest_to: str = "samples",
+        nearest_to: str = "classes",
         nearest_share: float = 0.5,
         refresh_every: int = 100,
         sampling_correction: bool = False,
