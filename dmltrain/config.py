@@ -167,8 +167,13 @@ class ClassifierLoss(Section):
     sampling: Literal["uniform", "hard", "mixed"] = Field(
         "uniform",
         description="with sample_ratio < 1, the classes besides the batch's: uniform (NormSoftmax's draw), hard (those "
-        "whose rows are nearest the batch's classes, from an index refreshed every refresh_every steps) or mixed "
+        "whose rows are nearest the batch, see nearest_to, from an index refreshed every refresh_every steps) or mixed "
         "(nearest_share of them nearest, the rest uniform)",
+    )
+    nearest_to: Literal["classes", "samples"] = Field(
+        "classes",
+        description="sampling hard/mixed: rank the classes by their best cosine to the rows of the batch's classes "
+        "(classes) or to the batch's embeddings (samples: the classes its samples score highest)",
     )
     nearest_share: float = Field(
         0.5, ge=0.0, le=1.0, description="sampling mixed: the share of the drawn others taken by nearness"

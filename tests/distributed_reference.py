@@ -143,24 +143,36 @@ def reference_index(weight: Tensor) -> tuple[list, list]:
     return codes, scales
 
 
-def reference_nearness(weight: Tensor, batch_labels) -> list[float]:
+def reference_nearness(weight: Tensor, batch_labels, embeddings: Tensor | None = None) -> list[float]:
     """Every class's nearness to the batch: its largest index cosine to a batch sample's class, over
-    every pair of sub-centers (whole-number dot products, then the two fp32 scale products)."""
+    every pair of sub-centers (whole-number dot products, then the two fp32 scale products); with
+    ``embeddings`` (the batch as the loss sees it), to a sample's embedding, quantised as a row is."""
     codes, scales = reference_index(weight)
+    if embeddings is None:
+        queries = [(q, s) for b in batch_labels for q, s in zip(codes[b], scales[b])]
+    else:
+        q_codes, q_scales = reference_index(embeddings)
+        queries = [(q[0], s[0]) for q, s in zip(q_codes, q_scales)]
     out = []
     for c in range(len(codes)):
         best = -math.inf
-        for b in batch_labels:
-            for qb, sb in zip(codes[b], scales[b]):
-                for qc, sc in zip(codes[c], scales[c]):
-                    dot = float(sum(i * j for i, j in zip(qb, qc)))
-                    best = max(best, _f32(_f32(dot * sb) * sc))
+        for qb, sb in queries:
+            for qc, sc in zip(codes[c], scales[c]):
+                dot = float(sum(i * j for i, j in zip(qb, qc)))
+                best = max(best, _f32(_f32(dot * sb) * sc))
         out.append(best)
     return out
 
 
 def reference_hard_draw(
-    num_classes: int, batch_labels, sample_ratio: float, seed: int, step: int, weight: Tensor, share: float
+    num_classes: int,
+    batch_labels,
+    sample_ratio: float,
+    seed: int,
+    step: int,
+    weight: Tensor,
+    share: float,
+    embeddings: Tensor | None = None,
 ) -> tuple[list[int], dict[int, float]]:
     """(sorted class ids of the step's softmax, each uniformly drawn class's log-Q offset): every batch
     class, ``H = round(share × E)`` of the others nearest the batch (ties to the smaller id), then the
@@ -169,7 +181,7 @@ def reference_hard_draw(
     total = max(len(batch), min(num_classes, int(sample_ratio * num_classes + 0.5)))
     E = total - len(batch)
     H = int(math.floor(E * share + 0.5))
-    near = reference_nearness(weight, [int(c) for c in batch_labels])
+    near = reference_nearness(weight, [int(c) for c in batch_labels], embeddings)
     others = [c for c in range(num_classes) if c not in set(batch)]
     hard = sorted(others, key=lambda c: (-near[c], c))[:H]
     rest = sorted(

@@ -276,15 +276,16 @@ def _hard_checks(rank, W):
     report = {}
     x_full, y_full = _global_batch(seed=8)
     cases = [
-        ("hard normsoftmax", "hard", 1.0, False, "normsoftmax", {"temperature": 0.1}),
-        ("mixed arcface, 2 sub-centers, corrected", "mixed", 0.5, True, "arcface", {"scale": 16.0, "margin": 0.5, "subcenters": 2}),
+        ("hard normsoftmax, nearest the samples", "hard", 1.0, False, "normsoftmax", {"temperature": 0.1}, "samples"),
+        ("mixed arcface, 2 sub-centers, corrected, nearest the classes", "mixed", 0.5, True, "arcface",
+         {"scale": 16.0, "margin": 0.5, "subcenters": 2}, "classes"),
     ]  # fmt: skip
-    for name, mode, share, corr, kind, params in cases:
+    for name, mode, share, corr, kind, params, near in cases:
         k = params.get("subcenters", 1)
         g = torch.Generator().manual_seed(9)
         w_full = torch.randn(C, k, D, generator=g) if k > 1 else torch.randn(C, D, generator=g)
         clf = ShardedClassifier(C, D, kind, sample_ratio=0.6, seed=7, sampling=mode, nearest_share=share,
-                                sampling_correction=corr, **params)  # fmt: skip
+                                sampling_correction=corr, nearest_to=near, **params)  # fmt: skip
         clf.load_full_weight(w_full)
         x = _local(x_full, rank, W).requires_grad_(True)
         loss = clf(x, _local(y_full, rank, W), step=4)
@@ -293,7 +294,8 @@ def _hard_checks(rank, W):
         active = all_gather_uneven(ids)[0]
         offs = all_gather_uneven(clf._active.offsets[: ids.numel()])[0] if corr else None
         x_grad, w_grad = all_gather_uneven(x.grad)[0], clf.gather_rows_all(clf.weight.grad)
-        want, want_offs = reference_hard_draw(C, y_full.tolist(), 0.6, 7, 4, w_full, share)
+        queries = torch.nn.functional.normalize(x_full, dim=1) if near == "samples" else None
+        want, want_offs = reference_hard_draw(C, y_full.tolist(), 0.6, 7, 4, w_full, share, queries)
         entry = {
             "local part": ids.tolist() == [c for c in want if clf.class_start <= c < clf.class_end],
             "global set": sorted(active.tolist()) == want,
@@ -345,6 +347,8 @@ def _empty_shard_checks(rank, W):
     y_full = torch.arange(16) % 2
     cases = [
         ("hard normsoftmax", "normsoftmax", {"temperature": 0.1}, {"sample_ratio": 0.5, "sampling": "hard"}),
+        ("hard normsoftmax, nearest the samples", "normsoftmax", {"temperature": 0.1},
+         {"sample_ratio": 0.5, "sampling": "hard", "nearest_to": "samples"}),
         ("cosface 2 sub-centers, dropping from step 0", "cosface", {"scale": 16.0, "margin": 0.2, "subcenters": 2},
          {"drop_after": 0, "drop_angle": 80.0}),
     ]  # fmt: skip

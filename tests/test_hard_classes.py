@@ -24,23 +24,31 @@ def _batch(C, D, B=20, seed=0, dtype=torch.float32):
 
 # -- the draw ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "mode,share,ratio,k",
-    [("hard", 1.0, 0.3, 1), ("mixed", 0.5, 0.3, 2), ("mixed", 0.25, 0.1, 1)],  # 0.1: fewer than the batch
+    "mode,share,ratio,k,near",
+    [
+        ("hard", 1.0, 0.3, 1, "samples"),
+        ("hard", 1.0, 0.3, 2, "samples"),
+        ("hard", 1.0, 0.3, 1, "classes"),
+        ("mixed", 0.5, 0.3, 2, "classes"),
+        ("mixed", 0.25, 0.1, 1, "samples"),  # 0.1: fewer than the batch
+    ],
 )
-def test_hard_and_mixed_draws_equal_the_brute_force_reference(mode, share, ratio, k):
+def test_hard_and_mixed_draws_equal_the_brute_force_reference(mode, share, ratio, k, near):
     """The drawn classes are the reference's (every batch class, the nearest others by the index's exact
-    cosines, then uniform ones by key), ``target_total`` of them, the uniform ones with their log-Q offset;
-    the same call draws the same again, another step or seed draws others."""
+    cosines to the batch's embeddings or its classes' rows, then uniform ones by key), ``target_total`` of
+    them, the uniform ones with their log-Q offset; the same call draws the same again, another step or seed
+    draws others."""
     C, D = 61, 8
     clf = ShardedClassifier(C, D, "cosface", sample_ratio=ratio, sampling=mode, nearest_share=share, seed=5,
-                            sampling_correction=True, subcenters=k)  # fmt: skip
+                            sampling_correction=True, subcenters=k, nearest_to=near)  # fmt: skip
     w = clf.full_weight()
     for step in (0, 3):
         x, y = _batch(C, D, B=12, seed=step)
         with torch.no_grad():
             clf(x, y, step=step)
         got = clf.active_class_ids.tolist()
-        want, offsets = reference_hard_draw(C, y.tolist(), ratio, 5, step, w, share)
+        queries = torch.nn.functional.normalize(x, dim=1) if near == "samples" else None
+        want, offsets = reference_hard_draw(C, y.tolist(), ratio, 5, step, w, share, queries)
         assert got == want, f"{mode} step {step}"
         assert len(got) == target_total(C, len(set(y.tolist())), ratio)
         assert set(y.tolist()) <= set(got)

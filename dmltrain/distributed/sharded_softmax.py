@@ -13,8 +13,8 @@ The algorithm, top to bottom in this file (:meth:`ShardedClassifier.forward`, th
 2. **Draw.** With ``sample_ratio < 1`` the shard takes its active rows from the step's class draw
    (:func:`~dmltrain.distributed.class_sampling.draw_active`: every class of the global batch plus
    uniformly drawn others, ``round(ratio × C)`` in all, computed on the device; with ``sampling``
-   ``hard`` or ``mixed`` all or part of the others are the classes nearest the batch's, from the
-   nearness index of :mod:`~dmltrain.distributed.class_index`, and with ``sampling_correction`` the
+   ``hard`` or ``mixed`` all or part of the others are the classes nearest the batch (its
+   embeddings, or its classes' rows), from the nearness index of :mod:`~dmltrain.distributed.class_index`, and with ``sampling_correction`` the
    uniformly drawn ones carry their log-Q offsets).
 3. **Targets.** Each sample whose class this shard holds among its active rows gets its column
    (:func:`_targets`); its target logit, with the kind's margin (:mod:`~dmltrain.losses.kinds`),
@@ -102,6 +102,8 @@ STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # by loss.clas
 BACKENDS = ("auto", "torch", "triton")
 #: the class draw's modes (``loss.classifier.sampling``): uniform others, nearest others, or a share of each
 SAMPLING_MODES = ("uniform", "hard", "mixed")
+#: what the nearest classes are nearest to (``loss.classifier.nearest_to``): the batch's classes' rows or its embeddings
+NEAREST_TO = ("classes", "samples")
 NORM_EPS = 1e-12
 #: classes per block of the W-independent weight initialisation
 _INIT_BLOCK = 1 << 16
@@ -432,8 +434,10 @@ class ShardedClassifier(nn.Module):
         deterministic: fused path: the two-kernel backward, bit-identical run to run (the
             default's atomics agree to fp32 rounding only); the torch path always is.
         sampling: the class draw with ``sample_ratio < 1``: ``uniform`` (NormSoftmax's), ``hard``
-            (the classes nearest the batch's, :mod:`~dmltrain.distributed.class_index`) or ``mixed``
+            (the classes nearest the batch, :mod:`~dmltrain.distributed.class_index`) or ``mixed``
             (``nearest_share`` of the others nearest, the rest uniform).
+        nearest_to: ``classes`` (a class is as near as its best cosine to the rows of the batch's
+            classes) or ``samples`` (to the batch's embeddings).
         refresh_every: steps between two snapshots of the rows in the nearness index.
         sampling_correction: the log-Q correction of the uniformly drawn classes' logits.
         drop_after, drop_angle: with sub-centers (``params.subcenters`` k > 1), from step ``drop_after``
@@ -476,6 +480,7 @@ class ShardedClassifier(nn.Module):
         init_std: float | None = None,
         deterministic: bool = False,
         sampling: str = "uniform",
+        nearest_to: str = "classes",
         nearest_share: float = 0.5,
         refresh_every: int = 100,
         sampling_correction: bool = False,
@@ -502,6 +507,10 @@ class ShardedClassifier(nn.Module):
             raise ValueError(
                 f"ShardedClassifier: sampling must be one of {', '.join(SAMPLING_MODES)}, got {sampling!r}"
             )
+        if nearest_to not in NEAREST_TO:
+            raise ValueError(
+                f"ShardedClassifier: nearest_to must be one of {', '.join(NEAREST_TO)}, got {nearest_to!r}"
+            )
         if not 0.0 <= nearest_share <= 1.0:
             raise ValueError(f"ShardedClassifier: nearest_share must be in [0, 1], got {nearest_share}")
         if refresh_every < 1:
@@ -515,6 +524,7 @@ class ShardedClassifier(nn.Module):
                              "it needs params.subcenters >= 2")  # fmt: skip
         self.sampling, self.refresh_every = sampling, int(refresh_every)
         self.nearest_share = 1.0 if sampling == "hard" else float(nearest_share)
+        self.nearest_to = nearest_to
         self.sampling_correction = bool(sampling_correction)
         self.drop_after = None if drop_after is None else int(drop_after)
         self.drop_cos = math.cos(math.radians(drop_angle))
@@ -650,7 +660,7 @@ class ShardedClassifier(nn.Module):
             x = F.normalize(x, dim=1)
         x_g = gather_with_grad(x, self.group, sizes)
         self._step = int(step)
-        active = None if full else self._draw(labels_g, int(step))
+        active = None if full else self._draw(labels_g, int(step), x_g)
         self._active = active
         if N == 0:
             self.stats = {"loss": 0.0, "active_rows": float(self._num_active()), "active_classes": 0.0}
@@ -659,14 +669,15 @@ class ShardedClassifier(nn.Module):
         need_grad = torch.is_grad_enabled() and (x_g.requires_grad or any(p.requires_grad for p in params))
         return _ShardedSoftmax.apply(x_g, weight, bias, self, labels_g, active, need_grad, train and need_grad)
 
-    def _draw(self, labels_g: Tensor, step: int) -> ActiveRows | None:
-        """This shard's rows in step ``step``'s softmax (None: all of them)."""
+    def _draw(self, labels_g: Tensor, step: int, x_g: Tensor) -> ActiveRows | None:
+        """This shard's rows in step ``step``'s softmax (None: all of them); ``x_g``: the gathered batch."""
         if round_total(self.num_classes, self.sample_ratio) >= self.num_classes:
             return None
         nearest = None
         if self.sampling != "uniform":
             index = self.nearness_index(step)
-            nearest = nearest_keys(index, labels_g, self.class_start, id_bits(self.num_classes), self.group)
+            queries = x_g if self.nearest_to == "samples" else None
+            nearest = nearest_keys(index, labels_g, self.class_start, id_bits(self.num_classes), self.group, queries)
         return draw_active(labels_g, self.partition, self.sample_ratio, self.seed, step, self.group, nearest,
                            self.nearest_share, self.sampling_correction)  # fmt: skip
 

@@ -66,6 +66,7 @@ class Objective(nn.Module):
                 init_std=c.init_std,
                 deterministic=c.deterministic,
                 sampling=c.sampling,
+                nearest_to=c.nearest_to,
                 nearest_share=c.nearest_share,
                 refresh_every=c.refresh_every,
                 sampling_correction=c.sampling_correction,
