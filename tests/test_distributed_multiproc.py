@@ -337,6 +337,15 @@ def _reference_keep(counts, x_full, y_full, w_full, extra, step):
     return keep
 
 
+def _step_errors(step, loss, ref, weight_grads, embedding_grads) -> dict[str, float]:
+    """A step's relative errors against the float64 reference: the loss, and the (got, want) gradient pairs."""
+    return {
+        f"loss {step}": rel_err(float(loss.detach()), float(ref.detach())),
+        f"weight grad {step}": rel_err(*weight_grads),
+        f"embedding grad {step}": rel_err(*embedding_grads),
+    }
+
+
 def _empty_shard_checks(rank, W):
     """2 classes: at W = 3 and 4 some shards own none, and still join every collective of a hard draw (the
     nearness index's all-reduce) and of sub-centers dropping samples from step 0 (the drops in the combine's
@@ -375,13 +384,7 @@ def _empty_shard_checks(rank, W):
             xr, wr = x_full.double().requires_grad_(True), w_full.double().requires_grad_(True)
             ref = dense_classifier_loss(xr, y_full, wr, None, kind, clf.params, keep=keep)
             ref.backward()
-            entry["err"].update(
-                {
-                    f"loss {step}": rel_err(float(loss.detach()), float(ref.detach())),
-                    f"weight grad {step}": rel_err(w_grad, wr.grad),
-                    f"embedding grad {step}": rel_err(x_grad, xr.grad),
-                }
-            )
+            entry["err"].update(_step_errors(step, loss, ref, (w_grad, wr.grad), (x_grad, xr.grad)))
         report[name] = entry
     return report
 
@@ -425,13 +428,7 @@ def _subcenter_checks(rank, W):
             act = None if ratio >= 1 else torch.sort(active).values
             ref = dense_classifier_loss(xr, y_full, wr, None, kind, clf.params, act, keep=keep)
             ref.backward()
-            entry["err"].update(
-                {
-                    f"loss {step}": rel_err(float(loss.detach()), float(ref.detach())),
-                    f"weight grad {step}": rel_err(w_grad, wr.grad),
-                    f"embedding grad {step}": rel_err(x_grad, xr.grad),
-                }
-            )
+            entry["err"].update(_step_errors(step, loss, ref, (w_grad, wr.grad), (x_grad, xr.grad)))
         report[name] = entry
     return report
 
