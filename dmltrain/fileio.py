@@ -53,6 +53,15 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def read_json(path: str | os.PathLike[str], what: str = "") -> Any:
+    """The JSON document at ``path``; one line :class:`UserError` (``<path>: unreadable <what> (<why>)``) if it
+    cannot be read or parsed."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: unreadable {what + ' ' if what else ''}({e})") from None
+
+
 def check_output_dir(path: str | os.PathLike[str], what: str, *, min_free_mb: float = MIN_FREE_MB) -> Path:
     """Refuse, before any work, an output folder that cannot take the output; returns ``path``.
 

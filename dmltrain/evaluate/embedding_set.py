@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from dmltrain.errors import UserError
-from dmltrain.fileio import atomic_path, write_json
+from dmltrain.fileio import atomic_path, read_json, write_json
 
 FORMAT = "dmltrain.embeddings"
 VERSION = 1
@@ -79,10 +79,7 @@ def load_embedding_set(path: str | os.PathLike[str]) -> EmbeddingSet:
     if not info_path.is_file():
         more = " (an interrupted embed: rerun it with --resume)" if (folder / CHUNKS).is_dir() else ""
         raise UserError(f"{info_path}: not found; not a folder written by dmltrain embed{more}")
-    try:
-        info = json.loads(info_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{info_path}: unreadable ({e})") from None
+    info = read_json(info_path)
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise UserError(f"{info_path}: not a {FORMAT} file")
     emb = _npy(folder / EMBEDDINGS, mmap=True)
@@ -132,7 +129,7 @@ class ChunkedWriter:
             raise UserError(f"{self.folder}: not empty; choose an empty or new --out")
         plan_path = self.chunks / PLAN
         if resume and plan_path.is_file():
-            old = json.loads(plan_path.read_text())
+            old = read_json(plan_path)
             diff = next((k for k in sorted(set(old) | set(self.plan)) if old.get(k) != self.plan.get(k)), None)
             if diff is not None:
                 raise UserError(

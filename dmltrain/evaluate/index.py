@@ -21,7 +21,6 @@ recorded, to serve as the queries of :func:`evaluate_index`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -34,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from dmltrain.errors import UserError
-from dmltrain.fileio import atomic_path, write_json
+from dmltrain.fileio import atomic_path, read_json, write_json
 
 KINDS = ("flat", "ivf-pq", "hnsw")
 FORMAT = "dmltrain.index"
@@ -201,10 +200,7 @@ def load_index(folder: str | os.PathLike[str]) -> SavedIndex:
     info_path = folder / INFO_FILE
     if not info_path.is_file():
         raise UserError(f"{info_path}: not found; not a folder written by dmltrain index build")
-    try:
-        info = json.loads(info_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{info_path}: unreadable ({e})") from None
+    info = read_json(info_path)
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise UserError(f"{info_path}: not a {FORMAT} file")
     reader = faiss.read_index_binary if info.get("params", {}).get("binary") else faiss.read_index

@@ -23,14 +23,13 @@ the key in every error.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from dmltrain.errors import UserError
-from dmltrain.fileio import write_json
+from dmltrain.fileio import read_json, write_json
 from shards.decode.transforms import PixelNorm
 
 FORMAT = "dmltrain.serving-contract"
@@ -173,8 +172,5 @@ def load_contract(path: str | os.PathLike[str]) -> Contract:
         p = contract_path(p)
     if not p.is_file():
         raise UserError(f"{p}: contract not found (dmltrain export writes it beside the model file)")
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{p}: unreadable contract ({e})") from None
+    data = read_json(p, "contract")
     return Contract.from_json(data, str(p))
