@@ -41,6 +41,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def one_process_group(monkeypatch):
+    """A one-process gloo group on the CPU for a DeepSpeed engine at W = 1, ended through DeepSpeed afterwards."""
+    from multiproc import end_process_group
+
+    from dmltrain.distributed.process_group import ensure_process_group
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    ensure_process_group()
+    yield
+    end_process_group()
+
+
+@pytest.fixture
 def read_only_dir(tmp_path):
     """A folder nothing can be created in, for root too (root ignores permission bits: the folder is made immutable)."""
     d = tmp_path / "read-only"

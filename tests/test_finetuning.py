@@ -16,7 +16,6 @@ import os
 import pytest
 import torch
 from distributed_reference import dense_classifier_loss, rel_err
-from multiproc import end_process_group
 
 from dmltrain.config import load_config
 from dmltrain.errors import UserError
@@ -86,17 +85,6 @@ def _accumulating_worker(rank: int, world: int) -> dict:
     out["weight_after"] = clf.full_weight()
     out["params_after"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     return out
-
-
-@pytest.fixture
-def one_process_group(monkeypatch):
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    from dmltrain.distributed.process_group import ensure_process_group
-
-    ensure_process_group()
-    yield
-    end_process_group()
 
 
 def test_accumulation_equals_one_big_batch_in_one_process(one_process_group):

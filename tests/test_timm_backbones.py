@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from multiproc import end_process_group
 
 from dmltrain.config import load_config
 from dmltrain.errors import ConfigError, UserError
@@ -191,17 +190,6 @@ def test_timm_weights_load_from_a_file_and_the_local_hugging_face_cache(tmp_path
         assert main(["train", str(DEMO), *args]) == 2, bad
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("dmltrain: error: model.pretrained") and text in err[0], err
-
-
-@pytest.fixture
-def one_process_group(monkeypatch):
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    from dmltrain.distributed.process_group import ensure_process_group
-
-    ensure_process_group()
-    yield
-    end_process_group()
 
 
 def test_convnext_trains_evaluates_and_exports(tmp_path, one_process_group):

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from multiproc import end_process_group
 
 from dmltrain.config import load_config
 from dmltrain.errors import UserError
@@ -372,17 +371,6 @@ def _train_two_steps(engine, head) -> None:
         engine.backward(loss)
         engine.step()
         head.step()
-
-
-@pytest.fixture
-def one_process_group(monkeypatch):
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    from dmltrain.distributed.process_group import ensure_process_group
-
-    ensure_process_group()
-    yield
-    end_process_group()
 
 
 def test_checkpointer_restores_engine_head_rngs_and_position(tmp_path, one_process_group):
