@@ -122,6 +122,19 @@ def _valid_columns(count_ptr, c0, K, HAS_COUNT: tl.constexpr):
 
 
 @triton.jit
+def _chunk_rows(rows_ptr, count_ptr, c0, K, HAS_ROWS: tl.constexpr, HAS_COUNT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """This program's ``BLOCK_R`` columns of the chunk at ``c0``: their offsets, which take part, and their rows
+    of the weight (``rows[c0 + offs]``, or the columns themselves without an active-row list)."""
+    offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask = offs < _valid_columns(count_ptr, c0, K, HAS_COUNT)
+    if HAS_ROWS:
+        r = tl.load(rows_ptr + c0 + offs, mask=mask, other=0).to(tl.int64)
+    else:
+        r = (c0 + offs).to(tl.int64)
+    return offs, mask, r
+
+
+@triton.jit
 def _logits(
     x_ptr,
     w_ptr,
@@ -198,12 +211,7 @@ def _copy_rows_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """Active columns ``c0 … c0+K−1``: their rows (normalised, with ``1/‖w‖``) or rows and biases, dense."""
-    offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask = offs < _valid_columns(count_ptr, c0, K, HAS_COUNT)
-    if HAS_ROWS:
-        r = tl.load(rows_ptr + c0 + offs, mask=mask, other=0).to(tl.int64)
-    else:
-        r = (c0 + offs).to(tl.int64)
+    offs, mask, r = _chunk_rows(rows_ptr, count_ptr, c0, K, HAS_ROWS, HAS_COUNT, BLOCK_R)
     src = w_ptr + r[:, None] * D
     dst = out_ptr + offs.to(tl.int64)[:, None] * D
     if NORMALIZED:
@@ -455,12 +463,7 @@ def _rows_out_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """Rows' gradients from the scratch (``h``, ``red``) into ``.grad`` at the active rows."""
-    offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask = offs < _valid_columns(count_ptr, c0, K, HAS_COUNT)
-    if HAS_ROWS:
-        r = tl.load(rows_ptr + c0 + offs, mask=mask, other=0).to(tl.int64)
-    else:
-        r = (c0 + offs).to(tl.int64)
+    offs, mask, r = _chunk_rows(rows_ptr, count_ptr, c0, K, HAS_ROWS, HAS_COUNT, BLOCK_R)
     red = tl.load(red_ptr + offs, mask=mask, other=0.0)
     if WRITE_B:
         gb = red
