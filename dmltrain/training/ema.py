@@ -50,8 +50,10 @@ class WeightEMA:
         """One step of the average, after the optimizer's step."""
         self.updates += 1
         d = self.decay_at(self.updates)
-        for name, p in self.params.items():
-            self.shadow[name].lerp_(p.detach().float(), 1.0 - d)  # d·ema + (1 − d)·w
+        # one fused launch for every parameter (timm's ModelEmaV3 does the same), not one per tensor
+        shadows = [self.shadow[n] for n in self.params]
+        weights = [p.detach() if p.dtype == torch.float32 else p.detach().float() for p in self.params.values()]
+        torch._foreach_lerp_(shadows, weights, 1.0 - d)  # d·ema + (1 − d)·w
 
     def state_dict_of_module(self) -> dict[str, Tensor]:
         """``module.state_dict()`` with the averaged parameters (float32) in place of the trained ones."""

@@ -268,7 +268,8 @@ class Trainer:
         embeddings = engine(images)
         if self.nan_at == st.step + 1:  # fault injection (tests): a diverged step
             embeddings = embeddings * float("nan")
-        if self.objective.probe_due(st.step):  # the price of class subsampling, its time kept out of the step's
+        # the price of class subsampling, on a step's first micro-batch, its time kept out of the step's
+        if self._micro == 0 and self.objective.probe_due(st.step):
             with timer.aside(sync=True):
                 self.objective.probe(embeddings, labels, st.step)
         # every micro-batch of a step draws the same classes (seed, step) besides its own

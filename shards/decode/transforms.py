@@ -64,12 +64,12 @@ class PixelNorm:
             tuple(float(v) for v in std) if std is not None else IMAGENET_STD,
         )
 
-    @property
+    @functools.cached_property  # read for every erased image
     def erase_rgb(self) -> np.ndarray:
         """RandomErasing's value 0 after normalization is the mean colour: its nearest 8-bit pixel."""
         return np.array([round(255 * m) for m in self.mean], np.uint8)
 
-    @property
+    @functools.cached_property  # read for every erased image
     def erase_gray(self) -> np.uint8:
         """The mean colour's 8-bit luminance (the erase value of grayscale images)."""
         return np.uint8(round(255 * sum(w * m for w, m in zip(LUMA, self.mean))))
