@@ -102,7 +102,7 @@ def parse_ratios(text: str) -> list[float]:
     return sorted(set(out), reverse=True)
 
 
-SAMPLING_MODES = ("uniform", "hard", "mixed")  # loss.classifier.sampling
+SAMPLING_MODES = ("uniform", "hard", "mixed", "proportional")  # loss.classifier.sampling
 
 
 def parse_sampling(text: str | None) -> list[str] | None:

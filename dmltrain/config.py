@@ -164,26 +164,31 @@ class ClassifierLoss(Section):
         "lr·|g|/|w|²); pytorch-metric-learning's NormalizedSoftmaxLoss starts at 1",
     )
 
-    sampling: Literal["uniform", "hard", "mixed"] = Field(
+    sampling: Literal["uniform", "hard", "mixed", "proportional"] = Field(
         "uniform",
         description="with sample_ratio < 1, the classes besides the batch's: uniform (NormSoftmax's draw), hard (those "
         "whose rows are nearest the batch, see nearest_to, from an index refreshed every refresh_every steps) or mixed "
-        "(nearest_share of them nearest, the rest uniform)",
+        "(nearest_share of them nearest, the rest uniform) or proportional (drawn in proportion to exp of the logit their "
+        "nearness makes, each with the log of its inclusion probability subtracted from its logit: the sampled loss "
+        "then estimates the full softmax's; runs the torch backend)",
     )
     nearest_to: Literal["classes", "samples"] = Field(
         "classes",
-        description="sampling hard/mixed: rank the classes by their best cosine to the rows of the batch's classes "
+        description="sampling hard/mixed/proportional: rank the classes by their best cosine to the rows of the batch's classes "
         "(classes) or to the batch's embeddings (samples: the classes its samples score highest)",
     )
     nearest_share: float = Field(
         0.5, ge=0.0, le=1.0, description="sampling mixed: the share of the drawn others taken by nearness"
     )
     refresh_every: int = Field(
-        100, ge=1, description="sampling hard/mixed: steps between two snapshots of the rows in the nearness index"
+        100,
+        ge=1,
+        description="sampling hard/mixed/proportional: steps between two snapshots of the rows in the nearness index",
     )
     sampling_correction: bool = Field(
         False,
-        description="log-Q correction of the uniformly drawn classes' logits: the sampled loss then estimates the "
+        description="log-Q correction of the uniformly drawn classes' logits (uniform, mixed; proportional always "
+        "corrects): the sampled loss then estimates the "
         "full softmax's (consistently); runs the torch backend",
     )
     probe_every: int = Field(
@@ -214,7 +219,11 @@ class ClassifierLoss(Section):
             raise ValueError(
                 "loss.classifier.drop_after: drops samples far from their class's dominant sub-center; it needs params.subcenters >= 2"
             )
-        fallback = "sub-centers" if subcenters != 1 else "log-Q correction" if self.sampling_correction else None
+        fallback = (
+            "sub-centers" if subcenters != 1
+            else "log-Q correction" if self.sampling_correction or self.sampling == "proportional"
+            else None
+        )  # fmt: skip
         if fallback:  # the torch backend computes in fp32 with an fp32 weight
             if self.weight_storage != "fp32":
                 raise ValueError(

@@ -191,3 +191,33 @@ def reference_hard_draw(
     pool = num_classes - len(batch) - H
     offsets = {c: math.log(pool / len(uniform)) for c in uniform}
     return sorted(batch + hard + uniform), offsets
+
+
+def reference_proportional_draw(
+    num_classes: int,
+    batch_labels,
+    sample_ratio: float,
+    seed: int,
+    step: int,
+    weight: Tensor,
+    scale: float,
+    embeddings: Tensor | None = None,
+) -> tuple[list[int], dict[int, float]]:
+    """(sorted class ids of the step's softmax, each drawn other's offset): every batch class, then the
+    ``E`` others of largest ``w + g`` (Gumbel top-E: a draw without replacement in proportion to ``exp w``),
+    ``w = scale × nearness`` and ``g = −log(−log u)`` with ``u`` the class's 32 hashed key bits over 2³²;
+    each drawn other's offset is ``−log(1 − exp(−exp(w − κ)))``, ``κ`` the ``(E+1)``-th largest ``w + g``."""
+    batch = sorted({int(c) for c in batch_labels})
+    total = max(len(batch), min(num_classes, int(sample_ratio * num_classes + 0.5)))
+    E = total - len(batch)
+    near = reference_nearness(weight, [int(c) for c in batch_labels], embeddings)
+    bits = max(1, (num_classes - 1).bit_length())
+    logw, perturbed = {}, {}
+    for c in range(num_classes):
+        u = ((reference_class_key(c, num_classes, seed, step) >> bits) + 0.5) / 2.0**32
+        logw[c] = _f32(near[c] * scale)
+        perturbed[c] = _f32(logw[c] + _f32(-math.log(-math.log(u))))
+    others = sorted((c for c in range(num_classes) if c not in set(batch)), key=lambda c: (-perturbed[c], c))
+    kappa = perturbed[others[E]]
+    offsets = {c: -math.log(-math.expm1(-math.exp(logw[c] - kappa))) for c in others[:E]}
+    return sorted(batch + others[:E]), offsets

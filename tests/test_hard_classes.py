@@ -11,10 +11,11 @@ import math
 
 import pytest
 import torch
-from distributed_reference import dense_classifier_loss, reference_hard_draw
+from distributed_reference import dense_classifier_loss, reference_hard_draw, reference_proportional_draw
 
 from dmltrain.distributed import ClassifierHead, ShardedClassifier
-from dmltrain.distributed.class_sampling import target_total
+from dmltrain.distributed.class_partition import ClassPartition
+from dmltrain.distributed.class_sampling import draw_active, target_total
 
 
 def _batch(C, D, B=20, seed=0, dtype=torch.float32):
@@ -60,6 +61,55 @@ def test_hard_and_mixed_draws_equal_the_brute_force_reference(mode, share, ratio
     with torch.no_grad():
         clf(x, y, step=4)
     assert clf.active_class_ids.tolist() != got or not offsets, "the uniform part changes with the step"
+
+
+@pytest.mark.parametrize("k,near", [(1, "samples"), (2, "samples"), (1, "classes")])
+def test_proportional_draws_equal_the_brute_force_reference(k, near):
+    """The drawn classes are the reference's Gumbel top-E (every batch class, then the others of largest
+    logit-scaled nearness plus Gumbel noise from their key), each drawn other with its inclusion offset;
+    the same call draws the same again, the next step draws others."""
+    C, D = 61, 8
+    clf = ShardedClassifier(C, D, "cosface", sample_ratio=0.3, sampling="proportional", seed=5, subcenters=k,
+                            nearest_to=near, scale=8.0)  # fmt: skip
+    w = clf.full_weight()
+    for step in (0, 3):
+        x, y = _batch(C, D, B=12, seed=step)
+        with torch.no_grad():
+            clf(x, y, step=step)
+        got = clf.active_class_ids.tolist()
+        queries = torch.nn.functional.normalize(x, dim=1) if near == "samples" else None
+        want, offsets = reference_proportional_draw(C, y.tolist(), 0.3, 5, step, w, 8.0, queries)
+        assert got == want, f"step {step}"
+        assert len(got) == target_total(C, len(set(y.tolist())), 0.3)
+        offs = {c: float(o) for c, o in zip(got, clf._active.offsets[: len(got)])}
+        assert all(offs[c] == 0 for c in set(y.tolist())), "the batch's classes are in for sure"
+        assert all(abs(offs[c] - o) < 1e-5 * max(1.0, o) for c, o in offsets.items()), step
+        with torch.no_grad():
+            clf(x, y, step=step)
+        assert clf.active_class_ids.tolist() == got, "a function of (seed, step, batch, index)"
+    with torch.no_grad():
+        clf(x, y, step=4)
+    assert clf.active_class_ids.tolist() != got
+
+
+def test_the_proportional_draws_offsets_make_an_unbiased_estimate_of_the_other_classes_mass():
+    """Over many steps, the drawn others' ``exp(z + offset)`` sum on average to all the others' ``exp(z)``
+    (priority sampling); with a weight that matches ``z`` the estimate is within a few percent every step,
+    while the offsets off by one (the uniform draw's ``log(pool/E)``, say) would be off by far more."""
+    C, steps = 50, 3000
+    g = torch.Generator().manual_seed(0)
+    logw = torch.randn(C, generator=g) * 2
+    z = logw.double() + 0.3 * torch.randn(C, generator=g, dtype=torch.float64)
+    labels = torch.tensor([0, 0, 1, 2])
+    est = torch.empty(steps, dtype=torch.float64)
+    for step in range(steps):
+        a = draw_active(labels, ClassPartition(C, 1), 0.2, 7, step, weights=logw)
+        other = a.rows >= 3
+        est[step] = (z[a.rows[other]] + a.offsets[other].double()).exp().sum()
+    true = z[3:].exp().sum()
+    se = est.std() / steps**0.5
+    assert abs(est.mean() - true) < 4 * se, (float(est.mean()), float(true), float(se))
+    assert se < 0.01 * true
 
 
 def test_the_index_is_refreshed_every_refresh_every_steps_and_resumes_exactly(tmp_path):
@@ -237,6 +287,30 @@ def test_a_class_is_never_dropped_against_a_dominant_sub_center_it_has_not_got_y
     assert clf.subcenter_counts.tolist() == [[2, 5, 0], [0, 0, 4]]  # dropped samples count too
 
 
+def test_before_drop_after_the_samples_beyond_the_angle_are_counted_not_dropped():
+    """Until ``drop_after`` the share beyond ``drop_angle`` is reported (``beyond_drop_angle``) while the loss
+    and gradients stay the plain mean's (``dropped`` 0); from ``drop_after`` on the same share is dropped."""
+    C, D, k = 2, 8, 3
+    w = torch.eye(D)[: C * k].view(C, k, D)
+    x = torch.cat([w[0, 1].repeat(4, 1), w[0, 0].repeat(2, 1), w[1, 2].repeat(2, 1)])  # 2 of class 0's at 90°
+    y = torch.tensor([0] * 6 + [1] * 2)
+    clf = ShardedClassifier(C, D, "cosface", seed=1, drop_after=2, drop_angle=75.0, subcenters=k, margin=0.2)
+    clf.load_full_weight(w)
+    for step in range(3):
+        xs = x.clone().requires_grad_(True)
+        loss = clf(xs, y, step=step)
+        loss.backward()
+        keep = torch.ones(8, dtype=torch.bool) if step < 2 else torch.tensor([True] * 4 + [False] * 2 + [True] * 2)
+        assert clf.stats["beyond_drop_angle"] == pytest.approx(0.0 if step == 0 else 0.25), step
+        assert clf.stats["dropped"] == pytest.approx(float((~keep).double().mean())), step
+        xr, wr = x.double().requires_grad_(True), w.double().requires_grad_(True)
+        ref = dense_classifier_loss(xr, y, wr, None, "cosface", clf.params, keep=keep)
+        ref.backward()
+        assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-6), step
+        assert torch.allclose(xs.grad.double(), xr.grad, atol=1e-6), step
+        clf.zero_grad()
+
+
 # -- no host reads ----------------------------------------------------------------------------------------
 def test_a_hard_subcenter_step_with_probe_and_dropping_reads_nothing_back():
     """Mixed draws with the correction, 2 sub-centers, samples dropped, the probe: forward, backward and the
@@ -265,7 +339,8 @@ def test_a_hard_subcenter_step_with_probe_and_dropping_reads_nothing_back():
     [
         ({"drop_after": 10}, "loss.classifier.drop_after: drops samples far from their class's dominant sub-center"),
         ({"params": {"subcenters": 2.5}}, "loss.classifier.params.subcenters: subcenters must be a whole number"),
-        ({"sampling": "nearest"}, "loss.classifier.sampling: Input should be 'uniform', 'hard' or 'mixed'"),
+        ({"sampling": "nearest"}, "loss.classifier.sampling: Input should be 'uniform', 'hard', 'mixed' or 'proportional'"),
+        ({"sampling": "proportional", "weight_storage": "bf16"}, "needs the fused kernels, which take no log-Q correction"),
         ({"nearest_share": 1.5}, "loss.classifier.nearest_share"),
         ({"kind": "softmax_ce", "params": {"subcenters": 2}}, "not a parameter of softmax_ce"),
     ],

@@ -103,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sampling",
         default="uniform",
-        choices=["uniform", "hard", "mixed"],
+        choices=["uniform", "hard", "mixed", "proportional"],
         help="the class draw below ratio 1 (hard, mixed: with the nearness index, refreshed at the warm-up step)",
     )
     parser.add_argument(

@@ -88,19 +88,38 @@ def nearest_keys(
     index: ClassIndex, labels: Tensor, start: int, id_bits: int, group=None, embeddings: Tensor | None = None
 ) -> Tensor:
     """Every local row's draw key by nearness to the global batch: unique int64, *smallest for the nearest*,
-    ``(2³² − 1 − ordered cosine) << id_bits | class id``.
+    ``(2³² − 1 − ordered cosine) << id_bits | class id`` (the cosine of :func:`nearest_scores`; its arguments)."""
+    return order_keys(nearest_scores(index, labels, start, group, embeddings), start, id_bits)
 
-    ``embeddings`` (the gathered batch, ``N × D``, the same on every rank): nearness to them, no collective.
-    None: nearness to the rows of the batch's classes (``labels``, the same on every rank), one all-reduce
-    over ``group``. ``start``: the global id of the shard's first row.
-    """
+
+def order_keys(score: Tensor, start: int, id_bits: int) -> Tensor:
+    """Unique int64 keys of fp32 scores of the rows from global id ``start`` on, smallest for the largest score,
+    ties by class id: ``(2³² − 1 − ordered score) << id_bits | class id``."""
+    ids = torch.arange(start, start + score.numel(), dtype=torch.int64, device=score.device)
+    return ((0xFFFFFFFF - _ordered(score)) << id_bits) | ids
+
+
+def key_score(key: Tensor, id_bits: int) -> Tensor:
+    """The fp32 score an :func:`order_keys` key was made of (its inverse, the class id dropped)."""
+    o = 0xFFFFFFFF - (key >> id_bits)
+    bits = torch.where(o >= 1 << 31, o - (1 << 31), 0xFFFFFFFF - o)
+    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+
+
+def nearest_scores(
+    index: ClassIndex, labels: Tensor, start: int, group=None, embeddings: Tensor | None = None
+) -> Tensor:
+    """Every local row's nearness to the global batch (fp32, bit-identical on every rank and world size): its
+    largest cosine, over its sub-centers, to any of ``embeddings`` (the gathered batch, ``N × D``, the same on
+    every rank: no collective) or, None, to the rows of the batch's classes (``labels``, the same on every
+    rank; one all-reduce over ``group``). ``start``: the global id of the shard's first row. Without a batch
+    every row scores 0."""
     codes, scales = index.codes, index.scales
     n, k, D = codes.shape
     N = labels.numel()
     dev = codes.device
-    ids = torch.arange(start, start + n, dtype=torch.int64, device=dev)
     if N == 0:
-        return ids  # nothing to rank (on every rank alike): every class ties
+        return torch.zeros(n, device=dev)  # nothing to rank (on every rank alike): every class ties
     if embeddings is not None:  # no collective: a shard without classes scores nothing
         q_codes, q_scales = quantize(embeddings.to(dev))
         q, qs = q_codes.float(), q_scales[:, None]
@@ -129,4 +148,4 @@ def nearest_keys(
         dots = torch.mm(q, rows.t())  # whole numbers below 2**24: exact in any order
         cos = dots.mul_(qs).mul_(scales[c0:c1].reshape(1, -1))
         best[c0:c1] = cos.view(Q, c1 - c0, k).amax(dim=(0, 2))
-    return ((0xFFFFFFFF - _ordered(best)) << id_bits) | ids
+    return best

@@ -37,6 +37,15 @@ Log-Q correction (``offsets``): each uniformly drawn class stood for ``pool/(E �
 softmax's normaliser an unbiased estimate of the full one's (the batch's and the nearest classes are
 in it for sure: no correction), so the sampled loss is a consistent estimator of the full softmax's.
 :attr:`ActiveRows.offsets` holds the per-column offsets (0 elsewhere), on the device.
+
+Proportional (``loss.classifier.sampling: proportional``). Given every local row's log-weight ``w``
+(the logit its nearness would make), the ``E`` others are the non-batch classes of largest ``w + g``,
+``g = −log(−log u)`` a standard Gumbel variable, ``u`` the 32 hashed bits of the class's key over 2³²:
+a draw without replacement in proportion to ``exp w`` (Gumbel top-k), found by one radix select of the
+``(E+1)``-th largest, ``κ``. Each drawn other's logit gets ``−log q``, ``q = 1 − exp(−exp(w − κ))``
+its probability of being drawn given ``κ``, so the drawn others' ``exp(z)/q`` sum to an unbiased
+estimate of all the others' ``exp(z)`` (Kool et al., "Stochastic Beams and Where to Find Them", 2019:
+priority sampling with Gumbel keys), whose variance is small where ``w`` is close to the logits.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dmltrain.distributed.class_index import key_score, order_keys
 from dmltrain.distributed.class_partition import ClassPartition
 from dmltrain.distributed.collectives import all_reduce_sum, group_rank_size
 
@@ -198,12 +208,15 @@ def draw_active(
     nearest: Tensor | None = None,
     nearest_share: float = 1.0,
     offsets: bool = False,
+    weights: Tensor | None = None,
 ) -> ActiveRows | None:
     """This shard's rows in step ``step``'s softmax (None: every row, the ratio reaches all classes).
 
     ``labels``: the global batch's class ids, the same on every rank (on the weight's device).
     ``nearest``: this shard's nearness keys (None: a uniform draw), of which ``nearest_share`` of the
-    others are taken; ``offsets``: compute the log-Q correction (see the module doc).
+    others are taken; ``offsets``: compute the log-Q correction (see the module doc). ``weights``: this
+    shard's log-weights (fp32): all the others are drawn in proportion to their exponentials, each with
+    its inclusion offset (see the module doc; ``nearest`` must be None).
     Collective over ``group`` when subsampling at ``W > 1`` (three or four all-reduces of 512 KiB per
     radix select: one select for a uniform draw, two with nearest classes).
     """
@@ -214,7 +227,7 @@ def draw_active(
         return None
     dev = labels.device
     start, n = partition.start(rank), partition.size(rank)
-    share = 0.0 if nearest is None else float(nearest_share)
+    share = 1.0 if weights is not None else 0.0 if nearest is None else float(nearest_share)
     cap, exact = capacity(partition, rank, N, sample_ratio, share)
     local = labels - start
     own = (local >= 0) & (local < n)
@@ -226,7 +239,16 @@ def draw_active(
     labels_sorted = torch.sort(labels).values
     P = (labels_sorted[1:] != labels_sorted[:-1]).sum() + (N > 0)  # distinct classes of the global batch
     E = (R - P).clamp_(min=0)  # others to draw
-    if nearest is None:
+    near_off = None
+    if weights is not None:
+        perturbed = weights.float() + gumbel(keys, C)
+        pkeys = order_keys(perturbed, start, id_bits(C))  # smallest for the largest perturbed log-weight
+        kappa = _kth_smallest(pkeys, ~batch, E, bits, group)  # the (E+1)-th: the threshold of Gumbel top-E
+        near = ~batch & (pkeys < kappa)
+        near_off = torch.where(near, inclusion_offsets(weights, key_score(kappa, id_bits(C))), 0.0)
+        drawn_all = batch | near
+        ranked = torch.where(batch, -2, pkeys)
+    elif nearest is None:
         ranked = torch.where(batch, -1, keys)  # batch classes ahead of every other
         H = torch.zeros_like(E)
         drawn_all = None
@@ -250,11 +272,28 @@ def draw_active(
         drawn = drawn_all.gather(0, idx)
     sorted_keys = torch.sort(torch.where(drawn, idx, idx + n)).values
     rows = torch.where(sorted_keys >= n, sorted_keys - n, sorted_keys)
-    near_rows = None if nearest is None else ranked.gather(0, rows) == -1
     count = None if exact else drawn.sum()
     if exact:
         sorted_keys = rows
+    if near_off is not None:  # undrawn rows are not near: offset 0
+        return ActiveRows(rows, count, sorted_keys, near_off.gather(0, rows))
+    near_rows = None if nearest is None else ranked.gather(0, rows) == -1
     return ActiveRows(rows, count, sorted_keys, _offsets(rows, batch, near_rows, E, H, C, P, offsets, count))
+
+
+def gumbel(keys: Tensor, num_classes: int) -> Tensor:
+    """Standard Gumbel noise (fp32), one independent value per class and step, from the 32 hashed bits
+    of its :func:`class_keys` key."""
+    u = ((keys >> id_bits(num_classes)).double() + 0.5) / 2.0**32
+    return torch.log(u).neg_().log_().neg_().float()
+
+
+def inclusion_offsets(weights: Tensor, kappa: Tensor) -> Tensor:
+    """``−log q``, ``q = 1 − exp(−exp(w − κ))``: the probability that a class of log-weight ``w`` is among a
+    Gumbel top-``E`` draw whose ``(E+1)``-th perturbed log-weight is ``κ``, given ``κ`` (priority sampling:
+    the drawn classes' ``exp(z)/q`` sum to an unbiased estimate of all the others' ``exp(z)``)."""
+    d = (weights.double() - kappa.double()).exp_()
+    return torch.expm1(d.neg_()).neg_().clamp_(min=1e-300).log_().neg_().float()
 
 
 def _offsets(

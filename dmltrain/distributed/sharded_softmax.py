@@ -15,7 +15,8 @@ The algorithm, top to bottom in this file (:meth:`ShardedClassifier.forward`, th
    uniformly drawn others, ``round(ratio × C)`` in all, computed on the device; with ``sampling``
    ``hard`` or ``mixed`` all or part of the others are the classes nearest the batch (its
    embeddings, or its classes' rows), from the nearness index of :mod:`~dmltrain.distributed.class_index`, and with ``sampling_correction`` the
-   uniformly drawn ones carry their log-Q offsets).
+   uniformly drawn ones carry their log-Q offsets; ``proportional`` draws the others in proportion to the
+   exponential of the logit their nearness makes, each with the log of its inclusion probability).
 3. **Targets.** Each sample whose class this shard holds among its active rows gets its column
    (:func:`_targets`); its target logit, with the kind's margin (:mod:`~dmltrain.losses.kinds`),
    is computed on its (embedding, class row) pair and differentiated by autograd there
@@ -82,7 +83,7 @@ from torch import Tensor, nn
 
 from dmltrain.config import PRODUCT_PRECISIONS, WEIGHT_STORAGES, gpu_only
 from dmltrain.distributed import softmax_torch
-from dmltrain.distributed.class_index import ClassIndex, build_index, nearest_keys
+from dmltrain.distributed.class_index import ClassIndex, build_index, nearest_keys, nearest_scores
 from dmltrain.distributed.class_partition import ClassPartition
 from dmltrain.distributed.class_sampling import ActiveRows, draw_active, id_bits, init_block_seed, round_total
 from dmltrain.distributed.collectives import (
@@ -100,8 +101,9 @@ from dmltrain.losses.margins import pair_cos
 
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # by loss.classifier.weight_storage
 BACKENDS = ("auto", "torch", "triton")
-#: the class draw's modes (``loss.classifier.sampling``): uniform others, nearest others, or a share of each
-SAMPLING_MODES = ("uniform", "hard", "mixed")
+#: the class draw's modes (``loss.classifier.sampling``): uniform others, nearest others, a share of each, or others
+#: drawn in proportion to the exponential of their nearness's logit
+SAMPLING_MODES = ("uniform", "hard", "mixed", "proportional")
 #: what the nearest classes are nearest to (``loss.classifier.nearest_to``): the batch's classes' rows or its embeddings
 NEAREST_TO = ("classes", "samples")
 NORM_EPS = 1e-12
@@ -252,7 +254,7 @@ class _Combined(NamedTuple):
     lse: Tensor  # the global log-sum-exp per sample
     on: Tensor | float  # label smoothing's weight of the target class
     off: Tensor | None  # ... and of each other class (None: no smoothing)
-    stats: Tensor  # loss, accuracy, mean target logit, mean target cosine, active classes, dropped share
+    stats: Tensor  # loss, accuracy, mean target logit, mean target cosine, active classes, share beyond drop_angle
     weight: Tensor | None  # each sample's weight, N/kept for kept samples and 0 for dropped (None: none dropped)
 
 
@@ -266,14 +268,15 @@ def _combine(
     eps: float,
     group: Any,
     drop: Tensor | None = None,
+    apply_drop: bool = True,
 ) -> _Combined:
     """The loss over every shard from this shard's per-sample statistics (one all-gather).
 
     ``lse_local``, ``m``, ``sz``: log-sum-exp, max and sum of this shard's logits per sample, targets
     included; ``z_t``, ``cos_t``: target logits and cosines, zero where this shard does not hold the
     class; ``k_local``: this shard's active columns (a 0-d tensor); ``drop``: 1 for a sample this shard
-    drops from the loss (its class is here), else 0 (None: no sample is dropped). The loss is then
-    the mean over the kept samples.
+    finds beyond the drop angle (its class is here), else 0 (None: no sample is). With ``apply_drop`` those
+    are dropped: the loss is then the mean over the kept samples; else they are only counted.
     """
     N = lse_local.shape[0]
     rows = [lse_local, m, sz, z_t, cos_t] + ([] if drop is None else [drop.to(lse_local.dtype)])
@@ -299,9 +302,12 @@ def _combine(
     else:
         keep = 1.0 - parts[:, 5].sum(0)
         kept = keep.sum()
-        weight = keep * (N / kept.clamp_min(1.0))
-        loss = (per * weight).mean()
         dropped = 1.0 - kept / max(N, 1)
+        if apply_drop:
+            weight = keep * (N / kept.clamp_min(1.0))
+            loss = (per * weight).mean()
+        else:
+            loss = per.mean()
     stats = torch.stack([loss, (tgt >= zmax).double().mean(), tgt.mean(), cos_tgt.mean(), k_total, dropped])
     return _Combined(loss, lse, on, off, stats, weight)
 
@@ -355,13 +361,13 @@ class _ShardedSoftmax(torch.autograd.Function):
                 k_local = torch.full((), float(n_local if active is None else active.capacity), device=x.device)
             else:
                 k_local = active.count
-            drop = clf._drops(sub_cos, row, owned, train)
-            out = _combine(lse_local, m, sz + z_t, z_t, cos_t, k_local, eps, clf.group, drop)
+            drop, dropping = clf._drops(sub_cos, row, owned, train)
+            out = _combine(lse_local, m, sz + z_t, z_t, cos_t, k_local, eps, clf.group, drop, dropping)
         if out.weight is not None:
             op = op._replace(sample_weight=out.weight.to(x.dtype))
         ctx.clf, ctx.op, ctx.saved, ctx.claim = clf, op, saved, claim
         ctx.row, ctx.owned, ctx.z_t, ctx.out = row, owned, z_t, out
-        clf._record(out.stats, getattr(saved, "kept", None) is not None)
+        clf._record(out.stats, getattr(saved, "kept", None) is not None, dropping)
         return out.loss.to(x.dtype)
 
     @staticmethod
@@ -435,11 +441,14 @@ class ShardedClassifier(nn.Module):
             default's atomics agree to fp32 rounding only); the torch path always is.
         sampling: the class draw with ``sample_ratio < 1``: ``uniform`` (NormSoftmax's), ``hard``
             (the classes nearest the batch, :mod:`~dmltrain.distributed.class_index`) or ``mixed``
-            (``nearest_share`` of the others nearest, the rest uniform).
+            (``nearest_share`` of the others nearest, the rest uniform) or ``proportional`` (drawn in
+            proportion to ``exp(scale × nearness)``, each drawn other's logit corrected by the log of its
+            inclusion probability; :mod:`~dmltrain.distributed.class_sampling`).
         nearest_to: ``classes`` (a class is as near as its best cosine to the rows of the batch's
             classes) or ``samples`` (to the batch's embeddings).
         refresh_every: steps between two snapshots of the rows in the nearness index.
-        sampling_correction: the log-Q correction of the uniformly drawn classes' logits.
+        sampling_correction: the log-Q correction of the uniformly drawn classes' logits (``proportional``
+            always corrects its draw).
         drop_after, drop_angle: with sub-centers (``params.subcenters`` k > 1), from step ``drop_after``
             on, a sample whose angle to its class's dominant sub-center (the one the class's samples
             were nearest to most often, counted from the start) exceeds ``drop_angle`` degrees is left
@@ -605,7 +614,7 @@ class ShardedClassifier(nn.Module):
         """What keeps this classifier on the torch backend (the fused kernels lack it), or None."""
         if self.subcenters > 1:
             return "sub-centers"
-        if self.sampling_correction:
+        if self.sampling_correction or self.sampling == "proportional":
             return "log-Q correction"
         return None
 
@@ -677,6 +686,10 @@ class ShardedClassifier(nn.Module):
         if self.sampling != "uniform":
             index = self.nearness_index(step)
             queries = x_g if self.nearest_to == "samples" else None
+            if self.sampling == "proportional":  # in proportion to exp(the logit a class's best cosine makes)
+                score = nearest_scores(index, labels_g, self.class_start, self.group, queries)
+                return draw_active(labels_g, self.partition, self.sample_ratio, self.seed, step, self.group,
+                                   weights=score.mul_(self.scale))  # fmt: skip
             nearest = nearest_keys(index, labels_g, self.class_start, id_bits(self.num_classes), self.group, queries)
         return draw_active(labels_g, self.partition, self.sample_ratio, self.seed, step, self.group, nearest,
                            self.nearest_share, self.sampling_correction)  # fmt: skip
@@ -688,30 +701,31 @@ class ShardedClassifier(nn.Module):
             self.index = build_index(self.weight, self.subcenters, step)
         return self.index
 
-    def _drops(self, sub_cos: Tensor | None, row: Tensor, owned: Tensor, train: bool) -> Tensor | None:
-        """Which samples of the global batch this shard drops from the loss this call (None: no dropping).
+    def _drops(self, sub_cos: Tensor | None, row: Tensor, owned: Tensor, train: bool) -> tuple[Tensor | None, bool]:
+        """(the samples of the global batch this shard finds beyond ``drop_angle`` of their class's dominant
+        sub-center, whether they are dropped from the loss this call: from ``drop_after`` on); (None, False)
+        without dropping.
 
-        ``sub_cos``: each sample's cosines to its class's sub-centers (None without sub-centers, or on a shard
-        without classes). A training call first reads the dominant sub-centers, then counts its own samples'
-        nearest. A class none of whose samples was counted yet has no dominant sub-center: nothing of it is
-        dropped. From ``drop_after`` on every shard returns a mask, an empty one too: all of them pack as many
-        numbers for :func:`_combine`'s all-gather."""
+        Before ``drop_after`` they are only counted (``stats["beyond_drop_angle"]``), so that a run shows how
+        many samples an angle would drop before it does. ``sub_cos``: each sample's cosines to its class's
+        sub-centers (None without sub-centers, or on a shard without classes). A training call first reads
+        the dominant sub-centers, then counts its own samples' nearest. A class none of whose samples was
+        counted yet has no dominant sub-center: nothing of it is beyond. Every shard returns a mask, an empty
+        one too: all of them pack as many numbers for :func:`_combine`'s all-gather."""
         if self.subcenter_counts is None:
-            return None
+            return None, False
         dropping = self._step >= self.drop_after
         if sub_cos is None:  # no class here
-            return torch.zeros_like(owned) if dropping else None
+            return torch.zeros_like(owned), dropping
         counts = self.subcenter_counts
         if counts.device != sub_cos.device:
             counts = self.subcenter_counts = counts.to(sub_cos.device)
-        drop = None
-        if dropping:
-            seen = counts.index_select(0, row)
-            dominant = seen.argmax(1)
-            drop = owned & (seen.sum(1) > 0) & (sub_cos.gather(1, dominant[:, None]).squeeze(1) < self.drop_cos)
+        seen = counts.index_select(0, row)
+        dominant = seen.argmax(1)
+        beyond = owned & (seen.sum(1) > 0) & (sub_cos.gather(1, dominant[:, None]).squeeze(1) < self.drop_cos)
         if train:
             counts.index_put_((row, sub_cos.argmax(1)), owned.to(counts.dtype), accumulate=True)
-        return drop
+        return beyond, dropping
 
     # -- the price of subsampling -----------------------------------------------------------------------
     def probe(
@@ -747,9 +761,9 @@ class ShardedClassifier(nn.Module):
             "full_loss": lf,
         }
 
-    def _record(self, stats: Tensor, kept: bool) -> None:
+    def _record(self, stats: Tensor, kept: bool, dropping: bool = False) -> None:
         """The last call's statistics (``stats``: loss, accuracy, target logit, target cosine, active classes,
-        dropped share)."""
+        share beyond the drop angle; ``dropping``: that share was dropped)."""
         on_device = {
             "loss": stats[0],
             "accuracy": stats[1],
@@ -758,7 +772,8 @@ class ShardedClassifier(nn.Module):
             "active_share": stats[4] / self.num_classes,
         }
         if self.drop_after is not None:
-            on_device["dropped"] = stats[5]
+            on_device["beyond_drop_angle"] = stats[5]
+            on_device["dropped"] = stats[5] if dropping else torch.zeros_like(stats[5])
         if self.spec.normalized:
             on_device["target_cos"] = stats[3]
         rows = self._num_active()
