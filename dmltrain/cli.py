@@ -35,6 +35,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "embed": ("dmltrain.evaluate.embed_cli", "embed a gallery (shards, a table or a folder of images), resumably"),
     "index": ("dmltrain.evaluate.index_cli", "build, evaluate and query a faiss index of embeddings"),
+    "noisy-labels": (
+        "dmltrain.evaluate.noisy_labels",
+        "list the train samples a sub-center model puts far from their class, to rebuild shards without them",
+    ),
     "bench": ("dmltrain.bench", "benchmarks: input pipeline, losses, sharded classifier, evaluation"),
     "doctor": (
         "dmltrain.doctor",
