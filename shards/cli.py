@@ -61,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="build even when a class id is in both train and an evaluation split (refused by default: retrieval needs disjoint classes)",
     )
+    b.add_argument(
+        "--exclude",
+        metavar="FILE",
+        help="leave out the images listed in FILE (a CSV or Parquet table with a path column, or one path per "
+        "line), matched against the path each sample's JSON records, in every split; e.g. likely mislabelled "
+        "images, to rebuild and retrain without them",
+    )
     b.add_argument("--workers", type=int, default=None, help="image-checking processes (default: CPU count, at most 8)")
     b.add_argument("--seed", type=int, default=0, help="seed of the class order (and of the synthetic images)")
     b.add_argument("--classes", type=int, help="synthetic: train classes (as many disjoint test classes)")
@@ -143,6 +150,7 @@ def _build(args: argparse.Namespace) -> int:
             family_spread=0.5 if args.family_spread is None else args.family_spread,
             label_noise=0.0 if args.label_noise is None else args.label_noise,
             label_noise_mode=args.label_noise_mode or "uniform",
+            exclude=args.exclude,
         )
     else:
         if not args.root:
@@ -167,6 +175,7 @@ def _build(args: argparse.Namespace) -> int:
             resume=args.resume,
             storage_options=opts,
             follow_symlinks=args.follow_symlinks,
+            exclude=args.exclude,
         )
     print("\n".join(result.summary_lines()))
     if {"query", "gallery"} <= set(result.splits):

@@ -528,6 +528,92 @@ def test_synthetic_build(built):
     assert list(train.classes) == [str(i) for i in range(6)] and list(test.classes) == [str(i) for i in range(6, 12)]
     assert m.data["options"]["synthetic"] == {"classes": 6, "per_class": 4, "image_size": 24, "seed": 0}
     assert [sh.samples for sh in train.shards] == [4, 4, 4, 4, 4, 4], "a class never straddles shards when it fits"
+    assert "excluded" not in m.data["options"], "a build without --exclude records nothing of it"
+
+
+def _sample_paths(dest: Path) -> dict[str, list[str]]:
+    """Per split, the ``path`` of every sample's JSON, in shard order, read from the tars themselves."""
+    m = Manifest.load(dest)
+    out = {}
+    for split in m.splits:
+        paths = []
+        for sh in m.split(split).shards:
+            with tarfile.open(sh.path) as tf:
+                paths += [json.load(tf.extractfile(t))["path"] for t in tf if t.name.endswith(".json")]
+        out[split] = paths
+    return out
+
+
+SYNTHETIC = ("--layout", "synthetic", "--classes", "6", "--per-class", "4", "--image-size", "24", "--shard-size", "7")
+
+
+def test_exclude_leaves_out_the_listed_samples_and_resumes(built, tmp_path, capsys):
+    """--exclude (a CSV) drops exactly the listed samples of every split: a train class whose every image is listed
+    disappears, the counts fall by the number listed, options.excluded names the file, its SHA-256 and the count;
+    --resume of the interrupted build keeps its shards."""
+    before = _sample_paths(built["synthetic"][1])
+    gone = [p for p in before["train"] if p.startswith("synthetic/000000/")]  # all of train class 0
+    gone += [before["train"][-1], before["test"][0]]
+    listing = tmp_path / "noisy.csv"
+    listing.write_text("score,path\n" + "".join(f"0.{i},{p}\n" for i, p in enumerate(gone)))
+    out = tmp_path / "out"
+    assert cli("build", *SYNTHETIC, "--out", str(out), "--quiet", "--exclude", str(listing)) == 0
+    assert f"left out 6 images listed in {listing} (--exclude)" in capsys.readouterr().out
+    after = _sample_paths(out)
+    for split in ("train", "test"):
+        assert sorted(after[split]) == sorted(p for p in before[split] if p not in gone)
+    m = Manifest.load(out)
+    train, test = m.split("train"), m.split("test")
+    assert (train.num_images, train.num_classes, test.num_images, test.num_classes) == (24 - 5, 5, 24 - 1, 6)
+    assert "0" not in train.classes and list(train.classes) == ["1", "2", "3", "4", "5"]
+    excluded = {"file": "noisy.csv", "sha256": hashlib.sha256(listing.read_bytes()).hexdigest(), "images": 6}
+    assert m.data["options"]["excluded"] == excluded
+    # an interrupted build (no manifest, a shard missing) finishes with --resume, keeping the others
+    shards = {s: [sh.sha256 for sh in m.split(s).shards] for s in ("train", "test")}
+    (out / "manifest.json").unlink()
+    train.shards[1].path.unlink()
+    assert cli("build", *SYNTHETIC, "--out", str(out), "--quiet", "--exclude", str(listing), "--resume") == 0
+    m = Manifest.load(out)
+    assert {s: [sh.sha256 for sh in m.split(s).shards] for s in ("train", "test")} == shards
+    assert m.data["options"]["excluded"] == excluded
+
+
+def test_exclude_reads_a_list_of_paths(built, tmp_path, capsys):
+    """The text form (one path per line; blank lines and # comments ignored), here on a folder layout."""
+    fx, dest = built["folder"]
+    paths = _sample_paths(dest)
+    listing = tmp_path / "bad.txt"
+    listing.write_text(
+        f"# from a sub-center model\n\n  {paths['train'][0]}\n{paths['test'][-1]}\n{paths['train'][0]}\n"
+    )
+    out = tmp_path / "out"
+    argv = ("build", "--layout", "folder", "--root", str(fx.root), "--out", str(out), "--quiet", "--workers", "1")
+    assert cli(*argv, "--exclude", str(listing)) == 0
+    assert "left out 2 images listed in" in capsys.readouterr().out
+    after = _sample_paths(out)
+    assert sorted(after["train"]) == sorted(paths["train"][1:]) and sorted(after["test"]) == sorted(paths["test"][:-1])
+    assert Manifest.load(out).data["options"]["excluded"]["images"] == 2
+
+
+def test_bad_exclude_file_is_one_line(built, tmp_path, capsys):
+    known = _sample_paths(built["synthetic"][1])["train"][0]
+    cases = {
+        "nowhere.txt": (None, "nowhere.txt: file not found"),
+        "other.txt": (
+            f"{known}\nsynthetic/000099/0000.jpg\nx.jpg\n",
+            "2 of the 3 paths are in no split of the synthetic layout (first: 'synthetic/000099/0000.jpg')",
+        ),
+        "nopath.csv": ("file,score\na.jpg,1\n", "nopath.csv: no column 'path' (it has file, score)"),
+    }
+    for name, (text, line) in cases.items():
+        listing = tmp_path / name
+        if text is not None:
+            listing.write_text(text)
+        out = tmp_path / f"out-{name}"
+        assert cli("build", *SYNTHETIC, "--out", str(out), "--quiet", "--exclude", str(listing)) == 2
+        err = _error_line(capsys)
+        assert line in err and "--exclude" in err and "Traceback" not in err, err
+        assert not out.exists() or not any(out.iterdir())
 
 
 def _interrupted_builds(tmp_path: Path, moments: dict) -> dict[str, tuple[int, str, list[int]]]:

@@ -39,6 +39,7 @@ import numpy as np
 from dmltrain.errors import UserError
 from dmltrain.fileio import atomic_path
 from dmltrain.redact import redact_url
+from shards.build.exclude import apply_exclude, read_exclude
 from shards.build.ingest import ingest_file, ingest_source, load_or_skip
 from shards.build.layouts import Entry, Layout, class_sort_key, confine, read_layout
 from shards.build.publish import Publisher
@@ -66,6 +67,7 @@ class BuildResult:
     splits: dict[str, SplitResult]
     seconds: float
     uploads: str | None = None  # for a URL: the uploads (and shards kept by --resume)
+    excluded: tuple[str, int] | None = None  # --exclude: the file and how many images it left out
 
     def summary_lines(self) -> list[str]:
         lines = []
@@ -85,6 +87,9 @@ class BuildResult:
             f"wrote {total_images:,} images in {sum(r.shards for r in self.splits.values())} shards "
             f"({total_bytes / 1e6:,.1f} MB) to {self.out_dir} in {self.seconds:.1f}s; {len(skipped)} skipped"
         )
+        if self.excluded is not None:
+            file, n = self.excluded
+            lines.append(f"left out {n:,} image{'s' * (n != 1)} listed in {file} (--exclude)")
         if self.uploads:
             lines.append(self.uploads)
         return lines
@@ -165,6 +170,7 @@ def build_shards(
     allow_shared_classes: bool = False,
     resume: bool = False,
     storage_options: dict[str, Any] | None = None,
+    exclude: str | os.PathLike[str] | None = None,
 ) -> BuildResult:
     """Write every split of ``layout`` to ``out_dir`` (a local folder, or a URL with ``storage_options``).
 
@@ -173,10 +179,16 @@ def build_shards(
     Splits in different label spaces must not share an original class id
     (:func:`check_disjoint_classes`; checked before anything in ``out_dir`` is touched).
     ``overwrite`` replaces a previous build, ``resume`` finishes an interrupted one (:mod:`shards.build.publish`).
+    ``exclude`` names a file of paths to leave out (:mod:`shards.build.exclude`), read and checked first.
     """
     out = open_location(out_dir, storage_options)
     if shard_size < 1:
         raise UserError(f"--shard-size: must be at least 1, got {shard_size}")
+    excluded, left_out = None, None
+    if exclude is not None:
+        listing = read_exclude(exclude)
+        layout, args, n = apply_exclude(layout, args, listing)
+        excluded, left_out = listing.record(n), (listing.file, n)
     shared = check_disjoint_classes(layout, allow_shared_classes)
     with Publisher(out, overwrite=overwrite, resume=resume) as publisher:
         publisher.prepare()
@@ -194,13 +206,18 @@ def build_shards(
                 "seed": seed,
                 **(options or {}),
                 **({"shared_classes": len(shared)} if shared else {}),
+                **({"excluded": excluded} if excluded is not None else {}),
             },
             "splits": {name: splits_json[name] for name in layout.splits},
         }
         publisher.finish(manifest_json(manifest) + "\n")
     shown = str(out) if out.remote else out.path  # a URL as messages show it (no password)
     return BuildResult(
-        shown, {name: results[name] for name in layout.splits}, time.perf_counter() - t0, publisher.summary()
+        shown,
+        {name: results[name] for name in layout.splits},
+        time.perf_counter() - t0,
+        publisher.summary(),
+        left_out,
     )
 
 
@@ -415,13 +432,14 @@ def build_layout(
     resume: bool = False,
     storage_options: dict[str, Any] | None = None,
     follow_symlinks: bool = False,
+    exclude: str | os.PathLike[str] | None = None,
 ) -> BuildResult:
     """``dmltrain shards build --layout NAME --root ROOT --out DIR``: shards from an official layout, a folder tree,
     or a table (``ROOT`` the CSV or Parquet file; its URLs are read with ``storage_options``).
 
     Every image of a layout must lie inside ``root`` (:func:`~shards.build.layouts.confine`); with
     ``follow_symlinks`` symbolic links may point outside it. A table names each of its files itself (absolute
-    paths and URLs are its entries), so no root confines it."""
+    paths and URLs are its entries), so no root confines it. ``exclude``: see :func:`build_shards`."""
     if resize is not None and not 8 <= resize <= MAX_IMAGE_SIDE:
         raise UserError(f"--resize: must be in [8, {MAX_IMAGE_SIDE}] pixels, got {resize}")
     layout = read_layout(layout_name, root, storage_options)
@@ -449,4 +467,5 @@ def build_layout(
         allow_shared_classes=allow_shared_classes,
         resume=resume,
         storage_options=storage_options,
+        exclude=exclude,
     )

@@ -382,9 +382,11 @@ def build_synthetic_shards(
     family_spread: float = 0.5,
     label_noise: float = 0.0,
     label_noise_mode: str = "uniform",
+    exclude: str | os.PathLike[str] | None = None,
 ):
     """Write synthetic train and test shards (``classes`` disjoint classes each, ``per_class`` images per class),
-    in families of ``family_size`` classes ``family_spread`` apart, with ``label_noise`` of the train labels wrong.
+    in families of ``family_size`` classes ``family_spread`` apart, with ``label_noise`` of the train labels wrong,
+    without the images whose paths ``exclude`` lists (:mod:`shards.build.exclude`).
 
     Same as ``dmltrain shards build --layout synthetic``; returns the :class:`~shards.build.builder.BuildResult`.
     A bad value is a :class:`UserError` naming the command-line option.
@@ -425,4 +427,5 @@ def build_synthetic_shards(
         resume=resume,
         storage_options=storage_options,
         options={"synthetic": options},
+        exclude=exclude,
     )
