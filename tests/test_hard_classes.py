@@ -339,8 +339,14 @@ def test_a_hard_subcenter_step_with_probe_and_dropping_reads_nothing_back():
     [
         ({"drop_after": 10}, "loss.classifier.drop_after: drops samples far from their class's dominant sub-center"),
         ({"params": {"subcenters": 2.5}}, "loss.classifier.params.subcenters: subcenters must be a whole number"),
-        ({"sampling": "nearest"}, "loss.classifier.sampling: Input should be 'uniform', 'hard', 'mixed' or 'proportional'"),
-        ({"sampling": "proportional", "weight_storage": "bf16"}, "needs the fused kernels, which take no log-Q correction"),
+        (
+            {"sampling": "nearest"},
+            "loss.classifier.sampling: Input should be 'uniform', 'hard', 'mixed' or 'proportional'",
+        ),
+        (
+            {"sampling": "proportional", "weight_storage": "bf16"},
+            "needs the fused kernels, which take no log-Q correction",
+        ),
         ({"nearest_share": 1.5}, "loss.classifier.nearest_share"),
         ({"kind": "softmax_ce", "params": {"subcenters": 2}}, "not a parameter of softmax_ce"),
     ],
