@@ -117,10 +117,21 @@ def test_bad_input_is_one_line(noisy_run, tmp_path, capsys):
     model = torch.load(ckpt / "model.pt", weights_only=True)
     model["config"]["loss"]["classifier"]["params"] = {}
     save_model(plain / "model.pt", _small_model(model["config"]), model["config"])
+    broken = tmp_path / "broken"
+    (broken / "classifier").mkdir(parents=True)
+    (broken / "classifier" / "classifier-index.json").write_text("{}")
+    (broken / "model.pt").write_bytes((ckpt / "model.pt").read_bytes()[:100])
+    emptied = tmp_path / "emptied"
+    (emptied / "classifier").mkdir(parents=True)
+    (emptied / "classifier" / "classifier-index.json").write_text("{}")
+    (emptied / "model.pt").write_bytes((ckpt / "model.pt").read_bytes())
     cases = [
         ([str(ckpt), "--angle", "200"], "--angle: must be in (0, 180) degrees, got 200"),
         ([str(tmp_path), "--angle", "80"], "not a checkpoint folder (needs model.pt and classifier/"),
         ([str(plain), "--angle", "80"], "trained without sub-centers"),
+        ([str(broken), "--angle", "80"], "cannot read model file"),
+        ([str(emptied), "--angle", "80"], "not a classifier index (needs num_classes, dim and kind)"),
+        ([str(ckpt), "--angle", "80", "--split", "test"], "split 'test' does not share the train split's classes"),
     ]
     for argv, message in cases:
         code = main(["noisy-labels", *argv, "--out", str(tmp_path / "n.csv"), "--loader-workers", "0"])

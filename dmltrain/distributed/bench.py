@@ -127,6 +127,11 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(
             "bench classifier: --precision tf32/bf16 and --weight-storage bf16 need --device cuda (the CPU path computes in fp32)"
         )
+    if args.sampling == "proportional" and gpu_only_settings:
+        raise UserError(
+            "bench classifier: --sampling proportional corrects its logits on the torch backend, in fp32: "
+            "use --precision fp32 or auto and --weight-storage fp32"
+        )
 
 
 def _mem_available() -> int:

@@ -119,7 +119,9 @@ def nearest_scores(
     N = labels.numel()
     dev = codes.device
     if N == 0:
-        return torch.zeros(n, device=dev)  # nothing to rank (on every rank alike): every class ties
+        return torch.zeros(
+            n, device=dev, dtype=torch.float32
+        )  # nothing to rank (on every rank alike): every class ties
     if embeddings is not None:  # no collective: a shard without classes scores nothing
         q_codes, q_scales = quantize(embeddings.to(dev))
         q, qs = q_codes.float(), q_scales[:, None]

@@ -227,6 +227,8 @@ def draw_active(
         return None
     dev = labels.device
     start, n = partition.start(rank), partition.size(rank)
+    if weights is not None and nearest is not None:
+        raise ValueError("draw_active: give nearness keys or log-weights, not both")
     share = 1.0 if weights is not None else 0.0 if nearest is None else float(nearest_share)
     cap, exact = capacity(partition, rank, N, sample_ratio, share)
     local = labels - start

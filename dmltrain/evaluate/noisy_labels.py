@@ -51,37 +51,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_storage_option(parser)
 
 
-def subcenter_angles(embeddings, labels, weight):
-    """``(angle, nearest, dominant)`` of unit ``embeddings`` (``N × D``) with class ``labels`` (``N``) against the
-    class rows ``weight`` (``C × k × D``, normalised here): each sample's angle in degrees to its class's dominant
+def subcenter_angles(embeddings, labels, weight, chunk: int = 1 << 16):
+    """``(angle, nearest, dominant)`` of ``embeddings`` (``N × D``) with class ``labels`` (``N``) against the class
+    rows ``weight`` (``C × k × D``; both normalised here): each sample's angle in degrees to its class's dominant
     sub-center, the sub-center it is nearest to, and each class's dominant sub-center (the one most of its
-    samples are nearest to, ties to the lower number; 0 for a class without samples)."""
+    samples are nearest to, ties to the lower number; 0 for a class without samples). Works in ``chunk``
+    samples at a time (float64 within a chunk), so memory stays ``O(chunk × k × D)`` beside the inputs."""
     import torch
     import torch.nn.functional as F
 
-    w = F.normalize(weight.double(), dim=-1)
-    x = F.normalize(embeddings.double(), dim=-1)
-    cos = torch.einsum("nd,nkd->nk", x, w[labels])
-    nearest = cos.argmax(1)
-    counts = torch.zeros(w.shape[0], w.shape[1], dtype=torch.int64, device=x.device)
-    counts.index_put_((labels, nearest), torch.ones_like(labels), accumulate=True)
+    N, (C, k, _) = labels.numel(), weight.shape
+    nearest = torch.empty(N, dtype=torch.int64)
+    angle = torch.empty(N, dtype=torch.float64)
+    counts = torch.zeros(C, k, dtype=torch.int64)
+
+    def cosines(lo: int, hi: int) -> torch.Tensor:
+        x = F.normalize(embeddings[lo:hi].double(), dim=-1)
+        return torch.einsum("nd,nkd->nk", x, F.normalize(weight[labels[lo:hi]].double(), dim=-1))
+
+    for lo in range(0, N, chunk):
+        hi = min(N, lo + chunk)
+        nearest[lo:hi] = cosines(lo, hi).argmax(1)
+        counts.index_put_((labels[lo:hi], nearest[lo:hi]), torch.ones(hi - lo, dtype=torch.int64), accumulate=True)
     dominant = counts.argmax(1)  # the first maximum: ties to the lower number
-    c = cos.gather(1, dominant[labels][:, None]).squeeze(1).clamp(-1.0, 1.0)
-    return torch.rad2deg(torch.acos(c)), nearest, dominant
+    for lo in range(0, N, chunk):
+        hi = min(N, lo + chunk)
+        c = cosines(lo, hi).gather(1, dominant[labels[lo:hi]][:, None]).squeeze(1).clamp(-1.0, 1.0)
+        angle[lo:hi] = torch.rad2deg(torch.acos(c))
+    return angle, nearest, dominant
 
 
-def _sample_paths(info: Any, location: Any) -> dict[int, str]:
-    """Split index -> the path its shard sample records (``<key>.json``'s ``path``), read from the shards."""
+def _sample_paths(manifest: Any, info: Any, location: Any) -> dict[int, str]:
+    """Split index -> the path its shard sample records: a table's rows file, else each sample's ``<key>.json``,
+    the shards streamed member by member (a remote shard is read whole, one at a time). One line naming the
+    shard if one cannot be read."""
+    rows = manifest.rows(info.name)
+    if rows is not None:
+        return {int(i): str(p) for i, p in zip(rows["index"], rows["path"])}
     out: dict[int, str] = {}
     for shard in info.shards:
         try:
-            data = location.read_bytes(shard.file)
-            with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            if location.remote:
+                tar = tarfile.open(fileobj=io.BytesIO(location.read_bytes(shard.file)))
+            else:
+                tar = tarfile.open(location.path / shard.file, mode="r|")
+            with tar:
                 for member in tar:
                     if member.isfile() and member.name.endswith(".json"):
                         meta = json.loads(tar.extractfile(member).read())
                         out[int(meta["index"])] = str(meta["path"])
-        except (OSError, tarfile.TarError, ValueError, KeyError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 — I/O, tar, JSON or a storage library's own errors: one line each
             raise UserError(f"{shard.url}: cannot read the samples' paths ({type(e).__name__}: {e})") from None
     return out
 
@@ -89,9 +108,10 @@ def _sample_paths(info: Any, location: Any) -> dict[int, str]:
 def run(args: argparse.Namespace) -> int:
     if not 0.0 < args.angle < 180.0:
         raise UserError(f"--angle: must be in (0, 180) degrees, got {args.angle}")
-    for name in ("batch_size",):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size: must be >= 1, got {args.batch_size}")
+    if args.loader_workers < 0:
+        raise UserError(f"--loader-workers: must be >= 0, got {args.loader_workers}")
     ckpt = Path(args.checkpoint)
     index_file = ckpt / "classifier" / "classifier-index.json"
     if not (ckpt / "model.pt").is_file() or not index_file.is_file():
@@ -113,27 +133,35 @@ def run(args: argparse.Namespace) -> int:
     from dmltrain.models.serving import load_embedder
     from shards.decode.transforms import EvalTransform
 
+    model, contract, _ = load_embedder(ckpt / "model.pt", device)  # one line for an unreadable model file
     config = torch.load(ckpt / "model.pt", map_location="cpu", weights_only=True, mmap=True).get("config") or {}
     clf_cfg = (config.get("loss") or {}).get("classifier") or {}
     params = dict(clf_cfg.get("params") or {})
     if int(params.get("subcenters", 1)) < 2:
         raise UserError(f"{ckpt}: trained without sub-centers (loss.classifier.params.subcenters < 2); nothing to read")
     index = read_json(index_file, "classifier index")
+    if not isinstance(index, dict) or any(key not in index for key in ("num_classes", "dim", "kind")):
+        raise UserError(f"{index_file}: not a classifier index (needs num_classes, dim and kind)")
     shards = args.shards or (config.get("data") or {}).get("shards")
     if not shards:
         raise UserError(f"{ckpt}: its config names no data.shards; give --shards")
     source = ShardSource(shards, args.split, options)
+    if "train" not in source.info.label_space:
+        raise UserError(
+            f"{shards}: split {args.split!r} does not share the train split's classes (its label space: "
+            f"{', '.join(source.info.label_space)}), which the checkpoint's classifier holds"
+        )
     C = int(index["num_classes"])
     if source.info.num_labels != C:
         raise UserError(
             f"{shards}: split {args.split!r} has {source.info.num_labels} labels, the checkpoint's classifier {C}: "
             "not the shards it was trained on"
         )
+    paths = _sample_paths(source.manifest, source.info, source.location)  # before the long part: fails fast
     clf = ShardedClassifier(C, int(index["dim"]), str(index["kind"]), **params)
     load_by_class(clf, ckpt / "classifier")
     weight = clf.full_weight().detach()
 
-    model, contract, _ = load_embedder(ckpt / "model.pt", device)
     transform = EvalTransform(
         contract.resize, contract.crop, grayscale=contract.grayscale, interpolation=contract.interpolation
     )
@@ -141,11 +169,11 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(total=source.count, desc="embed", unit="img", file=sys.stderr, disable=args.quiet) as bar:
         batches = source.batches(0, source.count, transform, args.batch_size, args.loader_workers, contract.norm())
         emb, _, idx = embed_batches(model, iter_counted(batches, bar), device=device, progress=False)
-    labels_all = np.repeat(source.info.group_table().label, source.info.group_table().count)
-    labels = torch.as_tensor(labels_all[idx], dtype=torch.int64)
+    if len(idx) == 0:
+        raise UserError(f"{shards}: no readable {args.split} sample")
+    labels = torch.as_tensor(source.label_indices()[idx], dtype=torch.int64)
     angle, nearest, dominant = subcenter_angles(torch.from_numpy(emb), labels, weight)
     beyond = (angle > args.angle).numpy()
-    paths = _sample_paths(source.info, source.location)
     names = source.info.original_ids()
     order = np.argsort(-angle.numpy(), kind="stable")
     rows = [i for i in order.tolist() if beyond[i]]

@@ -97,7 +97,7 @@ class ShardSource(Source):
     def rows(self, index: np.ndarray) -> dict[str, list[Any]]:
         table = self.manifest.rows(self.split)
         names = self.info.original_ids()
-        labels = [names[v] for v in self._labels()[index]]
+        labels = [names[v] for v in self.label_indices()[index]]
         out: dict[str, list[Any]] = {"split": [self.split] * len(index), "index": index.tolist()}
         if table is None:
             out["id"] = [f"{self.split}/{i}" for i in index.tolist()]
@@ -106,8 +106,8 @@ class ShardSource(Source):
             out.update({k: [v[i] for i in index.tolist()] for k, v in table.items() if k not in ("index", "class_id")})
         return {"id": out.pop("id"), "label": labels, **out}
 
-    def _labels(self) -> np.ndarray:
-        """Each sample's label, from the group table (no image is read)."""
+    def label_indices(self) -> np.ndarray:
+        """Each sample's label (its index in the split's label space), from the group table (no image is read)."""
         t = self.info.group_table()
         return np.repeat(t.label, t.count)
 
