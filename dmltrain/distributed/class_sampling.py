@@ -218,7 +218,7 @@ def draw_active(
     shard's log-weights (fp32): all the others are drawn in proportion to their exponentials, each with
     its inclusion offset (see the module doc; ``nearest`` must be None).
     Collective over ``group`` when subsampling at ``W > 1`` (three or four all-reduces of 512 KiB per
-    radix select: one select for a uniform draw, two with nearest classes).
+    radix select: one select for a uniform or a proportional draw, two with nearest classes).
     """
     rank, _ = group_rank_size(group)
     C, N = partition.num_classes, labels.numel()
