@@ -177,12 +177,15 @@ def run(args: argparse.Namespace) -> int:
     names = source.info.original_ids()
     order = np.argsort(-angle.numpy(), kind="stable")
     rows = [i for i in order.tolist() if beyond[i]]
+    unnamed = next((int(idx[i]) for i in rows if int(idx[i]) not in paths), None)
+    if unnamed is not None:  # a list that --exclude could not match: refuse it rather than write it
+        raise UserError(f"{shards}: {args.split} sample {unnamed} records no path in its shard's JSON")
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
     table = pa.table(
         {
-            "path": [paths.get(int(idx[i]), "") for i in rows],
+            "path": [paths[int(idx[i])] for i in rows],
             "label": [names[int(labels[i])] for i in rows],
             "angle": [round(float(angle[i]), 3) for i in rows],
             "index": [int(idx[i]) for i in rows],
