@@ -108,14 +108,20 @@ def reference_class_key(c: int, num_classes: int, seed: int, step: int) -> int:
     return (_mix32((c * ((s1 | 1) & 0x7FFFFFFF) + s2) & _M32) << bits) | c
 
 
+def _batch_and_others(num_classes: int, batch_labels, sample_ratio: float) -> tuple[list[int], list[int], int]:
+    """(the batch's classes sorted, every other class, how many others a step draws: ``round(ratio × C) − P``,
+    at least 0)."""
+    batch = sorted({int(c) for c in batch_labels})
+    total = max(len(batch), min(num_classes, int(sample_ratio * num_classes + 0.5)))
+    return batch, [c for c in range(num_classes) if c not in set(batch)], total - len(batch)
+
+
 def reference_draw(num_classes: int, batch_labels, sample_ratio: float, seed: int, step: int) -> list[int]:
     """The sorted global class ids of one step's softmax: every batch class, plus the non-batch classes
     of smallest key up to ``round(ratio × C)`` classes in all."""
-    batch = sorted({int(c) for c in batch_labels})
-    total = max(len(batch), min(num_classes, int(sample_ratio * num_classes + 0.5)))
-    others = [c for c in range(num_classes) if c not in set(batch)]
+    batch, others, E = _batch_and_others(num_classes, batch_labels, sample_ratio)
     others.sort(key=lambda c: reference_class_key(c, num_classes, seed, step))
-    return sorted(batch + others[: total - len(batch)])
+    return sorted(batch + others[:E])
 
 
 # -- hard-class sampling: the nearness index and the draw, transcribed -----------------------------------
@@ -177,12 +183,9 @@ def reference_hard_draw(
     """(sorted class ids of the step's softmax, each uniformly drawn class's log-Q offset): every batch
     class, ``H = round(share × E)`` of the others nearest the batch (ties to the smaller id), then the
     remaining ``E − H`` uniformly by key from the classes in neither; ``E = round(ratio × C) − P``."""
-    batch = sorted({int(c) for c in batch_labels})
-    total = max(len(batch), min(num_classes, int(sample_ratio * num_classes + 0.5)))
-    E = total - len(batch)
+    batch, others, E = _batch_and_others(num_classes, batch_labels, sample_ratio)
     H = int(math.floor(E * share + 0.5))
     near = reference_nearness(weight, [int(c) for c in batch_labels], embeddings)
-    others = [c for c in range(num_classes) if c not in set(batch)]
     hard = sorted(others, key=lambda c: (-near[c], c))[:H]
     rest = sorted(
         (c for c in others if c not in set(hard)), key=lambda c: reference_class_key(c, num_classes, seed, step)
@@ -207,9 +210,7 @@ def reference_proportional_draw(
     ``E`` others of largest ``w + g`` (Gumbel top-E: a draw without replacement in proportion to ``exp w``),
     ``w = scale × nearness`` and ``g = −log(−log u)`` with ``u`` the class's 32 hashed key bits over 2³²;
     each drawn other's offset is ``−log(1 − exp(−exp(w − κ)))``, ``κ`` the ``(E+1)``-th largest ``w + g``."""
-    batch = sorted({int(c) for c in batch_labels})
-    total = max(len(batch), min(num_classes, int(sample_ratio * num_classes + 0.5)))
-    E = total - len(batch)
+    batch, others, E = _batch_and_others(num_classes, batch_labels, sample_ratio)
     near = reference_nearness(weight, [int(c) for c in batch_labels], embeddings)
     bits = max(1, (num_classes - 1).bit_length())
     logw, perturbed = {}, {}
@@ -217,7 +218,7 @@ def reference_proportional_draw(
         u = ((reference_class_key(c, num_classes, seed, step) >> bits) + 0.5) / 2.0**32
         logw[c] = _f32(near[c] * scale)
         perturbed[c] = _f32(logw[c] + _f32(-math.log(-math.log(u))))
-    others = sorted((c for c in range(num_classes) if c not in set(batch)), key=lambda c: (-perturbed[c], c))
+    others.sort(key=lambda c: (-perturbed[c], c))
     kappa = perturbed[others[E]]
     offsets = {c: -math.log(-math.expm1(-math.exp(logw[c] - kappa))) for c in others[:E]}
     return sorted(batch + others[:E]), offsets

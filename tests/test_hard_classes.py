@@ -43,24 +43,37 @@ def test_hard_and_mixed_draws_equal_the_brute_force_reference(mode, share, ratio
     clf = ShardedClassifier(C, D, "cosface", sample_ratio=ratio, sampling=mode, nearest_share=share, seed=5,
                             sampling_correction=True, subcenters=k, nearest_to=near)  # fmt: skip
     w = clf.full_weight()
+
+    def check_offsets(got, offs, offsets):
+        assert {c: round(o, 6) for c, o in offs.items() if o} == {c: round(o, 6) for c, o in offsets.items()}
+
+    got, offsets = _draws_equal_the_reference(
+        clf, C, D, ratio, lambda step, y, q: reference_hard_draw(C, y, ratio, 5, step, w, share, q), check_offsets
+    )
+    assert clf.active_class_ids.tolist() != got or not offsets, "the uniform part changes with the step"
+
+
+def _draws_equal_the_reference(clf, C, D, ratio, reference, check_offsets):
+    """Steps 0 and 3 draw the ``reference(step, labels, queries)``'s classes, ``target_total`` of them, every
+    batch class among them, with offsets ``check_offsets(got, {class: offset}, reference's)`` accepts; the same
+    call draws the same again. Then step 4 is drawn: returns (step 3's classes, step 3's reference offsets)."""
     for step in (0, 3):
         x, y = _batch(C, D, B=12, seed=step)
         with torch.no_grad():
             clf(x, y, step=step)
         got = clf.active_class_ids.tolist()
-        queries = torch.nn.functional.normalize(x, dim=1) if near == "samples" else None
-        want, offsets = reference_hard_draw(C, y.tolist(), ratio, 5, step, w, share, queries)
-        assert got == want, f"{mode} step {step}"
+        queries = torch.nn.functional.normalize(x, dim=1) if clf.nearest_to == "samples" else None
+        want, offsets = reference(step, y.tolist(), queries)
+        assert got == want, f"{clf.sampling} step {step}"
         assert len(got) == target_total(C, len(set(y.tolist())), ratio)
         assert set(y.tolist()) <= set(got)
-        offs = clf._active.offsets[: len(got)]
-        assert {c: round(float(o), 6) for c, o in zip(got, offs) if o} == {c: round(o, 6) for c, o in offsets.items()}
+        check_offsets(got, {c: float(o) for c, o in zip(got, clf._active.offsets[: len(got)])}, offsets)
         with torch.no_grad():
             clf(x, y, step=step)
         assert clf.active_class_ids.tolist() == got, "a function of (seed, step, batch, index)"
     with torch.no_grad():
         clf(x, y, step=4)
-    assert clf.active_class_ids.tolist() != got or not offsets, "the uniform part changes with the step"
+    return got, offsets
 
 
 @pytest.mark.parametrize("k,near", [(1, "samples"), (2, "samples"), (1, "classes")])
@@ -72,23 +85,14 @@ def test_proportional_draws_equal_the_brute_force_reference(k, near):
     clf = ShardedClassifier(C, D, "cosface", sample_ratio=0.3, sampling="proportional", seed=5, subcenters=k,
                             nearest_to=near, scale=8.0)  # fmt: skip
     w = clf.full_weight()
-    for step in (0, 3):
-        x, y = _batch(C, D, B=12, seed=step)
-        with torch.no_grad():
-            clf(x, y, step=step)
-        got = clf.active_class_ids.tolist()
-        queries = torch.nn.functional.normalize(x, dim=1) if near == "samples" else None
-        want, offsets = reference_proportional_draw(C, y.tolist(), 0.3, 5, step, w, 8.0, queries)
-        assert got == want, f"step {step}"
-        assert len(got) == target_total(C, len(set(y.tolist())), 0.3)
-        offs = {c: float(o) for c, o in zip(got, clf._active.offsets[: len(got)])}
-        assert all(offs[c] == 0 for c in set(y.tolist())), "the batch's classes are in for sure"
-        assert all(abs(offs[c] - o) < 1e-5 * max(1.0, o) for c, o in offsets.items()), step
-        with torch.no_grad():
-            clf(x, y, step=step)
-        assert clf.active_class_ids.tolist() == got, "a function of (seed, step, batch, index)"
-    with torch.no_grad():
-        clf(x, y, step=4)
+
+    def check_offsets(got, offs, offsets):
+        assert all(offs[c] == 0 for c in got if c not in offsets), "the batch's classes are in for sure"
+        assert all(abs(offs[c] - o) < 1e-5 * max(1.0, o) for c, o in offsets.items())
+
+    got, _ = _draws_equal_the_reference(
+        clf, C, D, 0.3, lambda step, y, q: reference_proportional_draw(C, y, 0.3, 5, step, w, 8.0, q), check_offsets
+    )
     assert clf.active_class_ids.tolist() != got
 
 
