@@ -1,7 +1,7 @@
 """``shards build --exclude FILE``: images a build leaves out, named by the path each sample's JSON records.
 
 FILE is a CSV or Parquet table with a ``path`` column (other columns ignored; read by
-:func:`shards.build.table.read_cells`), or any other file as text, one path per line (blank lines and lines
+:func:`shards.build.table.parse_cells`), or any other file as text, one path per line (blank lines and lines
 starting with ``#`` ignored). A path is compared with :attr:`~shards.build.layouts.Entry.relpath` as written,
 in every split. The use: a model's list of likely mislabelled train images (samples far from their class's
 dominant sub-center), to rebuild the shards without them and retrain.
@@ -24,7 +24,7 @@ from typing import Any
 
 from dmltrain.errors import UserError
 from shards.build.layouts import Layout
-from shards.build.table import FORMATS, read_cells
+from shards.build.table import FORMATS, parse_cells
 from shards.storage.location import is_url
 
 
@@ -54,9 +54,10 @@ def read_exclude(file: str | os.PathLike[str]) -> ExcludeList:
         data = path.read_bytes()
     except OSError as e:
         raise UserError(f"--exclude {text}: cannot read the file ({e.strerror or e})") from None
-    if path.suffix.lower() in FORMATS:
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt is not None:
         try:
-            table = read_cells(path)
+            table = parse_cells(data, fmt, text, str(path.parent))
         except UserError as e:
             raise UserError(f"--exclude {e}") from None
         if "path" not in table.columns:

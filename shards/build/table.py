@@ -118,6 +118,12 @@ def read_cells(table: str | os.PathLike[str], storage_options: Mapping[str, Any]
         except OSError as e:
             raise UserError(f"{path}: cannot read the table ({e.strerror or e})") from None
         base, shown = str(path.resolve().parent), str(path)
+    return parse_cells(data, fmt, shown, base)
+
+
+def parse_cells(data: bytes, fmt: str, shown: str, base: str) -> Table:
+    """The cells of a table's bytes (``fmt``: ``csv`` or ``parquet``) as text, named ``shown`` in messages, its
+    relative paths under ``base``; one-line errors for a malformed file or a repeated column."""
     import pandas as pd
 
     try:
