@@ -118,10 +118,8 @@ def nearest_scores(
     n, k, D = codes.shape
     N = labels.numel()
     dev = codes.device
-    if N == 0:
-        return torch.zeros(
-            n, device=dev, dtype=torch.float32
-        )  # nothing to rank (on every rank alike): every class ties
+    if N == 0:  # nothing to rank (on every rank alike): every class ties
+        return torch.zeros(n, device=dev, dtype=torch.float32)
     if embeddings is not None:  # no collective: a shard without classes scores nothing
         q_codes, q_scales = quantize(embeddings.to(dev))
         q, qs = q_codes.float(), q_scales[:, None]

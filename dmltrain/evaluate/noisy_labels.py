@@ -130,11 +130,12 @@ def run(args: argparse.Namespace) -> int:
     from dmltrain.evaluate.embedding import embed_batches
     from dmltrain.evaluate.sources import ShardSource, iter_counted
     from dmltrain.fileio import atomic_path
-    from dmltrain.models.serving import load_embedder
+    from dmltrain.models.export import load_model
+    from dmltrain.models.serving import model_contract
     from shards.decode.transforms import EvalTransform
 
-    model, contract, _ = load_embedder(ckpt / "model.pt", device)  # one line for an unreadable model file
-    config = torch.load(ckpt / "model.pt", map_location="cpu", weights_only=True, mmap=True).get("config") or {}
+    model, config, _ = load_model(ckpt / "model.pt", map_location=device)  # one line for an unreadable model file
+    contract = model_contract(model, config, fmt="model.pt", precision="fp32", file="model.pt", source={})
     clf_cfg = (config.get("loss") or {}).get("classifier") or {}
     params = dict(clf_cfg.get("params") or {})
     if int(params.get("subcenters", 1)) < 2:
