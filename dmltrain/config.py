@@ -185,6 +185,12 @@ class ClassifierLoss(Section):
         ge=1,
         description="sampling hard/mixed/proportional: steps between two snapshots of the rows in the nearness index",
     )
+    nearest_after: int = Field(
+        0,
+        ge=0,
+        description="sampling hard/mixed/proportional: draw uniformly before this step (the nearness index is first "
+        "built at it): a schedule that turns hard once the rows have spread; 0: from the first step",
+    )
     sampling_correction: bool = Field(
         False,
         description="log-Q correction of the uniformly drawn classes' logits (uniform, mixed; proportional always "

@@ -159,6 +159,34 @@ def test_the_index_is_refreshed_every_refresh_every_steps_and_resumes_exactly(tm
     assert rebuilt.classifier.active_class_ids.tolist() != drawn[5]
 
 
+def test_nearest_after_draws_uniformly_until_then_and_builds_the_index_there():
+    """With ``nearest_after: 3`` a mixed draw is the reference's uniform one (log-Q offsets included, no index
+    built) at steps 0-2, and the reference's mixed one from step 3 on, from an index first built at step 3 and
+    refreshed every ``refresh_every`` steps from there."""
+    C, D, ratio, share = 61, 8, 0.3, 0.5
+    clf = ShardedClassifier(C, D, "cosface", sample_ratio=ratio, sampling="mixed", nearest_share=share, seed=5,
+                            sampling_correction=True, nearest_to="samples", nearest_after=3, refresh_every=2)  # fmt: skip
+    w = clf.full_weight()
+    for step in range(6):
+        x, y = _batch(C, D, B=12, seed=step)
+        with torch.no_grad():
+            clf(x, y, step=step)
+        got = clf.active_class_ids.tolist()
+        q = torch.nn.functional.normalize(x, dim=1)
+        want, offsets = reference_hard_draw(C, y.tolist(), ratio, 5, step, w, 0.0 if step < 3 else share, q)
+        assert got == want, f"step {step}"
+        offs = {c: round(float(o), 6) for c, o in zip(got, clf._active.offsets[: len(got)]) if o}
+        assert offs == {c: round(o, 6) for c, o in offsets.items()}, f"step {step}"
+        assert (clf.index is None) if step < 3 else clf.index.built_at == (3 if step < 5 else 5), f"step {step}"
+    # the test can fail: from step 0 on, step 2 draws its nearest classes
+    early = ShardedClassifier(C, D, "cosface", sample_ratio=ratio, sampling="mixed", nearest_share=share, seed=5,
+                              sampling_correction=True, nearest_to="samples")  # fmt: skip
+    x, y = _batch(C, D, B=12, seed=2)
+    with torch.no_grad():
+        early(x, y, step=2)
+    assert early.active_class_ids.tolist() != reference_hard_draw(C, y.tolist(), ratio, 5, 2, w, 0.0)[0]
+
+
 # -- the probe --------------------------------------------------------------------------------------------
 def _ref_grad(x, y, w, params, active=None, offsets=None):
     xr = x.detach().clone().requires_grad_(True)
@@ -352,6 +380,7 @@ def test_a_hard_subcenter_step_with_probe_and_dropping_reads_nothing_back():
             "needs the fused kernels, which take no log-Q correction",
         ),
         ({"nearest_share": 1.5}, "loss.classifier.nearest_share"),
+        ({"nearest_after": -1}, "loss.classifier.nearest_after"),
         ({"kind": "softmax_ce", "params": {"subcenters": 2}}, "not a parameter of softmax_ce"),
     ],
 )

@@ -447,6 +447,9 @@ class ShardedClassifier(nn.Module):
         nearest_to: ``classes`` (a class is as near as its best cosine to the rows of the batch's
             classes) or ``samples`` (to the batch's embeddings).
         refresh_every: steps between two snapshots of the rows in the nearness index.
+        nearest_after: ``hard``, ``mixed`` and ``proportional`` draw uniformly (as ``sampling: uniform``,
+            ``sampling_correction`` included) before this step, and build the index at it: a schedule
+            that lets the rows spread before the nearest classes are drawn (0: from the first step).
         sampling_correction: the log-Q correction of the uniformly drawn classes' logits (``proportional``
             always corrects its draw).
         drop_after, drop_angle: with sub-centers (``params.subcenters`` k > 1), from step ``drop_after``
@@ -492,6 +495,7 @@ class ShardedClassifier(nn.Module):
         nearest_to: str = "classes",
         nearest_share: float = 0.5,
         refresh_every: int = 100,
+        nearest_after: int = 0,
         sampling_correction: bool = False,
         drop_after: int | None = None,
         drop_angle: float = 75.0,
@@ -524,6 +528,8 @@ class ShardedClassifier(nn.Module):
             raise ValueError(f"ShardedClassifier: nearest_share must be in [0, 1], got {nearest_share}")
         if refresh_every < 1:
             raise ValueError(f"ShardedClassifier: refresh_every must be at least 1, got {refresh_every}")
+        if nearest_after < 0:
+            raise ValueError(f"ShardedClassifier: nearest_after must be at least 0, got {nearest_after}")
         if not 0.0 < drop_angle < 180.0:
             raise ValueError(f"ShardedClassifier: drop_angle must be in (0, 180) degrees, got {drop_angle}")
         self.subcenters = self.spec.subcenters(self.params)
@@ -531,7 +537,7 @@ class ShardedClassifier(nn.Module):
         if drop_after is not None and self.subcenters < 2:
             raise ValueError("ShardedClassifier: drop_after drops samples far from their dominant sub-center; "
                              "it needs params.subcenters >= 2")  # fmt: skip
-        self.sampling, self.refresh_every = sampling, int(refresh_every)
+        self.sampling, self.refresh_every, self.nearest_after = sampling, int(refresh_every), int(nearest_after)
         self.nearest_share = 1.0 if sampling == "hard" else float(nearest_share)
         self.nearest_to = nearest_to
         self.sampling_correction = bool(sampling_correction)
@@ -683,7 +689,7 @@ class ShardedClassifier(nn.Module):
         if round_total(self.num_classes, self.sample_ratio) >= self.num_classes:
             return None
         nearest = None
-        if self.sampling != "uniform":
+        if self.sampling != "uniform" and step >= self.nearest_after:
             index = self.nearness_index(step)
             queries = x_g if self.nearest_to == "samples" else None
             if self.sampling == "proportional":  # in proportion to exp(the logit a class's best cosine makes)

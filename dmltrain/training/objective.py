@@ -69,6 +69,7 @@ class Objective(nn.Module):
                 nearest_to=c.nearest_to,
                 nearest_share=c.nearest_share,
                 refresh_every=c.refresh_every,
+                nearest_after=c.nearest_after,
                 sampling_correction=c.sampling_correction,
                 drop_after=c.drop_after,
                 drop_angle=c.drop_angle,
