@@ -55,6 +55,8 @@ from dmltrain.tracking.names import (
     CUDA_PEAK_MB,
     IMAGES_PER_S,
     PROBE_GRAD_COS,
+    PROBE_LOSS_GAP,
+    PROBE_UNIFORM_LOSS_GAP,
     RSS_MB,
     STEP_MS,
     STUDY_WALL_TAG,
@@ -113,12 +115,16 @@ def default_measures(ks: Sequence[int], gpu: bool = False) -> list[Measure]:
 
 def probe_measures() -> list[Measure]:
     """What the classifier's probe (``loss.classifier.probe_every``) adds: the cosine of the sampled and the full
-    softmax's embedding gradients, its mean over training in the table and its history in ``grad_cos.png``."""
+    softmax's embedding gradients, its mean over training in the table and its history in ``grad_cos.png``; the
+    mean loss gap (sampled − full) of the run's draw and of a uniform draw of the same size on the same batches
+    (draws other than uniform): ``exp`` of an uncorrected draw's is the share of a sample's normaliser it holds."""
     about = "cosine of the sampled and the full softmax's embedding gradients (the probe)"
     return [
         Measure(
             "grad cos", "metric", PROBE_GRAD_COS, "mean", "grad_cos", digits=3, curve=True, ylim=(0, 1.02), about=about
-        )
+        ),
+        Measure("loss gap", "metric", PROBE_LOSS_GAP, "mean", "loss_gap", digits=2),
+        Measure("uniform draw's loss gap", "metric", PROBE_UNIFORM_LOSS_GAP, "mean", "uniform_loss_gap", digits=2),
     ]
 
 

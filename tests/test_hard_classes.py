@@ -199,6 +199,7 @@ def _ref_grad(x, y, w, params, active=None, offsets=None):
 def test_the_probe_measures_the_sampled_gradient_against_the_full_softmax(ratio, mode):
     """The probe's full loss and gradient are one float64 process's over every class, its sampled ones over
     the step's drawn classes (log-Q offsets included); at ratio 1 they are one: cosine 1, norm ratio 1, gap 0.
+    A mixed draw's probe adds the loss gap of the reference's uniform draw of the same step, uncorrected.
     Nothing is written: no row gradient, the step's draw and statistics are kept."""
     C, D = 40, 8
     params = {"scale": 16.0, "margin": 0.5}
@@ -222,6 +223,10 @@ def test_the_probe_measures_the_sampled_gradient_against_the_full_softmax(ratio,
         assert bool((offsets > 0).any()), "the uniform part is corrected"
         sampled_loss, gs = _ref_grad(x, y, w, clf.params, ids, offsets)
         assert probe["grad_cos"] < 0.999
+        uniform_ids, _ = reference_hard_draw(C, y.tolist(), ratio, 2, 7, w, 0.0)
+        assert uniform_ids != ids.tolist()
+        uniform_loss, _ = _ref_grad(x, y, w, clf.params, torch.tensor(uniform_ids))
+        assert probe["uniform_loss_gap"] == pytest.approx(uniform_loss - full_loss, abs=1e-10)
     assert probe["full_loss"] == pytest.approx(full_loss, rel=1e-10)
     assert probe["loss_gap"] == pytest.approx(sampled_loss - full_loss, abs=1e-10)
     cos = float((gs * gf).sum() / (gs.norm() * gf.norm()))

@@ -407,7 +407,8 @@ def _sampling_study(tmp_path):
                 s,
                 f"{p.label}-s{s}",
                 "finished",
-                {"recall@1": r1[p.label][s], "step ms": 10.0, "grad cos": 0.5},
+                {"recall@1": r1[p.label][s], "step ms": 10.0, "grad cos": 0.5, "loss gap": -2.0 + 0.5 * s,
+                 **({"uniform draw's loss gap": -2.5} if p.label.startswith("hard") else {})},  # fmt: skip
                 curves={"grad cos": [(0, 0.9), (10, 0.5 + 0.1 * s)]},
             )  # fmt: skip
             for s in (0, 1)
@@ -434,6 +435,7 @@ def test_sampling_modes_share_one_full_softmax_and_say_what_share_of_the_gap_the
         "70 ± 14",
     ]
     assert cells["grad cos"] == ["0.500 ± 0.000"] * 3
+    assert cells["loss gap"] == ["-1.75 ± 0.35"] * 3 and cells["uniform draw's loss gap"][2] == "-2.50 ± 0.00"
     assert sr.parent_metrics(summary)["change/gap_closed_percent/hard-r0.1-c100"] == pytest.approx(70.0)
     assert "70 ± 14% of the uniform draw's Recall@1 gap closed" in sr.describe_study(summary, "")
     files = sr.write_outputs(summary)

@@ -634,7 +634,7 @@ class ShardedClassifier(nn.Module):
         classifier counts its own calls. Labels are global class ids. ``sizes``: every rank's local
         batch size, when the caller knows them (else they are exchanged: one host read at W > 1).
         """
-        return self._call(embeddings, labels, step, sizes, self.weight, self.bias, full=False, train=True)
+        return self._call(embeddings, labels, step, sizes, self.weight, self.bias, draw="step", train=True)
 
     def _call(
         self,
@@ -644,10 +644,11 @@ class ShardedClassifier(nn.Module):
         sizes: Sequence[int] | None,
         weight: Tensor,
         bias: Tensor | None,
-        full: bool,
+        draw: str,
         train: bool,
     ) -> Tensor:
-        """One call: the step's draw (every class when ``full``), then the sharded softmax of ``weight``/``bias``
+        """One call: the classes of ``draw`` (``step``: the step's draw; ``full``: every class; ``uniform``: the
+        uniform draw of the same size and step, uncorrected), then the sharded softmax of ``weight``/``bias``
         (the parameters, or detached views of them for a call that must not write their gradient)."""
         if embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
             raise ValueError(f"ShardedClassifier: expected embeddings B×{self.dim}, got {tuple(embeddings.shape)}")
@@ -675,7 +676,7 @@ class ShardedClassifier(nn.Module):
             x = F.normalize(x, dim=1)
         x_g = gather_with_grad(x, self.group, sizes)
         self._step = int(step)
-        active = None if full else self._draw(labels_g, int(step), x_g)
+        active = None if draw == "full" else self._draw(labels_g, int(step), x_g, uniform=draw == "uniform")
         self._active = active
         if N == 0:
             self.stats = {"loss": 0.0, "active_rows": float(self._num_active()), "active_classes": 0.0}
@@ -684,11 +685,14 @@ class ShardedClassifier(nn.Module):
         need_grad = torch.is_grad_enabled() and (x_g.requires_grad or any(p.requires_grad for p in params))
         return _ShardedSoftmax.apply(x_g, weight, bias, self, labels_g, active, need_grad, train and need_grad)
 
-    def _draw(self, labels_g: Tensor, step: int, x_g: Tensor) -> ActiveRows | None:
-        """This shard's rows in step ``step``'s softmax (None: all of them); ``x_g``: the gathered batch."""
+    def _draw(self, labels_g: Tensor, step: int, x_g: Tensor, uniform: bool = False) -> ActiveRows | None:
+        """This shard's rows in step ``step``'s softmax (None: all of them); ``x_g``: the gathered batch;
+        ``uniform``: the uniform draw of the same size instead, without log-Q offsets."""
         if round_total(self.num_classes, self.sample_ratio) >= self.num_classes:
             return None
         nearest = None
+        if uniform:
+            return draw_active(labels_g, self.partition, self.sample_ratio, self.seed, step, self.group)
         if self.sampling != "uniform" and step >= self.nearest_after:
             index = self.nearness_index(step)
             queries = x_g if self.nearest_to == "samples" else None
@@ -742,8 +746,13 @@ class ShardedClassifier(nn.Module):
 
         Returns 0-d device tensors (no host read): ``grad_cos`` (cosine of the two gradients over the
         whole global batch), ``grad_norm_ratio`` (sampled norm / full norm), ``loss_gap`` (sampled −
-        full loss) and ``full_loss``. Costs one sampled and one full forward and backward of the
-        classifier for the embeddings only (no row gradient). At ``sample_ratio`` 1 the two are one.
+        full loss) and ``full_loss``; a draw other than ``uniform`` (below ``sample_ratio`` 1) also
+        ``uniform_loss_gap``, the loss gap of the uniform draw of the same size, step and batch without
+        correction (for an uncorrected draw ``exp(gap)`` is the share of a sample's normaliser the drawn
+        classes hold, geometric mean over the batch: the two compare a draw with chance on one model).
+        Costs one sampled and one full forward and backward of the classifier for the embeddings only
+        (no row gradient), and one more sampled forward for ``uniform_loss_gap``. At ``sample_ratio`` 1
+        the two are one.
         """
         stats, active, calls = self.stats, self._active, self._calls
         x = embeddings.detach().requires_grad_(True)
@@ -751,11 +760,16 @@ class ShardedClassifier(nn.Module):
         b = None if self.bias is None else self.bias.detach()
         out = []
         with torch.enable_grad():
-            for full in (False, True):
-                loss = self._call(x, labels, step, sizes, w, b, full=full, train=False)
+            for draw in ("step", "full"):
+                loss = self._call(x, labels, step, sizes, w, b, draw=draw, train=False)
                 (g,) = torch.autograd.grad(loss, x)
                 out.append((loss.detach().double(), g.double()))
         (ls, gs), (lf, gf) = out
+        extra = {}
+        if self.sampling != "uniform" and round_total(self.num_classes, self.sample_ratio) < self.num_classes:
+            with torch.no_grad():
+                lu = self._call(x, labels, step, sizes, w, b, draw="uniform", train=False)
+            extra["uniform_loss_gap"] = lu.double() - lf
         sums = torch.stack([(gs * gf).sum(), (gs * gs).sum(), (gf * gf).sum()])
         all_reduce_sum(sums, self.group)
         self.stats, self._active, self._calls = stats, active, calls
@@ -765,6 +779,7 @@ class ShardedClassifier(nn.Module):
             "grad_norm_ratio": (sums[1] / sums[2].clamp_min(tiny)).sqrt(),
             "loss_gap": ls - lf,
             "full_loss": lf,
+            **extra,
         }
 
     def _record(self, stats: Tensor, kept: bool, dropping: bool = False) -> None:

@@ -83,9 +83,11 @@ CUDA_PEAK_MB = "memory/cuda_peak_mb"
 CLASSIFIER_PREFIX = "softmax/"  # softmax/<stat>: the sharded classifier's loss and statistics
 # softmax/probe/<stat>: every loss.classifier.probe_every steps, the full softmax against the sampled one on the
 # same batch: grad_cos (cosine of the embeddings' gradients), grad_norm_ratio (sampled / full), loss_gap (sampled −
-# full), full_loss
+# full), full_loss; uniform_loss_gap (a uniform draw of the same size − full) with another draw
 PROBE_PREFIX = CLASSIFIER_PREFIX + "probe/"
 PROBE_GRAD_COS = PROBE_PREFIX + "grad_cos"
+PROBE_LOSS_GAP = PROBE_PREFIX + "loss_gap"
+PROBE_UNIFORM_LOSS_GAP = PROBE_PREFIX + "uniform_loss_gap"
 INSTANCE_PREFIX = "instance/"  # instance/<stat>: the instance loss's
 CLASSIFIER_LOSS = CLASSIFIER_PREFIX + "loss"
 INSTANCE_LOSS = INSTANCE_PREFIX + "loss"
