@@ -407,8 +407,13 @@ def _sampling_study(tmp_path):
                 s,
                 f"{p.label}-s{s}",
                 "finished",
-                {"recall@1": r1[p.label][s], "step ms": 10.0, "grad cos": 0.5, "loss gap": -2.0 + 0.5 * s,
-                 **({"uniform draw's loss gap": -2.5} if p.label.startswith("hard") else {})},  # fmt: skip
+                {
+                    "recall@1": r1[p.label][s],
+                    "step ms": 10.0,
+                    "grad cos": 0.5,
+                    "loss gap": -2.0 + 0.5 * s,
+                    **({"uniform draw's loss gap": -2.5} if p.label.startswith("hard") else {}),
+                },  # fmt: skip
                 curves={"grad cos": [(0, 0.9), (10, 0.5 + 0.1 * s)]},
             )  # fmt: skip
             for s in (0, 1)
