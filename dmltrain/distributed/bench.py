@@ -189,7 +189,8 @@ def _measure(
         done[R] = res
         report(R, res)
         if "probe" in res:
-            print(f"R={R:g}: probe (sampled and full softmax, embeddings' gradients only) {res['probe']:.3f} s = "
+            chance = ", a uniform draw's loss" if R < 1.0 and args.sampling != "uniform" else ""
+            print(f"R={R:g}: probe (sampled and full softmax, embeddings' gradients only{chance}) {res['probe']:.3f} s = "
                   f"{res['probe'] / res['step']:.2f}x the step (CPU time {res['probe_cpu'] / res['step_cpu']:.2f}x)", flush=True)  # fmt: skip
     if 1.0 in done:
         for R, r in done.items():
