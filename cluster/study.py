@@ -30,7 +30,8 @@ rest.
 per mode; the ratio-1 point, a full softmax, is trained once and is every mode's reference) and turns
 the classifier's probe on (``loss.classifier.probe_every``, ``--probe-every``, default the config's or
 ``train.log_every``): the table then says, per mode and ratio, what share of the uniform draw's Recall@1
-gap the mode closes, and the probe's gradient cosine, in the table and over training (``grad_cos.png``).
+gap the mode closes, and the probe's gradient cosine, in the table and over training (``grad_cos.png``),
+and its loss gaps (the run's draw, and a uniform draw of the same size on the same model) in the table.
 
 Runs train one at a time by default, so their speed figures are comparable; ``--parallel N`` runs
 N at once when only the accuracy matters.

@@ -117,7 +117,8 @@ def probe_measures() -> list[Measure]:
     """What the classifier's probe (``loss.classifier.probe_every``) adds: the cosine of the sampled and the full
     softmax's embedding gradients, its mean over training in the table and its history in ``grad_cos.png``; the
     mean loss gap (sampled − full) of the run's draw and of a uniform draw of the same size on the same batches
-    (draws other than uniform): ``exp`` of an uncorrected draw's is the share of a sample's normaliser it holds."""
+    (draws other than uniform): ``exp`` of an uncorrected draw's is the share of a sample's normaliser it holds
+    (normalised kinds; see ShardedClassifier.probe)."""
     about = "cosine of the sampled and the full softmax's embedding gradients (the probe)"
     return [
         Measure(

@@ -201,7 +201,8 @@ class ClassifierLoss(Section):
         0,
         ge=0,
         description="every so many steps, the full softmax's loss and embedding gradient for the same batch, nothing "
-        "updated: logged as softmax/probe/ (gradient cosine, norm ratio, loss gap); 0: off",
+        "updated: logged as softmax/probe/ (gradient cosine, norm ratio, loss gap; with hard, mixed or proportional "
+        "draws also a uniform draw's loss gap on the same model); 0: off",
     )
     drop_after: int | None = Field(
         None,

@@ -259,6 +259,31 @@ def test_the_objective_probes_every_probe_every_steps():
     assert {"softmax/probe/grad_norm_ratio", "softmax/probe/loss_gap", "softmax/probe/full_loss"} <= set(summary)
 
 
+def test_the_objective_turns_hard_at_nearest_after_and_the_probe_scores_chance_from_then_on():
+    """``loss.classifier.nearest_after`` reaches the classifier: the index is first built at that step, and the
+    probe's ``uniform_loss_gap`` (a uniform draw of the same size on the same model) starts there, where the
+    step's draw stops being uniform."""
+    from dmltrain.config import build_config
+    from dmltrain.training.objective import Objective
+
+    classifier = {
+        "sample_ratio": 0.5,
+        "sampling": "mixed",
+        "nearest_to": "samples",
+        "nearest_after": 2,
+        "probe_every": 1,
+    }
+    obj = Objective(build_config({"loss": {"classifier": classifier}}), num_classes=30, dim=8, world_size=1)
+    seen, built = [], []
+    for step in range(4):
+        x, y = _batch(30, 8, seed=step)
+        obj.probe(x, y, step)
+        obj(x.requires_grad_(True), y, step=step).backward()
+        seen.append("classifier/probe/uniform_loss_gap" in obj.device_stats)
+        built.append(None if obj.classifier.index is None else obj.classifier.index.built_at)
+    assert seen == [False, False, True, True] and built == [None, None, 2, 2]
+
+
 def test_metrics_average_a_statistic_over_the_steps_that_report_it():
     from dmltrain.training.metrics import TrainMetrics
 

@@ -296,7 +296,9 @@ def test_resume_at_a_different_worker_count(env):
     cosines = [m.value for m in client.get_metric_history(runs[0].info.run_id, "softmax/probe/grad_cos")]
     assert len(cosines) == 4 and all(0.0 < c <= 1.0 + 1e-9 for c in cosines), cosines
     chance = client.get_metric_history(runs[0].info.run_id, "softmax/probe/uniform_loss_gap")
-    assert len(chance) == 4 and all(m.value <= 1e-4 for m in chance), chance  # a subset's normaliser: never more
+    assert len(chance) == 4 and all(m.value <= 1e-4 for m in chance), (
+        chance
+    )  # normsoftmax: a subset's normaliser, never more
     assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "softmax/dropped")] == [1, 2, 3, 4]
 
 

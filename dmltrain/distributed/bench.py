@@ -189,7 +189,10 @@ def _measure(
         done[R] = res
         report(R, res)
         if "probe" in res:
-            chance = ", a uniform draw's loss" if R < 1.0 and args.sampling != "uniform" else ""
+            from dmltrain.distributed.class_sampling import round_total
+
+            subsampled = round_total(args.classes, R) < args.classes
+            chance = ", a uniform draw's loss" if subsampled and args.sampling != "uniform" else ""
             print(f"R={R:g}: probe (sampled and full softmax, embeddings' gradients only{chance}) {res['probe']:.3f} s = "
                   f"{res['probe'] / res['step']:.2f}x the step (CPU time {res['probe_cpu'] / res['step_cpu']:.2f}x)", flush=True)  # fmt: skip
     if 1.0 in done:

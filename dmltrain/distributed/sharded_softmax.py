@@ -39,7 +39,7 @@ The algorithm, top to bottom in this file (:meth:`ShardedClassifier.forward`, th
 Sub-centers (``params.subcenters`` k > 1): k rows per class, a class's logit its best sub-center's;
 they, the log-Q offsets and dropped samples (``drop_after``) run the torch backend on every device.
 :meth:`ShardedClassifier.probe` compares a batch's sampled loss and embedding gradient with the full
-softmax's, writing nothing.
+softmax's, writing nothing but the nearness index the step's own draw would build.
 
 No host sync. Nothing in a call reads a device value back, at any ratio: the draw, the targets,
 the label-smoothing weights (device scalars) and the gradient coefficient stay on the device.
@@ -650,6 +650,8 @@ class ShardedClassifier(nn.Module):
         """One call: the classes of ``draw`` (``step``: the step's draw; ``full``: every class; ``uniform``: the
         uniform draw of the same size and step, uncorrected), then the sharded softmax of ``weight``/``bias``
         (the parameters, or detached views of them for a call that must not write their gradient)."""
+        if draw not in ("step", "full", "uniform"):
+            raise ValueError(f"ShardedClassifier: draw must be step, full or uniform, got {draw!r}")
         if embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
             raise ValueError(f"ShardedClassifier: expected embeddings B×{self.dim}, got {tuple(embeddings.shape)}")
         if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
@@ -707,7 +709,8 @@ class ShardedClassifier(nn.Module):
     def nearness_index(self, step: int) -> ClassIndex:
         """The nearness index of step ``step``: rebuilt from the rows as they are when ``refresh_every``
         steps have passed since the last one was built (or none is held), else the one held."""
-        if self.index is None or self.index.stale(step, self.refresh_every):
+        # an index from before nearest_after (a resume that raised it) is not the one built at it
+        if self.index is None or self.index.stale(step, self.refresh_every) or self.index.built_at < self.nearest_after:
             self.index = build_index(self.weight, self.subcenters, step)
         return self.index
 
@@ -742,14 +745,17 @@ class ShardedClassifier(nn.Module):
         self, embeddings: Tensor, labels: Tensor, step: int, sizes: Sequence[int] | None = None
     ) -> dict[str, Tensor]:
         """What subsampling costs this batch: the full softmax's loss and embedding gradient against the
-        sampled one's (the same draw as the step's), computed without writing any gradient or state.
+        sampled one's (the same draw as the step's), computed without writing any gradient or state (but
+        the nearness index, which the step's draw would build the same at a refresh).
 
         Returns 0-d device tensors (no host read): ``grad_cos`` (cosine of the two gradients over the
         whole global batch), ``grad_norm_ratio`` (sampled norm / full norm), ``loss_gap`` (sampled −
-        full loss) and ``full_loss``; a draw other than ``uniform`` (below ``sample_ratio`` 1) also
-        ``uniform_loss_gap``, the loss gap of the uniform draw of the same size, step and batch without
-        correction (for an uncorrected draw ``exp(gap)`` is the share of a sample's normaliser the drawn
-        classes hold, geometric mean over the batch: the two compare a draw with chance on one model).
+        full loss) and ``full_loss``; a draw other than ``uniform`` (below ``sample_ratio`` 1, from
+        ``nearest_after`` on) also ``uniform_loss_gap``, the loss gap of the uniform draw of the same size,
+        step and batch without correction. For an uncorrected draw of a normalised kind (or ``softmax_ce``
+        without smoothing) ``exp(gap)`` is the share of a sample's normaliser the drawn classes hold,
+        geometric mean over the batch (its kept samples, once ``drop_after`` drops): the two compare a
+        draw with chance on one model.
         Costs one sampled and one full forward and backward of the classifier for the embeddings only
         (no row gradient), and one more sampled forward for ``uniform_loss_gap``. At ``sample_ratio`` 1
         the two are one.
@@ -766,7 +772,8 @@ class ShardedClassifier(nn.Module):
                 out.append((loss.detach().double(), g.double()))
         (ls, gs), (lf, gf) = out
         extra = {}
-        if self.sampling != "uniform" and round_total(self.num_classes, self.sample_ratio) < self.num_classes:
+        hard = self.sampling != "uniform" and step >= self.nearest_after  # before it the step draws uniformly
+        if hard and round_total(self.num_classes, self.sample_ratio) < self.num_classes:
             with torch.no_grad():
                 lu = self._call(x, labels, step, sizes, w, b, draw="uniform", train=False)
             extra["uniform_loss_gap"] = lu.double() - lf
