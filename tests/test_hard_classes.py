@@ -185,6 +185,12 @@ def test_nearest_after_draws_uniformly_until_then_and_builds_the_index_there():
     with torch.no_grad():
         early(x, y, step=2)
     assert early.active_class_ids.tolist() != reference_hard_draw(C, y.tolist(), ratio, 5, 2, w, 0.0)[0]
+    # a resume that raises nearest_after past the saved index's step builds a new one at it, not 10 steps on
+    early.nearest_after = 3
+    x, y = _batch(C, D, B=12, seed=3)
+    with torch.no_grad():
+        early(x, y, step=3)
+    assert early.index.built_at == 3
 
 
 # -- the probe --------------------------------------------------------------------------------------------
