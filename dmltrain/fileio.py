@@ -53,6 +53,17 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def read_file_bytes(path: Path, shown: str, what: str) -> bytes:
+    """The bytes of the local file ``path``; a one-line :class:`UserError` if it is not a file
+    (``<shown>: <what> not found``) or cannot be read (``<shown>: cannot read the <what> (<why>)``)."""
+    if not path.is_file():
+        raise UserError(f"{shown}: {what} not found")
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise UserError(f"{shown}: cannot read the {what} ({e.strerror or e})") from None
+
+
 def read_json(path: str | os.PathLike[str], what: str = "") -> Any:
     """The JSON document at ``path``; one line :class:`UserError` (``<path>: unreadable <what> (<why>)``) if it
     cannot be read or parsed."""

@@ -695,7 +695,7 @@ class ShardedClassifier(nn.Module):
         nearest = None
         if uniform:
             return draw_active(labels_g, self.partition, self.sample_ratio, self.seed, step, self.group)
-        if self.sampling != "uniform" and step >= self.nearest_after:
+        if self._draws_nearest(step):
             index = self.nearness_index(step)
             queries = x_g if self.nearest_to == "samples" else None
             if self.sampling == "proportional":  # in proportion to exp(the logit a class's best cosine makes)
@@ -705,6 +705,12 @@ class ShardedClassifier(nn.Module):
             nearest = nearest_keys(index, labels_g, self.class_start, id_bits(self.num_classes), self.group, queries)
         return draw_active(labels_g, self.partition, self.sample_ratio, self.seed, step, self.group, nearest,
                            self.nearest_share, self.sampling_correction)  # fmt: skip
+
+    def _draws_nearest(self, step: int) -> bool:
+        """Whether step ``step`` draws from the nearness index (``hard``, ``mixed``, ``proportional`` from
+        ``nearest_after`` on, below ratio 1) rather than uniformly."""
+        subsampled = round_total(self.num_classes, self.sample_ratio) < self.num_classes
+        return subsampled and self.sampling != "uniform" and step >= self.nearest_after
 
     def nearness_index(self, step: int) -> ClassIndex:
         """The nearness index of step ``step``: rebuilt from the rows as they are when ``refresh_every``
@@ -772,8 +778,7 @@ class ShardedClassifier(nn.Module):
                 out.append((loss.detach().double(), g.double()))
         (ls, gs), (lf, gf) = out
         extra = {}
-        hard = self.sampling != "uniform" and step >= self.nearest_after  # before it the step draws uniformly
-        if hard and round_total(self.num_classes, self.sample_ratio) < self.num_classes:
+        if self._draws_nearest(step):  # else the step's draw is the uniform one
             with torch.no_grad():
                 lu = self._call(x, labels, step, sizes, w, b, draw="uniform", train=False)
             extra["uniform_loss_gap"] = lu.double() - lf

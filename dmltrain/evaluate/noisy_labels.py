@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     if not (ckpt / "model.pt").is_file() or not index_file.is_file():
         raise UserError(f"{ckpt}: not a checkpoint folder (needs model.pt and classifier/classifier-index.json)")
     from dmltrain.evaluate.cli import _device
-    from dmltrain.fileio import read_json
+    from dmltrain.fileio import atomic_path, read_json
 
     device = _device(args.device)
     options = parse_storage_options(args.storage_option)
@@ -129,7 +129,6 @@ def run(args: argparse.Namespace) -> int:
     from dmltrain.distributed.class_checkpoint import load_by_class
     from dmltrain.evaluate.embedding import embed_batches
     from dmltrain.evaluate.sources import ShardSource, iter_counted
-    from dmltrain.fileio import atomic_path
     from dmltrain.models.export import load_model
     from dmltrain.models.serving import model_contract
     from shards.decode.transforms import EvalTransform

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dmltrain.errors import UserError
+from dmltrain.fileio import read_file_bytes
 from shards.build.layouts import Layout
 from shards.build.table import FORMATS, parse_cells
 from shards.storage.location import is_url
@@ -48,12 +49,7 @@ def read_exclude(file: str | os.PathLike[str]) -> ExcludeList:
     if is_url(text):
         raise UserError(f"--exclude {text}: a local file only")
     path = Path(text).expanduser()
-    if not path.is_file():
-        raise UserError(f"--exclude {text}: file not found")
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise UserError(f"--exclude {text}: cannot read the file ({e.strerror or e})") from None
+    data = read_file_bytes(path, f"--exclude {text}", "file")
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is not None:
         try:

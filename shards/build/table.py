@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from dmltrain.errors import UserError
+from dmltrain.fileio import read_file_bytes
 from dmltrain.redact import redact_url
 from shards.build.layouts import Entry, Layout
 from shards.storage.location import Location, is_url, open_location
@@ -111,12 +112,7 @@ def read_cells(table: str | os.PathLike[str], storage_options: Mapping[str, Any]
         base, shown = parent, text
     else:
         path = Path(Location(text).root).expanduser()
-        if not path.is_file():
-            raise UserError(f"{path}: table not found")
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise UserError(f"{path}: cannot read the table ({e.strerror or e})") from None
+        data = read_file_bytes(path, str(path), "table")
         base, shown = str(path.resolve().parent), str(path)
     return parse_cells(data, fmt, shown, base)
 
