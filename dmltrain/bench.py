@@ -41,11 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
 
+def bench_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of benchmark ``name``'s options (``dmltrain bench NAME --help``; the docs' reference too)."""
+    module_name, help_text = BENCHES[name]
+    sub = argparse.ArgumentParser(prog=f"dmltrain bench {name}", description=help_text[0].upper() + help_text[1:] + ".")
+    importlib.import_module(module_name).add_arguments(sub)
+    return sub
+
+
 def run(args: argparse.Namespace) -> int:
-    module_name, help_text = BENCHES[args.bench]
-    module = importlib.import_module(module_name)
-    sub = argparse.ArgumentParser(
-        prog=f"dmltrain bench {args.bench}", description=help_text[0].upper() + help_text[1:] + "."
-    )
-    module.add_arguments(sub)
-    return int(module.run(sub.parse_args(args.bench_args)) or 0)
+    sub = bench_parser(args.bench)
+    return int(importlib.import_module(BENCHES[args.bench][0]).run(sub.parse_args(args.bench_args)) or 0)
