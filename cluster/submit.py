@@ -99,9 +99,7 @@ def placement_warnings(cfg: Any) -> list[str]:
             )
         else:
             what = "unset, so runs go to mlflow.db in the job's temporary working directory and are lost with it"
-        out.append(
-            f"tracking.uri: {what}; point tracking.uri at an MLflow server (see 'Running on a cluster' in README.md)"
-        )
+        out.append(f"tracking.uri: {what}; point tracking.uri at an MLflow server (see docs/how-to/cluster.md)")
     where = RunLocation.of(cfg)
     if where.relative:
         out.append(

@@ -108,7 +108,12 @@ def test_launcher_is_closed_to_strangers(launcher):
 
 
 def test_no_hint_to_open_the_dashboard_to_all_hosts():
-    for path in (REPO / "README.md", CLUSTER / "submit.py", CLUSTER / "ray-cluster.yaml"):
+    for path in (
+        REPO / "README.md",
+        *(REPO / "docs").rglob("*.md"),
+        CLUSTER / "submit.py",
+        CLUSTER / "ray-cluster.yaml",
+    ):
         assert not re.search(r"dashboard[-_]host[= ]+['\"]?0\.0\.0\.0", path.read_text()), path
 
 

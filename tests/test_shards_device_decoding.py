@@ -134,7 +134,7 @@ def test_device_pixels_match_the_default_cpu_path_without_draft(name):
     """Against the CPU path as it runs by default (``draft=True``): where the crop box is narrower or lower than
     twice the output side, draft scaling cannot apply and the pixels are the same (wide images exactly, tall ones
     within the pass-order ±1 of the module docstring); where it applies they differ by more (stated in
-    data.decode's description and the README)."""
+    data.decode's description and docs/how-to/training.md)."""
     aug = CONFIGS[name]
     batch, items = _device_batch(aug)
     got, _ = DeviceDecoder(aug, "cpu")(batch, torch.arange(len(IMAGES)))

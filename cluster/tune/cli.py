@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume",
         action="store_true",
         help="continue the search --name NAME: finished trials are kept, unfinished ones continue from their last "
-        "checkpoint; only a search this user's dmltrain wrote is resumed (README: Security)",
+        "checkpoint; only a search this user's dmltrain wrote is resumed (docs/security.md)",
     )
     parser.add_argument("--out", help="directory of results.md/csv and best_config.yaml (default <storage>/<name>)")
     parser.add_argument("--seed", type=int, help="random seed of the sampling (default train.seed)")

@@ -316,5 +316,5 @@ class SearchState:
                 except StateNotAuthentic as e:
                     raise UserError(
                         f"tune --resume {self.name}: {e}; Ray would unpickle it (run code from it), so the search "
-                        "is not resumed (README: Security)"
+                        "is not resumed (docs/security.md)"
                     ) from None

@@ -5,7 +5,7 @@ every one of them is to a global batch: to its samples' embeddings, or to its cl
 nearest to the batch. ``nearest_to: classes`` (the default) ranks a class by its best cosine to the
 rows of the batch's classes; ``nearest_to: samples`` by its best cosine to any of the batch's
 embeddings: the classes its samples score highest, i.e. confuse themselves with. The two differ
-because a softmax pushes the rows of look-alike classes apart: on synthetic families (README), a
+because a softmax pushes the rows of look-alike classes apart: on synthetic families (docs/semantics.md), a
 trained full softmax's row nearest a class's is a sibling for 10 % of the classes, while a sample's
 highest wrong logit is a sibling's for 66 % of the samples. How near is the cosine of the normalised
 rows as an index holds them: a snapshot of the shard's rows taken every ``refresh_every`` steps (:func:`build_index`), each

@@ -44,7 +44,7 @@ ENGINE_STATE_TYPES = (
 FORCE_WEIGHTS_ONLY = (
     "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch.load's own switch: weights-only even where weights_only=False
 )
-TRUST_NOTE = "checkpoint files are loaded as data only (README: 'Checkpoints and what is trusted')"
+TRUST_NOTE = "checkpoint files are loaded as data only (docs/security.md: 'What is trusted')"
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 
