@@ -9,9 +9,12 @@ anchors, pages missing from the nav) runs in ``make test`` before the suite (``m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -196,59 +199,100 @@ MARKER = re.compile(r"^<!-- tutorial: ([a-z0-9-]+) -->\n```bash\n(.*?)^```$", re
 TUTORIALS = {"quickstart": DOCS / "getting-started.md", "own-images": DOCS / "how-to/own-images.md"}
 
 
-def tutorial_script(name: str) -> str:
-    """The bash blocks of tutorial ``name``, in page order: each is a ```bash fence right after a
-    ``<!-- tutorial: name -->`` line, so what the page shows is what runs."""
-    text = TUTORIALS[name].read_text()
-    assert text.count(f"<!-- tutorial: {name} -->") == len([m for m in MARKER.finditer(text) if m.group(1) == name]), (
-        f"{TUTORIALS[name]}: a <!-- tutorial: {name} --> marker not followed by a ```bash block"
+def tutorial_commands(name: str, text: str | None = None) -> list[list[str]]:
+    """Tutorial ``name``'s command lines, in page order, as argument lists: the lines of each ```bash fence right
+    after a ``<!-- tutorial: name -->`` line of its page (or of ``text``), comments dropped and ``\\``
+    continuations joined, so that what the page shows is what runs. A block may hold ``dmltrain`` and ``python``
+    commands only, without shell syntax (variables, pipes, redirections, ``&&``, ``;``), so that running each line
+    as :func:`run_tutorial` does is what a shell would run."""
+    text = TUTORIALS[name].read_text() if text is None else text
+    blocks = [m.group(2) for m in MARKER.finditer(text) if m.group(1) == name]
+    assert len(blocks) == text.count(f"<!-- tutorial: {name} -->"), (
+        f"tutorial {name}: a <!-- tutorial: {name} --> marker not followed by a ```bash block"
     )
-    return "\n".join(m.group(2) for m in MARKER.finditer(text) if m.group(1) == name)
+    commands = []
+    for line in "\n".join(blocks).replace("\\\n", " ").splitlines():
+        argv = shlex.split(line, comments=True)
+        if not argv:
+            continue
+        code = line.split(" #", 1)[0]
+        assert argv[0] in ("dmltrain", "python") and not re.search(r"[$|&;<>`]", code), (
+            f"tutorial {name}: a line the test cannot run as a shell would: {line}"
+        )
+        commands.append(argv)
+    return commands
 
 
 def test_the_tutorial_blocks_are_marked():
     for name in TUTORIALS:
-        script = tutorial_script(name)
-        commands = [line for line in script.splitlines() if line and not line.startswith("#")]
-        assert len(commands) >= 4, name
-        assert all(line.startswith(("dmltrain ", "python ")) for line in commands), commands
-    assert "dmltrain train configs/demo.yaml" in tutorial_script("quickstart")
-    assert "dmltrain index query" in tutorial_script("own-images")
+        assert len(tutorial_commands(name)) >= 4, name
+    assert tutorial_commands("quickstart")[3][:3] == ["dmltrain", "train", "configs/demo.yaml"]
+    assert tutorial_commands("own-images")[-1][:3] == ["dmltrain", "index", "query"]
+    page = "<!-- tutorial: t -->\n```bash\ndmltrain eval x \\\n  --shards d   # the best\n```\n"
+    assert tutorial_commands("t", page) == [["dmltrain", "eval", "x", "--shards", "d"]]
+    with pytest.raises(AssertionError, match="cannot run as a shell would"):
+        tutorial_commands("t", page.replace("--shards d", "--shards $D | tee log"))
+    with pytest.raises(AssertionError, match="marker not followed"):
+        tutorial_commands("t", page.replace("```bash", "```text"))
 
 
-def run_tutorial(name: str, where: Path) -> str:
-    """Run tutorial ``name``'s blocks with bash in ``where``, as a reader would from the repository root (its
-    ``configs/`` and ``docs/`` linked there), with this environment's ``dmltrain`` and ``python`` first on the
-    PATH; the output, each command echoed before it."""
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray for both tutorials (each `dmltrain train` joins it, as `dmltrain train` does a Ray already
+    started in its process), stopped at the end."""
+    import ray
+
+    from cluster.launch import start_local_ray
+
+    start_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def run_tutorial(name: str, where: Path, monkeypatch) -> str:
+    """Run tutorial ``name``'s command lines in order from ``where``, as a reader would from the repository root
+    (its ``configs/`` and ``docs/`` linked there): ``dmltrain`` lines through ``dmltrain.cli.main``, what the
+    ``dmltrain`` script calls, in this process (one Ray, no import per command: the two tutorials would otherwise
+    cost minutes of start-up); ``python`` lines as a process of this environment's Python. Every line must exit 0;
+    the output of all of them."""
+    from dmltrain.cli import main
+
     for folder in ("configs", "docs"):
         (where / folder).symlink_to(REPO / folder)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}  # the page's default store
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    script = where / f"{name}.sh"
-    script.write_text("set -euo pipefail -x\n" + tutorial_script(name) + "\n")
-    done = subprocess.run(
-        ["bash", str(script)], cwd=where, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, f"tutorial {name} failed (exit {done.returncode}):\n{output[-4000:]}"
-    return output
+    monkeypatch.chdir(where)
+    for key in [k for k in os.environ if k.startswith("MLFLOW_")]:  # the page's default store, ./mlflow.db
+        monkeypatch.delenv(key)
+    output = []
+    for argv in tutorial_commands(name):
+        if argv[0] == "dmltrain":
+            # a buffer of its own, never closed: a logging handler made during one command (MLflow's, Ray's)
+            # keeps the stream it found, which capsys would close at the end of the test
+            buffer = io.StringIO()
+            with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+                code = main(argv[1:])
+            text = buffer.getvalue()
+        else:
+            done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            code, text = done.returncode, done.stdout + done.stderr
+        output.append(f"$ {shlex.join(argv)}\n{text}")
+        assert code == 0, f"tutorial {name}: {shlex.join(argv)} exited {code}:\n{text[-4000:]}"
+    return "\n".join(output)
 
 
 @pytest.mark.ray
 @pytest.mark.timeout(900)
-def test_the_quick_start_runs_as_written(tmp_path):
-    output = run_tutorial("quickstart", tmp_path)
+def test_the_quick_start_runs_as_written(tmp_path, local_ray, monkeypatch):
+    output = run_tutorial("quickstart", tmp_path, monkeypatch)
     assert re.search(r"recall@1: [0-9.]+ before training -> [0-9.]+ after", output), output[-3000:]
     assert (tmp_path / "runs/first/best_model/model.pt").is_file()
     assert (tmp_path / "mlflow.db").is_file()
-    assert re.search(r"recall@1 +[0-9.]+", output)  # dmltrain eval's table
+    assert "\n  shards: data/first\n" in output  # config show's resolved YAML
 
 
 @pytest.mark.ray
 @pytest.mark.timeout(900)
-def test_own_images_to_a_search_service_runs_as_written(tmp_path):
-    output = run_tutorial("own-images", tmp_path)
+def test_own_images_to_a_search_service_runs_as_written(tmp_path, local_ray, monkeypatch):
+    output = run_tutorial("own-images", tmp_path, monkeypatch)
     assert "largest absolute difference to PyTorch" in output
     assert (tmp_path / "runs/mine/best_model/model.onnx.json").is_file()
     assert (tmp_path / "emb/mine/index-hnsw/index_eval.json").is_file()

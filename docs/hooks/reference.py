@@ -113,7 +113,7 @@ def type_text(annotation: Any) -> str:
 
 
 def default_text(field: Any) -> str:
-    """A field's default as YAML would spell it (``null``, ``true``, ``[1, 2, 4, 8]``); a section's is ``section``."""
+    """A field's default as YAML would spell it (``null``, ``true``, ``[1, 2, 4, 8]``); empty for a section."""
     if field.default is not PydanticUndefined:
         value = field.default
     elif field.default_factory is not None:
@@ -121,7 +121,7 @@ def default_text(field: Any) -> str:
     else:
         return "required"
     if isinstance(value, BaseModel):
-        return "section"
+        return ""
     if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
         return f"{value:g}" if abs(value) >= 1e6 else f"{value:.1f}"
     return json.dumps(value, ensure_ascii=False, default=str)
@@ -145,8 +145,9 @@ def bounds_text(field: Any) -> str:
     return ", ".join(parts)
 
 
-def _anchor(prefix: str) -> str:
-    return "config-" + prefix.replace(".", "-").replace("_", "-")
+def _anchor(kind: str, name: str) -> str:
+    """A heading's id: ``config-data-augment-color-jitter``, ``cli-dmltrain-index-build``."""
+    return kind + "-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def _doc(model: type[BaseModel]) -> str:
@@ -157,26 +158,20 @@ def _doc(model: type[BaseModel]) -> str:
 
 def config_markdown() -> str:
     """The config reference page: one table per section, a row per key, then the loss kinds and their parameters."""
-    import dmltrain.config as config_module
-
     out = [
         "# Configuration keys",
         "",
         "Generated from the schema in `dmltrain/config.py` and `shards/config.py` when the site is built: every key,"
         " its type, default, bounds and description. `dmltrain config show CONFIG [key=value ...]` prints a"
         " resolved config with every key; [Configs](../how-to/training.md#configs) says how files, `extends` and"
-        " overrides combine.",
-        "",
-        '!!! note "How a config is read"',
-        "",
-        *("    " + line for line in inspect.cleandoc(config_module.__doc__).splitlines()),
+        " overrides combine. A key that is a section (a table of its own below) has no default of its own.",
         "",
     ]
     for prefix, model in config_sections():
         if not prefix:
             continue
         depth = prefix.count(".")
-        out += ["", f"{'#' * (2 + min(depth, 2))} `{prefix}` {{#{_anchor(prefix)}}}", ""]
+        out += ["", f"{'#' * (2 + min(depth, 2))} `{prefix}` {{#{_anchor('config', prefix)}}}", ""]
         if _doc(model):
             out += [prose(_doc(model)), ""]
         out += ["| key | type | default | bounds | description |", "|---|---|---|---|---|"]
@@ -186,12 +181,13 @@ def config_markdown() -> str:
             kind = type_text(field.annotation)
             if sub is not None:
                 optional = " or null" if type(None) in typing.get_args(field.annotation) else ""
-                kind = f"[section](#{_anchor(key)}){optional}"
+                kind = f"[section](#{_anchor('config', key)}){optional}"
             else:
                 kind = md_code(kind)
             description = prose(field.description) if field.description else ""
             out.append(
-                f"| {md_code(key)} | {kind} | {md_code(default_text(field))} | {prose(bounds_text(field))} |"
+                f"| {md_code(key)} | {kind} | {md_code(default_text(field)) if default_text(field) else ''} |"
+                f" {prose(bounds_text(field))} |"
                 f" {description} |"
             )
     out += ["", *loss_kinds_markdown()]
@@ -315,18 +311,20 @@ def cli_markdown() -> str:
         "",
         '!!! note "Every command"',
         "",
-        *("    " + line for line in inspect.cleandoc(cli.__doc__).splitlines()),
+        *("    " + line for line in plain_roles(inspect.cleandoc(cli.__doc__)).splitlines()),
         "",
     ]
     for name, parser in command_parsers():
-        depth = name.count(" ")
-        out += ["", f"{'#' * (1 + min(depth, 3))} `{name}` {{#{'cli-' + name.replace(' ', '-')}}}", ""]
+        depth = name.count(" ") if name.startswith("dmltrain ") else 1  # `python -m ...` is a command of its own
+        out += ["", f"{'#' * (1 + min(depth, 3))} `{name}` {{#{_anchor('cli', name)}}}", ""]
         if parser.description and parser.formatter_class is argparse.RawDescriptionHelpFormatter:
             out += ["```text", parser.description.strip(), "```", ""]
         elif parser.description:
             out += [prose(parser.description), ""]
-        usage = parser.format_usage().removeprefix("usage: ").strip()
-        out += ["```text", re.sub(r"\s+", " ", usage), "```", ""]
+        # argparse's own usage line, wrapped at a fixed width (its default follows the terminal)
+        formatter = parser.formatter_class(prog=parser.prog, width=100)
+        formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups, prefix="")
+        out += ["```text", formatter.format_help().strip(), "```", ""]
         subs = _subparsers(parser)
         rows = []
         for action in parser._actions:
@@ -334,8 +332,14 @@ def cli_markdown() -> str:
                 continue
             if isinstance(action, argparse._SubParsersAction):
                 for sub_name, sub in subs.items():
-                    anchor = "cli-" + f"{name} {sub_name}".replace(" ", "-")
-                    rows.append((f"[`{sub_name}`](#{anchor})", "", "", prose(sub.description or "")))
+                    rows.append(
+                        (
+                            f"[`{sub_name}`](#{_anchor('cli', f'{name} {sub_name}')})",
+                            "",
+                            "",
+                            prose(sub.description or ""),
+                        )
+                    )
                 continue
             if action.option_strings:
                 flags = ", ".join(md_code(s) for s in action.option_strings)
