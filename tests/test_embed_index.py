@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
 from dataset_fixtures import make_table, write_truncated_jpeg
+from hostile_files import planted_pt2
 
 from dmltrain.cli import main
 from dmltrain.config import load_config
@@ -139,10 +141,10 @@ def test_embed_onnx_unreadable_and_errors(setup, tmp_path, capsys):
 
 def write_set(folder, emb: np.ndarray, labels: np.ndarray) -> None:
     """An embedding set from arrays, through the writer ``dmltrain embed`` uses."""
-    writer = ChunkedWriter(folder, {"synthetic": True}, resume=False, overwrite=False)
+    writer = ChunkedWriter(folder, {"synthetic": True, "chunk_size": len(emb)}, resume=False, overwrite=False)
     writer.write(0, emb, np.arange(len(emb)), None)
     rows = lambda idx: {"id": [f"g{i}" for i in idx], "label": [str(labels[i]) for i in idx], "index": idx.tolist()}  # noqa: E731
-    writer.assemble(1, len(emb), rows, {"normalized": False})
+    writer.assemble(1, len(emb), rows, {"normalized": False}, emb.shape[1])
 
 
 def clustered(n: int, d: int, classes: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -235,10 +237,9 @@ def test_index_query_prints_ids_and_scores(setup, tmp_path, capsys):
     assert main(["index", "build", str(tmp_path / "f"), "--kind", "hnsw"]) == 0
     assert main(["index", "build", str(tmp_path / "f"), "--kind", "flat", "--binary"]) == 0
     capsys.readouterr()
-    assert (
-        main(["index", "query", str(tmp_path / "f/index-hnsw"), "--images", str(images / "belt/1.jpg"), "--k", "3"])
-        == 0
-    )
+    model = ["--model", str(setup["model"])]
+    query = ["index", "query", str(tmp_path / "f/index-hnsw"), "--images", str(images / "belt/1.jpg"), "--k", "3"]
+    assert main([*query, *model]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"query {images / 'belt/1.jpg'}" and len(lines) == 4
     assert lines[1].split()[:3] == ["1.", "belt/1.jpg", "cosine"] and float(lines[1].split()[3]) == pytest.approx(
@@ -250,7 +251,8 @@ def test_index_query_prints_ids_and_scores(setup, tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "query q.npy[1]" in out and "1. bag/1.jpg  cosine 1.0000  label bag" in out
-    assert main(["index", "query", str(tmp_path / "f/index-flat-binary"), "--images", str(images / "belt/1.jpg")]) == 0
+    flat_binary = ["index", "query", str(tmp_path / "f/index-flat-binary"), "--images", str(images / "belt/1.jpg")]
+    assert main([*flat_binary, *model]) == 0
     assert "    1. belt/1.jpg  hamming 0  label belt" in capsys.readouterr().out  # the sign bits of its embedding
     for argv, message in [
         (["index", "query", str(tmp_path / "f/index-hnsw")], "give one of --images, --vectors or --rows"),
@@ -261,3 +263,145 @@ def test_index_query_prints_ids_and_scores(setup, tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], (argv, err)
+
+
+# -- index folders and embedding chunks as someone else wrote them ---------------------------------------------------
+def _one_error_line(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("dmltrain: error: "), err
+    return err[0]
+
+
+def test_index_query_runs_only_the_model_the_user_names(setup, tmp_path, capsys):
+    """index.json names a model; a folder someone changed names one that runs code (a planted pt2). --images needs
+    --model: the named file is never loaded (its marker is not made), and a --model that is not the set's own
+    file gets a note."""
+    from dmltrain.models.contract import contract_path
+    from dmltrain.models.export import load_model
+    from dmltrain.models.serving import export_model
+
+    images = setup["table"].parent / "images"
+    assert embed(setup, tmp_path / "f", "--folder", str(images / "belt")) == 0
+    assert main(["index", "build", str(tmp_path / "f"), "--kind", "flat"]) == 0
+    model, config, _ = load_model(setup["model"])
+    honest = export_model(model, config, "pt2", tmp_path / "m/model.pt2").path
+    marker, evil = tmp_path / "marker", tmp_path / "evil/model.pt2"
+    evil.parent.mkdir()
+    planted_pt2(honest, evil, "pickled-weight", marker)
+    shutil.copy(contract_path(honest), contract_path(evil))
+    info_path = tmp_path / "f/index-flat/index.json"
+    info = json.loads(info_path.read_text())
+    info.update(model=str(evil), model_sha256=None)
+    info_path.write_text(json.dumps(info))
+    capsys.readouterr()
+    query = ["index", "query", str(tmp_path / "f/index-flat"), "--images", str(images / "belt/1.jpg"), "--k", "1"]
+    assert main(query) == 2
+    assert "--model: needed with --images; an index folder never picks the model that runs" in _one_error_line(capsys)
+    assert main([*query, "--model", str(evil)]) == 2
+    assert f"{evil}: refused: " in _one_error_line(capsys)
+    assert not marker.exists()
+    info_path.write_text(json.dumps({**info, "model_sha256": "0" * 64}))
+    assert main([*query, "--model", str(honest)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[1].split()[:2] == ["1.", "1.jpg"]
+    assert f"--model {honest} is not the file the set was embedded with" in captured.err
+
+
+def _ivf_pq(x: np.ndarray):
+    import faiss
+
+    index = faiss.index_factory(x.shape[1], "IVF10,PQ4x4np", faiss.METRIC_INNER_PRODUCT)
+    index.train(x)
+    return index
+
+
+def test_a_forged_index_file_is_refused_before_faiss_reads_it(tmp_path, capsys):
+    """index.faiss declaring more than it holds (faiss would allocate it first), on-disk inverted lists (they
+    memory-map another file read-write), an ID map, and ids outside the rows: each one line, exit 2."""
+    import faiss
+
+    from dmltrain.evaluate.index import normalized
+
+    emb, labels = clustered(400, 16, 20)
+    write_set(tmp_path / "g", emb, labels)
+    assert main(["index", "build", str(tmp_path / "g"), "--kind", "flat"]) == 0
+    assert main(["index", "build", str(tmp_path / "g"), "--kind", "ivf-pq"]) == 0
+    flat, ivf = tmp_path / "g/index-flat", tmp_path / "g/index-ivf-pq"
+    good = {p: (p / "index.faiss").read_bytes() for p in (flat, ivf)}
+    x = normalized(emb)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("safe")
+
+    def oversized(path):  # IxFI, d, ntotal, two unused, is_trained, metric, then the vectors' count: 2^27 floats
+        data = bytearray(good[flat])
+        data[37:45] = (1 << 27).to_bytes(8, "little")
+        path.write_bytes(bytes(data))
+
+    def on_disk(path):
+        index = _ivf_pq(x)
+        lists = faiss.OnDiskInvertedLists(index.nlist, index.code_size, str(victim))
+        lists.this.disown()  # the index owns it
+        index.replace_invlists(lists, True)
+        faiss.write_index(index, str(path))
+
+    def id_map(path):
+        index = faiss.IndexIDMap(faiss.IndexFlatIP(16))
+        index.add_with_ids(x, np.arange(400) + 10_000)
+        faiss.write_index(index, str(path))
+
+    def ids_outside(path):
+        index = _ivf_pq(x)
+        index.add_with_ids(x, np.arange(400) + 1000)
+        faiss.write_index(index, str(path))
+
+    cases = [
+        (flat, oversized, "declares 134,217,728 items of 4 bytes, beyond the"),
+        (ivf, on_disk, "inverted lists 'ilod'"),
+        (flat, id_map, "index type 'IxMp'"),
+        (ivf, ids_outside, "outside its 400 vectors (rows.npy)"),
+    ]
+    capsys.readouterr()
+    for folder, forge, message in cases:
+        forge(folder / "index.faiss")
+        assert main(["index", "query", str(folder), "--rows", "0,1", "--k", "3"]) == 2, forge.__name__
+        line = _one_error_line(capsys)
+        assert f"{folder / 'index.faiss'}: " in line and message in line, (forge.__name__, line)
+        (folder / "index.faiss").write_bytes(good[folder])
+    assert victim.read_text() == "safe"
+    assert main(["index", "query", str(ivf), "--rows", "0,1", "--k", "3"]) == 0
+
+
+def test_embed_resume_refuses_a_changed_chunk(setup, tmp_path, capsys, monkeypatch):
+    """A saved chunk whose positions, dtype or arrays were changed is refused when the embed is resumed, naming the
+    chunk, before anything is embedded (unchecked, shifted positions shifted the ids of the whole set silently)."""
+    real_write = ChunkedWriter.write
+
+    def stop_after_first(self, c, *a):
+        real_write(self, c, *a)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ChunkedWriter, "write", stop_after_first)
+    argv = ("--shards", str(setup["base"] / "shards"), "--split", "test", "--chunk-size", "3")
+    assert embed(setup, tmp_path / "r", *argv) == 130
+    monkeypatch.setattr(ChunkedWriter, "write", real_write)
+    chunk = tmp_path / "r/chunks/chunk-000000.npz"
+    original = chunk.read_bytes()
+    with np.load(chunk) as z:
+        emb, index = z["embeddings"], z["index"]
+    cases = [
+        ({"embeddings": emb, "index": index + 1}, "positions not increasing within this chunk's images 0 to 2"),
+        ({"embeddings": emb.astype(np.float64), "index": index}, "embeddings float64"),
+        ({"embeddings": emb[:, :8], "index": index}, "expected float32 N × 64"),
+        ({"embeddings": emb, "index": index, "codes": np.zeros((3, 8), np.uint8)}, "holds codes, embeddings, index"),
+    ]
+    capsys.readouterr()
+    for arrays, message in cases:
+        with open(chunk, "wb") as f:
+            np.savez(f, **arrays)
+        assert embed(setup, tmp_path / "r", *argv, "--resume") == 2, message
+        line = _one_error_line(capsys)
+        assert f"{chunk}: " in line and message in line, line
+        assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["chunks"]
+    chunk.write_bytes(original)
+    assert embed(setup, tmp_path / "r", *argv, "--resume") == 0
+    assert len(load_embedding_set(tmp_path / "r")) == 8

@@ -238,3 +238,18 @@ def test_params_tags_and_the_config_artifact_are_redacted(store, tmp_path, capsy
     RunHandle.open("http://u:hunter2@127.0.0.1:9", "redacted", "r", {})  # discard port: unreachable at once
     err = capsys.readouterr().err
     assert "unreachable" in err and "http://<redacted>@127.0.0.1:9" in err and "hunter2" not in err
+
+
+def test_a_param_key_mlflow_refuses_is_a_warning_naming_it_and_the_run_is_tracked(store, capsys):
+    """A storage option named with a character MLflow refuses in a param key ('!') used to fail the params' batch,
+    leaving the run untracked behind an "unreachable" warning: now that key alone is left out, named."""
+    cfg = load_config(None, ["data.storage_options.client_kwargs.weird!key=1", "data.storage_options.anon=true"])
+    run = RunHandle.open(store, "bad-key", "r", cfg.flat())
+    assert run.enabled
+    run.log_metrics({"loss": 1.0}, step=1)
+    got = MlflowClient(tracking_uri=store).get_run(run.run_id).data
+    assert got.params["data.storage_options.anon"] == "True" and got.metrics["loss"] == 1.0
+    assert not any("weird" in k for k in got.params) and len(got.params) == len(cfg.flat()) - 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'data.storage_options.client_kwargs.weird!key'" in err[0], err
+    assert "unreachable" not in err[0] and "not logged; the run is tracked without it" in err[0]

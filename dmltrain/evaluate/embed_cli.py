@@ -5,7 +5,8 @@
     dmltrain embed model.pt --folder photos/ --out emb/photos --device cuda --resume
 
 MODEL is a ``model.pt`` (or a folder holding one) or a file ``dmltrain export`` wrote, run through onnxruntime
-(ONNX) or torch; images are prepared as its contract says. The output is an embedding set
+(ONNX) or torch as its extension says (a TorchScript file only with ``--trust-torchscript``); images are prepared
+as its contract says. The output is an embedding set
 (:mod:`dmltrain.evaluate.embedding_set`): ``embeddings.npy``, ``ids.parquet`` (ids, labels, the source's
 columns), ``codes.npy`` with ``--binary``, and ``embeddings.json``. The source is embedded in chunks of
 ``--chunk-size`` images, each saved as it is done; ``--resume`` finishes an interrupted run, skipping the
@@ -51,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chunk-size", type=int, default=10000, metavar="N", help="images per saved chunk (default 10000)"
     )
     parser.add_argument("--resume", action="store_true", help="finish an interrupted run in --out (the same command)")
+    parser.add_argument(
+        "--trust-torchscript",
+        action="store_true",
+        help="load a TorchScript MODEL: TorchScript programs can run arbitrary code, pass it only for a file you trust",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an embedding set in --out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     add_storage_option(parser)
@@ -99,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from dmltrain.models.serving import file_sha256, load_embedder
     from shards.decode.transforms import EvalTransform
 
-    model, contract, files = load_embedder(args.model, device)
+    model, contract, files = load_embedder(args.model, device, trust_torchscript=args.trust_torchscript)
     if args.binary and not contract.binarizable:
         raise UserError(
             f"--binary: {args.model}'s embeddings are not centred (its head pools non-negative features), so sign bits carry no information"
@@ -124,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         contract.resize, contract.crop, grayscale=contract.grayscale, interpolation=contract.interpolation
     )
     n_chunks = -(-source.count // args.chunk_size)
-    kept = sum(1 for c in range(n_chunks) if writer.done(c))
+    kept = writer.check_done(n_chunks, source.count, contract.embedding_dim)  # a changed chunk: refused, first
     where = f"{source.kind} {getattr(source, 'where', '')}{getattr(source, 'location', '')}".strip()
     print(
         f"embedding {source.count:,} images of {where} on {device} in {n_chunks} chunks"
@@ -164,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         "source": source.describe(),
         "chunk_size": args.chunk_size,
     }
-    result = writer.assemble(n_chunks, source.count, source.rows, info)
+    result = writer.assemble(n_chunks, source.count, source.rows, info, contract.embedding_dim)
     what = ["embeddings.npy", "ids.parquet"] + (["codes.npy"] if args.binary else [])
     print(
         f"wrote {len(result):,} embeddings ({result.dim}-d{', L2-normalized' if contract.normalized else ''}) "

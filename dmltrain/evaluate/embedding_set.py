@@ -13,8 +13,10 @@ While ``embed`` runs, ``chunks/`` holds ``plan.json`` (what is being embedded, b
 ``chunk-NNNNNN.npz`` per finished chunk of the source (the embeddings and positions of its readable
 images, and their codes), each written atomically. A run interrupted at any point is finished by the same
 command with ``--resume``: complete chunks are kept, the others embedded; a plan that differs (another
-model file, another source) is refused naming the difference. At the end the chunks are assembled into the
-files above (written under temporary names, then renamed) and ``chunks/`` is removed.
+model file, another source) is refused naming the difference, and so is a chunk that is not what this plan
+writes (:meth:`ChunkedWriter.read`: its arrays, their dtypes and shapes, positions increasing inside the chunk's
+share of the source), before anything is embedded. At the end the chunks are assembled into the files above
+(written under temporary names, then renamed) and ``chunks/`` is removed.
 """
 
 from __future__ import annotations
@@ -145,6 +147,44 @@ class ChunkedWriter:
     def done(self, c: int) -> bool:
         return self.path(c).is_file()
 
+    def read(self, c: int, count: int, dim: int) -> dict[str, np.ndarray]:
+        """Chunk ``c``'s arrays, checked against the plan: ``embeddings`` float32 ``n × dim``, ``index`` int64 ``n``
+        strictly increasing within the chunk's positions of the ``count`` source images, ``codes`` uint8
+        ``n × ceil(dim / 8)`` exactly when the plan is binary, nothing else. A chunk is written by this class
+        atomically, so any other is a file someone changed: one-line :class:`UserError` naming it."""
+        path, size = self.path(c), int(self.plan["chunk_size"])
+        lo, hi = c * size, min((c + 1) * size, count)
+
+        def bad(what: str) -> UserError:
+            return UserError(f"{path}: {what}; not a chunk of this embed (remove it to embed it again, or --overwrite)")
+
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+        except Exception as e:  # noqa: BLE001 — numpy raises several types for a damaged .npz: one line
+            raise bad(f"unreadable ({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
+        want = {"embeddings", "index"} | ({"codes"} if self.plan.get("binary") else set())
+        if set(arrays) != want:
+            raise bad(f"holds {', '.join(sorted(arrays)) or 'nothing'}, expected {', '.join(sorted(want))}")
+        emb, index = arrays["embeddings"], arrays["index"]
+        if emb.dtype != np.float32 or emb.ndim != 2 or emb.shape[1] != dim:
+            raise bad(f"embeddings {emb.dtype} {emb.shape}, expected float32 N × {dim}")
+        if index.dtype != np.int64 or index.shape != (len(emb),):
+            raise bad(f"positions {index.dtype} {index.shape} for {len(emb)} embeddings")
+        if len(index) and (int(index[0]) < lo or int(index[-1]) >= hi or bool((np.diff(index) <= 0).any())):
+            raise bad(f"positions not increasing within this chunk's images {lo} to {hi - 1}")
+        codes = arrays.get("codes")
+        if codes is not None and (codes.dtype != np.uint8 or codes.shape != (len(emb), -(-dim // 8))):
+            raise bad(f"codes {codes.dtype} {codes.shape}, expected uint8 {len(emb)} × {-(-dim // 8)}")
+        return arrays
+
+    def check_done(self, n_chunks: int, count: int, dim: int) -> int:
+        """Check every saved chunk (:meth:`read`) before a resumed embed adds to them; how many there are."""
+        done = [c for c in range(n_chunks) if self.done(c)]
+        for c in done:
+            self.read(c, count, dim)
+        return len(done)
+
     def write(self, c: int, emb: np.ndarray, index: np.ndarray, codes: np.ndarray | None) -> None:
         arrays = {"embeddings": emb.astype(np.float32, copy=False), "index": index.astype(np.int64, copy=False)}
         if codes is not None:
@@ -153,29 +193,36 @@ class ChunkedWriter:
             np.savez(f, **arrays)
 
     def assemble(
-        self, n_chunks: int, count: int, rows: Callable[[np.ndarray], dict[str, list[Any]]], info: dict[str, Any]
+        self,
+        n_chunks: int,
+        count: int,
+        rows: Callable[[np.ndarray], dict[str, list[Any]]],
+        info: dict[str, Any],
+        dim: int,
     ) -> EmbeddingSet:
-        """The set from chunks ``0 .. n_chunks-1``: the arrays, the ids (``rows(positions)``), then ``embeddings.json``
-        with ``info`` and the counts (``count``: the source's images, readable or not)."""
-        loaded = [np.load(self.path(c), allow_pickle=False) for c in range(n_chunks)]
-        binary = bool(loaded) and "codes" in loaded[0]
-        parts = [p for p in loaded if len(p["index"])]  # a chunk of unreadable images only has no rows
-        if not parts:
+        """The set from chunks ``0 .. n_chunks-1`` (each :meth:`read`, so checked): the arrays, the ids
+        (``rows(positions)``), then ``embeddings.json`` with ``info`` and the counts (``count``: the source's
+        images, readable or not)."""
+        binary = bool(self.plan.get("binary"))
+        index = np.concatenate([np.zeros(0, np.int64), *(self.read(c, count, dim)["index"] for c in range(n_chunks))])
+        if not len(index):  # a chunk of unreadable images only has no rows
             raise UserError(f"{self.folder}: none of the {count} images could be read")
-        index = np.concatenate([p["index"] for p in parts])
-        dim = parts[0]["embeddings"].shape[1]
+        codes = []
         with atomic_path(self.folder / EMBEDDINGS) as tmp:
             out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(len(index), dim))
             at = 0
-            for p in parts:
+            for c in range(n_chunks):
+                p = self.read(c, count, dim)
                 e = p["embeddings"]
                 out[at : at + len(e)] = e
                 at += len(e)
+                if binary:
+                    codes.append(p["codes"])
             out.flush()
             del out
         if binary:
             with atomic_path(self.folder / CODES) as tmp, open(tmp, "wb") as f:
-                np.save(f, np.concatenate([p["codes"] for p in parts]), allow_pickle=False)
+                np.save(f, np.concatenate(codes), allow_pickle=False)
         import pyarrow as pa
         import pyarrow.parquet as pq
 

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from dmltrain.errors import UserError
+from dmltrain.evaluate.faiss_file import check_index_file
 from dmltrain.fileio import atomic_path, read_json, write_json
 
 KINDS = ("flat", "ivf-pq", "hnsw")
@@ -140,12 +141,21 @@ def index_bytes(index: Any) -> int:
     return int(len(serialize(index)))
 
 
-def search(index: Any, queries: np.ndarray, k: int, binary: bool) -> tuple[np.ndarray, np.ndarray]:
+def search(
+    index: Any, queries: np.ndarray, k: int, binary: bool, where: str | os.PathLike[str] = INDEX_FILE
+) -> tuple[np.ndarray, np.ndarray]:
     """``(scores, faiss ids)`` of the ``k`` best per query: cosines of the normalized queries, or Hamming distances
-    with ``binary`` (packed codes in). Missing neighbours (k beyond what a probe found) are id -1."""
+        with ``binary`` (packed codes in). Missing neighbours (k beyond what a probe found) are id -1; an id outside
+        the index's vectors (an inverted list's stored ids are the file's to say) is a one-line :class:`UserError`
+    naming ``where``."""
     if binary:
-        return index.search(np.ascontiguousarray(queries, dtype=np.uint8), k)
-    return index.search(normalized(queries), k)
+        scores, found = index.search(np.ascontiguousarray(queries, dtype=np.uint8), k)
+    else:
+        scores, found = index.search(normalized(queries), k)
+    if found.size and (int(found.min()) < -1 or int(found.max()) >= index.ntotal):
+        bad = int(found.max()) if int(found.max()) >= index.ntotal else int(found.min())
+        raise UserError(f"{where}: the index returned id {bad}, outside its {index.ntotal} vectors ({ROWS_FILE})")
+    return scores, found
 
 
 # -- the saved folder --------------------------------------------------------------------------------------------
@@ -203,7 +213,14 @@ def load_index(folder: str | os.PathLike[str]) -> SavedIndex:
     info = read_json(info_path)
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise UserError(f"{info_path}: not a {FORMAT} file")
-    reader = faiss.read_index_binary if info.get("params", {}).get("binary") else faiss.read_index
+    params = info.get("params")
+    count, dim = info.get("count"), info.get("dim")
+    if not isinstance(params, dict) or not all(type(v) is int and v > 0 for v in (count, dim)):
+        raise UserError(f"{info_path}: no params, count or dim")
+    binary = bool(params.get("binary"))
+    # what faiss would allocate and which classes it would build, bounded by the file, before it reads it
+    check_index_file(folder / INDEX_FILE, binary=binary, dim=-(-dim // 8) * 8 if binary else dim, count=count)
+    reader = faiss.read_index_binary if binary else faiss.read_index
     try:
         index = reader(str(folder / INDEX_FILE))
         rows = np.load(folder / ROWS_FILE, allow_pickle=False)
@@ -212,8 +229,11 @@ def load_index(folder: str | os.PathLike[str]) -> SavedIndex:
         raise UserError(
             f"{folder}: unreadable index files ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
         ) from None
-    if index.ntotal != len(rows):
-        raise UserError(f"{folder / ROWS_FILE}: {len(rows)} rows for the index's {index.ntotal} vectors")
+    if rows.ndim != 1 or rows.dtype != np.int64 or index.ntotal != len(rows):
+        raise UserError(f"{folder / ROWS_FILE}: {rows.dtype} {rows.shape} rows for the index's {index.ntotal} vectors")
+    n_ids = len(ids.get("id") or [])
+    if len(rows) and not (0 <= int(rows.min()) and int(rows.max()) < n_ids):
+        raise UserError(f"{folder / ROWS_FILE}: rows outside the {n_ids} of {folder / IDS_FILE}")
     saved = SavedIndex(folder, info, index, rows, ids)
     if not saved.params.binary:
         set_search_params(index, saved.params)

@@ -14,8 +14,8 @@ set than the index's own, whose rows would find themselves: refused) with the in
 exact neighbours, Recall@K by label for both when there are labels (queries without an item of their label in
 the index left out, and counted), the build time, the query time per query and the index's size; it writes
 ``index_eval.json`` beside the index and logs the same to MLflow (``--run-id`` to add them to an existing run,
-else a run named after the index in ``--experiment``). ``query`` embeds ``--images`` with the set's model (or
-``--model``) as its contract says.
+else a run named after the index in ``--experiment``). ``query`` embeds ``--images`` with ``--model`` (the user's
+to name, never the index's) as its contract says.
 
 A command module: what running the command needs is imported where it runs, so ``dmltrain index --help``
 answers without loading torch or faiss (the CLI's lazy dispatch).
@@ -93,7 +93,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     q.add_argument("--images", nargs="+", metavar="IMAGE", help="image files (or URLs) to embed and search for")
     q.add_argument("--vectors", metavar="NPY", help="a .npy file of query vectors (N × D)")
     q.add_argument("--rows", metavar="I,J,...", help="rows of the index's embedding set as queries")
-    q.add_argument("--model", help="the model for --images (default: the one that embedded the set)")
+    q.add_argument(
+        "--model",
+        help="the model that embeds --images (needed with them: an index folder never picks the code that runs)",
+    )
+    q.add_argument(
+        "--trust-torchscript",
+        action="store_true",
+        help="load a TorchScript --model: TorchScript programs can run arbitrary code, pass it only for a file you trust",
+    )
     q.add_argument("--k", type=int, default=5, help="neighbours per query (default 5)")
     q.add_argument("--nprobe", type=int, help="ivf-pq: cells searched (default: the index's)")
     q.add_argument("--ef-search", type=int, help="hnsw: candidate list while searching (default: the index's)")
@@ -168,6 +176,7 @@ def _build(args: argparse.Namespace) -> int:
         "dim": es.dim,
         "embeddings": str(es.folder.resolve()),
         "model": es.info.get("model", {}).get("file"),
+        "model_sha256": es.info.get("model", {}).get("sha256"),
         "holdout": held.tolist(),
         "build_seconds": round(seconds, 3),
         "index_bytes": size,
@@ -220,6 +229,12 @@ def _eval(args: argparse.Namespace) -> int:
     gallery_set = load_embedding_set(saved.info["embeddings"])
     binary = saved.params.binary
     gallery_rows = saved.rows
+    held = saved.info.get("holdout") or []
+    if not isinstance(held, list) or not all(type(r) is int for r in held):
+        raise UserError(f"{saved.folder / 'index.json'}: holdout is not a list of rows")
+    named = np.concatenate([gallery_rows, np.asarray(held, np.int64)])  # rows of the set index.json names
+    if len(named) and not (0 <= int(named.min()) and int(named.max()) < len(gallery_set)):
+        raise UserError(f"{saved.folder}: rows beyond the {len(gallery_set)} of {gallery_set.folder}")
     if args.queries:
         query_set = load_embedding_set(args.queries)
         if query_set.folder.resolve() == gallery_set.folder.resolve():
@@ -235,7 +250,7 @@ def _eval(args: argparse.Namespace) -> int:
         q_codes = query_set.codes
         what = f"{len(q_float)} queries of {query_set.folder}"
     else:
-        held = np.asarray(saved.info.get("holdout") or [], np.int64)
+        held = np.asarray(held, np.int64)
         if not len(held):
             raise UserError(
                 f"{saved.folder}: no rows were held out at build (index build --holdout N), and no --queries given"
@@ -252,7 +267,7 @@ def _eval(args: argparse.Namespace) -> int:
     g_float = np.asarray(gallery_set.embeddings[gallery_rows])
     print(f"index eval: {saved.info['kind']} over {len(gallery_rows):,} vectors, {what}, k up to {k}", file=sys.stderr)
     t0 = time.perf_counter()
-    _, approx = search(saved.index, q_codes if binary else q_float, k, binary)
+    _, approx = search(saved.index, q_codes if binary else q_float, k, binary, saved.folder / "index.faiss")
     query_s = time.perf_counter() - t0
     _, exact = knn(q_float if not binary else q_float, g_float, k, binary=binary, device="cpu")
     recall = recall_vs_exact(approx, exact, ks)
@@ -378,7 +393,7 @@ def _query(args: argparse.Namespace) -> int:
         what = "bytes of codes" if binary else "dimensions"
         raise UserError(f"{args.vectors or 'the queries'}: {vectors.shape[-1]} {what}, the index holds {dim}")
     k = min(args.k, saved.index.ntotal)
-    scores, found = search(saved.index, vectors, k, binary)
+    scores, found = search(saved.index, vectors, k, binary, saved.folder / "index.faiss")
     labels = saved.ids.get("label")
     for name, s, f in zip(names, scores, found):
         print(f"query {name}")
@@ -393,18 +408,29 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _embed_images(args: argparse.Namespace, saved: Any) -> tuple[Any, list[str]]:
-    """The ``--images``, embedded by ``--model`` or the set's model, prepared as its contract says."""
+    """The ``--images``, embedded by ``--model``, prepared as its contract says. The model is always the user's
+    to name: ``index.json`` is anyone's who can write the folder, and a model file decides what is loaded and run;
+    a model other than the one ``index.json`` records (by SHA-256) gets a note."""
     import numpy as np
     import torch
 
-    from dmltrain.models.serving import load_embedder
+    from dmltrain.models.serving import file_sha256, load_embedder
+    from dmltrain.text import printable
     from shards.build.ingest import SkipImage, read_source
     from shards.decode.transforms import EvalTransform, normalize_batch
 
-    model_path = args.model or saved.info.get("model")
-    if not model_path or not Path(model_path).exists():
-        raise UserError(f"--model: needed (the set's model {model_path or '(none recorded)'} is not there)")
-    model, contract, _ = load_embedder(model_path, args.device)
+    recorded = saved.info.get("model")
+    if not args.model:
+        named = f" (the index was built from embeddings of {printable(recorded, 200)})" if recorded else ""
+        raise UserError(f"--model: needed with --images; an index folder never picks the model that runs{named}")
+    model, contract, files = load_embedder(args.model, args.device, trust_torchscript=args.trust_torchscript)
+    want = saved.info.get("model_sha256")
+    if isinstance(want, str) and file_sha256(files[0]) != want:
+        print(
+            f"dmltrain: note: --model {args.model} is not the file the set was embedded with "
+            f"({printable(recorded, 200)}); its embeddings compare only if it is that model (an export of it)",
+            file=sys.stderr,
+        )
     transform = EvalTransform(
         contract.resize, contract.crop, grayscale=contract.grayscale, interpolation=contract.interpolation
     )

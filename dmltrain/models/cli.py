@@ -6,7 +6,8 @@ its preprocessing contract beside it, checked against PyTorch, and attached to t
     dmltrain export 0123456789abcdef0123456789abcdef --fp16     # an MLflow run id (its model.pt is downloaded)
 
 RUN_OR_MODEL is a ``model.pt``, a folder holding one, a run folder (its ``best_model``, or with
-``--model final`` its ``model``), or an MLflow run (id or run name, in ``--tracking-uri``). When the
+``--model final`` its ``model``), or an MLflow run (id or run name, in ``--tracking-uri``, else
+``$MLFLOW_TRACKING_URI``, else ``./mlflow.db``: never a store the model file names). When the
 model belongs to a run MLflow knows (the run folder's name in the experiment its config names), the
 exported file and its contract are added to that run's logged model of the same name (``best_model``,
 ``model``) under ``serving/<format>/``, with the contract's fields as ``dmltrain.serving.<format>.*`` tags.
@@ -56,14 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tracking-uri",
         metavar="URI",
-        help="MLflow store of the run (default: the model's config, $MLFLOW_TRACKING_URI, else ./mlflow.db)",
+        help="MLflow store of the run (default: $MLFLOW_TRACKING_URI, else ./mlflow.db; never the model file's config)",
     )
     parser.add_argument("--no-tracking", action="store_true", help="write the files only; MLflow is not contacted")
 
 
-def _default_uri(config: dict[str, Any], given: str | None) -> str | None:
-    uri = given or ((config.get("tracking") or {}).get("uri") if isinstance(config, dict) else None)
-    uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
+def _default_uri(given: str | None) -> str | None:
+    """The MLflow store: ``--tracking-uri``, ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db`` when it exists. Only
+    the user names it: a model file's stored ``tracking.uri`` is anyone's who wrote the file, and the store
+    receives the user's MLflow credentials (and a ``sqlite:`` URI creates a database wherever it points)."""
+    uri = given or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
     db = Path.cwd() / "mlflow.db"
@@ -120,7 +123,8 @@ def _find_run(uri: str | None, config: dict[str, Any], run_name: str) -> Any:
     if uri is None:
         return None, "no MLflow store found (--tracking-uri)"
     tracking = config.get("tracking") if isinstance(config.get("tracking"), dict) else {}
-    experiment = tracking.get("experiment", "dmltrain")
+    experiment = tracking.get("experiment")
+    experiment = experiment if isinstance(experiment, str) and experiment else "dmltrain"
     from mlflow import MlflowClient
 
     from dmltrain.tracking.queries import run_by_name
@@ -149,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         elif "/" in args.source or args.source.endswith((".pt", ".pth")):
             raise UserError(f"{source}: no such file or folder")
         else:
-            uri = _default_uri({}, args.tracking_uri)
+            uri = _default_uri(args.tracking_uri)
             model_file, run_record = _mlflow_model(args.source, uri, args.model, tmp)
         from dmltrain.models.export import load_model
         from dmltrain.models.serving import FORMATS, export_model
@@ -198,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         if not run_name:
             print("MLflow: not attached (the model is not in a run folder)", file=sys.stderr)
             return 0
-        uri = _default_uri(config, args.tracking_uri)
+        uri = _default_uri(args.tracking_uri)
         run_record, why = _find_run(uri, config, run_name)
         if run_record is None:
             print(f"MLflow: not attached ({why})", file=sys.stderr)

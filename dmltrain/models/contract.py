@@ -23,6 +23,7 @@ the key in every error.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -30,13 +31,46 @@ from typing import Any
 
 from dmltrain.errors import UserError
 from dmltrain.fileio import read_json, write_json
-from shards.decode.transforms import PixelNorm
+from shards.config import MAX_IMAGE_SIDE
+from shards.decode.transforms import RESAMPLE, PixelNorm
 
 FORMAT = "dmltrain.serving-contract"
 VERSION = 1
 BINARY_CODES = (
     "sign bits (x > 0) packed 8 per byte, most significant bit first (numpy.packbits), compared by Hamming distance"
 )
+MIN_IMAGE_SIDE = 8
+MAX_EMBEDDING_DIM = 1 << 16
+
+
+def image_side(value: Any, key: str) -> int:
+    """``value`` as an image side (a crop or resize) in ``[8, MAX_IMAGE_SIDE]``: a contract or a model file is
+    anyone's, and the side decides the memory of every batch. ``ValueError`` naming ``key`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError(f"{key}: {str(value)[:40]!r} is not a whole number of pixels")
+    if not MIN_IMAGE_SIDE <= value <= MAX_IMAGE_SIDE:
+        raise ValueError(f"{key}: {int(value)} is outside [{MIN_IMAGE_SIDE}, {MAX_IMAGE_SIDE}] pixels")
+    return int(value)
+
+
+def check_input(
+    crop: Any, resize: Any, grayscale: Any, mean: Any, std: Any, interpolation: Any, prefix: str = "input."
+) -> None:
+    """What images an embedding model expects, bounded: sides (:func:`image_side`), crop at most resize, grayscale
+    0, 1 or 3, three finite means and positive stds, a known interpolation. ``ValueError`` naming the key."""
+    crop, resize = image_side(crop, f"{prefix}crop"), image_side(resize, f"{prefix}resize")
+    if crop > resize:
+        raise ValueError(f"{prefix}crop: {crop} is larger than {prefix}resize {resize}")
+    if grayscale not in (0, 1, 3) or isinstance(grayscale, bool):
+        raise ValueError(f"{prefix}grayscale: {str(grayscale)[:40]!r} is not 0, 1 or 3")
+    for key, values in (("mean", mean), ("std", std)):
+        ok = isinstance(values, (list, tuple)) and len(values) == 3
+        if not ok or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+            raise ValueError(f"{prefix}{key}: expected three finite numbers, got {str(values)[:60]}")
+    if not all(v > 0 for v in std):
+        raise ValueError(f"{prefix}std: {list(std)} has a value that is not positive")
+    if interpolation not in RESAMPLE:
+        raise ValueError(f"{prefix}interpolation: {str(interpolation)[:40]!r} is not one of {', '.join(RESAMPLE)}")
 
 
 def contract_path(model_file: str | os.PathLike[str]) -> Path:
@@ -68,6 +102,12 @@ class Contract:
     output_name: str = "embedding"
     source: dict[str, Any] = field(default_factory=dict)  # model file, run, step, metrics, model config
     check: dict[str, Any] = field(default_factory=dict)  # batches, max_abs_diff, tolerance, runtime
+
+    def __post_init__(self) -> None:
+        """Bounded values only (:func:`check_input`, the embedding dim): ``ValueError`` naming the key."""
+        check_input(self.crop, self.resize, self.grayscale, self.mean, self.std, self.interpolation)
+        if not 1 <= self.embedding_dim <= MAX_EMBEDDING_DIM:
+            raise ValueError(f"output.dim: {self.embedding_dim} is outside [1, {MAX_EMBEDDING_DIM}]")
 
     def to_json(self) -> dict[str, Any]:
         return {

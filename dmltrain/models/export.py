@@ -95,6 +95,7 @@ def load_model(
         raise UserError(f"{path}: not a dmltrain model file (no '{FORMAT}' format tag)")
     if int(obj.get("version", 0)) > VERSION:
         raise UserError(f"{path}: model file version {obj['version']} is newer than this dmltrain reads ({VERSION})")
+    _check_data(path, obj.get("config"))
     model = _rebuild(path, obj.get("model_config"))
     try:
         model.load_state_dict(obj["state_dict"], strict=True)
@@ -107,6 +108,24 @@ def load_model(
     )  # a training-memory setting; inference and export trace the plain graph
     model.to(map_location).eval()
     return model, obj["config"], obj["extra"]
+
+
+def _check_data(path: Path, config: Any) -> None:
+    """The stored config's image sides, bounded where they are read (a model file is anyone's: a crop of 30000
+    would make every batch gigabytes); one-line :class:`UserError` naming the file and the key."""
+    from dmltrain.models.contract import image_side
+
+    data = config.get("data") if isinstance(config, dict) else None
+    if not isinstance(data, dict):
+        return
+    try:
+        crop = image_side(data.get("eval_crop", 224), "data.eval_crop")
+        resize = image_side(data.get("eval_resize", 256), "data.eval_resize")
+        image_side(data.get("image_size", 224), "data.image_size")
+    except ValueError as e:
+        raise UserError(f"{path}: stored config {e}") from None
+    if crop > resize:
+        raise UserError(f"{path}: stored config data.eval_crop: {crop} is larger than data.eval_resize {resize}")
 
 
 def input_spec(config: dict[str, Any], model_config: dict[str, Any]) -> dict[str, Any]:

@@ -6,8 +6,10 @@
   and output ``embedding`` with a dynamic batch axis, at ``opset`` (default: the exporter's); weights
   inside the file up to 1.5 GiB, beside it (``<file>.data``) beyond;
 * ``pt2``: a ``torch.export`` program with a dynamic batch (``torch.export.load(path).module()``), loaded
-  without unpickling code;
-* ``torchscript``: ``torch.jit.trace`` (deprecated by torch, kept for stacks that still load it).
+  only in the form this export writes (:func:`~dmltrain.models.pt2_archive.check_pt2`: torch's loader runs
+  a file's pickles, expressions and guard code otherwise);
+* ``torchscript``: ``torch.jit.trace`` (deprecated by torch, kept for stacks that still load it); a program,
+  loaded again only when the caller trusts it (``--trust-torchscript``).
 
 ``fp16`` exports half-precision weights; inputs and outputs stay float32. Every export is checked before
 it is put in place: the file is loaded back (ONNX through onnxruntime) and run on random batches of 1 and
@@ -17,7 +19,11 @@ how much. Generic over :class:`~dmltrain.models.embedding_model.EmbeddingModel`:
 ``torch.export`` can trace exports the same way.
 
 :func:`load_exported` returns a module for any of the three formats, so an exported file embeds through
-the same code as a ``model.pt`` (``dmltrain embed``, ``dmltrain index query``).
+the same code as a ``model.pt`` (``dmltrain embed``, ``dmltrain index query``). A model file is data: the loader
+follows the file's extension (``.onnx``: onnxruntime; ``.pt2``: ``torch.export.load``, after
+:func:`~dmltrain.models.pt2_archive.check_pt2`; ``.pt``: TorchScript), a contract that names another format is
+refused, and a TorchScript file (a program ``torch.jit.load`` runs) only loads with ``trust_torchscript``
+(``--trust-torchscript``).
 """
 
 from __future__ import annotations
@@ -40,9 +46,16 @@ import torch
 from torch import Tensor, nn
 
 from dmltrain.errors import UserError
-from dmltrain.models.contract import Contract, contract_path, load_contract
+from dmltrain.models.contract import Contract, contract_path, image_side, load_contract
+from dmltrain.models.pt2_archive import check_pt2
+from dmltrain.text import printable
 
 FORMATS = {"onnx": ".onnx", "pt2": ".pt2", "torchscript": ".torchscript.pt"}
+EXTENSIONS = {".onnx": "onnx", ".pt2": "pt2", ".pt": "torchscript"}  # what loads a file: its name, never its contract
+TRUST_TORCHSCRIPT = (
+    "TorchScript programs can run arbitrary code (read and write files, start processes); "
+    "pass --trust-torchscript to load one you trust"
+)
 CHECK_BATCHES = (1, 7)
 TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2}
 EXTERNAL_DATA_BYTES = 3 << 29  # 1.5 GiB: ONNX's protobuf stops at 2 GiB
@@ -74,7 +87,12 @@ def model_contract(
     when absent), before the file's checksum and check are known."""
     data = config.get("data") if isinstance(config.get("data"), dict) else {}
     ev = config.get("eval") if isinstance(config.get("eval"), dict) else {}
-    crop, resize = int(data.get("eval_crop", 224)), int(data.get("eval_resize", 256))
+    where = source.get("model_file") or file
+    try:  # bounded before the model runs on a batch of that size
+        crop = image_side(data.get("eval_crop", 224), "data.eval_crop")
+        resize = image_side(data.get("eval_resize", 256), "data.eval_resize")
+    except ValueError as e:
+        raise UserError(f"{where}: {e}") from None
     head = getattr(model, "head", None)
     device = next(model.parameters()).device
     with torch.no_grad():
@@ -83,23 +101,26 @@ def model_contract(
 
     # what the model expects of its images: as loaded (model.input_spec), else from the run's config and backbone
     spec = getattr(model, "input_spec", None) or input_spec(config, config.get("model") or {})
-    return Contract(
-        file=file,
-        format=fmt,
-        precision=precision,
-        sha256="",
-        crop=crop,
-        resize=resize,
-        grayscale=int((data.get("augment") or {}).get("grayscale", 0)),
-        mean=tuple(float(v) for v in spec["mean"]),
-        std=tuple(float(v) for v in spec["std"]),
-        interpolation=str(spec["interpolation"]),
-        embedding_dim=dim,
-        normalized=bool(getattr(model, "normalized", False)),
-        binarizable=bool(getattr(head, "centred", False)),
-        binary=bool(ev.get("binary", False)) and bool(getattr(head, "centred", False)),
-        source=source,
-    )
+    try:
+        return Contract(
+            file=file,
+            format=fmt,
+            precision=precision,
+            sha256="",
+            crop=crop,
+            resize=resize,
+            grayscale=int((data.get("augment") or {}).get("grayscale", 0)),
+            mean=tuple(float(v) for v in spec["mean"]),
+            std=tuple(float(v) for v in spec["std"]),
+            interpolation=str(spec["interpolation"]),
+            embedding_dim=dim,
+            normalized=bool(getattr(model, "normalized", False)),
+            binarizable=bool(getattr(head, "centred", False)),
+            binary=bool(ev.get("binary", False)) and bool(getattr(head, "centred", False)),
+            source=source,
+        )
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{where}: {e}") from None
 
 
 @contextlib.contextmanager
@@ -174,6 +195,9 @@ def export_model(
     precision = "fp16" if fp16 else "fp32"
     tolerance = TOLERANCE[precision] if tolerance is None else float(tolerance)
     out = Path(out)
+    if format_of(out) != fmt:  # the file's name is what loads it again (load_exported)
+        ext = next(e for e, f in EXTENSIONS.items() if f == fmt)
+        raise UserError(f"--out: {out.name} does not end in {ext}, the extension a {fmt} file is loaded by")
     reference = copy.deepcopy(getattr(model, "module", model)).float().cpu().eval()
     served = _Serving(copy.deepcopy(reference).half() if fp16 else reference).eval()
     contract = model_contract(reference, config, fmt=fmt, precision=precision, file=out.name, source=source or {})
@@ -182,7 +206,7 @@ def export_model(
     try:
         staged = tmp / out.name
         written_opset = _write(served, fmt, staged, contract.crop, opset)
-        runner, _ = load_exported(staged, contract=contract)
+        runner, _ = load_exported(staged, contract=contract, trust_torchscript=True)  # ours, just written
         diff = _max_abs_diff(reference, runner, contract.crop, seed)
         runtime = _runtime_name(fmt)
         check = {"batches": list(CHECK_BATCHES), "max_abs_diff": diff, "tolerance": tolerance, "runtime": runtime}
@@ -260,20 +284,42 @@ class OnnxModule(nn.Module):
         return torch.from_numpy(self.session.run([self.output_name], {self.input_name: x})[0])
 
 
+def format_of(path: str | os.PathLike[str]) -> str | None:
+    """The format a file's name says (:data:`EXTENSIONS`), None for any other name."""
+    return EXTENSIONS.get(Path(path).suffix)
+
+
 def load_exported(
-    path: str | os.PathLike[str], device: str = "cpu", contract: Contract | None = None
+    path: str | os.PathLike[str],
+    device: str = "cpu",
+    contract: Contract | None = None,
+    *,
+    trust_torchscript: bool = False,
 ) -> tuple[nn.Module, Contract]:
-    """``(module, contract)`` of an exported file in the format its contract names (read from beside it unless
-    given). The module runs on ``device`` (ONNX: see :class:`OnnxModule`)."""
+    """``(module, contract)`` of an exported file, loaded as its extension says (:func:`format_of`); its contract
+    (read from beside it unless given) must name the same format. A ``.pt2`` file is checked first
+    (:func:`~dmltrain.models.pt2_archive.check_pt2`); a TorchScript file loads only with ``trust_torchscript``.
+    One-line :class:`UserError` otherwise, before anything is loaded. The module runs on ``device`` (ONNX: see
+    :class:`OnnxModule`)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: model file not found")
+    fmt = format_of(path)
+    if fmt is None:
+        names = ", ".join(f"{ext} ({f})" for ext, f in EXTENSIONS.items())
+        raise UserError(f"{path}: not an exported model's name (the extension says how it loads: {names})")
     contract = contract or load_contract(path)
-    fmt = contract.format
-    if fmt not in FORMATS:
-        raise UserError(f"{contract_path(path)}: unknown model format {fmt!r} (expected {', '.join(FORMATS)})")
+    if contract.format != fmt:
+        raise UserError(
+            f"{contract_path(path)}: says format {printable(contract.format, 40)!r}, but {path.name} is a {fmt} file "
+            "by its name; refused (a file loads as its extension says)"
+        )
     if fmt == "onnx":
         return OnnxModule(path, contract, device), contract
+    if fmt == "torchscript" and not trust_torchscript:
+        raise UserError(f"{path}: a TorchScript file, not loaded: {TRUST_TORCHSCRIPT}")
+    if fmt == "pt2":
+        check_pt2(path)
     try:
         with _quiet():
             module = (
@@ -302,10 +348,13 @@ class _Inference(nn.Module):
         return self.program(images)
 
 
-def load_embedder(path: str | os.PathLike[str], device: str = "cpu") -> tuple[nn.Module, Contract, list[Path]]:
+def load_embedder(
+    path: str | os.PathLike[str], device: str = "cpu", *, trust_torchscript: bool = False
+) -> tuple[nn.Module, Contract, list[Path]]:
     """What embeds images for ``dmltrain embed`` and ``index query``: ``(module, contract, files)`` of a
     ``model.pt`` (or a folder holding one; its contract derived from the run config it stores) or of an exported
-    file (:func:`load_exported`); ``files`` are what the module was read from (for checksums)."""
+    file (:func:`load_exported`, ``trust_torchscript`` passed on); ``files`` are what the module was read from (for
+    checksums)."""
     from dmltrain.models.export import load_model
 
     path = Path(path)
@@ -313,7 +362,7 @@ def load_embedder(path: str | os.PathLike[str], device: str = "cpu") -> tuple[nn
         path = path / "model.pt"
     exported = path.name.endswith(tuple(FORMATS.values())) or contract_path(path).is_file()
     if exported:
-        module, contract = load_exported(path, device)
+        module, contract = load_exported(path, device, trust_torchscript=trust_torchscript)
         return module, contract, [path, contract_path(path)]
     model, config, extra = load_model(path, map_location=device)
     source = {"model_file": str(path), **{k: extra[k] for k in ("step",) if k in extra}}

@@ -39,9 +39,12 @@ import numpy as np
 from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, LoggedModelOutput, LoggedModelStatus, Metric, Param, RunTag
 from mlflow.entities.run import Run
+from mlflow.exceptions import MlflowException
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, _validate_param_name
 
 from dmltrain.redact import redact, redact_url
+from dmltrain.text import printable
 from dmltrain.tracking.links import run_url, ui_base
 from dmltrain.tracking.names import (
     DESCRIPTION_TAG,
@@ -439,11 +442,29 @@ def param_rank(key: str) -> int:
 
 def _log_params(client: MlflowClient, run_id: str, params: Mapping[str, Any]) -> None:
     """Params as MLflow keeps them, redacted (:func:`dmltrain.redact.redact`): no URL userinfo, and storage
-    options outside the allow-list as ``<redacted>``."""
+    options outside the allow-list as ``<redacted>``. A key MLflow refuses (a storage option named with a
+    character MLflow does not allow, ``!`` or ``@``) is left out with a warning naming it: one bad key would
+    otherwise fail the whole batch, and with it the run's tracking."""
     ordered = sorted(redact(dict(params)).items(), key=lambda kv: param_rank(kv[0]))  # stable within a group
-    items = [Param(k, str(v)[:PARAM_CHARS]) for k, v in ordered]
+    rejected = [k for k, _ in ordered if not _param_key_ok(k)]
+    if rejected:
+        names = ", ".join(repr(printable(k, 120)) for k in rejected[:5]) + (" ..." if len(rejected) > 5 else "")
+        warn(
+            f"MLflow refuses the param key{'s' if len(rejected) > 1 else ''} {names} (letters, digits and _ - . "
+            "space : / only): not logged; the run is tracked without it"
+        )
+    items = [Param(k, str(v)[:PARAM_CHARS]) for k, v in ordered if k not in rejected]
     for i in range(0, len(items), PARAMS_PER_BATCH):
         client.log_batch(run_id, params=items[i : i + PARAMS_PER_BATCH])
+
+
+def _param_key_ok(key: str) -> bool:
+    """Whether MLflow accepts ``key`` as a param name (its own check: characters, length, no ``..`` path)."""
+    try:
+        _validate_param_name(key)
+    except MlflowException:
+        return False
+    return len(key) <= MAX_ENTITY_KEY_LENGTH
 
 
 def _torch_requirement() -> str:
