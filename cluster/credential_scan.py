@@ -5,12 +5,13 @@ A file name tells little (a kubeconfig saved as ``configs/kube/config``, MLflow'
 
 * key material: PEM and OpenSSH private keys, a service-account JSON's ``"private_key"``, kubeconfig's
   ``client-key-data``;
-* tokens with a known form: AWS access key ids (``AKIA...``/``ASIA...``), GitHub, Slack and Google API keys,
-  ``Bearer`` tokens, ``Authorization: Basic`` credentials, a password inside a URL
-  (``https://user:PASSWORD@host``), a ``.netrc`` line;
-* assignments of a literal to a name that says what it holds (``password``, ``passwd``, ``secret``, ``token``,
-  ``api_key``, ``access_key``, ``account_key``, ``private_key``, ``credential``, ``connection_string``; or
-  ``pass``, ``pwd``, ``auth`` after ``_``/``-`` or quoted: ``DB_PASS``, ``MYSQL_PWD``, docker's ``"auth"``), in
+* tokens with a known form: AWS access key ids (``AKIA...``/``ASIA...``), GitHub, Slack, Hugging Face (``hf_...``)
+  and Google API keys, ``Bearer`` tokens, the credentials of an ``Authorization`` header (``Basic``, ``Token``,
+  ``Digest``, ``ApiKey``...), a password inside a URL (``https://user:PASSWORD@host``), a ``.netrc`` line;
+* assignments of a literal to a name that says what it holds (``password``, ``passwd``, ``passphrase``,
+  ``secret``, ``token``, ``api_key``, ``access_key``, ``account_key``, ``private_key``, ``credential``,
+  ``connection_string``; ``pw`` and ``pwd`` on their own; or ``pass``, ``pwd``, ``pw``, ``auth`` after ``_``/``-``
+  or quoted: ``DB_PASS``, ``MYSQL_PWD``, ``DB_PW``, docker's ``"auth"``), in
   ``KEY=VALUE``, ``key: value`` and ``"key": "value"`` forms (``.env``, YAML, INI, JSON, shell); a YAML block
   scalar (``password: |``) is read on its next line.
 
@@ -52,18 +53,25 @@ _SHAPES = (
     (re.compile(rb"\bgh[pousr]_[A-Za-z0-9]{36,}|\bgithub_pat_[A-Za-z0-9_]{22,}"), "a GitHub token"),
     (re.compile(rb"\bxox[abprs]-[A-Za-z0-9-]{10,}"), "a Slack token"),
     (re.compile(rb"\bAIza[0-9A-Za-z_-]{35}\b"), "a Google API key"),
+    (re.compile(rb"\bhf_[A-Za-z0-9]{30,}\b"), "a Hugging Face token"),
     (re.compile(rb'"private_key"\s*:\s*"[^"]'), 'a service-account key ("private_key")'),
     (re.compile(rb"\bclient-key-data\s*:\s*[A-Za-z0-9+/=]{16,}"), "a kubeconfig client key (client-key-data)"),
 )
 _BEARER = re.compile(r"\bbearer\s+[A-Za-z0-9._~+/=-]{16,}", re.IGNORECASE)
-_BASIC = re.compile(r"\bauthorization[\"']?\s*[:=]\s*[\"']?basic\s+[A-Za-z0-9+/]{8,}", re.IGNORECASE)
+# an Authorization header's scheme and credentials (Basic, a token scheme, an API key, a signature)
+_AUTH_HEADER = re.compile(
+    r"\bauthorization[\"']?\s*[:=]\s*[\"']?(?P<scheme>basic|token|digest|api-?key|key|sharedkey|hmac|"
+    r"aws4-hmac-sha256|negotiate|ntlm|sso-key|bot|otp)\s+(?P<value>[A-Za-z0-9+/=._~:,-]{8,})",
+    re.IGNORECASE,
+)
 # a .netrc entry on one line (machine HOST login USER password PASS), or its password on a line of its own
 _NETRC = re.compile(r"\bmachine\s+\S+\s.*\bpassword\s+(?P<value>\S+)|^\s*password\s+(?P<alone>\S+)\s*$", re.IGNORECASE)
 _URL_PASSWORD = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s:@\"'<>]*:(?P<value>[^/?#\s@\"'<>]+)@")
 _ASSIGNMENT = re.compile(
-    r"""(?P<key>(?:[A-Za-z0-9_.-]*(?:password|passwd|secret|token|api[_-]?key|access[_-]?key|account[_-]?key"""
-    r"""|private[_-]?key|credentials?|connection[_-]?string)[A-Za-z0-9_.-]*"""
-    r"""|[A-Za-z0-9_.-]*[A-Za-z0-9][_-](?:pass|pwd|auth)(?![A-Za-z0-9_.-])|(?<=["'])(?:pass|pwd|auth)(?=["'])))"""
+    r"""(?P<key>(?:[A-Za-z0-9_.-]*(?:password|passwd|passphrase|secret|token|api[_-]?key|access[_-]?key"""
+    r"""|account[_-]?key|private[_-]?key|credentials?|connection[_-]?string)[A-Za-z0-9_.-]*"""
+    r"""|[A-Za-z0-9_.-]*[A-Za-z0-9][_-](?:pass|pwd|pw|auth)(?![A-Za-z0-9_.-])"""
+    r"""|(?<![A-Za-z0-9_.$-])(?:pw|pwd)(?![A-Za-z0-9_.-])|(?<=["'])(?:pass|pwd|pw|auth)(?=["'])))"""
     r"""["']?\s*(?<![=!<>:])(?:=|:)(?!=)\s*(?P<value>.*)""",
     re.IGNORECASE,
 )
@@ -118,8 +126,17 @@ def _line_finding(line: str, code: bool, yaml: bool = False, following: str = ""
     """What on ``line`` looks like a secret; ``following``: the next line (a YAML block scalar's value)."""
     if _BEARER.search(line):
         return "a bearer token"
-    if _BASIC.search(line):
-        return "basic-auth credentials (Authorization: Basic)"
+    m = _AUTH_HEADER.search(line)
+    # a token has a digit (prose such as "Authorization: Token headers" has none); Basic's base64 may not
+    if (
+        m
+        and _literal(m.group("value"))
+        and (m.group("scheme").lower() == "basic" or re.search(r"\d", m.group("value")))
+    ):
+        scheme = m.group("scheme")
+        if scheme.lower() == "basic":
+            return "basic-auth credentials (Authorization: Basic)"
+        return f"credentials in an Authorization header (Authorization: {scheme.title()})"
     m = _URL_PASSWORD.search(line)
     if m and _literal(m.group("value")):
         return "a password in a URL"

@@ -36,7 +36,7 @@ from typing import Any
 
 from cluster.resume import announce, claim_run, close_crashed_runs, latest_checkpoint_step, resolve_run_name
 from cluster.run_location import RunLocation
-from cluster.run_records import RECORD_FILE, Heartbeat, RunRecord
+from cluster.run_records import RECORD_FILE, Heartbeat, RunRecord, training
 from dmltrain.config import Config
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
@@ -465,6 +465,7 @@ def train(
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         record = RunRecord.for_this_driver(run_name, config_file, run_id, uri, after=previous)
+        training(run_dir, True)  # before the record: another point starting now must see this one as alive
         record.write(run_dir)
         heartbeat = Heartbeat(run_dir)
     announce(run_name, run_id, cfg, config_path, resumed_step, tracked.resumed)
@@ -525,6 +526,7 @@ def train(
             heartbeat.stop()
             record.status = status
             record.write(run_dir)
+            training(run_dir, False)
     ckpt = result.checkpoint.path if result is not None and result.checkpoint is not None else None
     return TrainSummary(
         run_name, error is None, run_id, uri, ckpt, storage_dir, summary, error, time.time() - started, tracked.url()

@@ -161,7 +161,7 @@ def announce(
     run_name: str, run_id: str | None, cfg: Config, config_path: str | None, resumed_step: int | None, resumed: bool
 ) -> None:
     """The run's name and MLflow run id, before anything else happens (a crash can then be resumed by name)."""
-    mlflow = f"MLflow run {run_id} in experiment {cfg.tracking.experiment}" if run_id else "tracking off"
+    mlflow = f"MLflow run {run_id} in experiment {printable(cfg.tracking.experiment)}" if run_id else "tracking off"
     if resumed or resumed_step is not None:
         at = f"at step {resumed_step}" if resumed_step is not None else "(no checkpoint yet: from step 0)"
         print(f"resuming run {run_name} {at}: {mlflow}", file=sys.stderr)

@@ -10,6 +10,10 @@ the record is also how a later start tells a crashed run from a live one:
   :data:`HEARTBEAT_S` seconds; one untouched for ``fence.STALE_AFTER_S`` is dead
   (:func:`dmltrain.training.fence.driver_alive`, which the workers ask too).
 
+One process may train several runs at once (a study's or a search's ``--parallel`` points, in threads): a record
+of this process is alive while :func:`training` marks its run, so that one point starting never takes another,
+still training, for a crashed run (which would end it: its workers stop when their record says FAILED).
+
 Each driver that (re)starts a run raises the record's ``generation``: workers of an earlier driver
 of the run see that they are not its current workers any more (:mod:`dmltrain.training.fence`).
 
@@ -116,13 +120,29 @@ class RunRecord:
         return self.host == socket.gethostname() and self.pid == os.getpid()
 
     def driver_alive(self, run_dir: Path) -> bool:
-        """Whether the recorded driver is still running (see the module doc); this process's own record is not."""
+        """Whether the recorded driver is still running (see the module doc); this process's own record is alive
+        while the process trains that run (:func:`training`), and not after."""
         if self.is_this_process():
-            return False  # one process trains its runs one after another: an earlier one of ours has ended
+            return _key(run_dir) in _TRAINING  # another thread of this process trains it now, or it has ended
         return driver_alive(self.host, self.pid, self.pid_started, self.pidns, run_dir / RECORD_FILE)
 
     def describe(self) -> str:
         return f"pid {self.pid} on {printable(self.host, 80)}"
+
+
+_TRAINING: set[str] = set()  # the run folders this process trains now
+_TRAINING_LOCK = threading.Lock()
+
+
+def _key(run_dir: Path) -> str:
+    return os.path.realpath(run_dir)
+
+
+def training(run_dir: Path, now: bool) -> None:
+    """Mark (``now``) or unmark the run in ``run_dir`` as trained by this process: its record then counts as a live
+    driver's to the other threads of the process (:meth:`RunRecord.driver_alive`)."""
+    with _TRAINING_LOCK:
+        (_TRAINING.add if now else _TRAINING.discard)(_key(run_dir))
 
 
 def _problem(data: Any, folder: str) -> str | None:

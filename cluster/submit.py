@@ -42,7 +42,7 @@ from dmltrain.config import load_config
 from dmltrain.config_tree import config_files
 from dmltrain.errors import UserError
 from dmltrain.redact import redact, redact_url
-from dmltrain.text import format_duration, safe_name
+from dmltrain.text import format_duration, printable, safe_name
 from shards.storage.location import is_url
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -257,7 +257,8 @@ def describe(client, job_id: str, address: str) -> str:
     meta = info.metadata or {}
     if meta.get("dmltrain.run_name"):
         lines.append(
-            f"  run name:   {meta['dmltrain.run_name']} (MLflow experiment {meta.get('dmltrain.experiment', '?')})"
+            f"  run name:   {printable(meta['dmltrain.run_name'], 120)} "
+            f"(MLflow experiment {printable(meta.get('dmltrain.experiment', '?'), 120)})"
         )
     lines.append(f"  dashboard:  {address}/#/jobs/{job_id}")
     return "\n".join(lines)

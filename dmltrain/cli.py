@@ -6,8 +6,9 @@ imported, so ``dmltrain --help`` and ``dmltrain config show`` stay fast. A
 :class:`~dmltrain.errors.UserError` anywhere becomes one line on stderr and its exit code; so
 does an ``OSError`` (a folder that cannot be written, a disk that filled up), naming the path,
 with exit code 1. Both lines are redacted (:func:`dmltrain.redact.redact_url`): a URL's password
-never reaches the terminal. Dotted overrides may also follow a command's options
-(``dmltrain train cfg.yaml --no-progress optim.lr=0.1``).
+never reaches the terminal; and they are one line of visible text (:func:`dmltrain.text.printable`): a label, a
+path or a manifest field quoted in them brings no control character (an ANSI escape, a carriage return) along.
+Dotted overrides may also follow a command's options (``dmltrain train cfg.yaml --no-progress optim.lr=0.1``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 
 from dmltrain.errors import UserError
 from dmltrain.redact import redact_url
+from dmltrain.text import printable
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -114,10 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse(argv)
         return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
     except UserError as e:
-        print(f"dmltrain: error: {redact_url(str(e))}", file=sys.stderr)
+        print(f"dmltrain: error: {printable(redact_url(str(e)), None)}", file=sys.stderr)
         return e.exit_code
     except OSError as e:
-        print(f"dmltrain: error: {redact_url(os_error_line(e))}", file=sys.stderr)
+        print(f"dmltrain: error: {printable(redact_url(os_error_line(e)), None)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("dmltrain: interrupted", file=sys.stderr)

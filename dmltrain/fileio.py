@@ -53,15 +53,20 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-def read_file_bytes(path: Path, shown: str, what: str) -> bytes:
+def read_file_bytes(path: Path, shown: str, what: str, limit: int | None = None) -> bytes:
     """The bytes of the local file ``path``; a one-line :class:`UserError` if it is not a file
-    (``<shown>: <what> not found``) or cannot be read (``<shown>: cannot read the <what> (<why>)``)."""
+    (``<shown>: <what> not found``), cannot be read (``<shown>: cannot read the <what> (<why>)``) or holds more
+    than ``limit`` bytes (never read further than that)."""
     if not path.is_file():
         raise UserError(f"{shown}: {what} not found")
     try:
-        return path.read_bytes()
+        with open(path, "rb") as f:
+            data = f.read() if limit is None else f.read(limit + 1)
     except OSError as e:
         raise UserError(f"{shown}: cannot read the {what} ({e.strerror or e})") from None
+    if limit is not None and len(data) > limit:
+        raise UserError(f"{shown}: more than the {limit:,} bytes a {what} may have")
+    return data
 
 
 def read_json(path: str | os.PathLike[str], what: str = "") -> Any:

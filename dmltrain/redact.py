@@ -1,13 +1,18 @@
-"""What dmltrain never prints, logs or writes: the userinfo of URLs, and storage options outside an allow-list.
+"""What dmltrain never prints, logs or writes: the userinfo of URLs, their query strings' secrets, and storage
+options outside an allow-list.
 
 :func:`redact` is the one function every output goes through that can carry a URL or fsspec storage options:
 MLflow params and tags (:mod:`dmltrain.tracking.run`), the ``config.yaml`` artifact and ``dmltrain config show``
 (:meth:`dmltrain.config.Config.to_yaml`), the config stored in model files (:func:`dmltrain.models.save_model`),
 run records (``driver.json``), shard locations in messages (:class:`shards.storage.location.Location` prints
-redacted), warnings, tables, and every error line the CLI prints. Two rules:
+redacted), warnings, tables, and every error line the CLI prints. Three rules:
 
 * the userinfo of a URL (``https://USER:PASSWORD@host/...``, ``postgresql://u:p@db/mlflow``) becomes
   :data:`REDACTED`, wherever the URL stands in the text;
+* so does the value of a query-string parameter whose name says it holds a secret (:func:`secret_query_name`:
+  a presigned URL's ``X-Amz-Signature``, ``X-Amz-Credential`` and ``X-Amz-Security-Token``, Azure's ``sig``,
+  ``token``, ``access_token``, ``api_key``...): ``img.jpg?X-Amz-Expires=60&X-Amz-Signature=<redacted>``. The
+  other parameters stay, so the path still says what it is;
 * under a ``storage_options`` key (nested, or a dotted MLflow param name), a value is kept only when its key is
   in :data:`SAFE_STORAGE_OPTIONS` (endpoints, region, anonymous access, timeouts...); any other key's value
   becomes :data:`REDACTED`. An allow-list, not a deny-list: a header, an SDK argument or an option this module
@@ -49,6 +54,19 @@ SAFE_STORAGE_OPTIONS = frozenset(
         "account_name",
     }
 )  # fmt: skip
+# names that hold credentials, compared lower-cased without "_" and "-": these exact names, or names containing one
+# of the parts (aws_secret_access_key, headers.Authorization, sse_customer_key, ...); the storage options'
+# check (:func:`shards.storage.location.check_storage_options`) and the query-string rule share them
+SECRET_NAMES = frozenset({"key", "auth", "token", "credential", "credentials", "sig", "signature"})
+SECRET_PARTS = (
+    "secret", "password", "passwd", "credential", "authorization", "bearer", "cookie", "apikey", "accesskey",
+    "privatekey", "sessiontoken", "sastoken", "accesstoken", "refreshtoken", "customerkey", "accountkey",
+    "connectionstring",
+)  # fmt: skip
+# in a query string also any name with these in it (X-Amz-Signature, X-Amz-Security-Token, X-Goog-Signature);
+# not among the storage options, where botocore's signature_version is a setting
+QUERY_SECRET_PARTS = (*SECRET_PARTS, "signature", "token")
+
 #: gcsfs's ``token`` may name an authentication mode rather than hold a token: these values are kept
 TOKEN_MODES = frozenset({"anon", "google_default", "cloud", "browser"})
 
@@ -57,9 +75,37 @@ _NOT_USERINFO = r"/?#@\s\"<>`{}|\\^"  # characters that end it, or cannot stand 
 _USERINFO = re.compile(rf"(?<![A-Za-z0-9+.-])([A-Za-z][A-Za-z0-9+.-]*://)[^{_NOT_USERINFO}]*(?:@[^{_NOT_USERINFO}]*)*@")
 
 
+# ?name=value or &name=value (or ;): a query parameter, its value running to the next separator, quote or space
+_QUERY_PARAM = re.compile(rf"(?<=[?&;])([^=&;#?\s\"'<>`]+)=({re.escape(REDACTED)}|[^&;#\s\"'<>`]*)")
+
+
+def _name(name: str) -> str:
+    return re.sub(r"[-_]", "", name.lower())
+
+
+def secret_name(name: str) -> bool:
+    """Whether an option named ``name`` holds a credential (:data:`SECRET_NAMES`, :data:`SECRET_PARTS`)."""
+    key = _name(name)
+    return key in SECRET_NAMES or any(part in key for part in SECRET_PARTS)
+
+
+def secret_query_name(name: str) -> bool:
+    """Whether a URL's query parameter ``name`` holds a secret: :func:`secret_name`, or a name with ``signature`` or
+    ``token`` in it (a presigned URL's ``X-Amz-Signature``, ``X-Amz-Security-Token``)."""
+    key = _name(name)
+    return key in SECRET_NAMES or any(part in key for part in QUERY_SECRET_PARTS)
+
+
 def redact_url(text: str) -> str:
-    """``text`` with the userinfo of every URL in it replaced: ``https://<redacted>@host/x``."""
-    return _USERINFO.sub(lambda m: m.group(1) + REDACTED + "@", text) if "@" in text else text
+    """``text`` with the userinfo of every URL in it replaced (``https://<redacted>@host/x``), and the value of every
+    query-string parameter named like a secret (``?X-Amz-Signature=<redacted>``)."""
+    if "@" in text:
+        text = _USERINFO.sub(lambda m: m.group(1) + REDACTED + "@", text)
+    if "=" in text:
+        text = _QUERY_PARAM.sub(
+            lambda m: f"{m.group(1)}={REDACTED}" if secret_query_name(m.group(1)) else m.group(0), text
+        )
+    return text
 
 
 def safe_option(key: str, value: Any = None) -> bool:

@@ -3,10 +3,12 @@
 Tables take a header and rows of plain values (numbers, strings, None) and format the cells
 themselves, so ``tune``, ``study`` and ``report`` print and save the same table the same way.
 
-What goes into a table or a page may come from anyone who can write to the MLflow store (run names,
-params, tags): :func:`md_text`, :func:`md_code` and :func:`md_url` make it inert in Markdown (no raw HTML,
-no links or images of its own), :func:`csv_text` keeps spreadsheets from running it as a formula, and
-:func:`safe_name` keeps it from naming a path outside the folder it is joined to.
+What goes into a table, a page or a terminal may come from anyone who can write to the MLflow store (run
+names, params, tags), a table of images (labels, paths), a manifest or a run record: :func:`visible` is the one
+rule that keeps it on one line and without control characters, which :func:`printable` (the terminal) and the
+Markdown helpers share; :func:`md_text`, :func:`md_code` and :func:`md_url` make it inert in Markdown (no raw
+HTML, no links or images of its own), :func:`csv_cell` keeps spreadsheets from running it as a formula in every
+CSV the project writes, and :func:`safe_name` keeps it from naming a path outside the folder it is joined to.
 """
 
 from __future__ import annotations
@@ -61,11 +63,23 @@ def one_line(error: BaseException | str, limit: int = 300) -> str:
     return clip(redact_url(text.splitlines()[0]) if text else "", limit)
 
 
-def printable(text: Any, limit: int = 300) -> str:
-    """``str(text)`` safe to print on a terminal: control and format characters (ANSI escapes, carriage
-    returns, bidirectional overrides; Unicode category C) removed, clipped to ``limit``. For text
-    read from files others may write (a run record, a folder name)."""
-    return clip("".join(ch for ch in str(text) if unicodedata.category(ch)[0] != "C"), limit)
+def visible(text: Any) -> str:
+    """``str(text)`` as one line of visible text: line breaks and tabs as spaces, every other control or format
+    character (Unicode category C: ANSI escapes, carriage returns, NUL, bidirectional overrides, zero-width
+    characters) removed. The one rule for text others may write (labels, ids, paths, manifest fields, run and
+    experiment names) before it reaches a terminal (:func:`printable`) or a Markdown page (:func:`md_text`,
+    :func:`md_code`)."""
+    s = " ".join(str(text).splitlines())
+    if s.isprintable():  # the common case: nothing to remove
+        return s
+    return "".join(" " if ch == "\t" else ch for ch in s if ch == "\t" or unicodedata.category(ch)[0] != "C")
+
+
+def printable(text: Any, limit: int | None = 300) -> str:
+    """``str(text)`` safe to print on a terminal (:func:`visible`), clipped to ``limit`` characters (None: not
+    clipped). For text read from files others may write (a table, a manifest, a run record, a folder name)."""
+    s = visible(text)
+    return s if limit is None else clip(s, limit)
 
 
 def cell(value: Any) -> str:
@@ -89,16 +103,18 @@ _AUTOLINK = re.compile(r"(?<=[A-Za-z0-9])(:)(?=//)|(?<![A-Za-z0-9])(?i:www)(\.)"
 def md_text(text: Any) -> str:
     """``text`` as inert Markdown on one line: HTML's ``& < >`` as entities (no tag, no autolink), the ``:`` of a
     bare ``scheme://`` and the dot of ``www.`` as character references (no link of GitHub's), Markdown's
-    punctuation backslash-escaped (no link, image, emphasis or code of its own), ``|`` escaped for tables."""
-    s = " ".join(str(text).splitlines())
+    punctuation backslash-escaped (no link, image, emphasis or code of its own), ``|`` escaped for tables; without
+    control characters (:func:`visible`)."""
+    s = visible(text)
     s = s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     s = _AUTOLINK.sub(lambda m: "&#58;" if m.group(1) else m.group(0)[:-1] + "&#46;", s)
     return _MD_PUNCT.sub(lambda m: "\\" + m.group(0), s)
 
 
 def md_code(text: Any) -> str:
-    """``text`` as a Markdown code span, on one line, whatever backticks it holds (its content is never markup)."""
-    s = " ".join(str(text).splitlines())
+    """``text`` as a Markdown code span, on one line, whatever backticks it holds (its content is never markup);
+    without control characters (:func:`visible`)."""
+    s = visible(text)
     fence = "`" * (max((len(r) for r in re.findall(r"`+", s)), default=0) + 1)
     pad = " " if s.startswith("`") or s.endswith("`") or not s.strip() else ""
     return f"{fence}{pad}{s}{pad}{fence}"
@@ -153,14 +169,22 @@ _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 def csv_cell(value: Any) -> str:
     """A CSV cell: None empty, a float with every digit (``repr``), text with URL userinfo redacted, and text a
-    spreadsheet would run as a formula (starting with ``= + - @``, a tab or a CR) prefixed with ``'``; numbers,
+    spreadsheet would run as a formula (starting with ``= + - @``, a tab or a CR, after any ``'``) prefixed with ``'``; numbers,
     negative ones included, stay numbers."""
     if value is None:
         return ""
     if isinstance(value, float):
         return repr(value)
     s = redact_url(str(value))
-    return "'" + s if s.startswith(_FORMULA_START) and not _NUMBER.fullmatch(s) else s
+    # quotes already there are kept behind the guard, so that csv_value gives back exactly what was written
+    return "'" + s if s.lstrip("'").startswith(_FORMULA_START) and not _NUMBER.fullmatch(s) else s
+
+
+def csv_value(text: str) -> str:
+    """A text cell of a CSV :func:`csv_cell` wrote, as it was: the ``'`` put before a formula's first character
+    taken off (a file read back, such as ``noisy-labels``' list given to ``shards build --exclude``)."""
+    guarded = text.startswith("'") and text.lstrip("'").startswith(_FORMULA_START) and not _NUMBER.fullmatch(text[1:])
+    return text[1:] if guarded else text
 
 
 def csv_text(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -11,6 +11,7 @@ import sys
 
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
+from dmltrain.text import printable
 from shards.build.layouts import LAYOUTS
 from shards.storage.location import Location, add_storage_option, parse_storage_options
 from shards.storage.retries import IOStats
@@ -49,6 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="pack images that are (or lie in folders that are) symbolic links to places outside --root "
         "(refused by default)",
+    )
+    b.add_argument(
+        "--allow-outside-paths",
+        action="store_true",
+        help="table: pack images outside the table's folder (absolute paths, ../, symbolic links out of it; refused "
+        "by default: a table is data, and could name any file this user can read); the summary says how many",
+    )
+    b.add_argument(
+        "--allow-private-urls",
+        action="store_true",
+        help="table: fetch URLs whose host is loopback, link-local (169.254.169.254) or private (refused by default: "
+        "a table could make the build fetch a cloud's metadata or an internal service); the summary says how many",
     )
     b.add_argument("--overwrite", action="store_true", help="replace the shards of a non-empty --out")
     b.add_argument(
@@ -127,8 +140,10 @@ def _build(args: argparse.Namespace) -> int:
             raise UserError("--root: not used with --layout synthetic (the images are generated)")
         if args.resize is not None:
             raise UserError("--resize: not used with --layout synthetic (use --image-size)")
-        if args.follow_symlinks:
-            raise UserError("--follow-symlinks: not used with --layout synthetic (the images are generated)")
+        for flag in ("follow_symlinks", "allow_outside_paths", "allow_private_urls"):
+            if getattr(args, flag):
+                name = "--" + flag.replace("_", "-")
+                raise UserError(f"{name}: not used with --layout synthetic (the images are generated)")
         missing = [n for n, v in (("--classes", args.classes), ("--per-class", args.per_class)) if v is None]
         if missing:
             raise UserError(f"{' and '.join(missing)}: required with --layout synthetic")
@@ -176,6 +191,8 @@ def _build(args: argparse.Namespace) -> int:
             storage_options=opts,
             follow_symlinks=args.follow_symlinks,
             exclude=args.exclude,
+            allow_outside_paths=args.allow_outside_paths,
+            allow_private_urls=args.allow_private_urls,
         )
     print("\n".join(result.summary_lines()))
     if {"query", "gallery"} <= set(result.splits):
@@ -195,15 +212,19 @@ def _inspect(args: argparse.Namespace) -> int:
 
         print(json.dumps(summary, indent=2))
     else:
-        print(f"{summary['path']}: layout {summary['layout']}, source {summary['source']}, built {summary['created']}")
+        # the manifest's fields are anyone's text: printed without control characters (dmltrain.text.printable)
+        print(
+            f"{printable(summary['path'])}: layout {printable(summary['layout'])}, source {printable(summary['source'])}, "
+            f"built {printable(summary['created'])}"
+        )
         for name, s in summary["splits"].items():
             shared = (
-                f" (labels shared with {', '.join(x for x in s['label_space'] if x != name)})"
+                f" (labels shared with {', '.join(printable(x, 80) for x in s['label_space'] if x != name)})"
                 if len(s["label_space"]) > 1
                 else ""
             )
             print(
-                f"{name:>8}: {s['images']:,} images, {s['classes']:,} classes{shared}, {s['shards']} shards, "
+                f"{printable(name, 80):>8}: {s['images']:,} images, {s['classes']:,} classes{shared}, {s['shards']} shards, "
                 f"{s['bytes'] / 1e6:,.1f} MB, {s['skipped']} skipped at build"
             )
     if args.no_verify:
@@ -217,7 +238,7 @@ def _inspect(args: argparse.Namespace) -> int:
         )
     if problems:
         for p in problems:
-            print(f"BAD {p}", file=sys.stderr)
+            print(f"BAD {printable(p, None)}", file=sys.stderr)
         raise UserError(
             f"{problems[0]}" + (f" (and {len(problems) - 1} more bad shards)" if len(problems) > 1 else ""), exit_code=1
         )

@@ -20,6 +20,11 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 #: the largest side, in pixels, of a crop, a resize or a generated image: far above any recipe (224-518), and a
 #: bound on what one decoded batch can ask of memory (a typo such as 1000000 would otherwise spin the loaders)
 MAX_IMAGE_SIDE = 4096
+#: the most classes (per split) and images (per split: classes x per_class) a synthetic set may have: a million
+#: classes is the project's largest label space, and two million images per split take about 1.3 GB to plan
+#: (each image is listed before any is drawn); ``classes=100000000`` would exhaust memory before the first image
+MAX_SYNTHETIC_CLASSES = 1_000_000
+MAX_SYNTHETIC_IMAGES = 2_000_000
 
 
 class Section(BaseModel):
@@ -35,8 +40,10 @@ LABEL_NOISE_MODES = ("uniform", "family")
 def synthetic_problem(
     classes: int, family_size: int, family_spread: float, label_noise: float, label_noise_mode: str
 ) -> tuple[str, str] | None:
-    """The first problem of a synthetic build's family and noise options, as ``(option, message)`` (the option's
-    snake-case name, which the CLI and the config spell their own way), or None when they are fine."""
+    """The first problem of a synthetic build's size, family and noise options, as ``(option, message)`` (the
+    option's snake-case name, which the CLI and the config spell their own way), or None when they are fine."""
+    if classes > MAX_SYNTHETIC_CLASSES:
+        return "classes", f"at most {MAX_SYNTHETIC_CLASSES:,} classes (per split), got {classes:,}"
     if not (isinstance(family_size, int) and family_size >= 1):
         return "family_size", f"must be a whole number of classes, at least 1, got {family_size}"
     if family_size > classes:
@@ -61,11 +68,24 @@ def synthetic_problem(
     return None
 
 
+def synthetic_size_problem(classes: int, per_class: int) -> tuple[str, str] | None:
+    """``("per_class", message)`` when ``classes x per_class`` is more than :data:`MAX_SYNTHETIC_IMAGES`, else None."""
+    if classes * per_class > MAX_SYNTHETIC_IMAGES:
+        return (
+            "per_class",
+            f"{classes:,} classes x {per_class:,} images = {classes * per_class:,} images per split, more than the "
+            f"{MAX_SYNTHETIC_IMAGES:,} a synthetic set may have",
+        )
+    return None
+
+
 class SyntheticData(Section):
     """Procedurally generated shards, built on first use when ``data.shards`` is missing."""
 
-    classes: int = Field(200, ge=2, description="train classes; as many disjoint test classes")
-    per_class: int = Field(10, ge=1, description="images per class")
+    classes: int = Field(
+        200, ge=2, le=MAX_SYNTHETIC_CLASSES, description="train classes; as many disjoint test classes"
+    )
+    per_class: int = Field(10, ge=1, le=MAX_SYNTHETIC_IMAGES, description="images per class")
     image_size: int = Field(32, ge=8, le=MAX_IMAGE_SIDE)
     seed: int = 0
     shard_size: int = Field(2000, ge=1, description="samples per shard")
@@ -92,7 +112,7 @@ class SyntheticData(Section):
     def _check(self) -> SyntheticData:
         problem = synthetic_problem(
             self.classes, self.family_size, self.family_spread, self.label_noise, self.label_noise_mode
-        )
+        ) or synthetic_size_problem(self.classes, self.per_class)
         if problem is not None:
             raise ValueError(f"data.synthetic.{problem[0]}: {problem[1]}")
         return self

@@ -152,6 +152,7 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
     """Static files with single ``Range: bytes=a-b`` requests answered 206, through :class:`Faults`."""
 
     faults: Faults
+    seen: list[str]  # the method of every request received
     auth: str | None = None  # "user:password": every request must carry it (HTTP basic auth), else 401
     protocol_version = "HTTP/1.1"
 
@@ -160,6 +161,8 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
 
     def _refused(self) -> bool:
         import base64
+
+        self.seen.append(self.command)  # every request, answered or not
 
         if self.auth is None or self.headers.get("Authorization") == "Basic " + base64.b64encode(
             self.auth.encode()
@@ -226,7 +229,8 @@ class RangeHTTPServer:
     only requests with these basic-auth credentials are answered."""
 
     def __init__(self, root: Path, faults: Faults, auth: str | None = None):
-        handler = type("Handler", (_RangeHandler,), {"faults": faults, "auth": auth})
+        self.seen: list[str] = []
+        handler = type("Handler", (_RangeHandler,), {"faults": faults, "auth": auth, "seen": self.seen})
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(handler, directory=str(root)))
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -245,6 +249,11 @@ class RangeHTTPServer:
     def url(self) -> str:
         host, port = self.server.server_address[:2]
         return f"http://{host}:{port}"
+
+    @property
+    def requests(self) -> int:
+        """How many requests it received."""
+        return len(self.seen)
 
 
 # credentials for moto only, and nothing read from the user's own AWS files

@@ -120,9 +120,10 @@ def test_embed_onnx_unreadable_and_errors(setup, tmp_path, capsys):
     frame.loc[len(frame)] = [str(tmp_path / "broken.jpg"), "sock", "test", "1", "1", "x", "1"]
     frame.to_csv(tmp_path / "t.csv", index=False)
     argv = ["--table", str(tmp_path / "t.csv"), "--split", "test", "--loader-workers", "0", "--quiet"]
+    argv.insert(4, "--allow-outside-paths")  # the images stay in the table's old folder
     assert main(["embed", str(onnx_file), "--out", str(tmp_path / "o"), *argv]) == 0
     assert "1 images could not be read" in capsys.readouterr().err
-    assert embed(setup, tmp_path / "p", *argv[:4]) == 0
+    assert embed(setup, tmp_path / "p", *argv[:5]) == 0
     capsys.readouterr()
     o, p = load_embedding_set(tmp_path / "o"), load_embedding_set(tmp_path / "p")
     assert o.info["unreadable"] == 1 and o.info["unreadable_ids"][0].endswith("broken.jpg") and len(o) == 8

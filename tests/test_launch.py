@@ -232,9 +232,33 @@ def test_run_records_tell_a_dead_driver_from_a_live_one(tmp_path):
     os.utime(far_dir / "driver.json", (old, old))
     assert not far.driver_alive(far_dir)
     _, mine = _record(tmp_path, "mine")
-    assert not mine.driver_alive(
-        tmp_path / "mine"
-    )  # this process trains one run at a time: its earlier record has ended
+    assert not mine.driver_alive(tmp_path / "mine")  # this process does not train it (any more): it has ended
+
+
+def test_a_run_this_process_trains_is_no_crashed_run_to_a_point_starting_beside_it(tmp_path, shards, monkeypatch):
+    """A ``--parallel`` study trains its points in threads of one driver. A point starting looks for crashed runs
+    in the runs folder: one of this process's still training must not count as one (it used to, once its record
+    was written: its record and MLflow run were marked FAILED, and its workers stop on a FAILED record). Here the
+    other point starts while this one is between its record and its training."""
+    import cluster.launch as launch
+    from cluster.resume import close_crashed_runs
+    from cluster.run_records import RunRecord
+    from dmltrain.config import load_config
+
+    argv = _train_args(tmp_path, shards, "train.run_name=point-a", "tracking.enabled=false")
+    cfg = load_config(argv[1], argv[3:])
+    seen = {}
+
+    def second_point_starts(cfg):  # where init_ray runs: point-a's record is written, its training not begun
+        close_crashed_runs(tmp_path / "runs", keep="point-b", tracking_uri=None)
+        seen["status"] = RunRecord.read(tmp_path / "runs" / "point-a").status
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(launch, "init_ray", second_point_starts)
+    summary = launch.train(cfg, progress=False)
+    assert seen == {"status": "RUNNING"} and "stop here" in summary.error
+    record = RunRecord.read(tmp_path / "runs" / "point-a")
+    assert record.status == "FAILED" and not record.driver_alive(tmp_path / "runs" / "point-a")  # ended now
 
 
 @pytest.fixture(scope="module")

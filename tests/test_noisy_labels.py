@@ -107,6 +107,32 @@ def test_the_command_lists_the_samples_beyond_the_angle_with_their_paths(noisy_r
     assert f"of the {wrong} mislabelled are listed" in printed
 
 
+def test_the_list_holds_no_formula_and_exclude_reads_it_back(noisy_run, tmp_path, monkeypatch):
+    """Paths and labels are anyone's text (a table's): a cell starting with ``=``, ``+``, ``-`` or ``@`` (or a tab)
+    is written guarded, as in every CSV the project writes, so that no spreadsheet runs it; ``shards build
+    --exclude`` reads the paths back as they were."""
+    from dmltrain.evaluate import noisy_labels
+    from shards.build.exclude import read_exclude
+
+    root, ckpt, _ = noisy_run
+    paths = noisy_labels._sample_paths  # each sample's recorded path, made hostile
+    hostile = ['=HYPERLINK("http://evil.example","x")', "+cmd|'/c calc'!A1", "-2+3", "@SUM(1)", "\tx=1"]
+    monkeypatch.setattr(
+        noisy_labels,
+        "_sample_paths",
+        lambda *a: {i: f"{hostile[i % len(hostile)]}#{i}" for i in paths(*a)},
+    )
+    out = tmp_path / "noisy.csv"
+    assert main(["noisy-labels", str(ckpt), "--angle", "0.001", "--out", str(out), "--loader-workers", "0",
+                 "--quiet"]) == 0  # fmt: skip
+    rows = list(csv.reader(out.open()))
+    assert rows[0] == ["path", "label", "angle", "index", "nearest", "dominant"] and len(rows) > len(hostile)
+    assert not [c for r in rows for c in r if c[:1] in ("=", "+", "-", "@", "\t", "\r")]
+    listed = read_exclude(out).paths
+    assert sorted(listed) == sorted(r[0][1:] if r[0].startswith("'") else r[0] for r in rows[1:])
+    assert {p.rsplit("#", 1)[0] for p in listed} == set(hostile)
+
+
 def test_bad_input_is_one_line(noisy_run, tmp_path, capsys):
     from dmltrain.models import save_model
 

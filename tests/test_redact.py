@@ -60,6 +60,28 @@ def test_urls_lose_their_userinfo_and_options_outside_the_allow_list_their_value
     )
 
 
+def test_a_query_strings_secrets_are_redacted_and_its_other_parameters_kept():
+    """A presigned URL's signature, credential and session token, Azure's SAS signature, a token or key: their values
+    go, the rest of the URL stays (what it names, when it expires); applied twice it changes nothing more."""
+    url = (
+        "https://b.s3.amazonaws.com/a/img.jpg?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIA%2F20260101"
+        f"&X-Amz-Date=20260101T000000Z&X-Amz-Expires=600&X-Amz-Security-Token={SECRET}&X-Amz-Signature={SECRET}"
+    )
+    want = (
+        "https://b.s3.amazonaws.com/a/img.jpg?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=<redacted>"
+        "&X-Amz-Date=20260101T000000Z&X-Amz-Expires=600&X-Amz-Security-Token=<redacted>&X-Amz-Signature=<redacted>"
+    )
+    assert redact_url(url) == want and redact_url(want) == want
+    assert redact_url(f"'https://acct.blob.core.windows.net/c/x.jpg?sv=2024&se=2026&sig={SECRET}' failed") == (
+        "'https://acct.blob.core.windows.net/c/x.jpg?sv=2024&se=2026&sig=<redacted>' failed"
+    )
+    assert redact_url(f"https://u:{PASSWORD}@h/x?access_token={SECRET};api_key={SECRET}#f") == (
+        "https://<redacted>@h/x?access_token=<redacted>;api_key=<redacted>#f"
+    )
+    for same in ("https://h/x?page=2&size=10", "a?b=c", "--storage-option token=anon", "x.jpg?version=3"):
+        assert redact_url(same) == same
+
+
 def test_an_aiohttp_sessions_headers_are_redacted_and_its_harmless_settings_kept(capsys):
     """gcsfs's and fsspec-http's ``session_kwargs`` go to aiohttp's ClientSession, headers included: only named
     harmless settings keep their values, nested and flattened alike, in ``config show`` too."""

@@ -290,6 +290,11 @@ def test_unknown_input_is_one_line_and_nonzero(store, tmp_path, monkeypatch, cap
     assert "--experiment nope: no such experiment" in err[0] and "dml-exp" in err[0]
     assert "no runs to compare" in err[1] and "--runs no-such-run" in err[2] and "mlflow.db" in err[4]
     assert not (tmp_path / "missing.db").exists()  # nothing created on the way
+    # a name with control characters comes back without them (it reached the terminal raw)
+    assert main([*base, "--experiment", "\x1b[2J\x1b]0;x\x07ev\u202eil\r"]) == 1
+    err = capsys.readouterr().err
+    assert "--experiment [2J]0;xevil : no such experiment" in err and err.count("\n") == 1  # the CR: a space
+    assert not any(c in err for c in "\x1b\x07\u202e\r"), repr(err)
 
 
 def test_single_run_report(store, tmp_path):

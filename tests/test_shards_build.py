@@ -168,6 +168,56 @@ def test_folder_images_decode_to_rgb(built):
     assert {"L", "RGBA", "RGB"} <= modes, "grayscale and RGBA are stored as they are and converted at decode time"
 
 
+def test_16_bit_and_float_images_convert_exactly_and_without_float64(monkeypatch):
+    """A 16-bit or float image becomes 8-bit gray as the formula says (``v * 255 // 65535`` for a 16-bit range,
+    ``floor(x * 255)`` for floats in [0, 1], clipped), with numpy holding at most a few bytes a pixel while it
+    converts: a 170 KB 16-bit PNG of 9,400 x 9,400 pixels took 2.85 GB per decode in float64 (24 bytes a pixel
+    here). The pixel bound holds in the conversion too, whoever opened the image."""
+    import tracemalloc
+
+    from shards.decode import rgb
+
+    h, w = 300, 400
+    v = np.arange(h * w, dtype=np.int64).reshape(h, w) * 7919 % 65536
+    x = ((np.arange(h * w).reshape(h, w) % 256) + 0.5) / 256  # in (0, 1), away from the steps of 1/255
+    png = io.BytesIO()
+    Image.frombytes("I;16", (w, h), v.astype("<u2").tobytes()).save(png, format="PNG")
+    cases = {
+        "16-bit PNG": (rgb.open_image(png.getvalue()), [[int(a) * 255 // 65535 for a in r] for r in v.tolist()]),
+        "I": (Image.fromarray((v - 300).astype(np.int32), "I"), [[max(0, a - 300) * 255 // 65535 for a in r] for r in v.tolist()]),
+        "F": (Image.fromarray(x.astype(np.float32), "F"), [[int(a * 255) for a in r] for r in x.tolist()]),
+        "I small": (Image.fromarray((v % 256).astype(np.int32) - 5, "I"), [[max(0, a % 256 - 5) for a in r] for r in v.tolist()]),
+    }  # fmt: skip
+    for name, (img, want) in cases.items():
+        img.load()
+        tracemalloc.start()
+        out = rgb.to_rgb(img)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        got = np.asarray(out)
+        assert out.mode == "RGB" and (got[..., 0] == got[..., 2]).all(), name
+        assert got[..., 0].tolist() == want, name
+        assert peak <= 10 * h * w, (name, peak / (h * w))  # bytes a pixel: float64 alone is 8, three times over
+    monkeypatch.setattr(rgb, "MAX_IMAGE_PIXELS", h * w - 1)
+    with pytest.raises(rgb.ImageTooLarge, match=f"{w} x {h} = {h * w:,} pixels"):
+        rgb.to_rgb(cases["I"][0])
+
+
+def test_a_source_is_read_with_a_bound_and_only_from_a_regular_file(tmp_path, monkeypatch):
+    """An image file is never read past :data:`MAX_SOURCE_BYTES` (a file of 6 GB was read whole), and a FIFO or a
+    device is skipped, not read (a FIFO held the build forever)."""
+    from shards.build import ingest
+
+    monkeypatch.setattr(ingest, "MAX_SOURCE_BYTES", 1000)
+    (tmp_path / "big.jpg").write_bytes(b"\xff" * 1001)
+    with pytest.raises(ingest.SkipImage, match="1,001 bytes, more than the "):
+        ingest.ingest_file(str(tmp_path / "big.jpg"))
+    os.mkfifo(tmp_path / "fifo.jpg")
+    for path in (tmp_path / "fifo.jpg", Path("/dev/zero")):
+        with pytest.raises(ingest.SkipImage, match="not a regular file"):
+            ingest.ingest_file(str(path))
+
+
 def test_inspect_verifies_checksums(built, tmp_path, capsys):
     import shutil
 

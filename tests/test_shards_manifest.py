@@ -132,3 +132,28 @@ def test_a_shard_that_is_a_symbolic_link_is_refused_in_one_line(built, tmp_path,
     (out / name).unlink()
     elsewhere.rename(out / name)
     assert Manifest.load(out).verify() == []  # the same bytes as a regular file: fine
+
+
+def test_a_manifests_fields_reach_the_terminal_and_a_run_description_inert(built, tmp_path, capsys):
+    """A manifest is anyone's file: its layout, source and date are printed by ``inspect`` without control
+    characters (ANSI escapes, a carriage return, a bidirectional override), and a run's description shows its
+    folder's name and layout as text, never as a link or an image of their own (the layout broke out of the
+    Markdown around it)."""
+    from dmltrain.tracking.description import data_line
+
+    layout = "x) [click](http://evil.example) ![i](http://evil.example/i.png) `y"
+    out = _corrupt(
+        built,
+        tmp_path,
+        lambda d: d.update(layout=layout + "\x1b[2J", source="\u202eevil\r", created="\x1b]0;title\x07now"),
+    )
+    assert main(["shards", "inspect", str(out), "--no-verify"]) == 0
+    printed = capsys.readouterr().out
+    assert "layout x) [click](http://evil.example) ![i](http://evil.example/i.png) `y[2J, source evil, built" in printed
+    assert not any(c in printed for c in "\x1b\x07\u202e\r"), repr(printed)
+    summary = Manifest.load(out).summary() | {"path": "/data/sh`ards"}
+    line = data_line(summary, "train", ["test"])
+    assert line.startswith(
+        "``sh`ards`` (x) \\[click\\](http&#58;//evil.example) !\\[i\\](http&#58;//evil.example/i.png) \\`y\\[2J layout): "
+    ), line
+    assert "train 4 classes, 12 images; test 4 classes, 12 images" in line

@@ -278,34 +278,71 @@ def test_eval_batches_from_s3_equal_local_disk(s3, local, uploaded):
     assert got_batches.skipped == 0 and got_batches.io["requests"] > 0
 
 
-def test_shard_cache_downloads_each_shard_once_and_stays_bounded(s3, local, uploaded, tmp_path):
+def test_shard_cache_downloads_each_shard_once_and_stays_bounded(s3, local, uploaded, tmp_path, monkeypatch):
+    """Reads never wait for a download, so how many shards an epoch leaves in the cache depends on the machine's
+    speed; what is checked waits for the downloads themselves (:meth:`RemoteSource.wait_for_downloads`), never
+    on time, and holds on a machine too slow to finish any download within an epoch (made so for the bounded
+    cache's epoch)."""
+    import asyncio
+    import threading
+
+    from shards.storage.shard_cache import ShardCache
+
+    go, fetch = threading.Event(), ShardCache.fetch
+
+    async def slow(self, sha256, size, download):  # a download starts only once ``go`` is set
+        while not go.is_set():
+            await asyncio.sleep(0.01)
+        return await fetch(self, sha256, size, download)
+
+    go.set()
     cache = tmp_path / "cache"
     settings = {**FAST, "cache": True, "cache_dir": str(cache)}
     s3.faults.set(p_503=0.2, **HANG)
     remote = stream(uploaded, storage_options=s3.opts, remote=settings)
     assert _same_epoch(stream(local), remote) > 3
     first = remote.io_counts()
-    shas = {sh.sha256 for sh in Manifest.load(local).split("train").shards}
-    # by content; the shards whose download finished during the epoch (reads never wait for one, so how
-    # many depends on the machine's speed; one finishing after the last batch's counts is in the cache
-    # uncounted, those still running when the epoch ended were stopped and left nothing)
+    shards = Manifest.load(local).split("train").shards
+    shas = {sh.sha256 for sh in shards}
+    # the downloads an epoch finished (any number: those still running when it ended were stopped, leaving nothing)
+    # are whole shards named by their content, each counted once
     cached = {p.stem for p in cache.glob("*.tar")}
-    assert cached and cached <= shas and 0 < first["cache_downloads"] <= len(cached)
-    assert first["retries/throttled"] > 0 and not list(cache.glob("*.tmp"))
+    assert cached <= shas and first["cache_downloads"] <= len(cached) and not list(cache.glob("*.tmp"))
+    assert first["retries/throttled"] > 0
+    # the others downloaded through the same faults, waited for: then every shard is in the cache, verified
+    loc = Location(uploaded, s3.opts, remote=settings)
+    source = RemoteSource(Manifest.load(loc).split("train"), loc)
+    for i in range(len(shards)):
+        source.read(i, 0, 512)  # the first read of a shard starts its download
+    assert source.wait_for_downloads() == len(shards)
+    source.close()
+    assert {p.stem for p in cache.glob("*.tar")} == shas and not list(cache.glob("*.tmp"))
+    assert source.stats.counts["cache_downloads"] == len(shas - cached)  # only those not there yet
     # shards in the cache (content-addressed: <sha256>.tar) are read from there, not requested
-    for sh in Manifest.load(local).split("train").shards:
-        if not (cache / f"{sh.sha256}.tar").exists():
-            (cache / f"{sh.sha256}.tar").write_bytes(sh.path.read_bytes())
     _same_epoch(stream(local), remote)
     assert remote.io_counts()["requests"] == first["requests"]
-    # bounded: the least recently used shards make room; the batches do not change
+    # bounded: downloaded one after another into room for three, the least recently used make room
     small = tmp_path / "small"
-    limit = 3 * max(sh.bytes for sh in Manifest.load(local).split("train").shards)
-    bounded = stream(
-        uploaded, storage_options=s3.opts, remote={**settings, "cache_dir": str(small), "cache_gb": limit / 2**30}
-    )
-    _same_epoch(stream(local), bounded)
-    assert 0 < sum(p.stat().st_size for p in small.glob("*.tar")) <= limit
+    limit = 3 * max(sh.bytes for sh in shards)
+    bounded = {**settings, "cache_dir": str(small), "cache_gb": limit / 2**30}
+    go.clear()
+    monkeypatch.setattr(ShardCache, "fetch", slow)  # no download finishes within this epoch: it ends them all
+    _same_epoch(stream(local), stream(uploaded, storage_options=s3.opts, remote=bounded))  # the batches do not change
+    assert sum(p.stat().st_size for p in small.glob("*.tar")) == 0 and not list(small.glob("*.tmp"))
+    go.set()
+    small = tmp_path / "lru"  # from an empty cache, so that what it holds after each download is known
+    loc = Location(uploaded, s3.opts, remote={**bounded, "cache_dir": str(small)})
+    source = RemoteSource(Manifest.load(loc).split("train"), loc)
+    kept = []
+    for i, sh in enumerate(shards):
+        source.read(i, 0, 512)
+        source.wait_for_downloads()
+        kept = [*kept, sh]
+        while sum(k.bytes for k in kept) > limit:  # what an LRU of ``limit`` bytes holds after this download
+            kept.pop(0)
+        assert {p.stem for p in small.glob("*.tar")} == {k.sha256 for k in kept}, i
+    source.close()
+    assert 0 < sum(p.stat().st_size for p in small.glob("*.tar")) <= limit and len(kept) < len(shards)
 
 
 def test_memory_is_bounded_by_requests_in_flight_not_by_shard_size(s3, local, uploaded):

@@ -322,3 +322,35 @@ def test_bad_data_synthetic_keys_name_the_key(override, line):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["data.synthetic={}", override])
     assert "\n" not in str(err.value) and line in str(err.value), str(err.value)
+
+
+def test_a_synthetic_sets_size_is_bounded_where_it_is_given(tmp_path, capsys):
+    """``data.synthetic.classes=100000000`` (a SystemError after a minute, or memory exhausted) and a product of
+    classes and images per class beyond the bound are one line and exit 2, from the config and from the command,
+    before anything is written."""
+    from pathlib import Path
+
+    from dmltrain.cli import main
+    from shards.config import MAX_SYNTHETIC_CLASSES, MAX_SYNTHETIC_IMAGES
+
+    demo = str(Path(__file__).resolve().parents[1] / "configs/demo.yaml")
+    for override, words in [
+        ("data.synthetic.classes=100000000", "data.synthetic.classes"),
+        (f"data.synthetic.per_class={MAX_SYNTHETIC_IMAGES + 1}", "data.synthetic.per_class"),
+        ("data.synthetic={classes: 1000000, per_class: 3}", "data.synthetic.per_class: 1,000,000 classes x 3 images"),
+    ]:
+        assert main(["config", "show", demo, override]) == 2, override
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("dmltrain: error: ") and "\n" not in err and words in err, err
+    build = ["shards", "build", "--layout", "synthetic", "--out", str(tmp_path / "s"), "--quiet"]
+    assert main([*build, "--classes", "100000000", "--per-class", "1"]) == 2
+    assert (
+        f"--classes: at most {MAX_SYNTHETIC_CLASSES:,} classes (per split), got 100,000,000" in capsys.readouterr().err
+    )
+    assert main([*build, "--classes", "1000000", "--per-class", "3"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"--per-class: 1,000,000 classes x 3 images = 3,000,000 images per split, more than the {MAX_SYNTHETIC_IMAGES:,}"
+        in err
+    )
+    assert not (tmp_path / "s").exists()

@@ -151,11 +151,12 @@ def test_a_url_password_in_the_table_fetches_but_is_never_printed_or_written(tmp
             frame.loc[i, "path"] = f"{with_password}/{frame.path[i].removeprefix('images/')}"
         frame.loc[5, "path"] = f"{with_password}/broken.jpg"  # skipped, and listed
         out, urls = tmp_path / "out", _write(tmp_path, frame, "urls.csv")
-        assert main(["shards", "build", "--layout", "table", "--root", str(urls), "--out", str(out), "--quiet"]) == 0
-        source = table_source(urls, "test")  # dmltrain embed --table: the ids it writes, the paths it reads
+        assert build(urls, out, "--allow-private-urls") == 0  # the server is on loopback
+        source = table_source(urls, "test", allow_private=True)  # embed --table: the ids it writes, the paths it reads
     finally:
         server.stop()
     printed = "".join(capsys.readouterr())
+    assert "--allow-private-urls: 3 of the table's images from loopback, link-local or private hosts" in printed
     shown = server.url.replace("http://", "http://<redacted>@")
     assert f"{shown}/belt/0.jpg" in source.ids and f"{with_password}/belt/0.jpg" in source.paths
     assert f"skipped {shown}/broken.jpg" in printed
@@ -198,22 +199,22 @@ def test_bad_rows_are_one_line_naming_row_and_column(tables, tmp_path, capsys):
         "one flag column": (good.drop(columns="is_gallery"), "column 'is_query' without 'is_gallery'", "give both"),
     }  # fmt: skip
     for name, (frame, where, what) in cases.items():
-        assert build(_write(tmp_path, frame), tmp_path / "out") == 2, name
+        assert build(_write(tmp_path, frame), tmp_path / "out", "--allow-outside-paths") == 2, name
         line = error_line(capsys)
         assert where in line and what in line, (name, line)
         assert not (tmp_path / "out").exists(), name  # refused before anything is written
     frame = at("path", 5, "images/missing.jpg")  # relative to the table's folder
-    assert build(_write(tmp_path, frame), tmp_path / "out") == 2
+    assert build(_write(tmp_path, frame), tmp_path / "out", "--allow-outside-paths") == 2
     assert f"{tmp_path}/images/missing.jpg: image file not found" in error_line(capsys)
     frame.to_parquet(tmp_path / "bad.parquet")
-    assert build(tmp_path / "bad.parquet", tmp_path / "out") == 2
+    assert build(tmp_path / "bad.parquet", tmp_path / "out", "--allow-outside-paths") == 2
     assert "bad.parquet row 5, column path" in error_line(capsys)  # no line numbers in a Parquet file
     (tmp_path / "bad.txt").write_text("path,label,split\n")
     assert build(tmp_path / "bad.txt", tmp_path / "out") == 2
     assert "expected a .csv or .parquet file" in error_line(capsys)
     # shared labels may be built on purpose
     frame = at("label", 13, "shoe")
-    assert build(_write(tmp_path, frame), tmp_path / "out", "--allow-shared-classes") == 0
+    assert build(_write(tmp_path, frame), tmp_path / "out", "--allow-shared-classes", "--allow-outside-paths") == 0
 
 
 def test_inshop_metrics_from_table_equal_those_from_the_layout(tmp_path):
@@ -267,3 +268,197 @@ def test_inshop_metrics_from_table_equal_those_from_the_layout(tmp_path):
     for split in ("query", "gallery"):
         assert ma.split(split).classes == mb.split(split).classes
     assert np.isfinite(got[0]["recall@1"])
+
+
+# -- what a table may reach, and how much of it (#35) --------------------------------------------------------------
+def _with_paths(table: Path, paths: dict[int, str], name: str = "bad.csv") -> Path:
+    """A copy of ``table`` beside it, with the path of each row (0-based) in ``paths`` replaced."""
+    frame = pd.read_csv(table, dtype=str, keep_default_na=False)
+    for row, path in paths.items():
+        frame.loc[row, "path"] = path
+    return _write(table.parent, frame, name)
+
+
+def test_a_table_names_files_under_its_own_folder_only(tmp_path, capsys):
+    """An absolute path elsewhere, ``../`` out of the table's folder, a symbolic link pointing out and a ``file://``
+    or ``local://`` URL to a file elsewhere are refused in one line naming the row, before anything is written (they
+    were packed: a table could copy any file its user can read into shards). ``--allow-outside-paths`` packs them,
+    and the summary and the manifest say how many; a link within the folder needs nothing."""
+    data = tmp_path / "data"
+    table, _ = make_table(data, "csv", inshop=False)
+    elsewhere = tmp_path / "private" / "photo.jpg"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes((data / "images/shoe/1.jpg").read_bytes())
+    (elsewhere.parent / "other.jpg").write_bytes((data / "images/shoe/2.jpg").read_bytes())
+    (data / "images" / "out.jpg").symlink_to(elsewhere)
+    (data / "images" / "in.jpg").symlink_to(data / "images/hat/1.jpg")
+    outside = {4: str(elsewhere), 5: "../private/photo.jpg", 6: "images/out.jpg", 7: f"file://{elsewhere}"}
+    outside[7] = f"file://{elsewhere.parent / 'other.jpg'}"  # each file once
+    for row, path in {**outside, 8: f"local://{elsewhere}"}.items():
+        assert build(_with_paths(table, {row: path}), tmp_path / "out") == 2, path
+        line = error_line(capsys)
+        assert f"bad.csv row {row + 1} (line {row + 2}), column path: {path}: " in line, line
+        assert "outside the table's folder" in line and "(pass --allow-outside-paths" in line, line
+        assert ("a symbolic link to " in line) == (row == 6) and not (tmp_path / "out").exists()
+    assert build(_with_paths(table, {2: "images/in.jpg"}), tmp_path / "in") == 0  # a link within: packed
+    capsys.readouterr()
+    assert build(_with_paths(table, outside), tmp_path / "out", "--allow-outside-paths") == 0
+    printed = capsys.readouterr().out
+    assert "--allow-outside-paths: 4 of the table's images from outside the table's folder were allowed" in printed
+    assert Manifest.load(tmp_path / "out").data["options"]["allowed"] == {"--allow-outside-paths": 4}
+    # a table read from a URL names no local file at all
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    try:
+        fs.pipe("/dmltrain-test/t/table.csv", f"path,label,split\na.jpg,x,train\n{elsewhere},y,test\n".encode())
+        with pytest.raises(UserError) as e:
+            read_table("memory://dmltrain-test/t/table.csv")
+        assert "table.csv row 2 (line 3), column path" in str(e.value) and "a local file, named by a table" in str(
+            e.value
+        )
+    finally:
+        fs.rm("/dmltrain-test", recursive=True)
+
+
+def test_a_tables_urls_reach_public_hosts_only(tmp_path, capsys):
+    """A URL in a table whose host is loopback, link-local (a cloud's metadata service) or private is refused in one
+    line naming the row, before any request (it was fetched, and its answer packed); so is a scheme a table may not
+    name. ``--allow-private-urls`` fetches them, and says so. ``embed --table`` holds the same rule."""
+    from object_store import Faults, RangeHTTPServer
+
+    table, _ = make_table(tmp_path, "csv", inshop=False)
+    server = RangeHTTPServer(tmp_path / "images", Faults(seed=0)).start()
+    port = server.url.rsplit(":", 1)[1]
+    try:
+        cases = [
+            (f"{server.url}/shoe/1.jpg", "its host is 127.0.0.1, a loopback address"),
+            (f"http://localhost:{port}/shoe/1.jpg", "its host localhost resolves to "),
+            ("http://169.254.169.254/latest/meta-data/x.jpg", "its host is 169.254.169.254, a link-local address"),
+            ("https://[::ffff:10.1.2.3]/x.jpg", "its host is ::ffff:10.1.2.3, a private address"),
+            ("http://0.0.0.0/x.jpg", "its host is 0.0.0.0, an unspecified address"),
+        ]
+        for url, why in cases:
+            assert build(_with_paths(table, {4: url}), tmp_path / "out") == 2, url
+            line = error_line(capsys)
+            assert f"bad.csv row 5 (line 6), column path: {url}: {why}" in line and "--allow-private-urls" in line
+            assert not (tmp_path / "out").exists()
+        for url in ("ftp://files.example/x.jpg", "sftp://files.example/x.jpg", "github://org:repo@main/x.jpg"):
+            assert build(_with_paths(table, {4: url}), tmp_path / "out") == 2, url
+            assert "a table's URLs are s3, gs, az, http(s) or file URLs, not " in error_line(capsys)
+        with pytest.raises(UserError, match="its host is 127.0.0.1, a loopback address"):
+            table_source(_with_paths(table, {9: f"{server.url}/sock/1.jpg"}), None)
+        assert server.requests == 0  # nothing was asked of the server
+        bad = _with_paths(table, {4: f"{server.url}/shoe/1.jpg", 10: f"http://localhost:{port}/sock/1.jpg"})
+        assert build(bad, tmp_path / "out", "--allow-private-urls") == 0
+        assert len(table_source(bad, None, allow_private=True).paths) == 17
+    finally:
+        server.stop()
+    assert "--allow-private-urls: 2 of the table's images from loopback" in capsys.readouterr().out
+
+
+def test_every_connection_of_a_tables_urls_is_checked(tmp_path):
+    """What the up-front check passes is checked again at each connection (a redirect, or a name that resolves
+    elsewhere the second time): a guarded read of a loopback server is refused before it connects, in one attempt,
+    and the image skipped with the reason; the table's own host, named by the user, is allowed."""
+    from object_store import Faults, RangeHTTPServer
+
+    from shards.build.ingest import SkipImage, read_source
+    from shards.storage.location import HostGuard, Location
+    from shards.storage.retries import IOStats
+
+    make_table(tmp_path, "csv", inshop=False)
+    server = RangeHTTPServer(tmp_path / "images", Faults(seed=0)).start()
+    try:
+        loc, stats = Location(f"{server.url}/shoe", guard=HostGuard()), IOStats()
+        with pytest.raises(OSError):
+            loc.run(loc.call("cat_file", loc.url("1.jpg"), stats=stats))
+        assert stats.counts["requests"] == 1 and stats.retries == 0  # refused: never retried
+        with pytest.raises(SkipImage, match="refused to connect to 127.0.0.1, a loopback address"):
+            read_source(f"{server.url}/shoe/2.jpg", guard=HostGuard())
+        assert server.requests == 0
+        allowed = HostGuard.allowing(f"{server.url}/table.csv")
+        assert read_source(f"{server.url}/shoe/1.jpg", guard=allowed) == (tmp_path / "images/shoe/1.jpg").read_bytes()
+    finally:
+        server.stop()
+
+
+def test_a_presigned_urls_secrets_are_used_but_never_written_or_printed(tmp_path, capsys):
+    """A presigned URL's query string (``X-Amz-Signature``, ``X-Amz-Credential``, ``X-Amz-Security-Token``, Azure's
+    ``sig``, ``token``) fetches the image and is written and printed without its secrets: the summary, the
+    manifest, each sample's JSON, the rows file, ``embed --table``'s ids; its other parameters stay."""
+    from object_store import Faults, RangeHTTPServer
+
+    table, _ = make_table(tmp_path, "csv", inshop=False)
+    (tmp_path / "images" / "broken.jpg").write_bytes(b"not an image")
+    server = RangeHTTPServer(tmp_path / "images", Faults(seed=0)).start()
+    signed = (
+        "?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIASEKRET1%2F20260101&X-Amz-Expires=600"
+        "&X-Amz-Security-Token=SEKRET2&X-Amz-Signature=SEKRET3"
+    )
+    try:
+        urls = {3: f"{server.url}/shoe/1.jpg{signed}", 12: f"{server.url}/belt/0.jpg?sv=2024&sig=SEKRET4"}
+        urls[5] = f"{server.url}/broken.jpg?token=SEKRET5"  # skipped, and listed
+        bad = _with_paths(table, urls, "signed.csv")
+        assert build(bad, tmp_path / "out", "--allow-private-urls") == 0
+        ids = table_source(bad, "test", allow_private=True).ids
+    finally:
+        server.stop()
+    printed = "".join(capsys.readouterr())
+    m = Manifest.load(tmp_path / "out")
+    assert sum(m.split(s).num_images for s in m.splits) == 16  # the two signed images fetched
+    rows = [p for s in m.splits for p in m.rows(s)["path"]]
+    redacted = f"{server.url}/shoe/1.jpg?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=<redacted>&X-Amz-Expires=600"
+    assert f"{redacted}&X-Amz-Security-Token=<redacted>&X-Amz-Signature=<redacted>" in rows
+    assert f"{server.url}/belt/0.jpg?sv=2024&sig=<redacted>" in ids
+    assert f"skipped {server.url}/broken.jpg?token=<redacted>" in printed
+    written = [printed, (tmp_path / "out" / "manifest.json").read_text(), *ids]
+    written += [str(pd.read_parquet(f).to_dict()) for f in (tmp_path / "out").glob("*-rows.parquet")]
+    for shard in (tmp_path / "out").glob("*.tar"):
+        with tarfile.open(shard) as tar:
+            written += [tar.extractfile(x).read().decode() for x in tar.getmembers() if x.name.endswith(".json")]
+    assert not [w for w in written if "SEKRET" in w]
+
+
+def test_a_tables_sizes_are_bounded(tmp_path, capsys):
+    """An image file larger than MAX_SOURCE_BYTES (it was read whole: a 6 GB one ended in a MemoryError), more
+    columns than MAX_COLUMNS (the time grew with their square) and a cell longer than MAX_CELL_CHARS (copied into
+    every sample's JSON) are each one line naming the table, before anything is built."""
+    from shards.build.ingest import MAX_SOURCE_BYTES
+    from shards.build.table import MAX_CELL_CHARS, MAX_COLUMNS
+
+    table, _ = make_table(tmp_path, "csv", inshop=False)
+    huge = tmp_path / "images" / "huge.jpg"
+    with open(huge, "wb") as f:
+        f.truncate(MAX_SOURCE_BYTES + 1)  # sparse: no disk is used
+    assert build(_with_paths(table, {4: "images/huge.jpg"}), tmp_path / "out") == 2
+    line = error_line(capsys)
+    assert f"bad.csv row 5 (line 6), column path: {huge}: {MAX_SOURCE_BYTES + 1:,} bytes, more than the 256 MiB" in line
+    frame = pd.read_csv(table, dtype=str, keep_default_na=False)
+    wide = frame.assign(**{f"c{i}": "x" for i in range(MAX_COLUMNS)})
+    assert build(_write(tmp_path, wide, "wide.csv"), tmp_path / "out") == 2
+    assert f"wide.csv: {MAX_COLUMNS + 7} columns, more than the {MAX_COLUMNS} a table may have" in error_line(capsys)
+    wide.to_parquet(tmp_path / "wide.parquet")
+    assert build(tmp_path / "wide.parquet", tmp_path / "out") == 2
+    assert f"wide.parquet: {MAX_COLUMNS + 7} columns" in error_line(capsys)
+    long = frame.assign(sku=frame.sku.where(frame.index != 7, "x" * (MAX_CELL_CHARS + 1)))
+    assert build(_write(tmp_path, long, "long.csv"), tmp_path / "out") == 2
+    line = error_line(capsys)
+    assert f"long.csv row 8 (line 9), column sku: {MAX_CELL_CHARS + 1:,} characters, more than the" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_control_characters_of_a_table_never_reach_the_terminal(tmp_path, capsys):
+    """A path or label with ANSI escapes, a carriage return or a bidirectional override is printed without them:
+    in an error line and in the build's list of skipped images."""
+    table, _ = make_table(tmp_path, "csv", inshop=False)
+    evil = "images/\x1b[2J\x1b]0;pwned\x07\u202egpj.jpg"
+    (tmp_path / "images" / "ok\x1b[31m.jpg").write_bytes(b"not an image")
+    assert build(_with_paths(table, {4: evil}), tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "images/[2J]0;pwnedgpj.jpg: image file not found" in err
+    assert build(_with_paths(table, {4: "images/ok\x1b[31m.jpg"}), tmp_path / "out") == 0
+    out = capsys.readouterr().out
+    assert "skipped images/ok[31m.jpg: not an image PIL can read" in out
+    for text in (err, out):
+        assert not any(c in text for c in "\x1b\x07\u202e\r"), repr(text)

@@ -231,6 +231,68 @@ def test_outputs_of_a_study(tmp_path):
     assert "one seed per point: no spread" in (tmp_path / "one" / "study.md").read_text()
 
 
+# -- two points at once ----------------------------------------------------------------------------------------
+def test_two_runs_starting_on_the_same_shards_at_once_both_keep_tracking(tmp_path, capsys):
+    """Why a point of a ``--parallel`` study once had no evaluation in MLflow at all, made to happen every time.
+
+    Each run's rank 0 logs its datasets when it starts (:meth:`Trainer._describe_run`); two points on the same
+    shards log the same dataset into one experiment at the same moment. MLflow looks a dataset up, then inserts it:
+    on a loaded machine both look before either inserts, the second insert breaks the dataset's unique key, and
+    that failure used to turn the run's tracking off, so its evaluations were never logged. Here both runs are held
+    (a barrier in the store's session) until both have looked, the interleaving load makes likely; both must then
+    keep tracking, and both evaluations be in MLflow."""
+    import threading
+    from types import SimpleNamespace
+
+    from mlflow import MlflowClient
+    from mlflow.store.tracking.dbmodels.models import SqlDataset
+    from sqlalchemy import event
+    from sqlalchemy.orm import Session
+
+    from dmltrain.tracking.run import RunHandle
+    from dmltrain.training.trainer import Trainer
+    from shards.build.synthetic import build_synthetic_shards
+    from shards.manifest import Manifest
+
+    build_synthetic_shards(tmp_path / "syn", 4, 2, 16, 0, shard_size=8, workers=0, progress=False)
+    manifest = Manifest.load(tmp_path / "syn")
+    cfg = load_config(DEMO, [f"data.shards={tmp_path / 'syn'}", "model.backbone=small_cnn"])
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    runs = [RunHandle.open(uri, "same-shards", f"point{i}", {}, owner="training") for i in range(2)]
+    both_looked = threading.Barrier(2, timeout=60)
+
+    def hold(session, flush_context, instances):  # a dataset about to be inserted: both have looked by now
+        if any(isinstance(o, SqlDataset) for o in session.new) and not both_looked.broken:
+            try:
+                both_looked.wait()
+            except threading.BrokenBarrierError:
+                pass
+
+    def start(handle: RunHandle, i: int) -> None:
+        trainer = SimpleNamespace(logger=handle, stream=SimpleNamespace(manifest=manifest), cfg=cfg)
+        trainer.total_steps, trainer.steps_per_epoch = 10, 5
+        Trainer._describe_run(trainer)
+        handle.log_metrics({"eval/recall@1": 0.5 + i / 10}, step=10)
+
+    event.listen(Session, "before_flush", hold)
+    try:
+        threads = [threading.Thread(target=start, args=(h, i)) for i, h in enumerate(runs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        event.remove(Session, "before_flush", hold)
+    assert not both_looked.broken and both_looked.n_waiting == 0  # the race was run, not avoided
+    assert "could not" not in capsys.readouterr().err  # no run's tracking went off
+    client = MlflowClient(tracking_uri=uri)
+    for i, h in enumerate(runs):
+        assert h.enabled
+        assert [m.value for m in client.get_metric_history(h.run_id, "eval/recall_at_1")] == [0.5 + i / 10]
+        inputs = client.get_run(h.run_id).inputs.dataset_inputs
+        assert {(d.dataset.name, d.tags[0].value) for d in inputs} == {("syn", "training"), ("syn", "evaluation")}
+
+
 # -- a real study ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):

@@ -247,6 +247,12 @@ MISSED_SECRETS = [
     ("azure.txt", "conn = DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=bXlrZXkxMjM0NTY3OA==;\n"),
     ("docker.json", '{"auths": {"registry.example": {"auth": "dXNlcjpYazlwUTJ6TA=="}}}\n'),
     ("curl.sh", "curl -H 'Authorization: Basic dXNlcjpYazlwUTJ6TA==' https://x\n"),
+    # missed until #35: a bare pw in an INI file, a token scheme's header, a Hugging Face token, a key's passphrase
+    ("app.ini", "[db]\npw = Xk9pQ2zL\n"),
+    ("app.env", "DB_PW=Xk9pQ2zL\n"),
+    ("curl.sh", "curl -H 'Authorization: Token Xk9pQ2zLab12' https://x\n"),
+    ("notes.txt", "hf_Xk9pQ2zLXk9pQ2zLXk9pQ2zLXk9pQ2zLab\n"),
+    ("ssh.yaml", "deploy:\n  passphrase: Xk9pQ2zL\n"),
 ]
 # references, placeholders and code: no finding
 NOT_SECRETS = [
@@ -257,6 +263,8 @@ NOT_SECRETS = [
     ("app.ini", "password = %(db_password)s\n"),
     ("keys.py", "token = args.token\npassword = os.environ['DB_PASSWORD']\nauth = request.auth\n"),
     ("notes.md", "# the secret: kubectl get secret mlflow\nauthors = [{name = 'x'}]\nbypass: always\n"),
+    ("login.py", "pw = getpass.getpass()\nfrom huggingface_hub import hf_hub_download\n"),
+    ("notes.md", "Authorization: Token headers are sent as they are\nPWD=~/work\npassphrase: ${KEY_PASSPHRASE}\n"),
 ]
 
 

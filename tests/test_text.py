@@ -13,6 +13,7 @@ from dmltrain.text import (
     clip,
     csv_cell,
     csv_text,
+    csv_value,
     finite_number,
     format_duration,
     markdown_table,
@@ -20,7 +21,9 @@ from dmltrain.text import (
     md_text,
     md_url,
     one_line,
+    printable,
     safe_name,
+    visible,
 )
 
 
@@ -95,6 +98,13 @@ def test_untrusted_text_is_inert_in_markdown_csv_and_paths():
     assert [csv_cell(x) for x in ("=1+2", "+a", "-a", "@a", "\tx", "-0.5", "+1e3", "a=b", 3, -2, None)] == [
         "'=1+2", "'+a", "'-a", "'@a", "'\tx", "-0.5", "+1e3", "a=b", "3", "-2", ""
     ]  # fmt: skip
+    # read back (shards build --exclude): the guard taken off, anything else as it was
+    for x in ("=1+2", "+a", "-a", "@a", "\tx", "-0.5", "a=b", "'quoted", "'=kept", "plain"):
+        assert csv_value(csv_cell(x)) == x, x
+    # the one rule for text others wrote, on a terminal and in Markdown: one line, no control characters
+    hostile = "a\x1b[31mb\r\nc\td\x07\u202ee\u200bf\x00 ° × é"
+    assert visible(hostile) == "a[31mb c def ° × é" == printable(hostile, None)
+    assert md_code(hostile) == "`a[31mb c def ° × é`" and printable("x" * 400)[-2:] == "x…"
     assert [safe_name(x) for x in ("..", ".", ".hidden", "../../etc", "a..b", "v1.")] == [
         "run", "run", "hidden", "etc", "a..b", "v1"
     ]  # fmt: skip

@@ -23,6 +23,7 @@ import sys
 
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
+from dmltrain.text import printable
 from shards.storage.location import add_storage_option, parse_storage_options
 
 
@@ -35,6 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--table", metavar="CSV|PARQUET", help="a table of images: column path (label, split, others optional)"
     )
     parser.add_argument("--folder", metavar="DIR", help="every image file under a folder (labels: the first subfolder)")
+    parser.add_argument(
+        "--allow-outside-paths",
+        action="store_true",
+        help="--table: read images outside the table's folder (refused by default, as by shards build)",
+    )
+    parser.add_argument(
+        "--allow-private-urls",
+        action="store_true",
+        help="--table: fetch URLs whose host is loopback, link-local or private (refused by default)",
+    )
     parser.add_argument(
         "--split", help="the shards' split (default: gallery if there is one, else test); a table's split"
     )
@@ -77,7 +88,13 @@ def _source(args: argparse.Namespace, options: dict):
             split = "gallery" if "gallery" in splits else "test"
         return ShardSource(args.shards, split, options)
     if args.table:
-        return table_source(args.table, args.split, options)
+        return table_source(
+            args.table,
+            args.split,
+            options,
+            allow_outside=args.allow_outside_paths,
+            allow_private=args.allow_private_urls,
+        )
     if args.split:
         raise UserError("--split: not used with --folder")
     return folder_source(args.folder)
@@ -180,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
     if lost:
         print(
             f"dmltrain: warning: {lost} images could not be read and are left out "
-            f"(first: {', '.join(map(str, result.info['unreadable_ids'][:3]))}; all counted in embeddings.json)",
+            f"(first: {', '.join(printable(i, 200) for i in result.info['unreadable_ids'][:3])}; all counted in "
+            "embeddings.json)",
             file=sys.stderr,
         )
     return 0

@@ -14,7 +14,9 @@ sub-centers its samples are nearest to (the dominant one: the most counted, ties
 lists the samples whose angle to their class's dominant sub-center exceeds ``--angle``: a CSV of
 ``path`` (what ``dmltrain shards build --exclude`` matches), ``label`` (the class id as the shards hold
 it), ``angle``, ``index`` (the sample in the split), ``nearest`` and ``dominant`` (sub-center numbers),
-farthest first. It prints the share listed, the angles' percentiles and the share of samples on a
+farthest first; every cell guarded as every CSV the project writes is (:func:`dmltrain.text.csv_cell`: a path
+or label starting with ``=``, ``+``, ``-`` or ``@`` is no formula in a spreadsheet, and ``--exclude`` reads it
+back as it was). It prints the share listed, the angles' percentiles and the share of samples on a
 non-dominant sub-center, so a threshold can be read off; shards built with synthetic label noise also
 get how many listed samples are truly mislabelled and how many mislabelled ones are listed.
 
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if not (ckpt / "model.pt").is_file() or not index_file.is_file():
         raise UserError(f"{ckpt}: not a checkpoint folder (needs model.pt and classifier/classifier-index.json)")
     from dmltrain.evaluate.cli import _device
-    from dmltrain.fileio import atomic_path, read_json
+    from dmltrain.fileio import read_json, write_text
 
     device = _device(args.device)
     options = parse_storage_options(args.storage_option)
@@ -180,21 +182,21 @@ def run(args: argparse.Namespace) -> int:
     unnamed = next((int(idx[i]) for i in rows if int(idx[i]) not in paths), None)
     if unnamed is not None:  # a list that --exclude could not match: refuse it rather than write it
         raise UserError(f"{shards}: {args.split} sample {unnamed} records no path in its shard's JSON")
-    import pyarrow as pa
-    import pyarrow.csv as pacsv
+    from dmltrain.text import csv_text
 
-    table = pa.table(
-        {
-            "path": [paths[int(idx[i])] for i in rows],
-            "label": [names[int(labels[i])] for i in rows],
-            "angle": [round(float(angle[i]), 3) for i in rows],
-            "index": [int(idx[i]) for i in rows],
-            "nearest": [int(nearest[i]) for i in rows],
-            "dominant": [int(dominant[labels[i]]) for i in rows],
-        }
-    )
-    with atomic_path(args.out) as tmp:
-        pacsv.write_csv(table, tmp)
+    head = ["path", "label", "angle", "index", "nearest", "dominant"]
+    body = [
+        [
+            paths[int(idx[i])],
+            names[int(labels[i])],
+            round(float(angle[i]), 3),
+            int(idx[i]),
+            int(nearest[i]),
+            int(dominant[labels[i]]),
+        ]
+        for i in rows
+    ]
+    write_text(args.out, csv_text(head, body))
     n, a = len(idx), angle.numpy()
     off = (nearest != dominant[labels]).numpy()
     p = np.percentile(a, [10, 50, 90, 99])

@@ -124,12 +124,14 @@ class FileSource(Source):
         labels: list[str | None],
         columns: dict[str, list[Any]] | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        guard: Any = None,
     ):
         if not paths:
             raise UserError(f"{where}: no images to embed")
         self.kind, self.where, self.paths, self.ids, self.labels = kind, where, paths, ids, labels
         self.columns = columns or {}
         self.storage_options = dict(storage_options or {})
+        self.guard = guard  # a table's URLs: the addresses they may reach (shards.storage.location.HostGuard)
         self.count = len(paths)
 
     def describe(self) -> dict[str, Any]:
@@ -139,7 +141,7 @@ class FileSource(Source):
         return {"kind": self.kind, "where": self.where, "count": self.count, "paths_sha256": h}
 
     def batches(self, lo, hi, transform, batch_size, loader_workers, norm):
-        dataset = _FileImages(self.paths, transform, self.storage_options)
+        dataset = _FileImages(self.paths, transform, self.storage_options, self.guard)
         loader = torch.utils.data.DataLoader(
             torch.utils.data.Subset(dataset, range(lo, hi)),
             batch_size=batch_size,
@@ -158,8 +160,8 @@ class FileSource(Source):
 class _FileImages(torch.utils.data.Dataset):
     """Position ``i`` -> ``(crop × crop × C uint8 image or None when unreadable, i)``."""
 
-    def __init__(self, paths: list[str], transform: EvalTransform, storage_options: dict[str, Any]):
-        self.paths, self.transform, self.storage_options = paths, transform, storage_options
+    def __init__(self, paths: list[str], transform: EvalTransform, storage_options: dict[str, Any], guard: Any = None):
+        self.paths, self.transform, self.storage_options, self.guard = paths, transform, storage_options, guard
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -168,7 +170,7 @@ class _FileImages(torch.utils.data.Dataset):
         from shards.build.ingest import SkipImage, read_source
 
         try:
-            return self.transform(read_source(self.paths[i], self.storage_options)), i
+            return self.transform(read_source(self.paths[i], self.storage_options, self.guard)), i
         except SkipImage:
             return None, i
         except Exception:  # noqa: BLE001 — PIL raises many types for a file that is not a readable image
@@ -189,11 +191,18 @@ def _collate(
 
 
 def table_source(
-    table: str | os.PathLike[str], split: str | None, storage_options: Mapping[str, Any] | None = None
+    table: str | os.PathLike[str],
+    split: str | None,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    allow_outside: bool = False,
+    allow_private: bool = False,
 ) -> FileSource:
-    """The images a table lists (column ``path``; with ``split``, only that split's rows); every file is looked up
-    first, and one that is not there is a one-line error naming its row (:func:`shards.build.table.check_files`)."""
-    from shards.build.table import SPLITS, check_files, read_cells
+    """The images a table lists (column ``path``; with ``split``, only that split's rows), confined as a build's
+    (:func:`shards.build.table.check_reach`: under the table's folder, URLs to public hosts, unless
+    ``allow_outside``/``allow_private``); every file is looked up first, and one that is not there is a one-line
+    error naming its row (:func:`shards.build.table.check_files`)."""
+    from shards.build.table import SPLITS, check_files, check_reach, read_cells, table_guard
 
     t = read_cells(table, storage_options)
     if "path" not in t.columns:
@@ -210,11 +219,13 @@ def table_source(
         if t.columns["path"][i] is None:
             raise UserError(f"{t.where(i, 'path')}: empty")
     paths = [t.resolve(t.columns["path"][i], i) for i in keep]
-    check_files(t, keep, paths, storage_options)
+    check_reach(t, keep, paths, allow_outside=allow_outside, allow_private=allow_private)
+    guard = table_guard(table, allow_private)
+    check_files(t, keep, paths, storage_options, guard)
     labels = [t.columns["label"][i] for i in keep] if "label" in t.columns else [None] * len(keep)
     others = {c: [v[i] for i in keep] for c, v in t.columns.items() if c not in ("path", "label")}
     ids = [redact_url(t.columns["path"][i]) for i in keep]  # written and printed: a URL without its password
-    return FileSource("table", t.name, paths, ids, labels, others, storage_options)
+    return FileSource("table", t.name, paths, ids, labels, others, storage_options, guard)
 
 
 def folder_source(folder: str | os.PathLike[str]) -> FileSource:

@@ -15,7 +15,7 @@ from dmltrain.fileio import write_text
 from dmltrain.report.compare import curves, metrics_table, write_csv
 from dmltrain.report.pages import Links, render_html, render_markdown
 from dmltrain.report.runs import RunRecord, collect, get_experiment, resolve_tracking_uri, select_runs
-from dmltrain.text import markdown_table, safe_name
+from dmltrain.text import markdown_table, printable, safe_name
 from dmltrain.tracking.links import DEFAULT_UI
 
 
@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     )
     table = metrics_table(rep.records, [""] * len(rep.records))
     print(markdown_table(table.head, table.rows))
-    print(f"\nreport of {len(rep.records)} run{'s' * (len(rep.records) != 1)} from experiment {rep.experiment}:")
+    print(
+        f"\nreport of {len(rep.records)} run{'s' * (len(rep.records) != 1)} from experiment {printable(rep.experiment)}:"
+    )
     print(f"  {rep.markdown}\n  {rep.html}\n  {rep.csv}")
     return 0

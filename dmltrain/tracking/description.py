@@ -9,13 +9,16 @@ Results come first because MLflow shows the first lines of a long description on
 evaluation the description says how the run ended. A study's parent run has one too
 (:mod:`cluster.study`).
 
-The text is plain Markdown (bullets and bold), which MLflow's note renders as it is.
+The text is plain Markdown (bullets and bold), which MLflow's note renders as it is; what in it comes from the
+shards' manifest (the folder's name, the layout, split names and counts) is made inert first (:mod:`dmltrain.text`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from dmltrain.text import md_code, md_text
 
 RESULTS_HEADING = "### Results"
 SETUP_HEADING = "### Setup"
@@ -38,16 +41,22 @@ def _share(ratio: float) -> str:
 
 
 def data_line(summary: Mapping[str, Any], train_split: str, eval_splits: list[str]) -> str:
-    """``synthetic-demo`` (layout synthetic): train 100 classes, 2,000 images; test 100 classes, 2,000 images."""
+    """``synthetic-demo`` (layout synthetic): train 100 classes, 2,000 images; test 100 classes, 2,000 images.
+
+    The folder's name and the manifest's fields are anyone's text: the name goes in a code span that nothing in it
+    can close (:func:`~dmltrain.text.md_code`), the rest through :func:`~dmltrain.text.md_text` (no link, image or
+    markup of their own, no control characters)."""
     splits = summary.get("splits") or {}
     path = str(summary.get("path") or "").rstrip("/")
     name = path.rsplit("/", 1)[-1] or path
     parts = []
     for split in [train_split, *eval_splits]:
         s = splits.get(split)
-        if s:
-            parts.append(f"{split} {_count(s.get('classes'))} classes, {_count(s.get('images'))} images")
-    return f"`{name}` ({summary.get('layout') or 'unknown'} layout): " + "; ".join(parts)
+        if isinstance(s, Mapping) and s:
+            parts.append(
+                f"{md_text(split)} {md_text(_count(s.get('classes')))} classes, {md_text(_count(s.get('images')))} images"
+            )
+    return f"{md_code(name)} ({md_text(summary.get('layout') or 'unknown')} layout): " + "; ".join(parts)
 
 
 def loss_line(cfg: Any, share: bool = True) -> str:

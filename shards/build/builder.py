@@ -39,10 +39,12 @@ import numpy as np
 from dmltrain.errors import UserError
 from dmltrain.fileio import atomic_path
 from dmltrain.redact import redact_url
+from dmltrain.text import printable
 from shards.build.exclude import apply_exclude, read_exclude
 from shards.build.ingest import ingest_file, ingest_source, load_or_skip
 from shards.build.layouts import Entry, Layout, class_sort_key, confine, read_layout
 from shards.build.publish import Publisher
+from shards.build.table import table_guard
 from shards.build.writer import ShardRecord, SplitWriter
 from shards.config import MAX_IMAGE_SIDE
 from shards.manifest import FORMAT, MANIFEST_NAME, VERSION
@@ -68,6 +70,7 @@ class BuildResult:
     seconds: float
     uploads: str | None = None  # for a URL: the uploads (and shards kept by --resume)
     excluded: tuple[str, int] | None = None  # --exclude: the file and how many images it left out
+    allowed: dict[str, int] = field(default_factory=dict)  # what a flag let through (Layout.allowed), by flag
 
     def summary_lines(self) -> list[str]:
         lines = []
@@ -77,8 +80,8 @@ class BuildResult:
                 f"{r.bytes / 1e6:,.1f} MB, {len(r.skipped)} skipped"
             )
         skipped = [s for r in self.splits.values() for s in r.skipped]
-        for s in skipped[:10]:
-            lines.append(f"  skipped {s['path']}: {s['reason']}")
+        for s in skipped[:10]:  # a table's paths are anyone's text: without control characters
+            lines.append(f"  skipped {printable(s['path'])}: {printable(s['reason'])}")
         if len(skipped) > 10:
             lines.append(f"  ... and {len(skipped) - 10} more skipped (listed in {self.out_dir}/{MANIFEST_NAME})")
         total_images = sum(r.images for r in self.splits.values())
@@ -90,6 +93,12 @@ class BuildResult:
         if self.excluded is not None:
             file, n = self.excluded
             lines.append(f"left out {n:,} image{'s' * (n != 1)} listed in {file} (--exclude)")
+        what = {
+            "--allow-outside-paths": "from outside the table's folder",
+            "--allow-private-urls": "from loopback, link-local or private hosts",
+        }
+        for flag, n in self.allowed.items():
+            lines.append(f"{flag}: {n:,} of the table's images {what.get(flag, 'let through')} were allowed")
         if self.uploads:
             lines.append(self.uploads)
         return lines
@@ -207,6 +216,7 @@ def build_shards(
                 **(options or {}),
                 **({"shared_classes": len(shared)} if shared else {}),
                 **({"excluded": excluded} if excluded is not None else {}),
+                **({"allowed": dict(layout.allowed)} if layout.allowed else {}),
             },
             "splits": {name: splits_json[name] for name in layout.splits},
         }
@@ -218,6 +228,7 @@ def build_shards(
         time.perf_counter() - t0,
         publisher.summary(),
         left_out,
+        dict(layout.allowed),
     )
 
 
@@ -404,8 +415,9 @@ def _write_rows(publisher: Publisher, split: str, written: list[tuple[int, Entry
         "path": pa.array([e.relpath for _, e in written], pa.string()),
         "class_id": pa.array([e.class_id for _, e in written], pa.string()),
     }
+    extra = [dict(e.extra) for _, e in written]  # each row's once: per column, it grew with the columns squared
     for c in columns:
-        data[c] = pa.array([dict(e.extra).get(c) for _, e in written], pa.string())
+        data[c] = pa.array([row.get(c) for row in extra], pa.string())
     name = f"{split}-rows.parquet"
     path = publisher.staging / name
     with atomic_path(path) as tmp:
@@ -433,22 +445,41 @@ def build_layout(
     storage_options: dict[str, Any] | None = None,
     follow_symlinks: bool = False,
     exclude: str | os.PathLike[str] | None = None,
+    allow_outside_paths: bool = False,
+    allow_private_urls: bool = False,
 ) -> BuildResult:
     """``dmltrain shards build --layout NAME --root ROOT --out DIR``: shards from an official layout, a folder tree,
     or a table (``ROOT`` the CSV or Parquet file; its URLs are read with ``storage_options``).
 
     Every image of a layout must lie inside ``root`` (:func:`~shards.build.layouts.confine`); with
-    ``follow_symlinks`` symbolic links may point outside it. A table names each of its files itself (absolute
-    paths and URLs are its entries), so no root confines it. ``exclude``: see :func:`build_shards`."""
+    ``follow_symlinks`` symbolic links may point outside it. A table's images must lie under its folder (the same
+    ``follow_symlinks`` for its links) and its URLs reach public hosts (:mod:`shards.build.table`), unless
+    ``allow_outside_paths`` or ``allow_private_urls`` (each named in the summary with what it let through).
+    ``exclude``: see :func:`build_shards`."""
     if resize is not None and not 8 <= resize <= MAX_IMAGE_SIDE:
         raise UserError(f"--resize: must be in [8, {MAX_IMAGE_SIDE}] pixels, got {resize}")
-    layout = read_layout(layout_name, root, storage_options)
-    if layout_name != "table":
+    table = layout_name == "table"
+    if not table and (allow_outside_paths or allow_private_urls):
+        flag = "--allow-outside-paths" if allow_outside_paths else "--allow-private-urls"
+        raise UserError(f"{flag}: only for --layout table (a layout's images lie under --root: see --follow-symlinks)")
+    flags = (
+        {"allow_outside": allow_outside_paths, "allow_private": allow_private_urls, "follow_symlinks": follow_symlinks}
+        if table
+        else {}
+    )
+    layout = read_layout(layout_name, root, storage_options, **flags)
+    if not table:
         confine(layout, follow_symlinks)
-    # a table may list URLs, read with the options of --out (its images and shards may share a store)
+    # a table may list URLs, read with the options of --out (its images and shards may share a store), each
+    # connection checked as the table's were (shards.storage.location.HostGuard)
     load = (
-        functools.partial(ingest_source, resize=resize, storage_options=storage_options or {})
-        if layout_name == "table"
+        functools.partial(
+            ingest_source,
+            resize=resize,
+            storage_options=storage_options or {},
+            guard=table_guard(os.fspath(root), allow_private_urls),
+        )
+        if table
         else functools.partial(ingest_file, resize=resize)
     )
     args = {s: [e.path for e in entries] for s, entries in layout.splits.items()}

@@ -1,7 +1,8 @@
 """``shards build --exclude FILE``: images a build leaves out, named by the path each sample's JSON records.
 
 FILE is a CSV or Parquet table with a ``path`` column (other columns ignored; read by
-:func:`shards.build.table.parse_cells`), or any other file as text, one path per line (blank lines and lines
+:func:`shards.build.table.parse_cells`; a CSV's cells as the project writes them, a formula's guard taken off:
+:func:`dmltrain.text.csv_value`), or any other file as text, one path per line (blank lines and lines
 starting with ``#`` ignored). A path is compared with :attr:`~shards.build.layouts.Entry.relpath` as written,
 in every split. The use: a model's list of likely mislabelled train images (samples far from their class's
 dominant sub-center), to rebuild the shards without them and retrain.
@@ -24,6 +25,7 @@ from typing import Any
 
 from dmltrain.errors import UserError
 from dmltrain.fileio import read_file_bytes
+from dmltrain.text import csv_value
 from shards.build.layouts import Layout
 from shards.build.table import FORMATS, parse_cells
 from shards.storage.location import is_url
@@ -58,7 +60,8 @@ def read_exclude(file: str | os.PathLike[str]) -> ExcludeList:
             raise UserError(f"--exclude {e}") from None
         if "path" not in table.columns:
             raise UserError(f"--exclude {text}: no column 'path' (it has {', '.join(table.columns) or 'no columns'})")
-        listed = [p for p in table.columns["path"] if p is not None]
+        # a CSV's cells as this project writes them (dmltrain.text.csv_cell): a path's formula guard taken off
+        listed = [csv_value(p) if fmt == "csv" else p for p in table.columns["path"] if p is not None]
     else:
         try:
             lines = data.decode("utf-8-sig").splitlines()

@@ -63,6 +63,9 @@ class Layout:
     families: dict[str, int] | None = None
     # a table's columns beyond path, label, split (kept per image); None: the layout keeps no rows file
     columns: list[str] | None = None
+    # what the user's flags let through, by flag (a table's --allow-outside-paths: how many images from outside
+    # its folder): the build's summary names each
+    allowed: dict[str, int] = field(default_factory=dict)
 
     def spaces(self) -> list[list[str]]:
         """Every split in exactly one label space (singletons for the splits not grouped)."""
@@ -239,45 +242,67 @@ def read_folder(root: Path) -> Layout:
     return Layout("folder", str(root), splits)
 
 
+class Confinement:
+    """Whether paths lie under a folder ``root`` (its real path): by name (an absolute path elsewhere, ``../`` out of
+    it) and, unless ``follow_symlinks``, once symbolic links are resolved (the file, or a folder on its way). One
+    ``lstat`` per path and one ``realpath`` per folder."""
+
+    def __init__(self, root: str | os.PathLike[str], follow_symlinks: bool = False):
+        self.root = os.path.realpath(root)
+        self.follow_symlinks = follow_symlinks
+        self._folders: dict[str, str] = {}
+
+    def _inside(self, p: str) -> bool:
+        return p == self.root or p.startswith(self.root.rstrip(os.sep) + os.sep)
+
+    def outside(self, path: str) -> str | None:
+        """None when ``path`` lies under the root; else where it is: its normalized path when its name leads out,
+        the real path a symbolic link on its way points to otherwise."""
+        path = os.path.normpath(os.path.join(self.root, path))
+        if not self._inside(path):  # unless it only names the root another way (a symbolic link above it)
+            return None if self._inside(os.path.realpath(path)) else path
+        if self.follow_symlinks:
+            return None
+        folder, name = os.path.split(path)
+        if folder not in self._folders:
+            self._folders[folder] = os.path.realpath(folder)
+        real = os.path.realpath(path) if os.path.islink(path) else os.path.join(self._folders[folder], name)
+        return None if self._inside(real) else real
+
+
 def confine(layout: Layout, follow_symlinks: bool = False) -> None:
-    """Refuse, in one line, an image outside the dataset root: named there by an index (``../x.jpg``), always;
-    or reached through a symbolic link (the file, or a folder on its way) that points outside, unless
-    ``follow_symlinks`` (``--follow-symlinks``: the user vouches for the links). Links within the root are
-    fine. One ``lstat`` per image and one ``realpath`` per folder."""
-    root = os.path.realpath(layout.root)
-
-    def inside(p: str) -> bool:
-        return p == root or p.startswith(root.rstrip(os.sep) + os.sep)
-
-    folders: dict[str, str] = {}
+    """Refuse, in one line, an image outside the dataset root (:class:`Confinement`): named there by an index
+    (``../x.jpg``), always; or reached through a symbolic link (the file, or a folder on its way) that points
+    outside, unless ``follow_symlinks`` (``--follow-symlinks``: the user vouches for the links). Links within the
+    root are fine."""
+    inside = Confinement(layout.root, follow_symlinks)
+    root = inside.root
     for entries in layout.splits.values():
         for e in entries:
-            path = os.path.normpath(e.path)
-            if not inside(path):
-                raise UserError(f"{e.path}: outside the dataset root {root} (the index lists {e.relpath!r})")
-            if follow_symlinks:
+            real = inside.outside(e.path)
+            if real is None:
                 continue
-            folder, name = os.path.split(path)
-            if folder not in folders:
-                folders[folder] = os.path.realpath(folder)
-            real = os.path.realpath(path) if os.path.islink(path) else os.path.join(folders[folder], name)
-            if not inside(real):
-                raise UserError(
-                    f"{e.path}: a symbolic link to {real}, outside the dataset root {root}; images are packed only "
-                    "from inside it (pass --follow-symlinks to pack what the links point to)"
-                )
+            if real == os.path.normpath(os.path.join(root, e.path)):
+                raise UserError(f"{e.path}: outside the dataset root {root} (the index lists {e.relpath!r})")
+            raise UserError(
+                f"{e.path}: a symbolic link to {real}, outside the dataset root {root}; images are packed only "
+                "from inside it (pass --follow-symlinks to pack what the links point to)"
+            )
 
 
 READERS = {"sop": read_sop, "cub": read_cub, "cars": read_cars, "inshop": read_inshop, "folder": read_folder}
 
 
-def read_layout(name: str, root: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Layout:
+def read_layout(
+    name: str, root: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, **table: bool
+) -> Layout:
     """Parse the index of layout ``name`` under ``root`` (any of :data:`READERS`), or the table file ``root``
-    (``table``: a path or a URL, read with ``storage_options`` like the image URLs it lists)."""
+    (``table``: a path or a URL, read with ``storage_options`` like the image URLs it lists, and confined as
+    :func:`shards.build.table.read_table` says; ``table`` holds its ``allow_outside`` and ``allow_private``)."""
     if name == "table":
         from shards.build.table import read_table
 
-        return read_table(root, storage_options)
+        return read_table(root, storage_options, **table)
     if name not in READERS:
         raise UserError(f"--layout: unknown layout {name!r} (choose from {', '.join(READERS)})")
     root = Path(root).expanduser()

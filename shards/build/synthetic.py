@@ -45,7 +45,7 @@ from PIL import Image, ImageDraw
 from dmltrain.errors import UserError
 from shards.build.builder import build_shards
 from shards.build.layouts import Entry, Layout
-from shards.config import MAX_IMAGE_SIDE, SyntheticData, synthetic_problem
+from shards.config import MAX_IMAGE_SIDE, SyntheticData, synthetic_problem, synthetic_size_problem
 from shards.manifest import Manifest
 
 JPEG_QUALITY = 90
@@ -398,6 +398,7 @@ def build_synthetic_shards(
     if image_size > MAX_IMAGE_SIDE:
         raise UserError(f"--image-size: at most {MAX_IMAGE_SIDE} pixels, got {image_size}")
     problem = synthetic_problem(classes, family_size, family_spread, label_noise, label_noise_mode)
+    problem = problem or synthetic_size_problem(classes, per_class)
     if problem is not None:
         raise UserError(f"--{problem[0].replace('_', '-')}: {problem[1]}")
     options = {"classes": classes, "per_class": per_class, "image_size": image_size, "seed": seed}

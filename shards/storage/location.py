@@ -11,6 +11,12 @@ A URL may carry a user name and password (``https://USER:PASSWORD@host/shards``)
 and a :class:`Location` prints as the URL without them. The SDK for a scheme (s3fs, gcsfs) is imported when a URL
 of that scheme is first used; a missing one is one line naming the package.
 
+A URL that someone else wrote (a table's image, :mod:`shards.build.table`) is fetched only from a public address:
+:class:`HostGuard` resolves its host and refuses a loopback, link-local (``169.254.169.254``, a cloud's metadata
+service), private or otherwise non-global address, both before anything is built (one line naming the row) and
+at every connection a ``Location`` made with the guard opens (so a redirect, or a name that resolves elsewhere the
+second time, reaches no such address either).
+
 Every remote call goes through :meth:`Location.call`: a time limit per request, and retries with
 capped exponential backoff and full jitter after *transient* failures (:mod:`shards.storage.retries`:
 timeouts, HTTP 5xx, throttling, dropped connections, truncated bodies), each counted in an
@@ -23,8 +29,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import ipaddress
 import os
 import re
+import socket
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
@@ -34,7 +42,7 @@ from typing import Any, TypeVar
 import yaml
 
 from dmltrain.errors import UserError
-from dmltrain.redact import TOKEN_MODES, redact, redact_url
+from dmltrain.redact import TOKEN_MODES, redact, redact_url, secret_name
 from shards.storage.retries import IOStats, ShortRead, backoff_s, transient_kind
 
 T = TypeVar("T")
@@ -52,14 +60,6 @@ PACKAGES = {
     "abfs": ("adlfs", None),
 }
 READ_ONLY = ("http", "https")
-# option names that hold credentials, compared lower-cased without "_" and "-": these exact names, or names
-# containing one of the parts (aws_secret_access_key, headers.Authorization, sse_customer_key, ...)
-SECRET_NAMES = {"key", "auth", "token", "credential", "credentials", "sig", "signature"}
-SECRET_PARTS = (
-    "secret", "password", "passwd", "credential", "authorization", "bearer", "cookie", "apikey", "accesskey",
-    "privatekey", "sessiontoken", "sastoken", "accesstoken", "refreshtoken", "customerkey", "accountkey",
-    "connectionstring",
-)  # fmt: skip
 
 
 def is_url(where: Any) -> bool:
@@ -69,7 +69,7 @@ def is_url(where: Any) -> bool:
 
 def check_storage_options(options: Mapping[str, Any], where: str = "data.storage_options") -> dict[str, Any]:
     """``options`` as a plain dict, refusing with one line what is plainly a credential, anywhere in the nesting:
-    a key named like one (:data:`SECRET_NAMES`, :data:`SECRET_PARTS`; gcsfs's ``token`` only when it is not an
+    a key named like one (:func:`dmltrain.redact.secret_name`; gcsfs's ``token`` only when it is not an
     authentication mode) or a URL with userinfo (``endpoint_url=http://KEY:SECRET@host``).
 
     A refusal is the first line of defence only: whatever passes is still written redacted
@@ -91,8 +91,7 @@ def check_storage_options(options: Mapping[str, Any], where: str = "data.storage
         if isinstance(value, Mapping):
             for k, v in value.items():
                 name = re.sub(r"[-_]", "", str(k).lower())
-                secret = name in SECRET_NAMES or any(part in name for part in SECRET_PARTS)
-                if secret and not (name == "token" and isinstance(v, str) and v in TOKEN_MODES):
+                if secret_name(str(k)) and not (name == "token" and isinstance(v, str) and v in TOKEN_MODES):
                     raise refuse(f"{key}.{k}", "credentials")
                 walk(v, f"{key}.{k}")
         elif isinstance(value, (list, tuple)):
@@ -164,6 +163,98 @@ class RemoteSettings:
         return max(4096, int(self.request_mb * 2**20))
 
 
+# -- whom a URL may reach --------------------------------------------------------------------
+#: schemes whose URLs name a network host that the guard checks (an object store's URL names a bucket; its
+#: endpoint comes from the user's storage options)
+HOST_SCHEMES = ("http", "https")
+
+
+class AddressRefused(PermissionError):
+    """A connection to an address the :class:`HostGuard` refuses (never retried)."""
+
+
+def _kind(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """What makes ``addr`` no public address (``loopback``, ``link-local``...), or None for a global one."""
+    mapped = getattr(addr, "ipv4_mapped", None) or getattr(addr, "sixtofour", None)
+    if mapped is not None:  # ::ffff:127.0.0.1 is 127.0.0.1
+        addr = mapped
+    for kind in ("unspecified", "loopback", "link_local", "multicast", "private", "reserved", "site_local"):
+        if getattr(addr, f"is_{kind}", False):
+            return kind.replace("_", "-")
+    return None if addr.is_global else "non-global"
+
+
+@dataclass(frozen=True)
+class HostGuard:
+    """Which addresses a URL written by someone else may reach: global ones, and ``allowed`` (the addresses of the
+    host the user named, whose relative paths a table may use). Picklable: build workers carry it."""
+
+    allowed: frozenset[str] = frozenset()
+
+    def address_refusal(self, ip: str) -> str | None:
+        """Why the address ``ip`` may not be reached (``127.0.0.1, a loopback address``), or None."""
+        ip = ip.split("%")[0]  # an IPv6 address's zone
+        if ip in self.allowed:
+            return None
+        try:
+            kind = _kind(ipaddress.ip_address(ip))
+        except ValueError:
+            return f"{ip}, not an IP address"
+        return None if kind is None else f"{ip}, {'an' if kind[0] in 'aeiou' else 'a'} {kind} address"
+
+    def url_refusal(self, url: str) -> str | None:
+        """Why ``url`` may not be fetched: its host is missing or resolves (every address is checked) to an address
+        :meth:`address_refusal` refuses; None for a URL of another scheme (:data:`HOST_SCHEMES`) or a public host."""
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        if parts.scheme.lower() not in HOST_SCHEMES:
+            return None
+        host = parts.hostname
+        if not host:
+            return "no host"
+        try:
+            infos = socket.getaddrinfo(host, parts.port or 443, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError, ValueError) as e:
+            return f"its host {host} does not resolve ({getattr(e, 'strerror', None) or e})"
+        for *_, sockaddr in infos:
+            why = self.address_refusal(str(sockaddr[0]))
+            if why is not None:
+                return f"its host is {why}" if why.startswith(f"{host},") else f"its host {host} resolves to {why}"
+        return None
+
+    @classmethod
+    def allowing(cls, url: str | None) -> HostGuard:
+        """A guard that also allows the addresses of ``url``'s host (the table's own, named by the user), for an
+        http(s) ``url``; else a guard of global addresses only."""
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url) if url and is_url(url) else None
+        host = parts.hostname if parts is not None and parts.scheme.lower() in HOST_SCHEMES else None
+        if not host:
+            return cls()
+        try:
+            return cls(frozenset(str(i[4][0]).split("%")[0] for i in socket.getaddrinfo(host, None)))
+        except (OSError, UnicodeError, ValueError):
+            return cls()
+
+    def socket_for(self, addr_info: tuple) -> socket.socket:
+        """aiohttp's ``socket_factory``: the socket for one resolved address, or :class:`AddressRefused`."""
+        family, type_, proto, _, sockaddr = addr_info
+        why = self.address_refusal(str(sockaddr[0]))
+        if why is not None:
+            raise AddressRefused(f"refused to connect to {why} (a URL from a table reaches public addresses only)")
+        return socket.socket(family=family, type=type_, proto=proto)
+
+    async def client(self, **kwargs: Any) -> Any:
+        """fsspec-http's ``get_client``: an aiohttp session whose every connection is checked (:meth:`socket_for`),
+        redirects and later resolutions of the same name included."""
+        import aiohttp
+
+        kwargs.setdefault("connector", aiohttp.TCPConnector(socket_factory=self.socket_for))
+        return aiohttp.ClientSession(**kwargs)
+
+
 # -- locations ------------------------------------------------------------------------------
 def _missing_package(url: str, protocol: str, e: Exception) -> UserError:
     pkg, extra = PACKAGES.get(protocol, (None, None))
@@ -187,9 +278,14 @@ class Location:
     """
 
     def __init__(
-        self, root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, remote: Any = None
+        self,
+        root: str | os.PathLike[str],
+        storage_options: Mapping[str, Any] | None = None,
+        remote: Any = None,
+        guard: HostGuard | None = None,
     ):
         root = os.fspath(root)
+        self.guard = guard  # http(s): every connection checked (a URL someone else wrote)
         m = _SCHEME.match(root)
         if m and m.group(1).lower() == "file":
             root = root[len(m.group(0)) :] or "/"
@@ -246,6 +342,8 @@ class Location:
             config = dict(opts.get("config_kwargs") or {})
             config.setdefault("retries", {"total_max_attempts": 1})
             opts["config_kwargs"] = config
+        if self.guard is not None and self.protocol in HOST_SCHEMES:
+            opts["get_client"] = self.guard.client
         try:
             fs = fsspec.filesystem(self.protocol, skip_instance_cache=True, **opts)
         except ImportError as e:

@@ -112,6 +112,15 @@ class RemoteSource:
             self._submit(shard, s, e).result() for _, s, e in coalesce([(shard, offset, size)], 0, self._limit)
         )
 
+    def wait_for_downloads(self) -> int:
+        """Block until every shard download started so far has ended (the shard in the cache, or failed: its ranges
+        are read then); returns how many shards are now read from local disk. Readers never call it (a batch does
+        not wait for a download); a caller that wants the cache filled, such as a warm-up or a test, does."""
+        concurrent.futures.wait(list(self._downloads.values()))
+        for shard in list(self._downloads):
+            self._cached(shard, start=False)  # a finished download's file opened (or the shard left to ranges)
+        return len(self._files)
+
     def close(self) -> None:
         for gen in self._gens:
             for blocks in gen.values():

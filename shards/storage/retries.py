@@ -75,6 +75,8 @@ def transient_kind(e: BaseException) -> str | None:
     (not found, forbidden, a bad request). Looks through the causes an SDK chained (s3fs wraps botocore)."""
     seen = 0
     while e is not None and seen < 8:
+        if isinstance(getattr(e, "os_error", None), PermissionError):
+            return None  # a connection refused before it opened (shards.storage.location.AddressRefused)
         names = {c.__name__ for c in type(e).__mro__}
         status, code = _status_and_code(e)
         if code in _THROTTLE_CODES or status in (429, 503):
