@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# The remote-shard tests' moto and s3fs: beside site-packages, not in it (tests/s3_stack.py says why).
+# The remote-shard tests' moto and s3fs, and the docs site's mkdocs: beside site-packages, not in it
+# (tests/side_stack.py says why).
 S3_STACK := $(VENV)/test-s3
+DOCS_STACK := $(VENV)/docs
 PYTEST_ARGS ?=
 SHELL  := /bin/bash
 .SHELLFLAGS := -o pipefail -c
@@ -13,7 +15,7 @@ QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 
 .PHONY: setup lint format test demo clean-venv gpu-check docs docs-serve docs-check
 
-setup: $(STAMP) $(S3_STACK)/.installed
+setup: $(STAMP) $(S3_STACK)/.installed $(DOCS_STACK)/.installed
 
 # Re-installs when the dependency list or the torch pair changes.
 $(STAMP): pyproject.toml constraints.txt
@@ -23,9 +25,14 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 # After every install into .venv, which may change what the stack has to add.
-$(S3_STACK)/.installed: $(STAMP) tests/s3_stack.py
+$(S3_STACK)/.installed: $(STAMP) tests/side_stack.py
 	@echo "installing the S3 test stack (moto, s3fs) into $(S3_STACK)"
-	env -u PYTHONPATH $(BIN)/python tests/s3_stack.py $(S3_STACK) 2>&1 | $(QUIET_PIP)
+	env -u PYTHONPATH $(BIN)/python tests/side_stack.py test-s3 $(S3_STACK) 2>&1 | $(QUIET_PIP)
+	@touch $@
+
+$(DOCS_STACK)/.installed: $(STAMP) tests/side_stack.py
+	@echo "installing the docs stack (mkdocs, mkdocs-material, mkdocstrings) into $(DOCS_STACK)"
+	env -u PYTHONPATH $(BIN)/python tests/side_stack.py docs $(DOCS_STACK) 2>&1 | $(QUIET_PIP)
 	@touch $@
 
 # ruff's lint and format check (pyproject.toml's [tool.ruff]); `make test` runs it first, so CI fails on either.
@@ -37,25 +44,25 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: lint docs-check $(STAMP) $(S3_STACK)/.installed
+test: lint docs-check $(STAMP) $(S3_STACK)/.installed $(DOCS_STACK)/.installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The docs site (mkdocs.yml, docs/): its reference pages are generated from the code at build time.
 # docs-check builds it with --strict into a scratch folder and says how long it took: a broken link or anchor, a
 # page missing from the nav or a config key a page names that the schema lacks fails `make test`.
-MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs
-docs-check: $(STAMP)
+MKDOCS := NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(DOCS_STACK)$${PYTHONPATH:+:$$PYTHONPATH} $(BIN)/python -m mkdocs
+docs-check: $(DOCS_STACK)/.installed
 	@out=$$(mktemp -d) && start=$$(date +%s%N) && rc=0 && \
 	$(MKDOCS) build --strict --site-dir "$$out" 2>&1 | { grep -v "^INFO" || true; } || rc=$$?; \
 	rm -rf "$$out"; \
 	echo "docs: mkdocs build --strict $$([ $$rc = 0 ] && echo passed || echo FAILED) in $$(( ($$(date +%s%N) - start) / 1000000000 )) s"; \
 	exit $$rc
 
-docs: $(STAMP)
+docs: $(DOCS_STACK)/.installed
 	$(MKDOCS) build --strict
 
 # On loopback only: nothing listens beyond this machine unless asked.
-docs-serve: $(STAMP)
+docs-serve: $(DOCS_STACK)/.installed
 	$(MKDOCS) serve --dev-addr 127.0.0.1:8000
 
 demo: $(STAMP)

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-# The remote-shard tests' moto and s3fs, which `make` installs beside site-packages (tests/s3_stack.py says why).
-# PYTHONPATH too: the `dmltrain` subprocesses and Ray workers the tests start read s3:// through s3fs.
-# Appending is safe: the folder holds only packages the environment lacks.
-S3_STACK = Path(sys.prefix) / "test-s3"
-if S3_STACK.is_dir() and str(S3_STACK) not in sys.path:
-    sys.path.append(str(S3_STACK))
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(S3_STACK)]))
+# The remote-shard tests' moto and s3fs and the docs tests' mkdocs, which `make` installs beside site-packages
+# (tests/side_stack.py says why). PYTHONPATH too: the `dmltrain` subprocesses and Ray workers the tests start read
+# s3:// through s3fs. Appending is safe: each folder holds only packages the environment lacks.
+for _stack in (Path(sys.prefix) / "test-s3", Path(sys.prefix) / "docs"):
+    if _stack.is_dir() and str(_stack) not in sys.path:
+        sys.path.append(str(_stack))
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(_stack)]))
 
 
 @pytest.fixture(scope="module")

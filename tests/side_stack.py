@@ -1,10 +1,13 @@
-"""Installs the remote-shard tests' S3 stack (the ``test-s3`` extra: moto's server, s3fs) into a folder beside
-the virtual environment's site-packages: ``.venv/bin/python tests/s3_stack.py .venv/test-s3`` (``make`` runs it).
+"""Installs one of dmltrain's extras into a folder beside the virtual environment's site-packages:
+``.venv/bin/python tests/side_stack.py EXTRA TARGET`` (``make`` runs it for ``test-s3``, the remote-shard tests'
+moto server and s3fs, into ``.venv/test-s3``, and for ``docs``, mkdocs and its plugins, into ``.venv/docs``).
 
-Why not into site-packages: ``pip freeze`` would list it, and the GPU machine's bundle is built from that list
-(with it, 78 MiB of xz instead of 56, botocore and moto most of it; a device run carries 64 MiB at most).
-The folder holds only what the environment lacks, resolved against what it has with its versions pinned, so
-putting it on the path (tests/conftest.py does, PYTHONPATH included) never shadows the environment's own packages.
+Why not into site-packages: ``pip freeze`` would list them, and the GPU machine's bundle is built from that list
+(a device run carries 64 MiB at most: with the S3 stack the bundle was 78 MiB of xz instead of 56, botocore and
+moto most of it; with the docs stack 77, Babel's locale data most of it). Each folder holds only what the
+environment lacks, resolved against what it has with its versions pinned, so putting it on the path
+(tests/conftest.py does, PYTHONPATH included; the Makefile's docs targets too) never shadows the environment's own
+packages.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-EXTRA = "test-s3"
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -28,17 +30,17 @@ def _pip(*args: str) -> str:
     return subprocess.run([sys.executable, "-m", "pip", *args], check=True, stdout=subprocess.PIPE, text=True).stdout
 
 
-def install(target: Path) -> list[str]:
-    """Replace ``target`` with the extra's packages that this interpreter's environment lacks; their names."""
+def install(extra: str, target: Path) -> list[str]:
+    """Replace ``target`` with ``extra``'s packages that this interpreter's environment lacks; their names."""
     wanted = [
         req
         for req in map(Requirement, importlib.metadata.requires("dmltrain") or [])
-        if req.marker is not None and req.marker.evaluate({"extra": EXTRA})
+        if req.marker is not None and req.marker.evaluate({"extra": extra})
     ]
     for req in wanted:
         req.marker = None  # as a requirement of its own, not one of the extra
     if not wanted:
-        sys.exit(f"s3_stack: the installed dmltrain declares no '{EXTRA}' extra (pip install -e . first)")
+        sys.exit(f"side_stack: the installed dmltrain declares no '{extra}' extra (pip install -e . first)")
     target = target.absolute()
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
@@ -64,13 +66,13 @@ def install(target: Path) -> list[str]:
         inside = sorted(n for n in (canonicalize_name(req.name) for req in wanted) if n in have)
         if inside:
             print(
-                f"s3_stack: warning: {', '.join(inside)} installed in the environment itself (an older dev extra?), "
+                f"side_stack: warning: {', '.join(inside)} installed in the environment itself (an older dev extra?), "
                 "so in the GPU machine's bundle too; `make clean-venv setup` starts afresh",
                 file=sys.stderr,
             )
         clash = sorted(m for m in missing if canonicalize_name(m.split("==")[0]) in have)
         if clash:
-            sys.exit(f"s3_stack: {', '.join(clash)} would shadow the environment's own version")
+            sys.exit(f"side_stack: {', '.join(clash)} would shadow the environment's own version")
         if missing:
             _pip("install", "-q", "--no-deps", "--target", str(work / "site"), *missing)
         else:
@@ -83,7 +85,7 @@ def install(target: Path) -> list[str]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit(f"usage: {sys.argv[0]} TARGET_DIR")
-    names = install(Path(sys.argv[1]))
-    print(f"s3_stack: {len(names)} packages in {sys.argv[1]}")
+    if len(sys.argv) != 3:
+        sys.exit(f"usage: {sys.argv[0]} EXTRA TARGET_DIR")
+    names = install(sys.argv[1], Path(sys.argv[2]))
+    print(f"side_stack: {len(names)} packages of the {sys.argv[1]} extra in {sys.argv[2]}")
