@@ -3,39 +3,58 @@
 The interpreter, which the other kernel tests run under, accepts what a real compile rejects. Here
 Triton compiles (ptxas ships with it) the covering set of each module's ``compile_variants()``
 (:func:`dmltrain.kernel_compile.covering`: every autotune config of every kernel once per
-architecture, every flag and dtype value at least once per kernel; ``python -m
-dmltrain.kernel_compile --all`` compiles all of them), in two processes with Triton's cache in a
-temporary folder, and checks each against its contract: it compiles, it fits the architecture's
-shared memory (or the launcher prunes it), it does not spill unless its module allows it, and then
-not past today's stack frames. ``pytest -s`` prints the table (shared memory, registers, stack).
+architecture, every flag and dtype value at least once per kernel, and each config's variant most
+likely to spill; ``python -m dmltrain.kernel_compile --all`` compiles all of them), in two processes
+with Triton's cache in a temporary folder, and checks each against its contract: it compiles, it
+fits the architecture's shared memory (or the launcher prunes it), it does not spill (no stack frame,
+no ``STL``/``LDL`` in the SASS) unless its module allows it, the product kernels pipeline their loads
+(``cp.async``) and use Hopper's ``wgmma`` on sm_90. Each compile is the binary a launch builds: the
+arguments go through Triton's launch binder (alignment and divisibility as at run time), and a test
+checks the fused path's real launches specialise exactly as the offline variants do.
+
+The same covering set is compiled for sm_90 with the Triton of the lent GPU machines (3.6, beside
+the pinned 3.8 in ``.venv/triton-3.6.0``, installed by ``make``), where the kernels run.
+``pytest -s`` prints the tables (shared memory, registers, stack, STL/LDL, atomics, stages).
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from dmltrain import kernel_compile as kc
 
 SOFTMAX = "dmltrain.distributed.softmax_kernels"
+#: the GPU machine's Triton, beside site-packages (the Makefile's TRITON_SIDE)
+DEVICE_TRITON = Path(sys.prefix) / "triton-3.6.0"
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    """{(name, arch): CompileResult} of the covering set and the pruning cases, with every module's variants."""
+@pytest.fixture(scope="module", params=["pinned", "device"])
+def compiled(request, tmp_path_factory):
+    """{(name, arch): CompileResult} of the covering set, with every module's variants: with this environment's
+    Triton for sm_80 and sm_90, and with the GPU machine's for sm_90."""
     why = kc.tools_missing()
     if why:
         pytest.skip(why)
+    triton_dir, archs = (None, kc.ARCHS) if request.param == "pinned" else (str(DEVICE_TRITON), (90,))
+    if triton_dir and not DEVICE_TRITON.is_dir():
+        pytest.skip(f"no {DEVICE_TRITON}: `make setup` installs the GPU machine's Triton there")
     variants = {m: kc.module_variants(m) for m in kc.KERNEL_MODULES}
-    jobs = [(m, v.name, a) for m in kc.KERNEL_MODULES for a in kc.ARCHS for v in kc.covering(variants[m].values())]
+    jobs = [(m, v.name, a) for m in kc.KERNEL_MODULES for a in archs for v in kc.covering(variants[m].values())]
     t0 = time.perf_counter()
-    results = kc.compile_many(jobs, workers=2, cache_dir=str(tmp_path_factory.mktemp("triton-cache")))
+    cache = str(tmp_path_factory.mktemp("triton-cache"))
+    results = kc.compile_many(jobs, workers=2, cache_dir=cache, triton_dir=triton_dir)
     by_name = {n: v for vs in variants.values() for n, v in vs.items()}
     cpu = sum(r.cpu_seconds for r in results)
     print(
-        f"\n{kc.format_results(results, by_name)}\n{len(results)} compiles in {time.perf_counter() - t0:.1f} s ({cpu:.0f} s CPU)"
+        f"\n{kc.format_results(results, by_name)}\n{len(results)} compiles with Triton {results[0].triton} in "
+        f"{time.perf_counter() - t0:.1f} s ({cpu:.0f} s CPU)"
     )
+    if triton_dir:
+        assert {r.triton for r in results} == {"3.6.0"}, "the side Triton was not the one that compiled"
     return {(r.name, r.arch): r for r in results}, by_name
 
 
@@ -71,11 +90,15 @@ def test_covering_takes_every_config_and_every_value():
             assert {v.config for v in picked} == {v.config for v in mine}, kernel
             assert len({v.name for v in picked}) == len(picked), kernel
             assert set().union(*(v.flags() for v in picked)) == set().union(*(v.flags() for v in mine)), kernel
+            for config in {v.config for v in mine}:  # where a spill would show first
+                top = max(v.pressure for v in mine if v.config == config)
+                assert any(v.pressure == top for v in picked if v.config == config), (kernel, config)
 
 
 def test_every_kernel_compiles_for_a100_and_h100_within_its_contract(compiled):
-    """Compiles, no spill where none is allowed (the evaluation kernels), no stack frame past today's
-    (the softmax kernels: issue 27), the Hamming kernel on the hardware popc."""
+    """Compiles, no spill where none is allowed (stack frame, STL/LDL: every tensor-core variant, the
+    evaluation kernels), loads pipelined with ``cp.async`` and (sm_90) ``wgmma`` in the product kernels, the
+    Hamming kernel on the hardware popc."""
     results, variants = compiled
     bad = kc.problems(list(results.values()), variants)
     assert not bad, "\n".join(bad)
@@ -118,3 +141,95 @@ def test_the_tuner_never_chooses_a_config_the_device_cannot_run(tmp_path):
         Tuner("H100", "3.8", tmp_path / "other").choose(
             "lse", (512,), [wide], lambda c: time_launch(launch, c, bench=bench)
         )
+
+
+class _Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records the launch and runs nothing."""
+
+    def __init__(self, fn, launches):
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.fn, args, kwargs))
+
+
+def _softmax_launches(monkeypatch, N: int, classes: int, D: int, drawn: int | None, normalized: bool, det: bool):
+    """Every kernel launch of one forward and backward of the fused path, recorded on the CPU (no kernel runs:
+    the launchers' own tensors and integers, which is all the specialisation depends on)."""
+    import torch
+
+    from dmltrain.distributed import softmax_kernels as sk
+    from dmltrain.distributed.row_sparse import RowGrads, RowSet
+    from dmltrain.distributed.sharded_softmax import ShardOperands
+
+    launches: list = []
+    for name in ("_lse_kernel", "_grad_kernel", "_grad_x_kernel", "_grad_w_kernel", "_copy_rows_kernel", "_rows_out_kernel"):  # fmt: skip
+        monkeypatch.setattr(sk, name, _Recorder(getattr(sk, name), launches))
+    weight = torch.nn.Parameter(torch.randn(classes, D))
+    bias = None if normalized else torch.nn.Parameter(torch.zeros(classes))
+    rows = None if drawn is None else torch.randperm(classes)[:drawn]
+    count = None if drawn is None else torch.tensor(drawn - 3)
+    x = torch.nn.functional.normalize(torch.randn(N, D), dim=1)
+    tcol = torch.randint(-1, drawn or classes, (N,))
+    op = ShardOperands(x, weight, bias, rows, count, tcol, 20.0, normalized)
+    lse, _, _, saved = sk.partials(op, not normalized, "bf16", det)
+    target = RowGrads({"weight": weight, "bias": bias}).target(RowSet(rows, count))
+    sk.gradients(op, saved, lse, torch.tensor(1.0), None, True, target, "bf16", det)
+    return launches
+
+
+@pytest.mark.parametrize(
+    "N, classes, D, drawn, normalized, det",
+    [
+        (32, 64, 128, 48, True, False),  # every size a multiple of 16: the benchmark shapes' binaries
+        (32, 96, 256, None, False, True),
+        (20, 50, 512, 24, True, True),  # a ragged batch and draw
+        (20, 50, 512, None, False, False),
+    ],
+)
+def test_the_offline_variants_are_the_binaries_a_launch_compiles(monkeypatch, N, classes, D, drawn, normalized, det):
+    """Each launch the fused path makes, put through Triton's own launch binder (as ``JITFunction.run`` does),
+    specialises its arguments (types, 16-byte alignment, integers divisible by 16) exactly as one of the
+    offline variants of that kernel and those constants does: the compile tests measure the binaries that run.
+    Compiling without the launch's specialisation once measured other binaries (scalar loads, one stage)."""
+    pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from dmltrain.distributed import softmax_kernels as sk
+
+    if sk.INTERPRET:
+        pytest.skip("this process imported the kernels under TRITON_INTERPRET")
+    tiles = {"BLOCK_B", "BLOCK_C", "BLOCK_K", "BLOCK_D", "BLOCK_R", "num_warps", "num_stages"}
+    variants = list(kc.module_variants(SOFTMAX).values())
+    target = GPUTarget("cuda", 90, 32)
+    launches = _softmax_launches(monkeypatch, N, classes, D, drawn, normalized, det)
+    assert {fn.__name__ for fn, _, _ in launches} >= {"_lse_kernel", "_copy_rows_kernel", "_rows_out_kernel"}
+    for fn, args, kwargs in launches:
+        got = _bound(fn, args, kwargs, target)
+        consts = {k: v for k, v in kwargs.items() if k not in tiles}
+        mine = [v for v in variants if v.fn is fn and {k: v.constexprs[k] for k in consts} == consts]
+        assert mine, f"{fn.__name__} {consts}: no offline variant has these constants"
+        offline = {_source_key(kc.launch_source(v, target)[0]) for v in mine}
+        assert got in offline, f"{fn.__name__} {consts}: launched as {got}, offline {offline}"
+
+
+def _bound(fn, args, kwargs, target):
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    _, signature, _, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return _source_key_of(signature, attrs)
+
+
+def _source_key(src):
+    return _source_key_of(src.signature, src.attrs)
+
+
+def _source_key_of(signature, attrs):
+    """The argument types and the attributes (alignment, divisibility) of a compile, as a comparable value."""
+    types = tuple((k, v) for k, v in signature.items() if v != "constexpr")
+    marks = tuple(sorted((k, tuple(map(tuple, v))) for k, v in attrs.items() if v))
+    return types, marks

@@ -53,6 +53,7 @@ compile tests.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from typing import TYPE_CHECKING, Any
@@ -522,8 +523,18 @@ _CONFIGS: dict[tuple[str, str], list[LaunchConfig]] = {
     ("grad_w", "tf32"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
     ("grad_w", "fp32"): [_cfg(4, 2, BLOCK_B=64, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
 }
+#: the log-sum-exp kernel with the logits' sum (``softmax_ce`` with label smoothing) keeps a third running
+#: row: with a 128 × 128 tile it spills on sm_80 (255 registers, 16-32 bytes of stack at every width, in the
+#: binaries a launch builds), so that path takes the 64-wide class tile
+_SUM_CONFIGS: dict[str, list[LaunchConfig]] = {
+    "bf16": [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=32)],
+    "tf32": [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=16)],
+    "fp32": _CONFIGS[("lse", "fp32")],
+}
 _COPY = _cfg(4, 2, BLOCK_R=32, BLOCK_D=128)
-_ROWS_OUT = _cfg(4, 2, BLOCK_R=16, BLOCK_D=128)
+# 16 × 64, not 16 × 128: the wider tile spilled two words inside its D loop on sm_80 (bf16 weight, D = 512) in the
+# binaries a launch builds
+_ROWS_OUT = _cfg(4, 2, BLOCK_R=16, BLOCK_D=64)
 
 
 def _interpreter_config(kind: str) -> LaunchConfig:
@@ -547,21 +558,35 @@ def _sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _candidates(kind: str, precision: str, sum_logits: bool = False) -> list[LaunchConfig]:
+    """The tile configs a launch of ``kind`` may take (:data:`_SUM_CONFIGS` for the log-sum-exp kernel with
+    the logits' sum)."""
+    return _SUM_CONFIGS[precision] if kind == "lse" and sum_logits else _CONFIGS[(kind, precision)]
+
+
 def _choose(
-    kind: str, key: tuple, precision: str, device: torch.device, launch, deterministic: bool = False
+    kind: str,
+    key: tuple,
+    precision: str,
+    device: torch.device,
+    launch,
+    deterministic: bool = False,
+    sum_logits: bool = False,
 ) -> LaunchConfig:
-    """The tiles of ``kind`` for ``key``: fixed under the interpreter, else tuned once (``launch(cfg)`` runs
-    the kernel on scratch outputs) and remembered across ranks and runs.
+    """The tiles of ``kind`` for ``key``: fixed under the interpreter, else tuned once among
+    :func:`_candidates` (``launch(cfg)`` runs the kernel on scratch outputs) and remembered across ranks and
+    runs.
 
     ``deterministic``: the kind's first candidate, never tuned. The tiles set the order of the kernels'
     sums, and a tuned choice may differ between ranks that tune at once and between runs (timings vary, a
     tuning file is rewritten or lost); fixed tiles give the same bits on every rank and in every run."""
     if INTERPRET or device.type != "cuda":
         return _interpreter_config(kind)
+    candidates = _candidates(kind, precision, sum_logits)
     if deterministic:
-        return _CONFIGS[(kind, precision)][0]
+        return candidates[0]
     return _tuner(device.index or 0).choose(
-        kind, key, _CONFIGS[(kind, precision)], functools.partial(time_launch, launch)
+        kind, (*key, sum_logits), candidates, functools.partial(time_launch, launch)
     )
 
 
@@ -673,7 +698,7 @@ def partials(
                 )  # fmt: skip
             return out
 
-        part = launch(_choose("lse", _key(op, ch.K, precision), precision, dev, launch, deterministic))
+        part = launch(_choose("lse", _key(op, ch.K, precision), precision, dev, launch, deterministic, sum_logits))
         lse = torch.logaddexp(lse, torch.logsumexp(part[:, 0], 0))
         mx = torch.maximum(mx, part[:, 1].amax(0))
         sm += part[:, 2].sum(0)
@@ -786,7 +811,11 @@ def _rows_out(op: ShardOperands, out: RowGradTarget, ch: _Chunk, h: Tensor, red:
 
 
 # -- the offline compile contract ---------------------------------------------------------------------
-_D_VARIANT = 512  # D is a compile-time constant: every embedding width compiles its own; tiles do not depend on it
+#: D is a compile-time constant: every embedding width compiles its own binary (the loops over it unrolled),
+#: so the list holds the widths people train (ArcFace/PartialFC 512, CLIP-style 256, the 10⁷-class 128).
+_D_VARIANTS = (128, 256, 512)
+#: the width at which the binaries of ragged sizes (integers not multiples of 16) are listed too
+_D_RAGGED = 512
 
 
 def _sig(names: str, types: dict[str, str]) -> dict[str, str]:
@@ -794,25 +823,37 @@ def _sig(names: str, types: dict[str, str]) -> dict[str, str]:
 
 
 def compile_variants() -> list[KernelVariant]:
-    """Every (candidate tiles × constexpr combination) the launchers pass, at D = 512.
+    """Every (candidate tiles × constexpr combination) the launchers pass, at each width of
+    :data:`_D_VARIANTS`, as a launch at the benchmark shapes specialises them (integers multiples of 16),
+    and at D = 512 also as a ragged size does.
 
     ``spills_allowed`` only for fp32 (IEEE) products: they run on the CUDA cores, a reference
     precision for exactness checks whose small tiles still spill a little in the backward kernels;
-    every bf16 and tf32 (tensor-core) variant must compile without spills.
+    every bf16 and tf32 (tensor-core) variant must compile without spills. The product kernels must
+    pipeline their loads (``cp.async``), and on sm_90 the tensor-core ones must use ``wgmma``.
     """
+    out = [v for D in _D_VARIANTS for v in _variants_at(D)]
+    # a ragged batch or draw: N and K not multiples of 16; the chunk offset c0 still is (whole class tiles:
+    # every variant names it in aligned_ints)
+    out += [dataclasses.replace(v, name=f"{v.name} ragged", divisible=False) for v in _variants_at(_D_RAGGED)]
+    return out
+
+
+def _variants_at(D: int) -> list[KernelVariant]:
     out: list[KernelVariant] = []
     for precision, op_t in (("bf16", "bf16"), ("tf32", "fp32"), ("fp32", "fp32")):
         for normalized in (True, False):
             for has_count in (False, True):
-                flags = dict(D=_D_VARIANT, HAS_COUNT=has_count, NORMALIZED=normalized, PREC=PREC_CODE[precision])
-                tag = f"{precision} {'normalized' if normalized else 'bias'}{' count' if has_count else ''}"
+                flags = dict(D=D, HAS_COUNT=has_count, NORMALIZED=normalized, PREC=PREC_CODE[precision])
+                tag = f"D={D} {precision} {'normalized' if normalized else 'bias'}{' count' if has_count else ''}"
                 out += _lse_variants(op_t, precision, flags, tag)
                 out += _grad_variants(op_t, precision, flags, tag)
-    for op_t in ("bf16", "fp32"):
-        for normalized in (True, False):
-            for has_rows in (False, True):
-                for has_count in (False, True) if has_rows else (False,):  # a count comes with drawn rows
-                    out.append(_copy_variant(op_t, _D_VARIANT, normalized, has_rows, has_count))
+    for w_t in ("fp32", "bf16"):
+        for op_t in ("bf16", "fp32"):
+            for normalized in (True, False):
+                for has_rows in (False, True):
+                    for has_count in (False, True) if has_rows else (False,):  # a count comes with drawn rows
+                        out.append(_copy_variant(w_t, op_t, D, normalized, has_rows, has_count))
     for w_t in ("fp32", "bf16"):
         for normalized in (True, False):
             writes = [(True, False)] if normalized else [(True, True), (True, False), (False, True)]
@@ -822,44 +863,57 @@ def compile_variants() -> list[KernelVariant]:
                         for acc in (False, True):
                             flags = dict(HAS_ROWS=has_rows, HAS_COUNT=has_count, NORMALIZED=normalized,
                                          WRITE_W=write_w, WRITE_B=write_b, ACCUMULATE=acc)  # fmt: skip
-                            out.append(_rows_out_variant(w_t, _D_VARIANT, flags))
+                            out.append(_rows_out_variant(w_t, D, flags))
     return out
 
 
-_MAIN_TYPES = {
-    "b_ptr": "*fp32", "tcol_ptr": "*i32", "count_ptr": "*i64", "lse_ptr": "*fp32", "coef_ptr": "*fp32",
-    "out_ptr": "*fp32", "gx_ptr": "*fp32", "h_ptr": "*fp32", "red_ptr": "*fp32", "part_ptr": "*fp32",
-    "N": "i32", "K": "i32", "c0": "i32", "scale": "fp32",
-}  # fmt: skip
+def _main_types(op_t: str, flags: dict, need_x: bool = True, need_w: bool = True) -> dict[str, str]:
+    """The argument types of the product kernels as the launchers pass them: an argument a path does not use
+    gets a stand-in tensor (the chunk's rows, in the operand type ``op_t``), whose type is part of the
+    binary Triton compiles."""
+    fp32_or_dummy = {True: "*fp32", False: f"*{op_t}"}
+    return {
+        "x_ptr": f"*{op_t}", "w_ptr": f"*{op_t}", "b_ptr": fp32_or_dummy[not flags["NORMALIZED"]], "tcol_ptr": "*i32",
+        "count_ptr": "*i64" if flags["HAS_COUNT"] else f"*{op_t}", "lse_ptr": "*fp32", "coef_ptr": "*fp32",
+        "out_ptr": "*fp32", "gx_ptr": fp32_or_dummy[need_x], "h_ptr": fp32_or_dummy[need_w],
+        "red_ptr": fp32_or_dummy[need_w], "part_ptr": "*fp32", "N": "i32", "K": "i32", "c0": "i32", "scale": "fp32",
+    }  # fmt: skip
 
 
 def _variant(name: str, fn, sig: dict, consts: dict, cfg: LaunchConfig, precision: str) -> KernelVariant:
+    tensor_cores = ("wgmma.mma_async",) if precision != "fp32" else ()
+    # what costs registers: the bias and count paths, the logits' sum, both gradients at once, a wide D (fp32 IEEE
+    # products may spill: no variant of theirs is singled out)
+    costly = (not consts["NORMALIZED"], consts["HAS_COUNT"], consts.get("SUM_LOGITS"), consts.get("NEED_X") and consts.get("NEED_W"))  # fmt: skip
     return KernelVariant(f"{name} {_tiles(cfg)}", fn, sig, {**consts, **dict(cfg.meta)}, cfg.num_warps,
-                         cfg.num_stages, spills_allowed=precision == "fp32", config=_tiles(cfg))  # fmt: skip
+                         cfg.num_stages, spills_allowed=precision == "fp32", config=_tiles(cfg),
+                         ptx_has=("cp.async",), hopper_ptx_has=tensor_cores, aligned_ints=("c0",),
+                         pressure=0 if precision == "fp32" else sum(map(bool, costly)) + consts["D"] // 128)  # fmt: skip
 
 
 def _lse_variants(op_t: str, precision: str, flags: dict, tag: str) -> list[KernelVariant]:
-    types = {**_MAIN_TYPES, "x_ptr": f"*{op_t}", "w_ptr": f"*{op_t}"}
     sig = _sig("x_ptr w_ptr b_ptr tcol_ptr count_ptr out_ptr N K c0 scale D HAS_COUNT NORMALIZED SUM_LOGITS PREC "
-               "BLOCK_B BLOCK_C BLOCK_K", types)  # fmt: skip
+               "BLOCK_B BLOCK_C BLOCK_K", _main_types(op_t, flags))  # fmt: skip
     out = []
-    for cfg in _CONFIGS[("lse", precision)]:
-        for sum_logits in (False, True) if not flags["NORMALIZED"] else (False,):
+    for sum_logits in (False, True) if not flags["NORMALIZED"] else (False,):
+        for cfg in _candidates("lse", precision, sum_logits):
             name = f"_lse_kernel {tag}{' sum' if sum_logits else ''}"
             out.append(_variant(name, _lse_kernel, sig, {**flags, "SUM_LOGITS": sum_logits}, cfg, precision))
     return out
 
 
 def _grad_variants(op_t: str, precision: str, flags: dict, tag: str) -> list[KernelVariant]:
-    types = {**_MAIN_TYPES, "x_ptr": f"*{op_t}", "w_ptr": f"*{op_t}"}
     head = "x_ptr w_ptr b_ptr tcol_ptr count_ptr lse_ptr coef_ptr"
     tail = "N K c0 scale D HAS_COUNT NORMALIZED"
-    fused = _sig(f"{head} gx_ptr h_ptr red_ptr {tail} NEED_X NEED_W PREC BLOCK_B BLOCK_C BLOCK_K BLOCK_D", types)
-    det_x = _sig(f"{head} part_ptr {tail} PREC BLOCK_B BLOCK_C BLOCK_K BLOCK_D", types)
-    det_w = _sig(f"{head} h_ptr red_ptr {tail} PREC BLOCK_B BLOCK_C BLOCK_K BLOCK_D", types)
+    det_x = _sig(f"{head} part_ptr {tail} PREC BLOCK_B BLOCK_C BLOCK_K BLOCK_D", _main_types(op_t, flags))
+    det_w = _sig(f"{head} h_ptr red_ptr {tail} PREC BLOCK_B BLOCK_C BLOCK_K BLOCK_D", _main_types(op_t, flags))
     out = []
     for cfg in _CONFIGS[("grad", precision)]:
         for need_x, need_w in ((True, True), (True, False), (False, True)):
+            types = _main_types(op_t, flags, need_x, need_w)
+            fused = _sig(
+                f"{head} gx_ptr h_ptr red_ptr {tail} NEED_X NEED_W PREC BLOCK_B BLOCK_C BLOCK_K BLOCK_D", types
+            )
             consts = {**flags, "NEED_X": need_x, "NEED_W": need_w}
             out.append(
                 _variant(f"_grad_kernel {tag} x={need_x} w={need_w}", _grad_kernel, fused, consts, cfg, precision)
@@ -871,27 +925,35 @@ def _grad_variants(op_t: str, precision: str, flags: dict, tag: str) -> list[Ker
     return out
 
 
-def _copy_variant(op_t: str, D: int, normalized: bool, has_rows: bool, has_count: bool) -> KernelVariant:
-    types = {"w_ptr": "*fp32", "rows_ptr": "*i64", "b_ptr": "*fp32", "count_ptr": "*i64", "out_ptr": f"*{op_t}",
-             "inv_ptr": "*fp32", "bout_ptr": "*fp32", "c0": "i32", "K": "i32", "eps": "fp32"}  # fmt: skip
+def _copy_variant(w_t: str, op_t: str, D: int, normalized: bool, has_rows: bool, has_count: bool) -> KernelVariant:
+    """The row copy from the weight (stored in ``w_t``; its bias too) into the chunk's operands (``op_t``); the
+    arguments a path does not use get the weight as stand-in."""
+    types = {"w_ptr": f"*{w_t}", "rows_ptr": "*i64" if has_rows else f"*{w_t}", "b_ptr": f"*{w_t}",
+             "count_ptr": "*i64" if has_count else f"*{w_t}", "out_ptr": f"*{op_t}",
+             "inv_ptr": "*fp32" if normalized else f"*{w_t}", "bout_ptr": f"*{w_t}" if normalized else "*fp32",
+             "c0": "i32", "K": "i32", "eps": "fp32"}  # fmt: skip
     sig = _sig("w_ptr rows_ptr b_ptr count_ptr out_ptr inv_ptr bout_ptr c0 K eps D HAS_ROWS HAS_COUNT NORMALIZED "
                "TO_BF16 BLOCK_R BLOCK_D", types)  # fmt: skip
     consts = dict(D=D, HAS_ROWS=has_rows, HAS_COUNT=has_count, NORMALIZED=normalized, TO_BF16=op_t == "bf16",
                   **dict(_COPY.meta))  # fmt: skip
-    name = f"_copy_rows_kernel to {op_t} normalized={normalized} rows={has_rows} count={has_count}"
-    return KernelVariant(name, _copy_rows_kernel, sig, consts, _COPY.num_warps, _COPY.num_stages, config=_tiles(_COPY))
+    name = f"_copy_rows_kernel D={D} {w_t} to {op_t} normalized={normalized} rows={has_rows} count={has_count}"
+    return KernelVariant(name, _copy_rows_kernel, sig, consts, _COPY.num_warps, _COPY.num_stages, config=_tiles(_COPY),
+                         aligned_ints=("c0",))  # fmt: skip
 
 
 def _rows_out_variant(w_t: str, D: int, flags: dict[str, bool]) -> KernelVariant:
-    types = {"h_ptr": "*fp32", "red_ptr": "*fp32", "inv_ptr": "*fp32", "w_ptr": f"*{w_t}", "rows_ptr": "*i64",
-             "count_ptr": "*i64", "gw_ptr": f"*{w_t}", "gb_ptr": f"*{w_t}", "c0": "i32", "K": "i32"}  # fmt: skip
+    """The rows' gradients into ``.grad`` (``w_t``, the weight's type); the fp32 scratch stands in for the
+    arguments a path does not use."""
+    dummy = {True: f"*{w_t}", False: "*fp32"}
+    types = {"h_ptr": "*fp32", "red_ptr": "*fp32", "inv_ptr": "*fp32", "w_ptr": f"*{w_t}",
+             "rows_ptr": "*i64" if flags["HAS_ROWS"] else "*fp32", "count_ptr": "*i64" if flags["HAS_COUNT"] else "*fp32",
+             "gw_ptr": dummy[flags["WRITE_W"]], "gb_ptr": dummy[flags["WRITE_B"]], "c0": "i32", "K": "i32"}  # fmt: skip
     sig = _sig("h_ptr red_ptr inv_ptr w_ptr rows_ptr count_ptr gw_ptr gb_ptr c0 K D HAS_ROWS HAS_COUNT NORMALIZED "
                "WRITE_W WRITE_B ACCUMULATE BLOCK_R BLOCK_D", types)  # fmt: skip
     consts = dict(D=D, **flags, **dict(_ROWS_OUT.meta))
-    name = f"_rows_out_kernel {w_t} " + " ".join(f"{k.lower()}={v}" for k, v in flags.items())
-    return KernelVariant(
-        name, _rows_out_kernel, sig, consts, _ROWS_OUT.num_warps, _ROWS_OUT.num_stages, config=_tiles(_ROWS_OUT)
-    )
+    name = f"_rows_out_kernel D={D} {w_t} " + " ".join(f"{k.lower()}={v}" for k, v in flags.items())
+    return KernelVariant(name, _rows_out_kernel, sig, consts, _ROWS_OUT.num_warps, _ROWS_OUT.num_stages,
+                         config=_tiles(_ROWS_OUT), aligned_ints=("c0",))  # fmt: skip
 
 
 def _tiles(cfg: LaunchConfig) -> str:
