@@ -1,21 +1,32 @@
 """``make gpu-check`` (``python -m dmltrain.gpu_check``): every GPU path of the project proved in one call.
 
-GPU time comes in short leases, so one command runs, within 8 minutes:
+GPU time comes in short leases (15 minutes, a few of them starting the machine), so one command runs,
+within 7 minutes, the scarcest figures first:
 
-1. ``doctor``: ``dmltrain doctor`` for a one-GPU training (``cluster.use_gpu=true cluster.num_workers=1``);
-2. ``tests``: the suite's CUDA tests (``pytest -m cuda``);
-3. ``classifier``: the fused classifier step at 10⁶×512 with B = 1,024 and 8,192 and at 10⁷×128 with
-   B = 4,096, each at sample ratios 1 and 0.1 (``dmltrain bench classifier``'s runs, one process each);
-4. ``train``: ``dmltrain bench train`` with ResNet-50 at 224 px, bf16, channels_last, B = 128;
-5. ``eval``: ``dmltrain bench eval`` at the SOP test set's size.
+1. ``classifier``: the kernels compiled and tuned once at every width (timed: the first call's cost),
+   then the fused classifier step at 10⁶×512 with B = 1,024 and 8,192 and at 10⁷×128 with B = 4,096,
+   each at sample ratios 1 and 0.1 (forward + backward against the bf16 3-GEMM bound, the optimizer's
+   row update apart, peak memory), and beside each shape the peers in the same call: Cut
+   Cross-Entropy (default filter and exact), Liger-Kernel's fused linear cross-entropy, naive torch
+   where its logits fit (``dmltrain bench classifier``'s jobs, :class:`ClassifierJob`);
+2. ``train``: ``dmltrain bench train`` with ResNet-50 at 224 px, bf16, channels_last, B = 128;
+3. ``eval``: ``dmltrain bench eval`` at the SOP test set's size;
+4. ``doctor``: ``dmltrain doctor`` for a one-GPU training (``cluster.use_gpu=true cluster.num_workers=1``);
+5. ``tests``: the suite's CUDA tests (``pytest -m cuda``), each under its own timeout, each result
+   written as it ends.
 
 Each part runs in child processes (their own process groups) under a time budget; a part over its
 budget is cut (its processes killed) and says so, a part that fails gives its error line, and the
-next part runs either way. The result is ONE table (part, what, figure, its bound or peer measured
-in the same run, ratio, target, verdict), printed as Markdown (to paste into a note or the README),
-and written as JSON with the same rows, each part's status and time, beside a log of every child's
+next part runs either way. Rows are kept as they are measured: the JSON (and its Markdown table) is
+rewritten after every row, so a cut part, or a cut call, keeps what it measured. The result is ONE
+table (part, what, figure, its bound or peer measured in the same run, ratio, target, verdict),
+printed as Markdown (to paste into a note or the README), and written as JSON with the same rows,
+each part's status and time and the torch, Triton and CUDA versions, beside a log of every child's
 output (``--out``: default ``gpu-check/``, files named by the start time).
 
+``--dry-run`` builds every full-size job of every part and checks each against what its child reads
+(the classifier jobs against :class:`~dmltrain.distributed.bench_job.ClassifierJob` and the classifier's
+signature, the bench and doctor command lines against the ``dmltrain`` parser), in seconds, no GPU needed.
 ``--device cpu --tiny`` runs the same parts on the CPU at toy sizes (seconds; the tests use it):
 no targets apply there, its verdicts are ``info``.
 """
@@ -23,31 +34,43 @@ no targets apply there, its verdicts are ``info``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-import xml.etree.ElementTree as ET
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-#: part -> seconds it may take (the whole run: at most TOTAL_BUDGET_S)
-BUDGETS = {"doctor": 60.0, "tests": 120.0, "classifier": 165.0, "train": 70.0, "eval": 55.0}
-TOTAL_BUDGET_S = 470.0
+from dmltrain.distributed.bench_job import CUDA_PEERS, ClassifierJob
+
+#: part -> seconds it may take, in the order they run (the whole run: at most TOTAL_BUDGET_S)
+BUDGETS = {"classifier": 210.0, "train": 60.0, "eval": 50.0, "doctor": 30.0, "tests": 120.0}
+TOTAL_BUDGET_S = 420.0
 PARTS = tuple(BUDGETS)
 GIB = 2**30
+#: seconds one CUDA test may take before pytest-timeout ends it (the rest still run)
+TEST_TIMEOUT_S = 45
 
-#: (classes, dim, batch) of the classifier part; sample ratios
+#: (classes, dim, batch) of the classifier part; sample ratios; the peers measured at each shape
 CLASSIFIER_SHAPES = ((1_000_000, 512, 1024), (1_000_000, 512, 8192), (10_000_000, 128, 4096))
 RATIOS = (1.0, 0.1)
+PEERS = ("cce", "cce_exact", "liger", "naive")
+#: the share of the GPU's memory the naive peer's bf16 logits, their gradient and softmax may take
+NAIVE_MEMORY_SHARE = 0.6
 TINY_SHAPES = ((2000, 16, 32), (3000, 8, 16))
 TINY_RATIOS = (1.0, 0.5)
+#: the warm-up's classes and batch: small, multiples of 16 at both ratios (the integers a launch specialises on)
+WARM_N, WARM_B = 10_240, 64
 #: targets (issue 27 and the README's benchmark table); on CUDA only
 STEP_BOUND_X = 2.0  # step <= 2x the bf16 3-GEMM bound
 MEMORY_EXCESS = GIB  # peak GPU memory <= weight + gradient + optimizer state + 1 GiB
@@ -107,27 +130,46 @@ class Context:
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def child(self, args: Sequence[str], what: str) -> subprocess.CompletedProcess:
+    def child(
+        self, args: Sequence[str], what: str, on_line: Callable[[str], None] | None = None, env: dict | None = None
+    ) -> subprocess.CompletedProcess:
         """Run ``python args...`` in its own process group until the part's deadline; its output goes to the
-        log (and comes back). Over the deadline the whole group is killed and :class:`Cut` raised."""
+        log (and comes back), each line also to ``on_line`` as it arrives. Over the deadline the whole group is
+        killed and :class:`Cut` raised, with what the child printed until then."""
         left = self.left()
         if left <= 0:
             raise Cut(f"no time left for {what}")
         cmd = [sys.executable, *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        lines: list[str] = []
         with open(self.log_path, "a") as log:
             log.write(f"\n===== {what}: {' '.join(cmd)}\n")
             log.flush()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)  # fmt: skip
-            try:
-                out, _ = proc.communicate(timeout=left)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the child and everything it started (loaders, bench runs)
-                out, _ = proc.communicate()
-                log.write(out or "")
-                raise Cut(f"{what} was still running", out or "") from None
-            log.write(out or "")
-        return subprocess.CompletedProcess(cmd, proc.returncode, out or "", "")
+            got: queue.Queue[str | None] = queue.Queue()
+
+            def pump() -> None:
+                for line in proc.stdout:
+                    got.put(line)
+                got.put(None)
+
+            threading.Thread(target=pump, daemon=True).start()
+            while True:
+                try:
+                    line = got.get(timeout=max(0.0, self.left()))
+                except queue.Empty:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the child and everything it started (loaders, bench runs)
+                    proc.wait()
+                    raise Cut(f"{what} was still running", "".join(lines)) from None
+                if line is None:
+                    break
+                lines.append(line)
+                log.write(line)
+                log.flush()
+                if on_line is not None:
+                    on_line(line)
+            proc.wait()
+        return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), "")
 
 
 def _last_error(out: str) -> str:
@@ -143,13 +185,17 @@ def _check(ok: bool, cuda: bool) -> str:
     return ("pass" if ok else "FAIL") if cuda else "info"
 
 
-# -- part 1: dmltrain doctor ---------------------------------------------------------------------------------
-def part_doctor(ctx: Context, rows: list[Row]) -> None:
-    path = ctx.work / "doctor.json"
+# -- dmltrain doctor ---------------------------------------------------------------------------------------
+def doctor_args(ctx: Context, path: Path) -> list[str]:
     overrides = ["cluster.use_gpu=true", "cluster.num_workers=1"] if ctx.cuda else []
     skip = ["--skip", "ray"] if ctx.tiny else []  # a local Ray takes 5-25 s to start on a small CPU machine
+    return ["-m", "dmltrain", "doctor", *overrides, *skip, "--json", str(path)]
+
+
+def part_doctor(ctx: Context, rows: list[Row]) -> None:
+    path = ctx.work / "doctor.json"
     try:
-        proc = ctx.child(["-m", "dmltrain", "doctor", *overrides, *skip, "--json", str(path)], "dmltrain doctor")
+        proc = ctx.child(doctor_args(ctx, path), "dmltrain doctor")
     except Cut as e:  # the lines it printed before the cut still say what works
         rows += doctor_rows(printed_checks(e.output))
         raise
@@ -193,88 +239,197 @@ def doctor_rows(checks: list[dict[str, str]]) -> list[Row]:
     ]
 
 
-# -- part 2: the CUDA tests ---------------------------------------------------------------------------------
-def part_tests(ctx: Context, rows: list[Row]) -> None:
-    xml = ctx.work / "cuda-tests.xml"
+# -- the CUDA tests ----------------------------------------------------------------------------------
+def tests_args(ctx: Context, log: Path) -> tuple[list[str], dict[str, str]]:
+    """pytest's command line (the modules that hold CUDA tests, a timeout per test where pytest-timeout is
+    installed) and the environment that makes ``tests/conftest.py`` write each result to ``log`` as it ends."""
     tests = Path(__file__).resolve().parents[1] / "tests"
     if not tests.is_dir():
         raise RuntimeError(f"no test suite at {tests}: run it from a checkout of the project")
     # only the modules that hold CUDA tests: the others need not even import here (a GPU machine with the
     # bundle lacks the S3 test stack, for one)
     files = [str(p) for p in sorted(tests.glob("test_*.py")) if "mark.cuda" in p.read_text()]
-    args = ["-m", "pytest", *files, *ctx.pytest_args, "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"]
-    proc = ctx.child(args, "pytest " + " ".join(ctx.pytest_args))
-    if not xml.exists():
-        raise RuntimeError(f"pytest wrote no report (exit code {proc.returncode}): {_last_error(proc.stdout)}")
-    rows += test_rows(xml, ctx.cuda)
+    timeout = [f"--timeout={TEST_TIMEOUT_S}"] if _installed("pytest_timeout") else []
+    args = ["-m", "pytest", *files, *ctx.pytest_args, *timeout, "-q", "-p", "no:cacheprovider"]
+    return args, {"DMLTRAIN_TEST_LOG": str(log)}
 
 
-def test_rows(xml: Path, cuda: bool) -> list[Row]:
-    """A summary row from pytest's JUnit XML, and one row per failed or erroring test with its message."""
-    root = ET.parse(xml).getroot()
+def part_tests(ctx: Context, rows: list[Row]) -> None:
+    log = ctx.work / "cuda-tests.jsonl"
+    args, env = tests_args(ctx, log)
+    try:
+        proc = ctx.child(args, "pytest " + " ".join(ctx.pytest_args), env=env)
+    except Cut:
+        rows += test_rows(log, ctx.cuda)  # the tests that ended before the cut
+        raise
+    if not log.exists():
+        raise RuntimeError(f"pytest ran no test (exit code {proc.returncode}): {_last_error(proc.stdout)}")
+    rows += test_rows(log, ctx.cuda)
+
+
+def test_rows(log: Path, cuda: bool) -> list[Row]:
+    """A summary row from the tests' results (``tests/conftest.py`` writes one JSON line per test as it ends),
+    and one row per failed or erroring test with its message."""
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     rows = []
-    for case in root.iter("testcase"):
-        name = f"{case.get('classname', '')}.{case.get('name', '')}".rsplit(".", 2)
-        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
-        if bad is not None:
-            counts["failed" if bad.tag == "failure" else "errors"] += 1
-            message = (bad.get("message") or bad.text or "").strip().splitlines()
-            rows.append(Row("tests", "::".join(name[-2:]), message[0][:150] if message else bad.tag, verdict="FAIL"))
-        elif case.find("skipped") is not None:
-            counts["skipped"] += 1
+    lines = log.read_text().splitlines() if log.exists() else []
+    for r in map(json.loads, filter(None, lines)):
+        if r["outcome"] in ("failed", "error"):
+            counts["failed" if r["outcome"] == "failed" else "errors"] += 1
+            name = "::".join(r["nodeid"].split("/")[-1].removesuffix(".py").split("::")[-2:]).replace(".py", "")
+            rows.append(Row("tests", name, r["message"][:150] or r["outcome"], verdict="FAIL"))
         else:
-            counts["passed"] += 1
+            counts[r["outcome"]] += 1
     figure = ", ".join(f"{v} {k}" for k, v in counts.items())
     ok = counts["failed"] == counts["errors"] == 0 and counts["passed"] > 0
     summary = Row("tests", "pytest -m cuda", figure, target="all pass, at least one ran", verdict=_check(ok, cuda))
     return [summary, *rows]
 
 
-# -- part 3: the fused classifier ---------------------------------------------------------------------------
+# -- the fused classifier -----------------------------------------------------------------------------
 def _sci(n: int) -> str:
     e = len(str(n)) - 1
     return f"10^{e}" if n == 10**e else f"{n:,}"
 
 
-def classifier_job(ctx: Context, N: int, D: int, B: int, R: float) -> dict[str, Any]:
-    """The job of ``dmltrain bench classifier`` (:mod:`~dmltrain.distributed.bench_runs`) for one shape and ratio."""
-    job = dict(role="ours", device=ctx.device, N=N, D=D, B=B, W=1, R=R, steps=2 if ctx.tiny else 3, kind="normsoftmax")
-    job |= dict(optimizer="sgd", budget=256.0, precision="auto" if ctx.cuda else "fp32", storage="fp32")
-    return job
+def _shapes(ctx: Context) -> tuple[tuple[tuple[int, int, int], ...], tuple[float, ...]]:
+    return (TINY_SHAPES, TINY_RATIOS) if ctx.tiny else (CLASSIFIER_SHAPES, RATIOS)
+
+
+def classifier_job(ctx: Context, N: int, D: int, B: int, R: float, peer: str = "") -> ClassifierJob:
+    """The ``dmltrain bench classifier`` job of one shape and ratio, ours or ``peer``'s."""
+    precision = "auto" if ctx.cuda else "fp32"
+    role = "peer" if peer else "ours"
+    return ClassifierJob(role, ctx.device, N, D, B, steps=2 if ctx.tiny else 3, R=R, precision=precision, peer=peer)
+
+
+def warm_jobs(ctx: Context) -> list[ClassifierJob]:
+    """One step at a small size for every width and ratio of the part: every kernel its jobs launch is compiled
+    (the same specialisation: the sizes are multiples of 16) and tuned once, before any timed job."""
+    shapes, ratios = _shapes(ctx)
+    widths = sorted({D for _, D, _ in shapes})
+    return [classifier_job(ctx, WARM_N, D, WARM_B, R).replace(steps=1) for D in widths for R in ratios]
+
+
+def peer_jobs(ctx: Context, N: int, D: int, B: int, memory: int) -> list[ClassifierJob]:
+    """The peers at one shape on CUDA (``memory``: the GPU's bytes), naive torch only where its logits fit."""
+    if not ctx.cuda:
+        return []
+    names = [p for p in PEERS if p != "naive" or 3 * 2 * B * N <= NAIVE_MEMORY_SHARE * memory]
+    return [classifier_job(ctx, N, D, B, 1.0, peer=p) for p in names]
+
+
+@dataclass(frozen=True)
+class Child:
+    """One child process of the classifier part: the jobs it runs in turn; ``warm``: the warm-up, whose
+    results make one row of its time rather than rows of their own."""
+
+    what: str
+    jobs: tuple[ClassifierJob, ...]
+    warm: bool = False
+
+
+def classifier_plan(ctx: Context, memory: int) -> list[Child]:
+    """The part's children in order: the warm-up, then per shape each ratio (a process each: its peak memory
+    its own) and the peers (one process)."""
+    shapes, ratios = _shapes(ctx)
+    plan = [Child("warm-up: kernels compiled and tuned", tuple(warm_jobs(ctx)), warm=True)]
+    for N, D, B in shapes:
+        shape = f"{_sci(N)}x{D} B={B:,}"
+        plan += [Child(f"{shape} R={R:g}", (classifier_job(ctx, N, D, B, R),)) for R in ratios]
+        peers = peer_jobs(ctx, N, D, B, memory)
+        if peers:
+            plan.append(Child(f"{shape} peers", tuple(peers)))
+    return plan
+
+
+def _gpu_memory(ctx: Context) -> int:
+    if not ctx.cuda:
+        return 0
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
 
 
 def part_classifier(ctx: Context, rows: list[Row]) -> None:
-    shapes, ratios = (TINY_SHAPES, TINY_RATIOS) if ctx.tiny else (CLASSIFIER_SHAPES, RATIOS)
-    for N, D, B in shapes:
-        shape = f"{_sci(N)}x{D} B={B:,}"
-        done: dict[float, dict[str, Any]] = {}
-        for R in ratios:
-            job = classifier_job(ctx, N, D, B, R)
-            proc = ctx.child(["-m", "dmltrain.distributed.bench_runs", json.dumps(job)], f"classifier {shape} R={R:g}")
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            res = json.loads(lines[-1]) if proc.returncode == 0 and lines else {"error": _last_error(proc.stdout)}
-            if "error" in res:
-                rows.append(Row("classifier", f"{shape} R={R:g}", res["error"], verdict="error"))
-                continue
-            done[R] = res
-            rows += classifier_rows(shape, R, res, ctx.cuda)
-        if ratios[0] in done:
-            for R in ratios[1:]:
-                if R in done:
-                    base, r = done[ratios[0]]["step"], done[R]["step"]
-                    rows.append(Row("classifier", f"{shape} R={R:g} vs R={ratios[0]:g}", f"step {1e3 * r:.1f} ms",
-                                    f"R={ratios[0]:g}: {1e3 * base:.1f} ms", base / r, f">= {SUBSAMPLE_SPEEDUP:g}x faster" if ctx.cuda else "",
-                                    _check(base / r >= SUBSAMPLE_SPEEDUP, ctx.cuda)))  # fmt: skip
+    """Each child of :func:`classifier_plan` in turn, the rows of each job as its result line arrives."""
+    base_R = _shapes(ctx)[1][0]
+    ours: dict[tuple[int, int, int], dict[float, dict[str, Any]]] = {}
+    for child in classifier_plan(ctx, _gpu_memory(ctx)):
+        results: list[dict[str, Any]] = []
+
+        def on_line(line: str, child: Child = child, results: list = results) -> None:
+            if not line.startswith("{") or len(results) == len(child.jobs):
+                return
+            job, res = child.jobs[len(results)], json.loads(line)
+            results.append(res)
+            mine = ours.setdefault((job.N, job.D, job.B), {})
+            if job.role == "ours":
+                mine[job.R] = res
+            if not child.warm:
+                rows.extend(job_rows(job, res, mine, ctx.cuda))
+                if job.role == "ours" and job.R != base_R:
+                    rows.extend(speedup_rows(job, mine, base_R, ctx.cuda))
+
+        t0 = time.monotonic()
+        args = ["-m", "dmltrain.distributed.bench_runs", *(j.to_json() for j in child.jobs)]
+        proc = ctx.child(args, f"classifier {child.what}", on_line=on_line)
+        failed = len(results) < len(child.jobs) or any("error" in r for r in results)
+        if child.warm:
+            widths = ", ".join(str(D) for D in sorted({j.D for j in child.jobs}))
+            ratios = ", ".join(sorted({f"{j.R:g}" for j in child.jobs}))
+            figure = _first_error(results, proc.stdout) if failed else f"{time.monotonic() - t0:.0f} s"
+            rows.append(Row("classifier", f"{child.what} (D = {widths}; R = {ratios})", figure,
+                            verdict="error" if failed else "info"))  # fmt: skip
+        elif len(results) < len(child.jobs):
+            rows.append(Row("classifier", child.what, _first_error(results, proc.stdout), verdict="error"))
+
+
+def _first_error(results: list[dict[str, Any]], out: str) -> str:
+    errors = [r["error"] for r in results if "error" in r]
+    return errors[0] if errors else f"the child stopped early: {_last_error(out)}"
+
+
+def job_rows(job: ClassifierJob, res: dict[str, Any], ours: dict[float, dict[str, Any]], cuda: bool) -> list[Row]:
+    """The rows of one job's result: ours against its bound (:func:`classifier_rows`), a peer against ours."""
+    shape = f"{_sci(job.N)}x{job.D} B={job.B:,}"
+    if job.role == "ours":
+        if "error" in res:
+            return [Row("classifier", f"{shape} R={job.R:g}", res["error"], verdict="error")]
+        return classifier_rows(shape, job.R, res, cuda)
+    label = CUDA_PEERS[job.peer][1] if job.peer in CUDA_PEERS else job.peer
+    what = f"{shape} peer {label}"
+    if "absent" in res:
+        return [Row("classifier", what, f"absent: {res['absent']}", verdict="info")]
+    if "error" in res:
+        return [Row("classifier", what, res["error"], verdict="error")]
+    mine = ours.get(1.0)
+    ref = f"ours R=1 forward + backward {1e3 * mine['fwd_bwd']:.1f} ms" if mine else "ours R=1 not measured"
+    ratio = res["fwd_bwd"] / mine["fwd_bwd"] if mine else None
+    figure = f"forward + backward {1e3 * res['fwd_bwd']:.1f} ms, peak {res.get('peak_gpu', 0) / GIB:.2f} GiB"
+    return [Row("classifier", what, figure, ref, ratio, "info: peer / ours")]
+
+
+def speedup_rows(job: ClassifierJob, ours: dict[float, dict[str, Any]], base_R: float, cuda: bool) -> list[Row]:
+    """Ratio ``job.R`` against ``base_R``: the whole step (optimizer included) per ratio."""
+    if base_R not in ours or job.R not in ours or "error" in ours[base_R] or "error" in ours[job.R]:
+        return []
+    shape = f"{_sci(job.N)}x{job.D} B={job.B:,}"
+    base, r = ours[base_R]["step"], ours[job.R]["step"]
+    return [Row("classifier", f"{shape} R={job.R:g} vs R={base_R:g}", f"step {1e3 * r:.1f} ms", f"R={base_R:g}: {1e3 * base:.1f} ms",
+                base / r, f">= {SUBSAMPLE_SPEEDUP:g}x faster" if cuda else "", _check(base / r >= SUBSAMPLE_SPEEDUP, cuda))]  # fmt: skip
 
 
 def classifier_rows(shape: str, R: float, res: dict[str, Any], cuda: bool) -> list[Row]:
-    """Step time against the 3-GEMM bound of the same run; on CUDA peak memory against the state it holds."""
+    """Forward + backward against the 3-GEMM bound of the same run (the bound has no optimizer step, so neither
+    has the figure), the optimizer's row update apart; on CUDA peak memory against the state it holds."""
     what = f"{shape} R={R:g}"
-    step, gemm = res["step"], res["gemm"]
+    fb, gemm = res["fwd_bwd"], res["gemm"]
     kind = "bf16 3-GEMM bound" if cuda else "fp32 3-GEMM"
-    rows = [Row("classifier", f"{what} step", f"{1e3 * step:.1f} ms", f"{kind} {1e3 * gemm:.1f} ms", step / gemm,
-                f"<= {STEP_BOUND_X:g}x" if cuda else "", _check(step <= STEP_BOUND_X * gemm, cuda))]  # fmt: skip
+    rows = [Row("classifier", f"{what} forward + backward", f"{1e3 * fb:.1f} ms", f"{kind} {1e3 * gemm:.1f} ms", fb / gemm,
+                f"<= {STEP_BOUND_X:g}x" if cuda else "", _check(fb <= STEP_BOUND_X * gemm, cuda)),
+            Row("classifier", f"{what} optimizer row update", f"{1e3 * res['optimizer']:.1f} ms",
+                f"forward + backward {1e3 * fb:.1f} ms", res["optimizer"] / fb)]  # fmt: skip
     if cuda and "peak_gpu" in res:
         state = 2 * res["param_bytes"] + res["opt_bytes"]  # weight, its gradient, optimizer state
         peak = res["peak_gpu"]
@@ -284,7 +439,7 @@ def classifier_rows(shape: str, R: float, res: dict[str, Any], cuda: bool) -> li
     return rows
 
 
-# -- part 4: the training step ------------------------------------------------------------------------------
+# -- the training step --------------------------------------------------------------------------------------
 def train_args(ctx: Context, path: Path) -> list[str]:
     if ctx.tiny:
         sizes = ["--backbone", "small_cnn", "--image-size", "32", "--batch", "16", "--precision", "fp32"]
@@ -314,7 +469,7 @@ def train_rows(f: dict[str, Any], cuda: bool, what: str) -> list[Row]:
     ]  # fmt: skip
 
 
-# -- part 5: evaluation -------------------------------------------------------------------------------------
+# -- evaluation ---------------------------------------------------------------------------------------------
 def eval_args(ctx: Context, path: Path) -> list[str]:
     sizes = ["--n", "400", "--dim", "32", "--binary-dim", "64", "--nmi-iters", "2", "--ks", "1,10"] if ctx.tiny else []
     # the faiss index timings are a CPU figure (faiss-cpu on the GPU machine) and minutes long: not a GPU check
@@ -350,12 +505,85 @@ def eval_rows(f: dict[str, Any], cuda: bool) -> list[Row]:
 
 #: each part appends its rows as it measures them, so a part cut half-way keeps what it measured
 RUNNERS: dict[str, Callable[[Context, list[Row]], None]] = {
-    "doctor": part_doctor,
-    "tests": part_tests,
     "classifier": part_classifier,
     "train": part_train,
     "eval": part_eval,
+    "doctor": part_doctor,
+    "tests": part_tests,
 }
+
+
+class Rows(list):
+    """The table's rows; every addition is passed to ``on_add`` (which rewrites the JSON), so nothing measured
+    waits for the end of the call."""
+
+    def __init__(self, on_add: Callable[[], None] = lambda: None) -> None:
+        super().__init__()
+        self.on_add = on_add
+
+    def append(self, row: Row) -> None:
+        super().append(row)
+        self.on_add()
+
+    def extend(self, rows: Iterable[Row]) -> None:
+        super().extend(rows)
+        self.on_add()
+
+    def __iadd__(self, rows: Iterable[Row]) -> Rows:
+        self.extend(rows)
+        return self
+
+
+# -- the dry run ----------------------------------------------------------------------------------------
+def dry_run_rows(ctx: Context) -> list[Row]:
+    """Every job of every part at the size it would run, checked against what its child reads, nothing run:
+    each classifier job through the child's JSON reader and into the classifier's signature (the arguments
+    :func:`~dmltrain.distributed.bench_runs.classifier_kwargs` takes from it), each command line through the
+    ``dmltrain`` parser, pytest's files and plugins. One row per job: ``pass`` or ``FAIL`` with what is wrong."""
+    import inspect
+
+    from dmltrain.distributed import bench_runs
+    from dmltrain.distributed.sharded_softmax import ShardedClassifier
+
+    rows = []
+    signature = inspect.signature(ShardedClassifier)
+    for child in classifier_plan(ctx, memory=80 * GIB):
+        for job in child.jobs:
+            what = f"{child.what}: {job.role}{' ' + job.peer if job.peer else ''} R={job.R:g}"
+            try:
+                read = ClassifierJob.from_json(job.to_json())
+                if read.role == "ours":
+                    signature.bind(read.N, read.D, **bench_runs.classifier_kwargs(read))
+                problem = "" if read == job else "the child reads another job"
+            except (ValueError, TypeError, KeyError, AttributeError) as e:
+                problem = f"{type(e).__name__}: {e}"
+            rows.append(Row("classifier", what, job.to_json() if not problem else problem, verdict="FAIL" if problem else "pass"))  # fmt: skip
+    work = ctx.work
+    for part, argv in (("train", train_args(ctx, work / "t.json")), ("eval", eval_args(ctx, work / "e.json")),
+                       ("doctor", doctor_args(ctx, work / "d.json"))):  # fmt: skip
+        rows.append(Row(part, " ".join(argv[1:4]), *_parse_problem(argv[2:])))
+    args, _ = tests_args(ctx, work / "t.jsonl")
+    files = [a for a in args if a.endswith(".py")]
+    timeout = any(a.startswith("--timeout") for a in args)
+    problem = "" if files else "no test module holds a CUDA test"
+    rows.append(Row("tests", f"pytest {len(files)} modules" + (f", --timeout={TEST_TIMEOUT_S}" if timeout else ""),
+                    problem or " ".join(Path(f).name for f in files), verdict="FAIL" if problem else "pass"))  # fmt: skip
+    return rows
+
+
+def _parse_problem(argv: list[str]) -> tuple[str, str, None, str, str]:
+    """(figure, reference, ratio, target, verdict) of one ``dmltrain`` command line through the real parser."""
+    from dmltrain import bench, cli
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = cli.parse(argv)
+            if args.command == "bench":  # a benchmark parses its own options
+                bench.bench_parser(args.bench).parse_args(args.bench_args)
+    except SystemExit:
+        return _last_error(err.getvalue()), "", None, "", "FAIL"
+    return " ".join(argv), "", None, "", "pass"
 
 
 # -- the run ------------------------------------------------------------------------------------------------
@@ -364,16 +592,20 @@ def run_parts(
     parts: Sequence[str],
     budgets: dict[str, float],
     total_s: float,
-    runners: dict[str, Callable[[Context, list[Row]], None]] = RUNNERS,
+    runners: dict[str, Callable[[Context, list[Row]], None]] | None = None,
     echo: Callable[[str], None] = print,
+    rows: list[Row] | None = None,
+    results: list[PartResult] | None = None,
 ) -> tuple[list[Row], list[PartResult]]:
     """Each part in turn under ``min(its budget, what is left of total_s)``; rows of a cut or failed part are
-    kept up to where it stopped, with a row saying so."""
+    kept up to where it stopped, with a row saying so. ``rows`` and ``results`` (when given) are filled as
+    the parts go, each row as its part measures it."""
     from dmltrain.text import one_line
 
+    runners = RUNNERS if runners is None else runners
     start = time.monotonic()
-    rows: list[Row] = []
-    results: list[PartResult] = []
+    rows = [] if rows is None else rows
+    results = [] if results is None else results
     for name in parts:
         budget = min(budgets[name], total_s - (time.monotonic() - start))
         res = PartResult(name, budget_s=budget)
@@ -386,15 +618,13 @@ def run_parts(
         echo(f"gpu-check: {name} (at most {budget:.0f} s) ...")
         t0 = time.monotonic()
         ctx.deadline = t0 + budget
-        got: list[Row] = []
         try:
-            runners[name](ctx, got)
+            runners[name](ctx, rows)
         except Cut as e:
             res.status, res.error = "cut", f"cut after {time.monotonic() - t0:.0f} s (its budget): {e}"
         except Exception as e:  # noqa: BLE001 — a broken part is a row of the table; the next part still runs
             res.status, res.error = "error", one_line(e)
         res.seconds = time.monotonic() - t0
-        rows += got
         if res.status != "done":
             rows.append(Row(name, "(part)", res.error, verdict=res.status))
         echo(f"gpu-check: {name}: {res.status} in {res.seconds:.0f} s" + (f": {res.error}" if res.error else ""))
@@ -420,6 +650,27 @@ def device_name(device: str) -> str:
     return f"cpu ({os.cpu_count()} cores)"
 
 
+def versions() -> dict[str, str]:
+    """torch, its CUDA build, Triton and the peers the check ran with (``absent`` for one not installed)."""
+    from importlib import metadata
+
+    import torch
+
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda or "none"}
+    for name in ("triton", "cut-cross-entropy", "liger-kernel"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", default="cuda", choices=["cuda", "cpu"], help="cuda (default); cpu with --tiny for a dry run"
@@ -436,6 +687,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", default=None, help="the JSON's path (default: OUT/gpu-check-<start>.json)")
     parser.add_argument("--pytest-args", default="-m cuda", help="what the tests part passes to pytest (default '-m cuda')")  # fmt: skip
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build every job of every part at full size and check it against what its child reads; "
+                             "run nothing (seconds, no GPU)")  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -454,7 +708,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             budgets[name] = float(value)
         except ValueError:
             parser.error(f"--budget {item}: expected PART=SECONDS with PART one of {', '.join(PARTS)}")
-    parts = [p for p in (args.only or PARTS) if p not in args.skip]
+    parts = [p for p in PARTS if p in (args.only or PARTS) and p not in args.skip]  # always in PARTS' order
+    if args.dry_run:
+        with tempfile.TemporaryDirectory(prefix="dmltrain-gpu-check-") as tmp:
+            rows = dry_run_rows(Context(args.device, args.tiny, Path(tmp), Path(tmp) / "log", args.pytest_args.split()))
+        rows = [r for r in rows if r.part in parts]
+        print(table(rows))
+        failed = [r for r in rows if r.verdict == "FAIL"]
+        print(f"gpu-check --dry-run: {len(rows)} jobs, {len(failed)} that their child would refuse", flush=True)
+        return 1 if failed else 0
     try:
         out = check_output_dir(args.out, "--out")
     except UserError as e:
@@ -466,25 +728,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
     device = device_name(args.device)
-    print(f"gpu-check: {args.device} ({device}){', tiny sizes' if args.tiny else ''}; parts {', '.join(parts)}; "
+    report: dict[str, Any] = {
+        "device": args.device,
+        "device_name": device,
+        "versions": versions(),
+        "tiny": args.tiny,
+        "started": datetime.fromtimestamp(started).isoformat(timespec="seconds"),
+        "total_budget_s": args.total,
+    }
+    stack = ", ".join(f"{k} {v}" for k, v in report["versions"].items())
+    results: list[PartResult] = []
+
+    def save() -> None:  # after every row: a cut call keeps what it measured
+        report.update(
+            {
+                "seconds": time.time() - started,
+                "parts": [asdict(r) for r in results],
+                "rows": [asdict(r) for r in rows],
+            }
+        )
+        write_json(json_path, report)
+        write_text(
+            json_path.with_suffix(".md"),
+            f"`make gpu-check` on {device} ({stack}), {report['started']}\n\n{table(rows)}\n",
+        )
+
+    rows = Rows(save)
+    print(f"gpu-check: {args.device} ({device}; {stack}){', tiny sizes' if args.tiny else ''}; parts {', '.join(parts)}; "
           f"at most {args.total:.0f} s; log {log_path}", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="dmltrain-gpu-check-") as tmp:
         ctx = Context(args.device, args.tiny, Path(tmp), log_path, args.pytest_args.split())
-        rows, results = run_parts(ctx, parts, budgets, args.total, echo=lambda s: print(s, flush=True))
-    text = table(rows)
-    print(text)
-    report = {
-        "device": args.device,
-        "device_name": device,
-        "tiny": args.tiny,
-        "started": datetime.fromtimestamp(started).isoformat(timespec="seconds"),
-        "seconds": time.time() - started,
-        "total_budget_s": args.total,
-        "parts": [asdict(r) for r in results],
-        "rows": [asdict(r) for r in rows],
-    }
-    write_json(json_path, report)
-    write_text(json_path.with_suffix(".md"), f"`make gpu-check` on {device}, {report['started']}\n\n{text}\n")
+        run_parts(ctx, parts, budgets, args.total, echo=lambda s: print(s, flush=True), rows=rows, results=results)
+    save()
+    print(table(rows))
     failed = [r for r in rows if r.verdict in ("FAIL", "error", "cut")]
     print(f"gpu-check: {len(rows)} rows, {len(failed)} failed, cut or broken; {time.time() - started:.0f} s; "
           f"{json_path} and {json_path.with_suffix('.md')}", flush=True)  # fmt: skip

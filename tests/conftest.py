@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -38,6 +39,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """With ``DMLTRAIN_TEST_LOG`` set (``make gpu-check``'s tests part), one JSON line per test appended to that
+    file as the test ends (``nodeid``, ``outcome``: passed, failed, error or skipped, ``message``), so a run
+    cut short still tells what ran."""
+    path = os.environ.get("DMLTRAIN_TEST_LOG")
+    if not path or not (report.when == "call" or report.outcome != "passed"):
+        return
+    outcome = report.outcome if report.when == "call" or report.skipped else "error"
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:
+        message = crash.message
+    elif isinstance(report.longrepr, tuple):  # a skip: (file, line, reason)
+        message = report.longrepr[2]
+    else:
+        message = str(report.longrepr or "")
+    line = {"nodeid": report.nodeid, "outcome": outcome, "message": message.strip().split("\n")[0][:300]}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 @pytest.fixture

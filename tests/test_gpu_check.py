@@ -14,42 +14,76 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from dmltrain import gpu_check as gc
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_rows_from_pytest_junit_report(tmp_path):
-    xml = tmp_path / "r.xml"
-    xml.write_text(
-        """<?xml version="1.0"?><testsuites><testsuite>
-        <testcase classname="tests.test_a" name="test_ok"/>
-        <testcase classname="tests.test_a" name="test_bad"><failure message="assert 1 == 2&#10;more">tb</failure></testcase>
-        <testcase classname="tests.test_b" name="test_skip[cuda]"><skipped message="needs a CUDA device"/></testcase>
-        <testcase classname="tests.test_b" name="test_err"><error message="fixture broke">tb</error></testcase>
-        </testsuite></testsuites>"""
-    )
-    summary, bad, err = gc.test_rows(xml, cuda=True)
+def test_rows_from_the_tests_log(tmp_path):
+    log = tmp_path / "r.jsonl"
+    lines = [{"nodeid": "tests/test_a.py::test_ok", "outcome": "passed", "message": ""},
+             {"nodeid": "tests/test_a.py::test_bad", "outcome": "failed", "message": "assert 1 == 2"},
+             {"nodeid": "tests/test_b.py::test_skip[cuda]", "outcome": "skipped", "message": "needs a CUDA device"},
+             {"nodeid": "tests/test_b.py::test_err", "outcome": "error", "message": "fixture broke"}]  # fmt: skip
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary, bad, err = gc.test_rows(log, cuda=True)
     assert summary.figure == "1 passed, 1 failed, 1 errors, 1 skipped" and summary.verdict == "FAIL"
     assert (bad.what, bad.figure, bad.verdict) == ("test_a::test_bad", "assert 1 == 2", "FAIL")
     assert (err.what, err.figure) == ("test_b::test_err", "fixture broke")
-    xml.write_text('<testsuites><testsuite><testcase classname="t" name="a"/></testsuite></testsuites>')
-    assert gc.test_rows(xml, cuda=True)[0].verdict == "pass" and gc.test_rows(xml, cuda=False)[0].verdict == "info"
+    log.write_text(json.dumps(lines[0]) + "\n")
+    assert gc.test_rows(log, cuda=True)[0].verdict == "pass" and gc.test_rows(log, cuda=False)[0].verdict == "info"
+    (missing,) = gc.test_rows(tmp_path / "none.jsonl", cuda=True)  # cut before any test ended
+    assert missing.figure.startswith("0 passed") and missing.verdict == "FAIL"
 
 
 def test_classifier_rows_hold_each_figure_to_its_target():
     gib = 2**30
-    res = {"step": 0.009, "gemm": 0.005, "peak_gpu": 4.5 * gib, "param_bytes": gib, "opt_bytes": 2 * gib}
-    step, memory = gc.classifier_rows("10^6x512 B=1,024", 1.0, res, cuda=True)
-    assert (step.figure, step.reference, step.target, step.verdict) == (
-        "9.0 ms", "bf16 3-GEMM bound 5.0 ms", "<= 2x", "pass")  # fmt: skip
+    res = {"fwd_bwd": 0.009, "optimizer": 0.003, "step": 0.012, "gemm": 0.005, "peak_gpu": 4.5 * gib,
+           "param_bytes": gib, "opt_bytes": 2 * gib}  # fmt: skip
+    step, optimizer, memory = gc.classifier_rows("10^6x512 B=1,024", 1.0, res, cuda=True)
+    # forward + backward against the 3-GEMM bound, which holds no optimizer step: 9 ms, not the step's 12
+    assert (step.what, step.figure, step.reference, step.target, step.verdict) == (
+        "10^6x512 B=1,024 R=1 forward + backward", "9.0 ms", "bf16 3-GEMM bound 5.0 ms", "<= 2x", "pass")  # fmt: skip
     assert step.ratio == pytest.approx(1.8)
+    assert optimizer.figure == "3.0 ms" and optimizer.verdict == "info" and optimizer.ratio == pytest.approx(1 / 3)
     assert memory.figure == "4.50 GiB" and memory.reference == "weight+grad+state 4.00 GiB" and memory.verdict == "pass"
-    slow = gc.classifier_rows("s", 1.0, {**res, "step": 0.011, "peak_gpu": 5.5 * gib}, cuda=True)
-    assert [r.verdict for r in slow] == ["FAIL", "FAIL"]
-    (cpu,) = gc.classifier_rows("s", 1.0, {"step": 0.3, "gemm": 0.1}, cuda=False)
-    assert cpu.verdict == "info" and cpu.target == "" and cpu.reference == "fp32 3-GEMM 100.0 ms"
+    slow = gc.classifier_rows("s", 1.0, {**res, "fwd_bwd": 0.011, "peak_gpu": 5.5 * gib}, cuda=True)
+    assert [r.verdict for r in slow] == ["FAIL", "info", "FAIL"]
+    cpu = gc.classifier_rows("s", 1.0, {"fwd_bwd": 0.3, "optimizer": 0.1, "gemm": 0.1}, cuda=False)
+    assert (
+        [r.verdict for r in cpu] == ["info", "info"]
+        and cpu[0].target == ""
+        and cpu[0].reference == "fp32 3-GEMM 100.0 ms"
+    )
+
+
+def test_peer_rows_stand_beside_ours_or_say_they_are_absent():
+    job = gc.ClassifierJob("peer", "cuda", 10**6, 512, 1024, peer="cce")
+    ours = {1.0: {"fwd_bwd": 0.010}}
+    (row,) = gc.job_rows(job, {"fwd_bwd": 0.025, "peak_gpu": 2**30}, ours, cuda=True)
+    assert row.what == "10^6x512 B=1,024 peer Cut Cross-Entropy (bf16, its default gradient filter)"
+    assert row.figure == "forward + backward 25.0 ms, peak 1.00 GiB" and row.ratio == pytest.approx(2.5)
+    assert row.reference == "ours R=1 forward + backward 10.0 ms"
+    (absent,) = gc.job_rows(job, {"absent": "cut_cross_entropy is not installed"}, ours, cuda=True)
+    assert absent.figure == "absent: cut_cross_entropy is not installed" and absent.verdict == "info"
+    (oom,) = gc.job_rows(job.replace(peer="naive"), {"error": "out of memory"}, ours, cuda=True)
+    assert oom.verdict == "error"
+
+
+def test_the_plan_measures_the_scarcest_figures_first():
+    ctx = gc.Context("cuda", False, Path("."), Path("log"))
+    assert gc.PARTS == ("classifier", "train", "eval", "doctor", "tests")
+    assert sum(gc.BUDGETS.values()) >= gc.TOTAL_BUDGET_S  # the last part takes what is left
+    plan = gc.classifier_plan(ctx, memory=80 * 2**30)
+    assert plan[0].warm and {(j.D, j.R) for j in plan[0].jobs} == {(128, 1.0), (128, 0.1), (512, 1.0), (512, 0.1)}
+    assert all(j.N % 16 == 0 and round(j.N * j.R) % 16 == 0 and j.B % 16 == 0 for j in plan[0].jobs)
+    assert [c.what for c in plan[1:4]] == ["10^6x512 B=1,024 R=1", "10^6x512 B=1,024 R=0.1", "10^6x512 B=1,024 peers"]
+    assert [j.peer for j in plan[3].jobs] == ["cce", "cce_exact", "liger", "naive"]
+    # naive torch holds B x N bf16 logits: not at 10^7 x 4,096 (82 GB) on an 80 GB GPU
+    assert [j.peer for j in plan[-1].jobs] == ["cce", "cce_exact", "liger"]
+    assert all(j.precision == "auto" and j.device == "cuda" for c in plan for j in c.jobs)
 
 
 def test_eval_and_train_rows():
@@ -113,8 +147,8 @@ def test_a_part_over_its_budget_is_cut_and_the_next_part_runs(tmp_path):
 
 
 def test_tiny_cpu_run_prints_one_table_and_writes_its_json(tmp_path, monkeypatch, capsys):
-    """The real parts on toy sizes: the CUDA tests (all skipped here), the classifier's bench runs (fresh
-    processes) and the eval bench."""
+    """The real parts on toy sizes, in the plan's order: the classifier's bench runs (fresh processes, the
+    warm-up first), the eval bench and the CUDA tests (all skipped here, each written to the log as it ends)."""
     monkeypatch.setattr(gc, "TINY_SHAPES", ((2000, 16, 32),))
     paths = [str(REPO), os.environ.get("PYTHONPATH")]  # the children import this checkout
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
@@ -125,15 +159,78 @@ def test_tiny_cpu_run_prints_one_table_and_writes_its_json(tmp_path, monkeypatch
     assert printed.count("| part | what |") == 1
     report = json.loads((out / "r.json").read_text())
     assert [(p["name"], p["status"]) for p in report["parts"]] == [
-        ("tests", "done"), ("classifier", "done"), ("eval", "done")]  # fmt: skip
-    tests = report["rows"][0]
-    assert tests["what"] == "pytest -m cuda" and tests["figure"].startswith("0 passed, 0 failed, 0 errors, ")
+        ("classifier", "done"), ("eval", "done"), ("tests", "done")]  # fmt: skip
     whats = [r["what"] for r in report["rows"]]
-    assert whats[1:4] == ["2,000x16 B=32 R=1 step", "2,000x16 B=32 R=0.5 step", "2,000x16 B=32 R=0.5 vs R=1"]
+    assert whats[0] == "warm-up: kernels compiled and tuned (D = 16; R = 0.5, 1)"
+    assert whats[1:6] == ["2,000x16 B=32 R=1 forward + backward", "2,000x16 B=32 R=1 optimizer row update",
+                          "2,000x16 B=32 R=0.5 forward + backward", "2,000x16 B=32 R=0.5 optimizer row update",
+                          "2,000x16 B=32 R=0.5 vs R=1"]  # fmt: skip
     assert "n=400 D=32 Recall@K" in whats and "binary 64 bits (native)" in whats
+    tests = report["rows"][whats.index("pytest -m cuda")]
+    assert tests["figure"].startswith("0 passed, 0 failed, 0 errors, ") and not tests["figure"].endswith(" 0 skipped")
     assert all(r["verdict"] == "info" for r in report["rows"]) and report["tiny"] and report["device"] == "cpu"
-    assert (out / "r.md").read_text().count("| classifier |") == 3
+    assert report["versions"]["torch"] and report["versions"]["triton"]
+    assert (out / "r.md").read_text().count("| classifier |") == 6
     assert "bench_runs" in (out / "r.log").read_text()
+
+
+def test_rows_reach_the_json_as_they_are_measured(tmp_path, monkeypatch):
+    """A part cut half-way (or a call killed) keeps what it measured on disk: the JSON is rewritten per row."""
+    seen = []
+
+    def measures_then_hangs(ctx, rows):
+        rows.append(gc.Row("classifier", "first shape", "5 ms"))
+        seen.append(json.loads((tmp_path / "r.json").read_text())["rows"])
+        raise gc.Cut("the second shape was still running")
+
+    monkeypatch.setitem(gc.RUNNERS, "classifier", measures_then_hangs)
+    code = gc.main(
+        ["--device", "cpu", "--only", "classifier", "--out", str(tmp_path), "--json", str(tmp_path / "r.json")]
+    )
+    assert code == 1
+    assert [r["what"] for r in seen[0]] == ["first shape"]  # on disk before the part ended
+    final = json.loads((tmp_path / "r.json").read_text())
+    assert [(r["what"], r["verdict"]) for r in final["rows"]] == [("first shape", "info"), ("(part)", "cut")]
+
+
+def test_dry_run_checks_every_full_size_job_against_what_its_child_reads(monkeypatch, capsys):
+    """Every job of the real (CUDA, full-size) plan goes through the child's reader and into the classifier's
+    signature, with the CUDA-only keys: the check that a missing job key (it once lacked ``deterministic``)
+    fails here, on a CPU, rather than in every job of a lent GPU's window."""
+    assert gc.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "gpu-check --dry-run: 25 jobs, 0 that their child would refuse" in out
+    assert '"N": 10000000, "D": 128, "B": 4096' in out and '"deterministic": false' in out
+    doctor = (
+        "| doctor | dmltrain doctor cluster.use_gpu=true | doctor cluster.use_gpu=true cluster.num_workers=1 --json"
+    )
+    for line in ("| train | dmltrain bench train | bench train --device cuda --backbone resnet50",
+                 "| eval | dmltrain bench eval | bench eval --device cuda", doctor):  # fmt: skip
+        assert line in out
+
+    from dmltrain.distributed import bench_runs
+
+    reads = bench_runs.classifier_kwargs  # a child that reads a key the job does not carry
+    monkeypatch.setattr(bench_runs, "classifier_kwargs", lambda job: {**reads(job), "bias": job.bias})
+    assert gc.main(["--dry-run", "--only", "classifier"]) == 1
+    assert "AttributeError: 'ClassifierJob' object has no attribute 'bias'" in capsys.readouterr().out
+    monkeypatch.setattr(gc, "train_args", lambda ctx, path: ["-m", "dmltrain", "bench", "train", "--no-such-flag"])
+    assert gc.main(["--dry-run", "--only", "train"]) == 1
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().out
+
+
+def test_a_job_json_with_a_missing_or_unknown_key_is_refused_in_one_line():
+    job = gc.ClassifierJob("ours", "cuda", 10**6, 512, 1024)
+    assert gc.ClassifierJob.from_json(job.to_json()) == job
+    data = json.loads(job.to_json())
+    with pytest.raises(ValueError, match="classifier job: missing key 'D'"):
+        gc.ClassifierJob.from_json(json.dumps({k: v for k, v in data.items() if k != "D"}))
+    with pytest.raises(ValueError, match="classifier job: unknown key 'determinstic'"):
+        gc.ClassifierJob.from_json(json.dumps({**data, "determinstic": True}))
+    with pytest.raises(ValueError, match="classifier job: N = '1e6' is not a int"):
+        gc.ClassifierJob.from_json(json.dumps({**data, "N": "1e6"}))
+    with pytest.raises(ValueError, match="classifier job: peer 'cce2' is not one of"):
+        gc.ClassifierJob("peer", "cuda", 10, 8, 4, peer="cce2")
 
 
 def test_doctor_rows_from_the_lines_it_printed_before_a_cut():
@@ -146,3 +243,51 @@ def test_doctor_rows_from_the_lines_it_printed_before_a_cut():
     assert [(r.what, r.verdict, r.target) for r in rows] == [
         ("torch", "pass", ""), ("cuda", "FAIL", "works"), ("faiss", "info", "")]  # fmt: skip
     assert rows[1].figure == "no CUDA device (needed: cluster.use_gpu: true)"
+
+
+_PEER_CHECK = """
+import json, sys, torch
+from dmltrain.distributed.bench_runs import peer_loss
+torch.manual_seed(0)
+out = {}
+for name in sys.argv[2:]:
+    fn, (w,) = peer_loss(name, 300, 32, torch.device(sys.argv[1]))
+    x = torch.randn(24, 32, device=w.device, requires_grad=True)
+    y = torch.randint(0, 300, (24,), device=w.device)
+    loss = fn(x, y)
+    loss.backward()
+    out[name] = {"loss": loss.item(), "x": x.tolist(), "w": w.tolist(), "y": y.tolist(), "gx": x.grad.tolist()}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_peers_compute_normsoftmax_at_its_temperature(device):
+    """Each peer's adapter is NormSoftmax's loss ``CE(x̂·ŵᵀ / T)`` and its embeddings' gradient, against a float64
+    reference: a peer fed the wrong operand order or scale would be timed on another problem. On the CPU the
+    Triton peers run under the interpreter (Cut Cross-Entropy's kernels do not: CUDA only)."""
+    import subprocess
+    import sys
+
+    from dmltrain.distributed.bench_runs import TEMPERATURE
+
+    pytest.importorskip("liger_kernel")
+    peers = ["naive", "liger"] + (["cce", "cce_exact"] if device == "cuda" else [])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _PEER_CHECK, device, *peers], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    for name in peers:
+        r = got[name]
+        x = torch.tensor(r["x"], dtype=torch.float64, requires_grad=True)
+        w, y = torch.tensor(r["w"], dtype=torch.float64), torch.tensor(r["y"])
+        ref = torch.nn.functional.cross_entropy(
+            torch.nn.functional.normalize(x, dim=1) @ torch.nn.functional.normalize(w, dim=1).t() / TEMPERATURE, y
+        )
+        ref.backward()
+        # bf16 operands (8-bit mantissas) at scale 1/T = 20
+        assert r["loss"] == pytest.approx(ref.item(), rel=2e-2), name
+        gx = torch.tensor(r["gx"], dtype=torch.float64)
+        assert ((gx - x.grad).abs().max() / x.grad.abs().max()).item() < 5e-2, name

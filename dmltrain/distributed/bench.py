@@ -22,7 +22,8 @@ backward only, one process, NormSoftmax logits at T = 0.05), each when installed
 saying it was skipped: Cut Cross-Entropy with its default gradient filter and exact
 (``impl="cce_exact"``), Liger's fused linear cross-entropy, naive torch bf16 and
 pytorch-metric-learning. ``--deterministic`` runs the two-kernel backward. Cut Cross-Entropy
-runs on CUDA only: on the CPU its lines say so.
+runs on CUDA only: on the CPU its lines say so. Every run is a
+:class:`~dmltrain.distributed.bench_job.ClassifierJob`, the schema ``make gpu-check`` shares.
 """
 
 from __future__ import annotations
@@ -31,23 +32,17 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from dmltrain.config import PRODUCT_PRECISIONS, WEIGHT_STORAGES, gpu_only
+from dmltrain.distributed.bench_job import CUDA_PEERS, ClassifierJob
 from dmltrain.errors import UserError
 
 GIB = 2**30
-#: the CUDA peers: job name -> (package that must be installed, printed name)
-CUDA_PEERS = {
-    "cce": ("cut_cross_entropy", "Cut Cross-Entropy (bf16, its default gradient filter)"),
-    "cce_exact": ("cut_cross_entropy", "Cut Cross-Entropy exact (bf16, impl='cce_exact': no gradient filter)"),
-    "liger": ("liger_kernel", "Liger fused linear cross-entropy (bf16)"),
-    "naive": ("torch", "naive torch bf16 (logits held)"),
-    "pml": ("pytorch_metric_learning", "pytorch-metric-learning NormalizedSoftmaxLoss (fp32)"),
-}
 
 
 def _size(n: float) -> str:
@@ -145,17 +140,28 @@ def _mem_available() -> int:
     return 1 << 62
 
 
-def _child(job: dict[str, Any]) -> dict[str, Any]:
+def run_jobs(jobs: list[ClassifierJob], timeout: float | None = None) -> tuple[list[dict[str, Any]], str]:
+    """Run ``jobs`` in turn in one fresh interpreter (:mod:`~dmltrain.distributed.bench_runs`); their results
+    (one per job: a missing one is ``{"error": ...}``) and the child's whole output. Over ``timeout`` seconds
+    the child is killed: the jobs it finished keep their results."""
+    cmd = [sys.executable, "-m", "dmltrain.distributed.bench_runs", *(j.to_json() for j in jobs)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        why = f"exit code {proc.returncode}" + (" (killed: out of memory?)" if proc.returncode in (-9, 137) else "")
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the child and the workers it started
+        out, _ = proc.communicate()
+        why = f"cut after {timeout:.0f} s"
+    results = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    results += [{"error": why}] * (len(jobs) - len(results))
+    return results[: len(jobs)], out
+
+
+def _child(job: ClassifierJob) -> dict[str, Any]:
     """Run one job in a fresh interpreter and return its JSON result."""
-    cmd = [sys.executable, "-m", "dmltrain.distributed.bench_runs", json.dumps(job)]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return {
-            "error": f"exit code {proc.returncode}"
-            + (" (killed: out of memory?)" if proc.returncode in (-9, 137) else "")
-        }
-    return json.loads(lines[-1])
+    return run_jobs([job])[0][0]
 
 
 def _fmt_step(r: dict[str, Any], unit: str = "s") -> str:
@@ -163,11 +169,11 @@ def _fmt_step(r: dict[str, Any], unit: str = "s") -> str:
     return f"{r['step'] * k:.3f} {unit} (forward {r['forward'] * k:.3f}, backward {r['backward'] * k:.3f}, optimizer {r['optimizer'] * k:.3f})"
 
 
-def _job(args: argparse.Namespace, R: float) -> dict[str, Any]:
-    return dict(role="ours", device=args.device, N=args.classes, D=args.dim, B=args.batch, W=args.workers, R=R, steps=args.steps,
-                kind=args.kind, optimizer=args.optimizer, budget=args.logits_budget_mb, precision=args.precision,
-                storage=args.weight_storage, deterministic=args.deterministic, sampling=args.sampling,
-                probe=args.probe)  # fmt: skip
+def _job(args: argparse.Namespace, R: float) -> ClassifierJob:
+    return ClassifierJob("ours", args.device, args.classes, args.dim, args.batch, args.steps, args.workers, R, kind=args.kind,
+                         optimizer=args.optimizer, budget=args.logits_budget_mb, precision=args.precision,
+                         storage=args.weight_storage, deterministic=args.deterministic, sampling=args.sampling,
+                         probe=args.probe)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -257,7 +263,7 @@ def _cpu_peer(N: int, D: int, B: int, steps: int) -> dict[str, Any]:
     need = 5 * N * D * 4 + 3 * B * N * 4
     if need > 0.8 * _mem_available():
         return {"error": f"skipped: needs about {need / GIB:.1f} GiB, {_mem_available() / GIB:.1f} GiB available"}
-    return _child(dict(role="peer", device="cpu", N=N, D=D, B=B, steps=steps))
+    return _child(ClassifierJob("peer", "cpu", N, D, B, steps))
 
 
 def _installed(module: str) -> bool:
@@ -275,15 +281,15 @@ def _run_cuda(args: argparse.Namespace) -> int:
         K = res["gemm_classes"]
         state = 2 * res["param_bytes"] + res["opt_bytes"]  # weight, its gradient, optimizer state
         print(f"R={R:g}: step {_fmt_step(res, 'ms')}", flush=True)
-        print(f"R={R:g}: forward + backward {(res['forward'] + res['backward']) * 1e3:.3f} ms (the peers' like for like: "
-              f"no optimizer step)", flush=True)  # fmt: skip
+        print(f"R={R:g}: forward + backward {res['fwd_bwd'] * 1e3:.3f} ms (the bound's and the peers' like for like); "
+              f"the optimizer's row update {res['optimizer'] * 1e3:.3f} ms", flush=True)  # fmt: skip
         print(
             f"R={R:g}: peak GPU memory {_size(res['peak_gpu'])} per GPU; weight + gradient + optimizer state {_size(state)}; "
             f"excess {_size(res['peak_gpu'] - state)}",
             flush=True,
         )
-        print(f"R={R:g}: bf16 3-GEMM bound (3 × {B}×{D} by {D}×{K:,}) {res['gemm'] * 1e3:.3f} ms; step / bound = {res['step'] / res['gemm']:.2f}",
-              flush=True)  # fmt: skip
+        print(f"R={R:g}: bf16 3-GEMM bound (3 × {B}×{D} by {D}×{K:,}) {res['gemm'] * 1e3:.3f} ms; forward + backward / bound = "
+              f"{res['fwd_bwd'] / res['gemm']:.2f}", flush=True)  # fmt: skip
 
     header = (
         f"bench classifier (cuda, fused kernels): {args.kind}, N={N:,} classes, D={D}, global batch B={B}, W={W} GPU(s), "
@@ -302,15 +308,13 @@ def _print_cuda_peer(name: str, args: argparse.Namespace, ours: dict[str, Any] |
     if not _installed(module):
         print(f"peer {label}: skipped, {module} is not installed", flush=True)
         return
-    res = _child(
-        dict(role="peer", device="cuda", peer=name, N=args.classes, D=args.dim, B=args.batch, steps=args.steps)
-    )
-    if "error" in res:
-        print(f"peer {label}: {res['error']}", flush=True)
+    res = _child(ClassifierJob("peer", "cuda", args.classes, args.dim, args.batch, args.steps, peer=name))
+    if "error" in res or "absent" in res:
+        print(f"peer {label}: {res.get('error') or res['absent']}", flush=True)
         return
     fb = res["forward"] + res["backward"]
     line = f"peer {label}: forward + backward {fb * 1e3:.3f} ms, peak GPU memory {_size(res['peak_gpu'])}"
     if ours is not None:
-        our_fb = ours["forward"] + ours["backward"]
+        our_fb = ours["fwd_bwd"]
         line += f"; ours at R=1 (forward + backward {our_fb * 1e3:.3f} ms) is {fb / our_fb:.2f}x faster"
     print(line, flush=True)

@@ -1,18 +1,20 @@
-"""The measured runs of ``dmltrain bench classifier``, each in a fresh process.
+"""The measured runs of ``dmltrain bench classifier``, in fresh processes.
 
-``python -m dmltrain.distributed.bench_runs JOB_JSON`` runs one job and prints its result as
-one JSON line. Jobs (``role``):
+``python -m dmltrain.distributed.bench_runs JOB_JSON [JOB_JSON ...]`` runs each job
+(:class:`~dmltrain.distributed.bench_job.ClassifierJob`) in turn and prints each result as one
+JSON line as soon as it has it (a job that fails gives ``{"error": ...}`` and the next one runs).
+Jobs (``role``):
 
-* ``ours``: the sharded classifier's steps (forward, backward, row-sparse optimizer) on
-  random unit-norm-free embeddings and uniform labels, ``W`` processes joined by gloo (CPU)
-  or NCCL (one GPU each); then, in the same process, the step's three bare GEMMs (fp32 on
-  the CPU, bf16 on CUDA: the tensor-core bound).
-* ``peer``: a peer's forward and backward at the same N, D, B in one process: on the CPU
+* ``ours``: the sharded classifier's steps (forward, backward, row-sparse optimizer, each timed
+  apart) on random embeddings and uniform labels, ``W`` processes joined by gloo (CPU) or NCCL
+  (one GPU each); then, in the same process, the step's three bare GEMMs (fp32 on the CPU, bf16
+  on CUDA: the tensor-core bound of forward + backward). On CUDA the weight is made on the GPU.
+* ``peer``: a peer's forward and backward at the same N, D, B: on the CPU
   pytorch-metric-learning's ``NormalizedSoftmaxLoss`` with ``torch.optim.SGD`` (its step is
   included, as ours); on CUDA (forward + backward only) Cut Cross-Entropy (its default
-  gradient filter, and exact: ``impl="cce_exact"``), Liger's fused
-  linear cross-entropy, naive torch bf16 (the ``B × N`` logits held) and
-  pytorch-metric-learning, each on NormSoftmax's normalised logits at T = 0.05.
+  gradient filter, and exact: no filter), Liger's fused linear cross-entropy, naive torch bf16
+  (the ``B × N`` logits held) and pytorch-metric-learning, each on NormSoftmax's normalised logits
+  at T = 0.05. A peer that is not installed gives ``{"absent": ...}``.
 
 Times are medians over the timed steps after one warm-up step; on CUDA every phase ends with
 a device synchronisation. Memory: peak RSS on the CPU, ``torch.cuda.max_memory_allocated``
@@ -36,6 +38,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from dmltrain.distributed.bench_job import CUDA_PEERS, ClassifierJob
 from dmltrain.distributed.classifier_head import make_classifier_optimizer
 from dmltrain.distributed.sharded_softmax import ShardedClassifier
 
@@ -86,8 +89,8 @@ def _time_steps(step_fn: Callable[[int], dict[str, float]], steps: int, desc: st
             for k in parts:
                 parts[k].append(t[k])
     out = {k: _median(v) for k, v in parts.items()}
-    totals = [sum(parts[k][i] for k in parts) for i in range(steps)]
-    out["step"] = _median(totals)
+    out["step"] = _median([sum(parts[k][i] for k in parts) for i in range(steps)])
+    out["fwd_bwd"] = _median([parts["forward"][i] + parts["backward"][i] for i in range(steps)])
     out["step_cpu"] = _median(cpu)
     return out
 
@@ -117,20 +120,39 @@ def _gemm_bound(x: torch.Tensor, w: torch.Tensor, steps: int) -> tuple[float, fl
 
 
 # -- ours -----------------------------------------------------------------------------------------------
-def _ours_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
-    N, D, B, W, R = job["N"], job["D"], job["B"], job["W"], job["R"]
-    device = torch.device("cuda", rank) if job["device"] == "cuda" else torch.device("cpu")
+def classifier_kwargs(job: ClassifierJob) -> dict[str, Any]:
+    """The :class:`ShardedClassifier` arguments of ``job`` beyond ``(N, D)`` (what the child reads of it)."""
+    kwargs: dict[str, Any] = dict(kind=job.kind, sample_ratio=job.R, seed=0, logits_budget_mb=job.budget,
+                                  sampling=job.sampling, refresh_every=10**9)  # fmt: skip
+    if job.device == "cuda":
+        kwargs |= dict(precision=job.precision, weight_storage=job.storage, deterministic=job.deterministic)
+    return kwargs
+
+
+def build_classifier(job: ClassifierJob, device: torch.device) -> ShardedClassifier:
+    """The classifier of ``job`` on ``device``. On CUDA it is laid out on the meta device and its rows drawn on
+    the GPU (N(0, 1/D), as its own initialisation): a 10⁷-row weight is not drawn and copied on the host."""
+    if device.type != "cuda":
+        return ShardedClassifier(job.N, job.D, **classifier_kwargs(job)).to(device)
+    with torch.device("meta"):
+        clf = ShardedClassifier(job.N, job.D, **classifier_kwargs(job))
+    clf.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+    with torch.no_grad():
+        if clf.bias is not None:  # softmax_ce starts at zero
+            clf.weight.zero_()
+            clf.bias.zero_()
+        else:
+            clf.weight.normal_(0.0, job.D**-0.5, generator=gen)
+    return clf
+
+
+def _ours_rank(rank: int, job: ClassifierJob) -> dict[str, Any]:
+    N, D, B, W, R = job.N, job.D, job.B, job.W, job.R
+    device = torch.device("cuda", rank) if job.device == "cuda" else torch.device("cpu")
     b = B // W
-    kwargs = {}
-    if device.type == "cuda":
-        kwargs = {
-            "precision": job["precision"],
-            "weight_storage": job["storage"],
-            "deterministic": job["deterministic"],
-        }
-    clf = ShardedClassifier(N, D, job["kind"], sample_ratio=R, seed=0, logits_budget_mb=job["budget"],
-                            sampling=job.get("sampling", "uniform"), refresh_every=10**9, **kwargs).to(device)  # fmt: skip
-    opt = make_classifier_optimizer(clf, job["optimizer"], lr=0.01, momentum=0.9, weight_decay=1e-4, seed=rank)
+    clf = build_classifier(job, device)
+    opt = make_classifier_optimizer(clf, job.optimizer, lr=0.01, momentum=0.9, weight_decay=1e-4, seed=rank)
     gen = torch.Generator().manual_seed(rank)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -140,10 +162,10 @@ def _ours_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
         y = torch.randint(0, N, (b,), generator=gen).to(device)
         return _timed_phases(lambda: clf(x, y, step=i), opt, device)
 
-    res: dict[str, Any] = _time_steps(step, job["steps"], f"R={R:g} rank {rank}")
-    if job.get("probe"):
+    res: dict[str, Any] = _time_steps(step, job.steps, f"R={R:g} rank {rank}")
+    if job.probe:
         times, cpu = [], []
-        for i in range(job["steps"]):
+        for i in range(job.steps):
             x = torch.randn(b, D, generator=gen).to(device)
             y = torch.randint(0, N, (b,), generator=gen).to(device)
             _sync(device)
@@ -165,35 +187,33 @@ def _ours_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
         x, w = torch.randn(B, D, device=device, dtype=torch.bfloat16), w.to(torch.bfloat16)
     else:
         x = torch.randn(B, D)
-    res["gemm"], res["gemm_cpu"] = _gemm_bound(x, w, job["steps"])
+    res["gemm"], res["gemm_cpu"] = _gemm_bound(x, w, job.steps)
     return res
 
 
-def _dist_entry(rank: int, job: dict[str, Any], port: int, queue) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // job["W"]))
-    backend = "nccl" if job["device"] == "cuda" else "gloo"
-    if job["device"] == "cuda":
+def _dist_entry(rank: int, job: ClassifierJob, port: int, queue) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.W))
+    backend = "nccl" if job.device == "cuda" else "gloo"
+    if job.device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=job["W"])
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=job.W)
     try:
         queue.put((rank, _ours_rank(rank, job)))
     finally:
         dist.destroy_process_group()
 
 
-def _ours(job: dict[str, Any]) -> dict[str, Any]:
-    if job["device"] == "cuda" and torch.cuda.device_count() < job["W"]:
-        return {
-            "error": f"--device cuda with --workers {job['W']} needs {job['W']} GPUs, found {torch.cuda.device_count()}"
-        }
-    if job["W"] == 1:
+def _ours(job: ClassifierJob) -> dict[str, Any]:
+    if job.device == "cuda" and torch.cuda.device_count() < job.W:
+        return {"error": f"--device cuda with --workers {job.W} needs {job.W} GPUs, found {torch.cuda.device_count()}"}
+    if job.W == 1:
         return _ours_rank(0, job)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_dist_entry, args=(r, job, port, queue)) for r in range(job["W"])]
+    procs = [ctx.Process(target=_dist_entry, args=(r, job, port, queue)) for r in range(job.W)]
     for p in procs:
         p.start()
     results = {}
@@ -212,10 +232,10 @@ def _ours(job: dict[str, Any]) -> dict[str, Any]:
 
 # -- peers ----------------------------------------------------------------------------------------------
 # The peers' packages are optional: each is imported only by the job that measures it.
-def _peer_cpu(job: dict[str, Any]) -> dict[str, Any]:
+def _peer_cpu(job: ClassifierJob) -> dict[str, Any]:
     from pytorch_metric_learning.losses import NormalizedSoftmaxLoss
 
-    N, D, B = job["N"], job["D"], job["B"]
+    N, D, B = job.N, job.D, job.B
     loss_fn = NormalizedSoftmaxLoss(N, D, temperature=TEMPERATURE)
     opt = torch.optim.SGD(loss_fn.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     gen = torch.Generator().manual_seed(0)
@@ -226,15 +246,16 @@ def _peer_cpu(job: dict[str, Any]) -> dict[str, Any]:
         y = torch.randint(0, N, (B,), generator=gen)
         return _timed_phases(lambda: loss_fn(x, y), opt, cpu)
 
-    res: dict[str, Any] = _time_steps(step, job["steps"], "peer")
+    res: dict[str, Any] = _time_steps(step, job.steps, "peer")
     res["rss"] = _peak_rss()
     return res
 
 
-def _cuda_peer_loss(
+def peer_loss(
     name: str, N: int, D: int, device: torch.device
 ) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], list]:
-    """The peer's loss of (embeddings, labels) with NormSoftmax's logits ``x̂·ŵ / T``, and its parameters."""
+    """The peer's loss of (embeddings, labels) with NormSoftmax's logits ``x̂·ŵ / T``, and its parameters (the
+    Triton peers also run on the CPU under ``TRITON_INTERPRET=1``, which the tests use)."""
     if name == "pml":
         from pytorch_metric_learning.losses import NormalizedSoftmaxLoss
 
@@ -244,11 +265,12 @@ def _cuda_peer_loss(
     if name in ("cce", "cce_exact"):
         from cut_cross_entropy import linear_cross_entropy
 
-        impl = {"impl": "cce_exact"} if name == "cce_exact" else {}  # exact: no gradient filter
+        # exact: no gradient filter (filter_eps=None, in every release; later ones also name it impl="cce_exact")
+        exact = {"filter_eps": None} if name == "cce_exact" else {}
 
         def cce(x, y):
             e = (F.normalize(x, dim=1) / TEMPERATURE).bfloat16()
-            return linear_cross_entropy(e, F.normalize(weight, dim=1).bfloat16(), y, **impl)
+            return linear_cross_entropy(e, F.normalize(weight, dim=1).bfloat16(), y, **exact)
 
         return cce, [weight]
     if name == "liger":
@@ -263,19 +285,19 @@ def _cuda_peer_loss(
         return fused, [weight]
 
     def naive(x, y):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             logits = F.normalize(x, dim=1) @ F.normalize(weight, dim=1).t() / TEMPERATURE
             return F.cross_entropy(logits, y)
 
     return naive, [weight]
 
 
-def _peer_cuda(job: dict[str, Any]) -> dict[str, Any]:
-    N, D, B = job["N"], job["D"], job["B"]
+def _peer_cuda(job: ClassifierJob) -> dict[str, Any]:
+    N, D, B = job.N, job.D, job.B
     device = torch.device("cuda", 0)
     gen = torch.Generator().manual_seed(0)
     try:
-        loss_fn, params = _cuda_peer_loss(job["peer"], N, D, device)
+        loss_fn, params = peer_loss(job.peer, N, D, device)
         torch.cuda.reset_peak_memory_stats(device)
 
         def step(i: int) -> dict[str, float]:
@@ -285,23 +307,59 @@ def _peer_cuda(job: dict[str, Any]) -> dict[str, Any]:
             y = torch.randint(0, N, (B,), generator=gen).to(device)
             return _timed_phases(lambda: loss_fn(x, y), None, device)
 
-        res: dict[str, Any] = _time_steps(step, job["steps"], job["peer"])
+        res: dict[str, Any] = _time_steps(step, job.steps, job.peer)
     except torch.cuda.OutOfMemoryError:
         return {"error": "out of memory"}
     res["peak_gpu"] = torch.cuda.max_memory_allocated(device)
     return res
 
 
-def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    if job["device"] == "cuda" and not torch.cuda.is_available():
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def run_job(job: ClassifierJob) -> dict[str, Any]:
+    """One job's result: its figures, ``{"error": ...}`` or, for a peer not installed, ``{"absent": ...}``."""
+    if job.device == "cuda" and not torch.cuda.is_available():
         return {"error": "no CUDA GPU (torch.cuda.is_available() is False)"}
-    if job["role"] == "ours":
+    if job.role == "peer":
+        module = CUDA_PEERS[job.peer][0] if job.device == "cuda" else "pytorch_metric_learning"
+        if not _installed(module):
+            return {"absent": f"{module} is not installed"}
+        return _peer_cuda(job) if job.device == "cuda" else _peer_cpu(job)
+    try:
+        return _ours(job)
+    except torch.cuda.OutOfMemoryError:
+        return {"error": "out of memory"}
+
+
+def main(argv: list[str]) -> int:
+    """Each job in turn, its result printed as one JSON line when it has it; the memory of one is freed before
+    the next starts, so each peak is its own."""
+    from dmltrain.text import one_line
+
+    jobs = []
+    for text in argv:
         try:
-            return _ours(job)
-        except torch.cuda.OutOfMemoryError:
-            return {"error": "out of memory"}
-    return _peer_cuda(job) if job["device"] == "cuda" else _peer_cpu(job)
+            jobs.append(ClassifierJob.from_json(text))
+        except ValueError as e:
+            print(json.dumps({"error": str(e)}), flush=True)
+            return 2
+    for job in jobs:
+        try:
+            res = run_job(job)
+        except Exception as e:  # noqa: BLE001 — one job's failure is its result; the next job still runs
+            res = {"error": one_line(e)}
+        print(json.dumps(res), flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return 0
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_job(json.loads(sys.argv[1]))), flush=True)
+    sys.exit(main(sys.argv[1:]))
