@@ -3,19 +3,26 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# The remote-shard tests' moto and s3fs, and the docs site's mkdocs: beside site-packages, not in it
-# (tests/side_stack.py says why).
+# Extras kept beside site-packages, not in it, each in a folder named after it (tests/side_stack.py says why):
+# the remote-shard tests' moto and s3fs, the docs site's mkdocs, the linter.
 S3_STACK := $(VENV)/test-s3
 DOCS_STACK := $(VENV)/docs
+LINT_STACK := $(VENV)/lint
+RUFF := $(LINT_STACK)/bin/ruff
 PYTEST_ARGS ?=
 SHELL  := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 # pip warns once per absent mirror folder; keep its real messages only.
 QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 
+# The Triton of the lent GPU machines (not the pinned one), beside site-packages, for the offline compile tests
+# to check the kernels under both (tests/test_kernels_compile.py).
+TRITON_DEVICE := 3.6.0
+TRITON_SIDE := $(VENV)/triton-$(TRITON_DEVICE)
+
 .PHONY: setup lint format test demo clean-venv gpu-check docs docs-serve docs-check
 
-setup: $(STAMP) $(S3_STACK)/.installed $(DOCS_STACK)/.installed
+setup: $(STAMP) $(S3_STACK)/.installed $(DOCS_STACK)/.installed $(LINT_STACK)/.installed $(TRITON_SIDE)/.installed
 
 # Re-installs when the dependency list or the torch pair changes.
 $(STAMP): pyproject.toml constraints.txt
@@ -24,27 +31,29 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]' 2>&1 | $(QUIET_PIP)
 	@touch $(STAMP)
 
-# After every install into .venv, which may change what the stack has to add.
-$(S3_STACK)/.installed: $(STAMP) tests/side_stack.py
-	@echo "installing the S3 test stack (moto, s3fs) into $(S3_STACK)"
-	env -u PYTHONPATH $(BIN)/python tests/side_stack.py test-s3 $(S3_STACK) 2>&1 | $(QUIET_PIP)
+# After every install into .venv, which may change what a side folder has to add.
+$(VENV)/%/.installed: $(STAMP) tests/side_stack.py
+	@echo "installing the $* extra into $(VENV)/$*"
+	env -u PYTHONPATH $(BIN)/python tests/side_stack.py $* $(VENV)/$* 2>&1 | $(QUIET_PIP)
 	@touch $@
 
-$(DOCS_STACK)/.installed: $(STAMP) tests/side_stack.py
-	@echo "installing the docs stack (mkdocs, mkdocs-material, mkdocstrings) into $(DOCS_STACK)"
-	env -u PYTHONPATH $(BIN)/python tests/side_stack.py docs $(DOCS_STACK) 2>&1 | $(QUIET_PIP)
+# Independent of what .venv holds (no dependencies: the tests import only Triton from it): installed once.
+$(TRITON_SIDE)/.installed: | $(STAMP)
+	@echo "installing Triton $(TRITON_DEVICE) (the GPU machine's) into $(TRITON_SIDE)"
+	rm -rf $(TRITON_SIDE)
+	$(BIN)/python -m pip install -q --no-deps --target $(TRITON_SIDE) triton==$(TRITON_DEVICE) 2>&1 | $(QUIET_PIP)
 	@touch $@
 
 # ruff's lint and format check (pyproject.toml's [tool.ruff]); `make test` runs it first, so CI fails on either.
-lint: $(STAMP)
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+lint: $(LINT_STACK)/.installed
+	$(RUFF) check .
+	$(RUFF) format --check .
 
-format: $(STAMP)
-	$(BIN)/ruff format .
-	$(BIN)/ruff check --fix .
+format: $(LINT_STACK)/.installed
+	$(RUFF) format .
+	$(RUFF) check --fix .
 
-test: lint docs-check $(STAMP) $(S3_STACK)/.installed $(DOCS_STACK)/.installed
+test: lint docs-check $(STAMP) $(S3_STACK)/.installed $(DOCS_STACK)/.installed $(TRITON_SIDE)/.installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The docs site (mkdocs.yml, docs/): its reference pages are generated from the code at build time.
@@ -68,11 +77,12 @@ docs-serve: $(DOCS_STACK)/.installed
 demo: $(STAMP)
 	$(BIN)/dmltrain train configs/demo.yaml
 
-# On one GPU node, every GPU path in one call, at most 8 minutes: doctor, `pytest -m cuda`, the classifier,
-# train and eval benches; one table, also as JSON (dmltrain/gpu_check.py). It needs no .venv and never makes
-# one: without .venv it runs python3 from PATH, e.g. on a GPU machine that has only PyTorch with
-# ../shared/device/bundle's .device/ activated. PY picks another Python; GPU_CHECK_ARGS="--out DIR" and more
-# go to it (python -m dmltrain.gpu_check --help).
+# On one GPU node, every GPU path in one call, at most 7 minutes, the scarcest figures first: the classifier
+# (with its peers), train and eval benches, doctor, `pytest -m cuda`; one table, also as JSON, rewritten after
+# every row (dmltrain/gpu_check.py). It needs no .venv and never makes one: without .venv it runs python3 from
+# PATH, e.g. on a GPU machine that has only PyTorch with ../shared/device/bundle's .device/ activated (the
+# bundle carries the peers too: they are in .venv). PY picks another Python; GPU_CHECK_ARGS="--out DIR" and more
+# go to it (python -m dmltrain.gpu_check --help; --dry-run checks every job here, in seconds).
 PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 GPU_CHECK_ARGS ?=
 gpu-check:

@@ -1,10 +1,11 @@
 """Installs one of dmltrain's extras into a folder beside the virtual environment's site-packages:
 ``.venv/bin/python tests/side_stack.py EXTRA TARGET`` (``make`` runs it for ``test-s3``, the remote-shard tests'
-moto server and s3fs, into ``.venv/test-s3``, and for ``docs``, mkdocs and its plugins, into ``.venv/docs``).
+moto server and s3fs, into ``.venv/test-s3``, for ``docs``, mkdocs and its plugins, into ``.venv/docs``, and for
+``lint``, ruff, into ``.venv/lint``).
 
 Why not into site-packages: ``pip freeze`` would list them, and the GPU machine's bundle is built from that list
 (a device run carries 64 MiB at most: with the S3 stack the bundle was 78 MiB of xz instead of 56, botocore and
-moto most of it; with the docs stack 77, Babel's locale data most of it). Each folder holds only what the
+moto most of it; with the docs stack 77, Babel's locale data most of it; ruff's binary adds 7). Each folder holds only what the
 environment lacks, resolved against what it has with its versions pinned, so putting it on the path
 (tests/conftest.py does, PYTHONPATH included; the Makefile's docs targets too) never shadows the environment's own
 packages.
