@@ -291,3 +291,26 @@ def test_the_peers_compute_normsoftmax_at_its_temperature(device):
         assert r["loss"] == pytest.approx(ref.item(), rel=2e-2), name
         gx = torch.tensor(r["gx"], dtype=torch.float64)
         assert ((gx - x.grad).abs().max() / x.grad.abs().max()).item() < 5e-2, name
+
+
+@pytest.mark.parametrize("kind", ["normsoftmax", "softmax_ce"])
+def test_a_classifier_drawn_where_it_lives_trains_like_one_built_on_the_host(kind):
+    """The bench's CUDA build (laid out on the meta device, drawn in place) gives a classifier whose row-sparse
+    optimizer sees its gradients: one step moves the rows a batch touched, as the host-built one's step does."""
+    from dmltrain.distributed.bench_runs import build_classifier
+    from dmltrain.distributed.classifier_head import make_classifier_optimizer
+
+    job = gc.ClassifierJob("ours", "cpu", 300, 16, 8, R=0.5, kind=kind)
+    moved = []
+    for drawn_there in (False, True):
+        clf = build_classifier(job, torch.device("cpu"), drawn_there=drawn_there)
+        assert clf.weight.device.type == "cpu" and torch.isfinite(clf.weight).all()
+        if kind == "normsoftmax":
+            assert clf.weight.std().item() == pytest.approx(16**-0.5, rel=0.1)
+        opt = make_classifier_optimizer(clf, "sgd", lr=0.1, momentum=0.9, weight_decay=0.0, seed=0)
+        before = clf.weight.detach().clone()
+        x, y = torch.randn(8, 16), torch.randint(0, 300, (8,))
+        clf(x, y, step=0).backward()
+        opt.step()
+        moved.append((clf.weight.detach() != before).any(dim=-1).sum().item())
+    assert moved[1] == moved[0] > 0

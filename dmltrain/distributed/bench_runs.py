@@ -129,17 +129,25 @@ def classifier_kwargs(job: ClassifierJob) -> dict[str, Any]:
     return kwargs
 
 
-def build_classifier(job: ClassifierJob, device: torch.device) -> ShardedClassifier:
-    """The classifier of ``job`` on ``device``. On CUDA it is laid out on the meta device and its rows drawn on
-    the GPU (N(0, 1/D), as its own initialisation): a 10⁷-row weight is not drawn and copied on the host."""
-    if device.type != "cuda":
+def build_classifier(job: ClassifierJob, device: torch.device, drawn_there: bool | None = None) -> ShardedClassifier:
+    """The classifier of ``job`` on ``device``. On CUDA (``drawn_there``) it is laid out on the meta device and
+    its rows drawn where they live (N(0, 1/D), as its own initialisation; softmax_ce's zeros): a 10⁷-row weight
+    is neither drawn nor copied on the host."""
+    if not (device.type == "cuda" if drawn_there is None else drawn_there):
         return ShardedClassifier(job.N, job.D, **classifier_kwargs(job)).to(device)
     with torch.device("meta"):
         clf = ShardedClassifier(job.N, job.D, **classifier_kwargs(job))
-    clf.to_empty(device=device)
+    # swapped in place, not replaced: the classifier hands its row gradients to the optimizer through the very
+    # Parameter objects it made (its RowGrads), which a plain to_empty from meta would replace with new ones
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        clf.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
     gen = torch.Generator(device=device).manual_seed(dist.get_rank() if dist.is_initialized() else 0)
     with torch.no_grad():
-        if clf.bias is not None:  # softmax_ce starts at zero
+        if clf.bias is not None:
             clf.weight.zero_()
             clf.bias.zero_()
         else:
