@@ -7,6 +7,7 @@ import json
 import shutil
 
 import numpy as np
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -255,6 +256,15 @@ def test_index_query_prints_ids_and_scores(setup, tmp_path, capsys):
     flat_binary = ["index", "query", str(tmp_path / "f/index-flat-binary"), "--images", str(images / "belt/1.jpg")]
     assert main([*flat_binary, *model]) == 0
     assert "    1. belt/1.jpg  hamming 0  label belt" in capsys.readouterr().out  # the sign bits of its embedding
+    # the set's ids and labels are anyone's text: each printed as one visible line (no escape reaches the terminal)
+    ids = pd.read_parquet(tmp_path / "f/index-hnsw/ids.parquet")  # the index folder's copy of the set's
+    ids.loc[ids["id"] == "bag/1.jpg", ["id", "label"]] = ["bag/\x1b[2J1.jpg\nrm -rf", "bag\r\x07"]
+    ids.to_parquet(tmp_path / "f/index-hnsw/ids.parquet")
+    assert (
+        main(["index", "query", str(tmp_path / "f/index-hnsw"), "--vectors", str(tmp_path / "q.npy"), "--k", "1"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\r" not in out and "\x07" not in out and "1. bag/[2J1.jpg rm -rf  cosine" in out
     for argv, message in [
         (["index", "query", str(tmp_path / "f/index-hnsw")], "give one of --images, --vectors or --rows"),
         (["index", "build", str(tmp_path / "f"), "--kind", "lsh"], "--kind: unknown index kind 'lsh'"),

@@ -32,6 +32,7 @@ from typing import Any
 
 from dmltrain.errors import UserError
 from dmltrain.fileio import check_output_dir
+from dmltrain.text import printable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -347,7 +348,10 @@ def _log(args: argparse.Namespace, saved: Any, metrics: dict[str, float], n_quer
     handle.log_artifact(saved.folder / "index.json", "index")
     handle.finish("FINISHED")
     if handle.enabled:
-        print(f"MLflow: run {name} ({handle.run_id}) in experiment {args.experiment} at {uri}", file=sys.stderr)
+        print(
+            f"MLflow: run {printable(name)} ({handle.run_id}) in experiment {printable(args.experiment)} at {uri}",
+            file=sys.stderr,
+        )
 
 
 # -- query -------------------------------------------------------------------------------------------------------
@@ -396,14 +400,14 @@ def _query(args: argparse.Namespace) -> int:
     scores, found = search(saved.index, vectors, k, binary, saved.folder / "index.faiss")
     labels = saved.ids.get("label")
     for name, s, f in zip(names, scores, found):
-        print(f"query {name}")
+        print(f"query {printable(name)}")
         for rank, (score, i) in enumerate(zip(s, f), 1):
             if i < 0:
                 continue
-            row = int(saved.rows[i])
-            label = f"  label {labels[row]}" if labels is not None and labels[row] is not None else ""
+            row = int(saved.rows[i])  # ids and labels are the set's: anyone's text, one visible line each
+            label = f"  label {printable(labels[row])}" if labels is not None and labels[row] is not None else ""
             value = f"hamming {int(score)}" if binary else f"cosine {score:.4f}"
-            print(f"  {rank:>3}. {saved.ids['id'][row]}  {value}{label}")
+            print(f"  {rank:>3}. {printable(saved.ids['id'][row])}  {value}{label}")
     return 0
 
 

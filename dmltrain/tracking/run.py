@@ -279,8 +279,11 @@ class RunHandle:
         return self.query("read the run description", lambda c: c.get_run(self.run_id).data.tags.get(DESCRIPTION_TAG))
 
     def log_inputs(self, datasets: list[DatasetInput]) -> None:
-        """Datasets the run reads (:func:`dmltrain.tracking.datasets.dataset_inputs`)."""
-        self.query("log the datasets", lambda c: c.log_inputs(self.run_id, datasets=datasets))
+        """Datasets the run reads (:func:`dmltrain.tracking.datasets.dataset_inputs`), logged again after a
+        concurrent run inserted the same dataset first (:func:`~dmltrain.tracking.datasets.log_dataset_inputs`)."""
+        from dmltrain.tracking.datasets import log_dataset_inputs
+
+        self.query("log the datasets", lambda c: log_dataset_inputs(c, self.run_id, datasets))
 
     def set_tag(self, key: str, value: Any) -> None:
         self.set_tags({key: value})

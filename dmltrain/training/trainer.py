@@ -49,7 +49,7 @@ from dmltrain.errors import UserError
 from dmltrain.models import build_model, param_groups
 from dmltrain.models.precision import autocast_dtype
 from dmltrain.models.sync_bn import convert_sync_batchnorm
-from dmltrain.tracking.datasets import dataset_inputs, log_dataset_inputs
+from dmltrain.tracking.datasets import dataset_inputs
 from dmltrain.tracking.description import describe_run
 from dmltrain.tracking.names import (
     CLASSIFIER_MB_TAG,
@@ -358,9 +358,8 @@ class Trainer:
             return
         manifest, d = self.stream.manifest, self.cfg.data
         self.logger.set_description(describe_run(self.cfg, manifest.summary(), self.total_steps, self.steps_per_epoch))
-        inputs, run_id = dataset_inputs(manifest, d.train_split, list(d.eval_splits)), self.logger.run_id
         # race-safe: a study's points log the same shards at once (a conflict used to turn tracking off)
-        self.logger.query("log the datasets", lambda c: log_dataset_inputs(c, run_id, inputs))
+        self.logger.log_inputs(dataset_inputs(manifest, d.train_split, list(d.eval_splits)))
 
     def _log_facts(self) -> None:
         """Rank 0: what does not change while the run trains, as tags (the classifier's active classes and
