@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import pickle
+import struct
 import zipfile
+import zlib
 from pathlib import Path
 
 import torch
@@ -141,6 +143,61 @@ def _compiled_library(entries: dict, marker: Path) -> None:  # AOTInductor: a sh
     entries[_root(entries) + "data/aotinductor/model/model.so"] = b"\x7fELF"
 
 
+def _float_precision(entries: dict, marker: Path) -> None:  # no code: torch.export.load printed it for minutes
+    def change(doc):
+        for value in doc["graph_module"]["graph"]["tensor_values"].values():
+            for size in value["sizes"]:
+                if "as_expr" in size:
+                    size["as_expr"]["expr_str"] += " + Float(1, 3000000)"
+                    return
+
+    _json(entries, "models/model.json", change)
+
+
+def _attribute_target(entries: dict, marker: Path) -> None:  # matches torch.ops.aten.X.Y, resolves to `type`
+    _json(
+        entries,
+        "models/model.json",
+        lambda doc: doc["graph_module"]["graph"]["nodes"][0].update(target="torch.ops.aten.__class__.__class__"),
+    )
+
+
+def _zip_entry(name: bytes, data: bytes, offset: int, comment: bytes = b"") -> tuple[bytes, bytes]:
+    """A stored zip entry: its local header with the data, and its central-directory record (at ``offset``,
+    with a file ``comment``)."""
+    crc = zlib.crc32(data)
+    local = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0x21, crc, len(data), len(data), len(name), 0)
+    central = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 0, 0, 0x21, crc, len(data), len(data), len(name),
+                          0, len(comment), 0, 0, 0, offset)  # fmt: skip
+    return local + name + data, central + name + comment
+
+
+def two_archives(clean: dict[str, bytes], hidden: dict[str, bytes]) -> bytes:
+    """One file holding two zip archives: ``hidden`` first, its central directory at the offset the end record
+    names, then ``clean`` with the end record. :mod:`zipfile` takes the bytes before an archive for a prefix and
+    shifts the offsets it reads past them, so it sees ``clean``; a reader that takes the offsets as written
+    (torch's miniz) reads ``hidden``'s directory and entries."""
+    if len(clean) != len(hidden):
+        raise ValueError("two_archives: the two archives need as many entries (one end record names the count)")
+    clean_local, clean_cd = b"", b""
+    for name, data in clean.items():
+        local, central = _zip_entry(name.encode(), data, len(clean_local))
+        clean_local, clean_cd = clean_local + local, clean_cd + central
+    hidden_local, hidden_cd = b"", b""
+    for i, (name, data) in enumerate(hidden.items()):
+        local, central = _zip_entry(name.encode(), data, len(hidden_local))
+        if i == len(hidden) - 1:  # its directory exactly as long as the clean one's: a comment on the last record
+            fill = len(clean_cd) - len(hidden_cd) - len(central)
+            local, central = _zip_entry(name.encode(), data, len(hidden_local), b"c" * fill)
+        hidden_local, hidden_cd = hidden_local + local, hidden_cd + central
+    # the end record's offsets, taken as written, point at the hidden parts: entries from 0, directory at
+    # len(clean_local); zipfile finds the clean directory right before the end record and shifts by the rest
+    assert len(hidden_local) <= len(clean_local) and len(hidden_cd) == len(clean_cd), "the hidden archive is larger"
+    head = hidden_local + b"\0" * (len(clean_local) - len(hidden_local)) + hidden_cd
+    end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(hidden), len(hidden), len(clean_cd), len(clean_local), 0)
+    return head + clean_local + clean_cd + end
+
+
 # how: (plant, what the refusal names); the first five ran the planted code through torch 2.14 (the marker was made)
 PLANTS = {
     "pickled-weight": (_pickled_weight, "use_pickle"),
@@ -153,9 +210,24 @@ PLANTS = {
     "python-target": (_python_target, "torch.os.system"),
     "code-in-a-name": (_code_in_a_name, "is not a name"),
     "compiled-library": (_compiled_library, "data/aotinductor"),
+    "float-precision": (_float_precision, "Float with a precision"),
+    "attribute-target": (_attribute_target, "ATen operators only"),
+    "two-archives": (None, "torch's reader and zipfile read different archives"),
+    "two-archives-same-names": (None, "torch's reader finds it elsewhere than zipfile"),
 }
 
 
 def planted_pt2(src: Path, dst: Path, how: str, marker: Path) -> Path:
-    """``src`` (a real ``.pt2``) with :data:`PLANTS` ``how`` planted, written to ``dst``."""
-    return rewrite_zip(src, dst, lambda entries: PLANTS[how][0](entries, marker))
+    """``src`` (a real ``.pt2``) with :data:`PLANTS` ``how`` planted, written to ``dst``; ``two-archives``: the
+    opaque constant planted in a second archive that only torch's reader sees (:func:`two_archives`)."""
+    if not how.startswith("two-archives"):
+        return rewrite_zip(src, dst, lambda entries: PLANTS[how][0](entries, marker))
+    with zipfile.ZipFile(src) as z:
+        clean = {i.filename: z.read(i) for i in z.infolist()}
+    hidden = dict(clean)
+    if how == "two-archives":
+        _opaque_constant(hidden, marker)
+        clean[_root(clean) + "extra/" + "p" * 40] = b"\0" * 4096  # as many entries, each part at least as large
+    # "two-archives-same-names": the same entries twice (nothing planted), found at other offsets by each reader
+    dst.write_bytes(two_archives(clean, hidden))
+    return dst

@@ -17,12 +17,15 @@ author (``torch/export/pt2_archive/_package.py``, ``torch/_export/serde/serializ
 * a zero-byte weight record is created as ``torch.zeros(declared sizes)`` (memory of any size).
 
 :func:`check_pt2` therefore accepts an archive only in the form ``torch.export.save`` gives a dmltrain model, and
-refuses anything else in one line naming the file and the entry, before torch reads it: only the entries that
+refuses anything else in one line naming the file and the entry, before torch reads it. It reads the records
+through torch's own reader and refuses a file that :mod:`zipfile` reads otherwise (two archives in one file, each
+reader finding another: a check of one and a load of the other). It accepts: only the entries that
 form writes (stored, not compressed; one model, ``model``), every payload a plain tensor record (no
 ``use_pickle``, no ``custom_obj_``/``opaque_obj_``), sample inputs that load weights-only, no ``guards_code``,
-tensor inputs only, node targets that are ATen operators (other than ``aten.from_file`` and ``aten.save``) or
-torch's symbolic-shape operators, symbolic expressions of a small arithmetic grammar over named sympy functions,
-and every other string a plain dotted name.
+tensor inputs only, node targets that resolve to ATen operator overloads (other than ``aten.from_file`` and
+``aten.save``) or torch's symbolic-shape operators, symbolic expressions of a small arithmetic grammar over named
+sympy functions (no ``Float`` precision: torch prints every expression it parses, and printing
+``Float(1, 3000000)`` held ``torch.export.load`` for two minutes), and every other string a plain dotted name.
 """
 
 from __future__ import annotations
@@ -87,7 +90,13 @@ EXPR_CHARS = 2000
 
 def check_pt2(path: str | os.PathLike[str]) -> None:
     """Refuse ``path`` in one :class:`UserError` naming it and the entry unless it is an archive of the form the
-    module doc describes; read only with :mod:`zipfile` and :mod:`json` (and the sample inputs weights-only)."""
+    module doc describes. Every record is read through torch's own archive reader (``PyTorchFileReader``, what
+    ``torch.export.load`` reads with), and :mod:`zipfile`'s view of the same file must agree with it entry by
+    entry: a file holding two archives (bytes before the one :mod:`zipfile` finds, which it skips and torch's
+    reader does not) would otherwise be checked as one and loaded as the other. Sample inputs are loaded
+    weights-only; nothing else is unpickled."""
+    import torch
+
     path = Path(path)
 
     def refuse(entry: str, what: str) -> UserError:
@@ -98,7 +107,9 @@ def check_pt2(path: str | os.PathLike[str]) -> None:
 
     try:
         archive = zipfile.ZipFile(path)
-    except (OSError, zipfile.BadZipFile) as e:
+        reader = torch._C.PyTorchFileReader(str(path))
+        names = set(reader.get_all_records())
+    except (OSError, RuntimeError, zipfile.BadZipFile) as e:
         raise UserError(f"{path}: not a readable .pt2 archive ({printable(e, 160)})") from None
     with archive:
         infos = archive.infolist()
@@ -116,29 +127,38 @@ def check_pt2(path: str | os.PathLike[str]) -> None:
             if info.compress_type != zipfile.ZIP_STORED:
                 raise refuse(info.filename, "a compressed entry (torch.export.save stores them)")
             records[name] = info
+        if names != set(records):
+            extra = sorted(names ^ set(records))[0]
+            raise refuse(root + extra, "torch's reader and zipfile read different archives from this file")
+        for name, info in records.items():
+            if reader.get_record_header_offset(name) != info.header_offset:
+                raise refuse(root + name, "torch's reader finds it elsewhere than zipfile (bytes before the archive)")
 
-        def read(name: str) -> bytes:
-            if name not in records:
-                raise refuse(root + name, "missing")
-            return archive.read(records[name])
+    def read(name: str) -> bytes:
+        if name not in records:
+            raise refuse(root + name, "missing")
+        try:
+            return reader.get_record(name)
+        except RuntimeError as e:  # a damaged record (its CRC): torch would fail on it too
+            raise refuse(root + name, f"unreadable ({printable(e, 80)})") from None
 
-        def load_json(name: str) -> Any:
-            if records.get(name) and records[name].file_size > JSON_BYTES:
-                raise refuse(root + name, f"{records[name].file_size} bytes of JSON")
-            try:
-                return json.loads(read(name))
-            except (ValueError, UnicodeDecodeError) as e:
-                raise refuse(root + name, f"not JSON ({printable(e, 120)})") from None
+    def load_json(name: str) -> Any:
+        if name in records and records[name].file_size > JSON_BYTES:
+            raise refuse(root + name, f"{records[name].file_size} bytes of JSON")
+        try:
+            return json.loads(read(name))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise refuse(root + name, f"not JSON ({printable(e, 120)})") from None
 
-        if read("archive_format").strip() != b"pt2":
-            raise refuse(root + "archive_format", "not a pt2 archive")
-        for kind, pattern in PAYLOADS.items():
-            _check_payloads(load_json(f"data/{kind}/{MODEL}_{kind}_config.json"), kind, pattern, records, root, refuse)
-        _check_sample_inputs(read(f"data/sample_inputs/{MODEL}.pt"), root + f"data/sample_inputs/{MODEL}.pt", refuse)
-        program = load_json(f"models/{MODEL}.json")
-        if not isinstance(program, dict):
-            raise refuse(root + f"models/{MODEL}.json", "not a JSON object")
-        _check_program(program, root + f"models/{MODEL}.json", refuse)
+    if read("archive_format").strip() != b"pt2":
+        raise refuse(root + "archive_format", "not a pt2 archive")
+    for kind, pattern in PAYLOADS.items():
+        _check_payloads(load_json(f"data/{kind}/{MODEL}_{kind}_config.json"), kind, pattern, records, root, refuse)
+    _check_sample_inputs(read(f"data/sample_inputs/{MODEL}.pt"), root + f"data/sample_inputs/{MODEL}.pt", refuse)
+    program = load_json(f"models/{MODEL}.json")
+    if not isinstance(program, dict):
+        raise refuse(root + f"models/{MODEL}.json", "not a JSON object")
+    _check_program(program, root + f"models/{MODEL}.json", refuse)
 
 
 def _check_payloads(config: Any, kind: str, pattern: re.Pattern[str], records: dict, root: str, refuse: Any) -> None:
@@ -225,9 +245,39 @@ def _walk(node: Any, path: tuple[str, ...], where: str, refuse: Any) -> None:
 
 
 def _check_target(target: str, where: str, refuse: Any) -> None:
+    """An ATen operator overload (resolved: ``torch.ops.aten.__class__.__class__`` matches the pattern and is
+    ``type``), not one that opens a path, or one of torch's symbolic-shape operators."""
+    if target in SYM_OPS:
+        return
     m = ATEN_TARGET.fullmatch(target)
-    if (m is None or m.group(1) in FILE_OPS) and target not in SYM_OPS:
+    if m is None or m.group(1) in FILE_OPS or not _is_aten_overload(m.group(1), m.group(2)):
         raise refuse(where, f"node target {target[:80]!r} (ATen operators only)")
+
+
+def _is_aten_overload(op: str, overload: str) -> bool:
+    import torch
+
+    if op.startswith("__") or overload.startswith("__"):  # Python's own attributes, never an operator
+        return False
+    try:
+        return isinstance(getattr(getattr(torch.ops.aten, op), overload), torch._ops.OpOverload)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _arguments(tokens: list[tokenize.TokenInfo], open_at: int) -> int:
+    """How many arguments the call whose ``(`` is ``tokens[open_at]`` has (its top-level commas, plus one)."""
+    depth, commas = 0, 0
+    for t in tokens[open_at:]:
+        if t.string == "(":
+            depth += 1
+        elif t.string == ")":
+            depth -= 1
+            if depth == 0:
+                break
+        elif t.string == "," and depth == 1:
+            commas += 1
+    return commas + 1
 
 
 def _check_expr(expr: str, where: str, refuse: Any) -> None:
@@ -249,6 +299,10 @@ def _check_expr(expr: str, where: str, refuse: Any) -> None:
             keyword = after == "=" and t.string.isidentifier() and not t.string.startswith("_")
             if not (t.string in EXPR_NAMES or SYMBOL.fullmatch(t.string) or keyword):
                 raise bad(f"the name {t.string[:40]!r}")
+            if t.string == "Float" and after == "(" and _arguments(tokens, i + 1) != 1:
+                # Float(1, 3000000): its second argument is a precision, and torch prints every expression it
+                # parses (printing at 3,000,000 digits held torch.export.load for two minutes)
+                raise bad("Float with a precision")
         elif t.type == tokenize.NUMBER:
             if len(t.string) > 40:
                 raise bad("a number of more than 40 characters")
