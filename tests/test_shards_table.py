@@ -300,6 +300,14 @@ def test_a_table_names_files_under_its_own_folder_only(tmp_path, capsys):
         assert f"bad.csv row {row + 1} (line {row + 2}), column path: {path}: " in line, line
         assert "outside the table's folder" in line and "(pass --allow-outside-paths" in line, line
         assert ("a symbolic link to " in line) == (row == 6) and not (tmp_path / "out").exists()
+    # a link in the folder, then `..`: the system resolves the link first (lnk/../photo.jpg is photo.jpg beside the
+    # link's target, outside), whatever the name's normal form (images/photo.jpg) says
+    (elsewhere.parent / "sub").mkdir()
+    (data / "images" / "lnk").symlink_to(elsewhere.parent / "sub")
+    assert build(_with_paths(table, {4: "images/lnk/../photo.jpg"}), tmp_path / "out") == 2
+    line = error_line(capsys)
+    assert "images/lnk/../photo.jpg: " in line and f"a symbolic link to {elsewhere}" in line, line
+    assert not (tmp_path / "out").exists()
     assert build(_with_paths(table, {2: "images/in.jpg"}), tmp_path / "in") == 0  # a link within: packed
     capsys.readouterr()
     assert build(_with_paths(table, outside), tmp_path / "out", "--allow-outside-paths") == 0

@@ -258,11 +258,17 @@ class Confinement:
     def outside(self, path: str) -> str | None:
         """None when ``path`` lies under the root; else where it is: its normalized path when its name leads out,
         the real path a symbolic link on its way points to otherwise."""
-        path = os.path.normpath(os.path.join(self.root, path))
+        joined = os.path.join(self.root, path)
+        path = os.path.normpath(joined)
         if not self._inside(path):  # unless it only names the root another way (a symbolic link above it)
             return None if self._inside(os.path.realpath(path)) else path
         if self.follow_symlinks:
             return None
+        if ".." in joined.split(os.sep):
+            # the system resolves a link before the `..` after it (link/../x is x beside the link's target), which
+            # the name's normal form does not: the path exactly as it will be opened, resolved in full
+            real = os.path.realpath(joined)
+            return None if self._inside(real) else real
         folder, name = os.path.split(path)
         if folder not in self._folders:
             self._folders[folder] = os.path.realpath(folder)
