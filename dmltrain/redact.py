@@ -65,7 +65,9 @@ SECRET_PARTS = (
 )  # fmt: skip
 # in a query string also any name with these in it (X-Amz-Signature, X-Amz-Security-Token, X-Goog-Signature);
 # not among the storage options, where botocore's signature_version is a setting
-QUERY_SECRET_PARTS = (*SECRET_PARTS, "signature", "token")
+QUERY_SECRET_PARTS = (*SECRET_PARTS, "signature", "token", "authkey", "jwt", "hmac")
+# and these exact names, which are short forms of a password in a query string (?pwd=, ?pass=)
+QUERY_SECRET_NAMES = frozenset({*SECRET_NAMES, "pw", "pwd", "pass"})
 
 #: gcsfs's ``token`` may name an authentication mode rather than hold a token: these values are kept
 TOKEN_MODES = frozenset({"anon", "google_default", "cloud", "browser"})
@@ -90,10 +92,11 @@ def secret_name(name: str) -> bool:
 
 
 def secret_query_name(name: str) -> bool:
-    """Whether a URL's query parameter ``name`` holds a secret: :func:`secret_name`, or a name with ``signature`` or
-    ``token`` in it (a presigned URL's ``X-Amz-Signature``, ``X-Amz-Security-Token``)."""
+    """Whether a URL's query parameter ``name`` holds a secret: :func:`secret_name`, a name with ``signature``,
+    ``token``, ``authkey``, ``jwt`` or ``hmac`` in it (a presigned URL's ``X-Amz-Signature``,
+    ``X-Amz-Security-Token``), or ``pw``, ``pwd`` or ``pass``."""
     key = _name(name)
-    return key in SECRET_NAMES or any(part in key for part in QUERY_SECRET_PARTS)
+    return key in QUERY_SECRET_NAMES or any(part in key for part in QUERY_SECRET_PARTS)
 
 
 def redact_url(text: str) -> str:

@@ -260,6 +260,13 @@ def test_sizes_from_a_model_file_or_contract_are_bounded(pt2, tmp_path, capsys):
     assert "model.pt2.json: malformed contract (input.crop: 30000 is outside [8, 4096] pixels)" in _one_error_line(
         capsys
     )
+    # Python's JSON parser takes Infinity and NaN: a number, but no side (it was an OverflowError traceback)
+    contract_path(tmp_path / "model.pt2").write_text(json.dumps(data).replace("30000", "Infinity"))
+    assert main(["embed", str(tmp_path / "model.pt2"), *argv]) == 2
+    assert "model.pt2.json: malformed contract (cannot convert float infinity to integer)" in _one_error_line(capsys)
+    contract_path(tmp_path / "model.pt2").write_text(json.dumps({**data, "version": 1.5}))
+    assert main(["embed", str(tmp_path / "model.pt2"), *argv]) == 2
+    assert "model.pt2.json: version: '1.5' is not a whole number" in _one_error_line(capsys)
     assert not (tmp_path / "e").exists()
 
 

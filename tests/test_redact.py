@@ -78,6 +78,8 @@ def test_a_query_strings_secrets_are_redacted_and_its_other_parameters_kept():
     assert redact_url(f"https://u:{PASSWORD}@h/x?access_token={SECRET};api_key={SECRET}#f") == (
         "https://<redacted>@h/x?access_token=<redacted>;api_key=<redacted>#f"
     )
+    for name in ("pwd", "pass", "auth_key", "jwt", "hmac", "Signature"):  # short and CDN forms (CloudFront's too)
+        assert redact_url(f"https://h/x.jpg?{name}={SECRET}&w=2") == f"https://h/x.jpg?{name}=<redacted>&w=2", name
     for same in ("https://h/x?page=2&size=10", "a?b=c", "--storage-option token=anon", "x.jpg?version=3"):
         assert redact_url(same) == same
 

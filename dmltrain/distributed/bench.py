@@ -20,7 +20,7 @@ bf16 tensor-core GEMMs (the 3-GEMM bound); peak GPU memory against weight + grad
 optimizer state; our forward + backward apart from the optimizer step; peers (forward +
 backward only, one process, NormSoftmax logits at T = 0.05), each when installed, else a line
 saying it was skipped: Cut Cross-Entropy with its default gradient filter and exact
-(``impl="cce_exact"``), Liger's fused linear cross-entropy, naive torch bf16 and
+(``filter_eps=None``), Liger's fused linear cross-entropy, naive torch bf16 and
 pytorch-metric-learning. ``--deterministic`` runs the two-kernel backward. Cut Cross-Entropy
 runs on CUDA only: on the CPU its lines say so. Every run is a
 :class:`~dmltrain.distributed.bench_job.ClassifierJob`, the schema ``make gpu-check`` shares.

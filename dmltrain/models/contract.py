@@ -46,7 +46,12 @@ MAX_EMBEDDING_DIM = 1 << 16
 def image_side(value: Any, key: str) -> int:
     """``value`` as an image side (a crop or resize) in ``[8, MAX_IMAGE_SIDE]``: a contract or a model file is
     anyone's, and the side decides the memory of every batch. ``ValueError`` naming ``key`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value != int(value)
+    ):
         raise ValueError(f"{key}: {str(value)[:40]!r} is not a whole number of pixels")
     if not MIN_IMAGE_SIDE <= value <= MAX_IMAGE_SIDE:
         raise ValueError(f"{key}: {int(value)} is outside [{MIN_IMAGE_SIDE}, {MAX_IMAGE_SIDE}] pixels")
@@ -156,8 +161,11 @@ class Contract:
         """The contract of :meth:`to_json`'s dict; one-line :class:`UserError` naming ``where`` and the key."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise UserError(f"{where}: not a {FORMAT} file")
-        if int(data.get("version", 0)) > VERSION:
-            raise UserError(f"{where}: contract version {data.get('version')} is newer than this dmltrain reads")
+        version = data.get("version", 0)
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise UserError(f"{where}: version: {str(version)[:40]!r} is not a whole number")
+        if version > VERSION:
+            raise UserError(f"{where}: contract version {version} is newer than this dmltrain reads")
         try:
             m, i, o, b = data["model"], data["input"], data["output"], data["binary"]
             return cls(
@@ -183,7 +191,7 @@ class Contract:
             )
         except KeyError as e:
             raise UserError(f"{where}: missing key {e}") from None
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:  # int(Infinity): JSON's parser takes it
             raise UserError(f"{where}: malformed contract ({e})") from None
 
     def norm(self) -> PixelNorm:

@@ -137,15 +137,14 @@ def read_cells(table: str | os.PathLike[str], storage_options: Mapping[str, Any]
     if is_url(text) and not text.lower().startswith("file://"):
         parent, name = text.rsplit("/", 1)
         loc = open_location(parent, storage_options)
+        too_large = f"more than the {MAX_TABLE_BYTES:,} bytes a table may have"
         try:
-            size = loc.size(name)
-            if size is None:
-                raise FileNotFoundError(text)
-            if size > MAX_TABLE_BYTES:
-                raise UserError(
-                    f"{redact_url(text)}: {size:,} bytes, more than the {MAX_TABLE_BYTES:,} a table may have"
-                )
-            data = loc.read_bytes(name)
+            size = loc.size(name)  # a server may not say (None): the ranged read below still bounds it
+            if size is not None and size > MAX_TABLE_BYTES:
+                raise UserError(f"{redact_url(text)}: {size:,} bytes, {too_large}")
+            data = loc.read_bytes(name, limit=MAX_TABLE_BYTES + 1)
+            if len(data) > MAX_TABLE_BYTES:  # it said less than it sends
+                raise UserError(f"{redact_url(text)}: {too_large}")
         except FileNotFoundError:
             raise UserError(f"{text}: table not found") from None
         except OSError as e:

@@ -438,11 +438,14 @@ class Location:
         return asyncio.run_coroutine_threadsafe(coro, loop).result()  # type: ignore[arg-type]
 
     # -- whole-file operations (manifest, listing, uploads) ----------------------------------
-    def read_bytes(self, name: str, stats: IOStats | None = None) -> bytes:
-        """The whole of ``name``; FileNotFoundError when it is not there."""
+    def read_bytes(self, name: str, stats: IOStats | None = None, limit: int | None = None) -> bytes:
+        """The whole of ``name``, or its first ``limit`` bytes at most (a ranged read: a server that says less
+        than it sends cannot make it hold more); FileNotFoundError when it is not there."""
         if not self.remote:
-            return (self.path / name).read_bytes()
-        return self.run(self.call("cat_file", self.url(name), stats=stats or IOStats()))
+            with open(self.path / name, "rb") as f:
+                return f.read(-1 if limit is None else limit)
+        bound = {} if limit is None else {"start": 0, "end": limit}
+        return self.run(self.call("cat_file", self.url(name), stats=stats or IOStats(), **bound))
 
     def write_bytes(self, name: str, data: bytes, stats: IOStats | None = None) -> None:
         """Write ``name`` whole (an object store makes it visible at once, never half-written)."""
