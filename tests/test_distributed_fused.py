@@ -357,9 +357,9 @@ def _rerun_identical(rank, W, device):
     asked = []
     choose = softmax_kernels._choose
 
-    def recorded(kind, key, precision, device, launch, deterministic=False):
+    def recorded(kind, key, precision, device, launch, deterministic=False, *more):
         asked.append((kind, deterministic))
-        return choose(kind, key, precision, device, launch, deterministic)
+        return choose(kind, key, precision, device, launch, deterministic, *more)
 
     softmax_kernels._choose = recorded
     runs = []
