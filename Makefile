@@ -10,6 +10,10 @@ DOCS_STACK := $(VENV)/docs
 LINT_STACK := $(VENV)/lint
 RUFF := $(LINT_STACK)/bin/ruff
 PYTEST_ARGS ?=
+# The suite runs in this many pytest-xdist processes, a test file to each at a time (module fixtures built once):
+# much of a test's wall time is waiting (a Ray or DeepSpeed start, a subprocess's imports), so two processes
+# keep 2 cores busier. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 SHELL  := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 # pip warns once per absent mirror folder; keep its real messages only.
@@ -22,13 +26,18 @@ TRITON_SIDE := $(VENV)/triton-$(TRITON_DEVICE)
 
 .PHONY: setup lint format test demo clean-venv gpu-check docs docs-serve docs-check
 
-setup: $(STAMP) $(S3_STACK)/.installed $(DOCS_STACK)/.installed $(LINT_STACK)/.installed $(TRITON_SIDE)/.installed
+SIDE_STAMPS := $(S3_STACK)/.installed $(DOCS_STACK)/.installed $(LINT_STACK)/.installed $(TRITON_SIDE)/.installed
 
-# Re-installs when the dependency list or the torch pair changes.
+# The side folders are independent of one another: installed at once (mostly downloads and unpacking).
+setup: $(STAMP)
+	@$(MAKE) --no-print-directory -j4 $(SIDE_STAMPS)
+
+# Re-installs when the dependency list or the torch pair changes. --no-compile: byte-compiling all of torch, Ray and
+# the CUDA wheels takes time that imports repay only for the modules they load (they compile those themselves).
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "installing dmltrain and its dependencies into $(VENV) (first time: a few minutes)"
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]' 2>&1 | $(QUIET_PIP)
+	$(BIN)/python -m pip install -q --no-compile -c constraints.txt -e '.[dev]' 2>&1 | $(QUIET_PIP)
 	@touch $(STAMP)
 
 # After every install into .venv, which may change what a side folder has to add.
@@ -53,8 +62,9 @@ format: $(LINT_STACK)/.installed
 	$(RUFF) format .
 	$(RUFF) check --fix .
 
-test: lint docs-check $(STAMP) $(S3_STACK)/.installed $(DOCS_STACK)/.installed $(TRITON_SIDE)/.installed
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+test: setup
+	@$(MAKE) --no-print-directory lint docs-check
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The docs site (mkdocs.yml, docs/): its reference pages are generated from the code at build time.
 # docs-check builds it with --strict into a scratch folder and says how long it took: a broken link or anchor, a

@@ -503,15 +503,17 @@ def train(
             failure = e
         if board is not None:
             _, summary = ray.get(board.get.remote())
-        if failure is not None:
+        if summary.get("error") and (failure is None or user_error_in(failure) is None):
+            # the workers stopped the run themselves (a diverged loss); a Ray error after that is its consequence
+            # (under load the controller can find a worker it is shutting down already dead: seen)
+            error = summary["error"]
+        elif failure is not None:
             user = user_error_in(failure)
             if user is not None:  # a config or input problem a worker found: one line, exit 2
                 error = str(user)
                 raise UserError(str(user), user.exit_code) from None
             text = str(failure).strip()
             error = f"{type(failure).__name__}: {text.splitlines()[-1] if text else ''}"
-        elif summary.get("error"):  # the workers stopped the run themselves (a diverged loss)
-            error = summary["error"]
         status = "FINISHED" if error is None else "FAILED"
     except KeyboardInterrupt:
         status = "KILLED"
