@@ -40,6 +40,7 @@ from typing import Any
 
 from dmltrain.config import PRODUCT_PRECISIONS, WEIGHT_STORAGES, gpu_only
 from dmltrain.distributed.bench_job import CUDA_PEERS, ClassifierJob
+from dmltrain.distributed.roofline import GPUS
 from dmltrain.errors import UserError
 
 GIB = 2**30
@@ -105,6 +106,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--probe", action="store_true", help="also time the probe of the full softmax (loss.classifier.probe_every)"
     )
     parser.add_argument("--no-peer", action="store_true", help="skip the peers")
+    parser.add_argument(
+        "--model",
+        choices=sorted(GPUS),
+        default=None,
+        help="run nothing: print the roofline model of the fused kernels' step on this GPU (per launch and per step "
+        "the FLOPs, the HBM, L2 and atomic bytes and each bound's time, beside the 3-GEMM bound, Cut Cross-Entropy "
+        "and issue 37's targets)",
+    )
+    parser.add_argument(
+        "--shapes",
+        choices=["issue"],
+        default=None,
+        help="with --model: issue 37's three shapes (10⁶ classes, D 512, B 1,024 and 8,192; 10⁷, 128, 4,096) "
+        "instead of --classes, --dim, --batch",
+    )
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -118,7 +134,7 @@ def _check(args: argparse.Namespace) -> None:
     gpu_only_settings = gpu_only("loss.classifier.precision", args.precision) or gpu_only(
         "loss.classifier.weight_storage", args.weight_storage
     )
-    if args.device == "cpu" and gpu_only_settings:
+    if args.device == "cpu" and gpu_only_settings and not args.model:
         raise UserError(
             "bench classifier: --precision tf32/bf16 and --weight-storage bf16 need --device cuda (the CPU path computes in fp32)"
         )
@@ -178,7 +194,25 @@ def _job(args: argparse.Namespace, R: float) -> ClassifierJob:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
+    if args.model:
+        return _run_model(args)
+    if args.shapes:
+        raise UserError("bench classifier: --shapes goes with --model")
     return _run_cuda(args) if args.device == "cuda" else _run_cpu(args)
+
+
+def _run_model(args: argparse.Namespace) -> int:
+    """``--model``: the roofline tables (:mod:`~dmltrain.distributed.roofline`), no kernel run."""
+    from dmltrain.distributed import roofline
+
+    if args.sampling != "uniform" or args.probe:
+        raise UserError("bench classifier --model: models the uniform draw only, without --probe")
+    shapes = roofline.ISSUE_SHAPES if args.shapes == "issue" else [(args.classes, args.dim, args.batch)]
+    precision = "bf16" if args.precision == "auto" else args.precision
+    calls = [roofline.Call(C, D, B, args.workers, R, precision, args.deterministic, args.kind,
+                           weight_storage=args.weight_storage) for C, D, B in shapes for R in args.sample_ratio]  # fmt: skip
+    print(roofline.render(calls, GPUS[args.model]), flush=True)
+    return 0
 
 
 def _measure(

@@ -1,0 +1,324 @@
+"""The roofline model of the fused classifier (dmltrain/distributed/roofline.py) against the code it models.
+
+* Counts: every product launch's FLOPs, exponentials, L2 bytes and atomic bytes equal a loop-by-loop count
+  over its programs, tiles and ``D`` chunks, transcribed from the kernels' loops (ragged sizes, a draw's
+  count, both backwards); the atomic bytes equal issue 37's ``4·B·C·D·(1/BLOCK_B + 1/BLOCK_C)`` (plus the
+  per-column sums), 49 / 393 / 492 GB at its three shapes.
+* Launches: the list the model makes equals the launches the real launcher makes, (a) under Triton's CPU
+  interpreter at tiny shapes, kernels run (a spawned process: the interpreter must be on before Triton is
+  imported), and (b) at the issue's shapes with the GPU's geometry, on meta tensors with the kernels
+  recorded and not run (the tuner's choice handed over from the model: nothing here can time a kernel); the
+  launcher's ``_programs`` and ``_choose`` for the deterministic path are called for real.
+* The command prints its table and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmltrain.distributed import roofline
+from dmltrain.distributed.roofline import GPUS, Call, plan
+
+REPO = Path(__file__).resolve().parents[1]
+KERNELS = ("_copy_rows_kernel", "_lse_kernel", "_grad_kernel", "_grad_x_kernel", "_grad_w_kernel", "_rows_out_kernel")
+
+
+def _model_launches(call: Call, gpu) -> list[tuple[str, list[int], dict[str, int]]]:
+    return [(x.kernel, list(x.grid), dict(x.cfg.meta)) for x in plan(call, gpu) if x.triton]
+
+
+# -- counts ------------------------------------------------------------------------------------------------
+def _rows(offs0: int, block: int, n: int) -> int:
+    """Entries of a block starting at ``offs0`` under the mask ``offs < n``."""
+    return max(0, min(block, n - offs0))
+
+
+def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
+    """FLOPs, exponentials, L2 bytes and atomic bytes of one product launch, program by program, tile by tile, as
+    the kernels' loops run (masked entries load nothing; tl.dot computes whole tiles)."""
+    D, e = call.dim, 2 if call.precision == "bf16" else 4
+    c = dict(launch.cfg.meta)
+    BB, BC, BK, BD = c["BLOCK_B"], c["BLOCK_C"], c["BLOCK_K"], c.get("BLOCK_D")
+    n = dict(flops=0, exps=0, l2=0, atomic=0)
+
+    def logits(b0: int, t0: int) -> None:  # _logits: the D loop of one tile
+        for k0 in range(0, D, BK):
+            n["flops"] += 2 * BB * BC * BK
+            n["l2"] += (_rows(b0, BB, N) + _rows(t0, BC, nv)) * min(BK, D - k0) * e
+        n["exps"] += BB * BC
+
+    kernel, grid = launch.kernel, launch.grid
+    if kernel == "_lse_kernel":
+        TB, S = grid
+        tiles = math.ceil(nv / BC)
+        per = math.ceil(tiles / S)
+        for b in range(TB):
+            for s in range(S):
+                n["l2"] += _rows(b * BB, BB, N) * 4 * 4  # tcol in, three partials out
+                for t in range(s * per, min(s * per + per, tiles)):
+                    logits(b * BB, t * BC)
+                    n["exps"] += BB  # the running sum's rescale
+                n["exps"] += BB  # the final log
+    elif kernel == "_grad_kernel":
+        for b in range(grid[0]):
+            for t in range(grid[1]):
+                if t * BC >= nv:
+                    continue
+                rows, cols = _rows(b * BB, BB, N), _rows(t * BC, BC, nv)
+                n["l2"] += rows * 8  # tcol, lse
+                logits(b * BB, t * BC)
+                n["atomic"] += cols * 4  # the column sums
+                for d0 in range(0, D, BD):
+                    d = min(BD, D - d0)
+                    n["flops"] += 2 * 2 * BB * BC * BD  # G·ŵ and Gᵀx
+                    n["l2"] += (cols + rows) * d * e
+                    n["atomic"] += (rows + cols) * d * 4
+    elif kernel == "_grad_x_kernel":
+        TB, S = grid
+        tiles = math.ceil(nv / BC)
+        per = math.ceil(tiles / S)
+        for b in range(TB):
+            rows = _rows(b * BB, BB, N)
+            for s in range(S):
+                first = s * per
+                for t in range(first, min(first + per, tiles)):
+                    n["l2"] += rows * 8
+                    logits(b * BB, t * BC)
+                    for d0 in range(0, D, BD):
+                        d = min(BD, D - d0)
+                        n["flops"] += 2 * BB * BC * BD
+                        n["l2"] += _rows(t * BC, BC, nv) * d * e + rows * d * 4 * (2 if t > first else 1)
+    elif kernel == "_grad_w_kernel":
+        for t in range(grid[0]):
+            if t * BC >= nv:
+                continue
+            cols = _rows(t * BC, BC, nv)
+            for b0 in range(0, N, BB):
+                rows = _rows(b0, BB, N)
+                n["l2"] += rows * 8
+                logits(b0, t * BC)
+                for d0 in range(0, D, BD):
+                    d = min(BD, D - d0)
+                    n["flops"] += 2 * BB * BC * BD
+                    n["l2"] += rows * d * e + cols * d * 4 * (2 if b0 > 0 else 1)
+            n["l2"] += cols * 4  # the column sums, stored once
+    return n
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        Call(5000, 200, 300, workers=2, sample_ratio=0.5),  # ragged D and batch, a draw with a count
+        Call(5000, 72, 130, workers=2, sample_ratio=0.5, deterministic=True),
+        Call(3000, 96, 257, precision="tf32"),
+        Call(3000, 96, 257, kind="softmax_ce", smoothing=0.1, deterministic=True),
+    ],
+    ids=["atomic", "deterministic", "tf32", "softmax_ce"],
+)
+def test_counts_equal_a_loop_by_loop_count(call):
+    launches = [x for x in plan(call, GPUS["h100"]) if x.programs]
+    assert {x.kernel for x in launches} == (
+        {"_lse_kernel", "_grad_x_kernel", "_grad_w_kernel"} if call.deterministic else {"_lse_kernel", "_grad_kernel"}
+    )
+    _, valid, _, count = call.active()
+    assert count == (call.workers > 1)
+    for x in launches:
+        assert x.chunk == 0  # one chunk: every column valid up to the count
+        got = _loop_count(x, call, call.batch, valid)
+        assert got["flops"] == x.flops, x.kernel
+        assert got["exps"] == x.exps, x.kernel
+        assert got["l2"] == x.l2, x.kernel
+        assert got["atomic"] == x.atomic, x.kernel
+
+
+def test_atomic_bytes_are_the_issue_formula_at_its_shapes():
+    """Issue 37's 49 / 393 / 492 GB of fp32 atomics at 4·B·C·D·(1/BLOCK_B + 1/BLOCK_C), with the tiles the model
+    takes (128 × 64), plus 4 bytes a column per sample tile for the column sums."""
+    for (C, D, B), issue_gb in zip(roofline.ISSUE_SHAPES, (49, 393, 492)):
+        grads = [x for x in plan(Call(C, D, B), GPUS["h100"]) if x.kernel == "_grad_kernel"]
+        formula = 0.0
+        for x in grads:
+            BB, BC = x.cfg["BLOCK_B"], x.cfg["BLOCK_C"]
+            K = x.grid[1] * BC  # every chunk a whole number of class tiles here
+            formula += 4 * B * K * D * (1 / BB + 1 / BC)
+            assert x.atomic == pytest.approx(4 * B * K * D * (1 / BB + 1 / BC) + 4 * x.grid[0] * K, rel=1e-12)
+        assert sum(x.grid[1] * x.cfg["BLOCK_C"] for x in grads) == C
+        assert round(formula / 1e9) == issue_gb
+
+
+def test_occupancy_from_registers_and_shared_memory():
+    h100, a100 = GPUS["h100"], GPUS["a100"]
+    assert roofline.ctas_per_sm(h100, 128, 24576, 8) == 2  # 128 registers: 16 warps' worth
+    assert roofline.ctas_per_sm(h100, 76, 36864, 8) == 3  # 80 allocated: 25 warps
+    assert roofline.ctas_per_sm(h100, 184, 49152, 8) == 1
+    assert roofline.ctas_per_sm(h100, 32, 100 * 1024, 4) == 2  # by shared memory
+    assert roofline.ctas_per_sm(a100, 158, 16384, 8) == 1
+
+
+# -- launches ----------------------------------------------------------------------------------------------
+#: (call, chunk bytes) of the interpreter run: both backwards, normalised and not, a draw's count, chunks of 16 columns
+#: (16-wide tiles), two of them past the count (the paths without one: the GPU-shape test below)
+INTERPRETER_CASES = [
+    (Call(100, 16, 17, workers=2, sample_ratio=0.5, precision="bf16", kind="cosface", deterministic=True), 1536),
+    (Call(100, 16, 17, workers=2, sample_ratio=0.5, precision="fp32", kind="softmax_ce", smoothing=0.1), 1536),
+]
+
+_CHILD = r"""
+import json, sys
+import torch
+from dmltrain.distributed import softmax_kernels as sk
+from dmltrain.distributed.roofline import Call
+from dmltrain.distributed.row_sparse import RowGradTarget, RowSet
+from dmltrain.distributed.sharded_softmax import ShardOperands
+assert sk.INTERPRET
+rec = []
+class Recorder:
+    def __init__(self, name, fn):
+        self.name, self.fn = name, fn
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            rec.append((self.name, list(grid), {k: v for k, v in kwargs.items() if k.startswith("BLOCK_")}))
+            return self.fn[grid](*args, **kwargs)
+        return launch
+for name in json.loads(sys.argv[1]):
+    setattr(sk, name, Recorder(name, getattr(sk, name)))
+out = []
+for fields, chunk_bytes in json.loads(sys.argv[2]):
+    call = Call(**fields)
+    sk.CHUNK_BYTES = chunk_bytes
+    K, valid, has_rows, has_count = call.active()
+    g = torch.Generator().manual_seed(0)
+    n_local = -(-call.classes // call.workers)
+    w = torch.randn(n_local, call.dim, generator=g)
+    b = None if call.normalized else torch.randn(n_local, generator=g)
+    x = torch.randn(call.batch, call.dim, generator=g)
+    if call.normalized:
+        x = torch.nn.functional.normalize(x, dim=1)
+    rows = torch.randperm(n_local, generator=g)[:K] if has_rows else None
+    count = torch.tensor(valid) if has_count else None
+    tcol = torch.randint(-1, valid, (call.batch,), generator=g)
+    op = ShardOperands(x, w, b, rows, count, tcol, 8.0, call.normalized)
+    rec.clear()
+    lse, _, _, saved = sk.partials(op, call.sum_logits, call.precision, call.deterministic)
+    target = RowGradTarget(None, RowSet(rows, count), torch.zeros_like(w), None if b is None else torch.zeros_like(b), False)
+    off = torch.tensor(0.01) if call.sum_logits else None
+    sk.gradients(op, saved, torch.logaddexp(lse, torch.zeros(())), torch.tensor(0.05), off, True, target,
+                 call.precision, call.deterministic)
+    out.append(list(rec))
+print("LAUNCHES " + json.dumps(out))
+"""
+
+
+def test_launches_equal_the_interpreters(monkeypatch):
+    """The model's launches (kernel, grid, tiles) are the ones the launcher makes under Triton's CPU interpreter."""
+    cases = [(vars(call), chunk) for call, chunk in INTERPRETER_CASES]
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(KERNELS), json.dumps(cases)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recorded = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("LAUNCHES "))[9:])
+    from dmltrain.distributed import softmax_kernels as sk
+
+    for (call, chunk), got in zip(INTERPRETER_CASES, recorded):
+        monkeypatch.setattr(sk, "CHUNK_BYTES", chunk)
+        want = [list(x) for x in _model_launches(call, None)]
+        assert len({x.chunk for x in plan(call, None)}) > 1, "the case should make several chunks"
+        assert got == want, call
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        *(Call(C, D, B) for C, D, B in roofline.ISSUE_SHAPES),
+        Call(10**6, 512, 8192, deterministic=True),
+        Call(3 * 10**6, 256, 4096, workers=3, sample_ratio=0.1, kind="softmax_ce", smoothing=0.1),
+    ],
+    ids=["issue-1", "issue-2", "issue-3", "deterministic", "subsampled-ce"],
+)
+def test_launches_equal_the_launchers_at_gpu_shapes(monkeypatch, call):
+    """The real ``partials`` and ``gradients`` on meta tensors with the kernels recorded, not run: the same launches,
+    grids and tiles as the model's at the GPU's geometry (the tuner's choice, which only a GPU can time, handed
+    over from the model; the deterministic path's fixed choice asked of the launcher's own ``_choose``)."""
+    from dmltrain.distributed import softmax_kernels as sk
+    from dmltrain.distributed.row_sparse import RowGradTarget, RowSet
+    from dmltrain.distributed.sharded_softmax import ShardOperands
+
+    gpu = GPUS["h100"]
+    model = [x for x in plan(call, gpu) if x.triton]
+    tuned = {kind: [x.cfg for x in model if x.kernel == f"_{kind}_kernel"] for kind in ("lse", "grad")}
+    real_choose, asked = sk._choose, []
+
+    def choose(kind, key, precision, device, launch, deterministic=False, sum_logits=False):
+        asked.append(kind)
+        if deterministic:
+            return real_choose(kind, key, precision, torch.device("cuda", 0), launch, True, sum_logits)
+        return tuned[kind].pop(0)
+
+    recorded = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                recorded.append((self.name, list(grid), {k: v for k, v in kwargs.items() if k.startswith("BLOCK_")}))
+
+            return launch
+
+    for name in KERNELS:
+        monkeypatch.setattr(sk, name, Recorder(name))
+    monkeypatch.setattr(sk, "INTERPRET", False)
+    monkeypatch.setattr(sk, "_choose", choose)
+    monkeypatch.setattr(sk, "_sms", lambda index: gpu.sms)
+    real_programs = sk._programs
+    monkeypatch.setattr(sk, "_programs", lambda cfg, device: real_programs(cfg, torch.device("cuda", 0)))
+
+    K, valid, has_rows, has_count = call.active()
+    meta = torch.device("meta")
+    n_local = -(-call.classes // call.workers)
+    w = torch.empty(n_local, call.dim, device=meta)
+    b = None if call.normalized else torch.empty(n_local, device=meta)
+    rows = torch.empty(K, dtype=torch.int64, device=meta) if has_rows else None
+    count = torch.empty((), dtype=torch.int64, device=meta) if has_count else None
+    op = ShardOperands(torch.empty(call.batch, call.dim, device=meta), w, b, rows, count,
+                       torch.empty(call.batch, dtype=torch.int64, device=meta), 8.0, call.normalized)  # fmt: skip
+    lse, _, _, saved = sk.partials(op, call.sum_logits, call.precision, call.deterministic)
+    target = RowGradTarget(None, RowSet(rows, count), torch.empty_like(w), None if b is None else torch.empty_like(b),
+                           False)  # fmt: skip
+    off = torch.empty((), device=meta) if call.sum_logits else None
+    sk.gradients(op, saved, lse, torch.empty((), device=meta), off, True, target, call.precision, call.deterministic)
+    assert recorded == [(x.kernel, list(x.grid), dict(x.cfg.meta)) for x in model]
+    assert set(asked) == ({"lse", "grad_x", "grad_w"} if call.deterministic else {"lse", "grad"})
+
+
+# -- the command -------------------------------------------------------------------------------------------
+def test_bench_model_prints_one_table(capsys):
+    from dmltrain.bench import bench_parser, run
+
+    assert run(argparse.Namespace(bench="classifier", bench_args=["--model", "h100", "--shapes", "issue"])) == 0
+    out = capsys.readouterr().out
+    assert out.count("\nphase ") == 3 and "\nclasses " in out  # a table per shape, then one line each
+    for (C, D, B), target in roofline.TARGETS.items():
+        assert f"{C:,} classes, D={D}, B={B:,}" in out and f"target {target * 1e3:.0f} ms" in out
+    assert "fp32 atomics in the backward: 49.2 GB" in out
+    args = "--model a100 --classes 20000 --dim 64 --batch 512 --sample-ratio 0.5 --workers 2 --deterministic"
+    assert run(argparse.Namespace(bench="classifier", bench_args=args.split())) == 0
+    out = capsys.readouterr().out
+    assert out.count("\nphase ") == 1 and "no target at this shape" in out and "_grad_w_kernel" in out
+    with pytest.raises(Exception, match="--shapes goes with --model"):
+        run(argparse.Namespace(bench="classifier", bench_args=["--shapes", "issue"]))
+    assert "--model" in bench_parser("classifier").format_help()
