@@ -112,13 +112,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="run nothing: print the roofline model of the fused kernels' step on this GPU (per launch and per step "
         "the FLOPs, the HBM, L2 and atomic bytes and each bound's time, beside the 3-GEMM bound, Cut Cross-Entropy "
-        "and issue 37's targets)",
+        "and the step targets)",
     )
     parser.add_argument(
         "--shapes",
         choices=["issue"],
         default=None,
-        help="with --model: issue 37's three shapes (10⁶ classes, D 512, B 1,024 and 8,192; 10⁷, 128, 4,096) "
+        help="with --model: the three reference shapes (10⁶ classes, D 512, B 1,024 and 8,192; 10⁷, 128, 4,096) "
         "instead of --classes, --dim, --batch",
     )
 
