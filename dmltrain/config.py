@@ -54,6 +54,12 @@ TRAIN_PRECISIONS, PRODUCT_PRECISIONS, WEIGHT_STORAGES = (
     get_args(t) for t in (TrainPrecision, ProductPrecision, WeightStorage)
 )
 
+#: ``model.compile``: torch.compile's mode, or False for eager
+CompileMode = Literal[False, "default", "max-autotune"]
+#: ``model.compile_scope``: the parts of the step that ``model.compile`` compiles
+CompileScope = Literal["backbone", "head", "instance_loss"]
+COMPILE_SCOPES = get_args(CompileScope)
+
 #: settings only GPU workers honour, by key, with what a CPU worker does instead
 GPU_ONLY = {
     "train.precision": ({"fp16"}, "DeepSpeed's CPU backend has no fp16; use bf16 or fp32"),
@@ -128,6 +134,18 @@ class ModelConfig(Section):
         False, description="BatchNorm statistics over the global batch (all workers), not each worker's part"
     )
     channels_last: bool = Field(False, description="channels_last memory format (convolutional backbones only)")
+    compile: CompileMode = Field(
+        False,
+        description="torch.compile (inductor) the parts of model.compile_scope, as timm's and open_clip's "
+        "--torchcompile: false, default, or max-autotune (tuned kernels, a longer compile); static shapes; the "
+        "compile time and graph breaks are logged once (a CPU worker needs a C++ compiler)",
+    )
+    compile_scope: list[CompileScope] = Field(
+        ["backbone", "head"],
+        min_length=1,
+        description="what model.compile compiles: backbone, head, instance_loss (the loss over the gathered batch, "
+        "not the gather); the sharded classifier is never compiled (its own kernels)",
+    )
 
     def pretrained_is_file(self) -> bool:
         """Whether ``pretrained`` names a file (a path to make absolute), not a keyword or an ``hf-hub:`` repository."""

@@ -147,6 +147,10 @@ class LayerChain(Backbone):
     def _run(self, layer_name: str, x: Tensor) -> Tensor:
         layer = getattr(self, layer_name)
         if self.grad_checkpointing and layer_name in self.stage_channels and torch.is_grad_enabled():
+            if torch.compiler.is_compiling():
+                # compiled (model.compile): the recomputation is part of the compiled backward, which replays no
+                # buffer update (the forward's running statistics are written once), and dynamo takes no context_fn
+                return checkpoint(layer, x, use_reentrant=False)
             recompute = lambda: (contextlib.nullcontext(), _recomputing(layer))  # noqa: E731
             return checkpoint(layer, x, use_reentrant=False, context_fn=recompute)
         return layer(x)

@@ -12,6 +12,11 @@ Two loops on the same device, model, batch and precision:
   NormSoftmax classifier and ICE over the (here one-worker) gathered batch, and the row-sparse
   classifier step.
 
+With ``--compile [MODE]`` each loop runs twice, eager and with ``model.compile`` (``default`` or
+``max-autotune``: :mod:`dmltrain.models.compiled`; the parts of ``model.compile_scope``, ``--set`` it to
+compile the instance loss too), and the images/s are printed side by side with their ratio, the compile
+time (spent in the warm-up, at least one step) and the graph breaks.
+
 Each loop is timed over ``--steps`` steps after ``--warmup``; the device is synchronized
 only at the ends of the timed window (and, in the pipeline, by the step timer once, at its
 end). Printed: images/s of each, their ratio, and the pipeline's share of step time spent
@@ -36,6 +41,7 @@ from dmltrain.distributed.process_group import ensure_process_group
 from dmltrain.errors import UserError
 from dmltrain.fileio import write_json
 from dmltrain.models import build_model, param_groups
+from dmltrain.models.compiled import CompileWatch, compile_step
 from dmltrain.models.precision import autocast_dtype
 from dmltrain.training.engine import build_engine, loss_scale
 from dmltrain.training.head import LossHead
@@ -90,10 +96,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="any other config override for both loops, e.g. --set loss.classifier.sample_ratio=0.1",
     )
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        choices=["default", "max-autotune"],
+        help="also run each loop with model.compile=MODE (default: default) and print eager and compiled side by side",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON (make gpu-check reads them)")
 
 
-def _config(args: argparse.Namespace, shards: str) -> Config:
+def _config(args: argparse.Namespace, shards: str, compile_mode: str | None = None) -> Config:
     workers = args.loader_workers if args.loader_workers is not None else max(1, min(8, (os.cpu_count() or 2) - 1))
     cuda = args.device == "cuda"
     return load_config(
@@ -115,6 +128,7 @@ def _config(args: argparse.Namespace, shards: str) -> Config:
             "cluster.num_workers=1",
             f"cluster.use_gpu={str(cuda).lower()}",
             *args.overrides,
+            f"model.compile={compile_mode or 'false'}",
         ],
     )
 
@@ -149,11 +163,34 @@ def _peak(device: torch.device) -> str:
     return f"  peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else ""
 
 
-def bare_backbone(cfg: Config, device: torch.device, steps: int, warmup: int) -> float:
-    """Images/s of forward + backward + SGD of the embedding model on one random on-device batch."""
+def _side_by_side(
+    loop: str, eager: float, compiled: float, watch: CompileWatch | None, device: torch.device
+) -> dict[str, float]:
+    """Print one loop's eager and compiled images/s side by side; the figures for ``--json``."""
+    seconds = watch.seconds() if watch is not None else 0.0
+    breaks = sum(watch.breaks().values()) if watch is not None else 0
+    mode = watch.mode if watch is not None else "?"
+    print(
+        f"{loop}: eager {eager:9.1f} images/s | compiled ({mode}) {compiled:9.1f} images/s | {compiled / eager:.2f}x; "
+        f"compiled {', '.join(watch.parts) if watch else 'nothing'} in {seconds:.1f} s, {breaks} graph breaks"
+        + _peak(device),
+        flush=True,
+    )
+    return {
+        "eager_images_per_s": eager,
+        "compiled_images_per_s": compiled,
+        "compile_s": seconds,
+        "graph_breaks": breaks,
+    }
+
+
+def bare_backbone(cfg: Config, device: torch.device, steps: int, warmup: int) -> tuple[float, CompileWatch | None]:
+    """Images/s of forward + backward + SGD of the embedding model on one random on-device batch (compiled as
+    ``cfg.model.compile`` asks: the watch of what it compiled, or None)."""
     dtype = autocast_dtype(cfg.train.precision) or torch.float32
     _reset_peak(device)
     model = build_model(cfg.model).to(device=device, dtype=dtype).train()
+    watch = compile_step(cfg.model, model, None, device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     S, b = cfg.data.image_size, cfg.data.batch_size
     fmt = torch.channels_last if cfg.model.channels_last else torch.contiguous_format
@@ -167,11 +204,14 @@ def bare_backbone(cfg: Config, device: torch.device, steps: int, warmup: int) ->
         model(x).float().pow(2).sum().backward()
         opt.step()
     _sync(device)
-    return b * steps / (time.perf_counter() - t0)
+    return b * steps / (time.perf_counter() - t0), watch
 
 
-def full_pipeline(cfg: Config, device: torch.device, steps: int, warmup: int) -> tuple[float, dict[str, float], str]:
-    """Images/s of the training step from shards, the step timer's split of the timed steps, and the decoding used."""
+def full_pipeline(
+    cfg: Config, device: torch.device, steps: int, warmup: int
+) -> tuple[float, dict[str, float], str, CompileWatch | None]:
+    """Images/s of the training step from shards, the step timer's split of the timed steps, the decoding used, and
+    the watch of what ``cfg.model.compile`` compiled (None: eager)."""
 
     ensure_process_group()
     _reset_peak(device)
@@ -186,6 +226,7 @@ def full_pipeline(cfg: Config, device: torch.device, steps: int, warmup: int) ->
         cfg, stream.num_classes, model.embedding_dim, 1, classifier_dropout=model.classifier_dropout
     ).to(device)
     head = LossHead(objective, cfg.optim)
+    watch = compile_step(cfg.model, engine.module, objective.instance, device)
     prefetch = Prefetcher(
         DeviceInput.from_config(cfg.data, device, dtype, channels_last=cfg.model.channels_last), device
     )
@@ -212,12 +253,14 @@ def full_pipeline(cfg: Config, device: torch.device, steps: int, warmup: int) ->
         timer.start()
     _sync(device)
     wall = time.perf_counter() - t0
-    return cfg.data.batch_size * steps / wall, timer.summary(cfg.data.batch_size), decode
+    return cfg.data.batch_size * steps / wall, timer.summary(cfg.data.batch_size), decode, watch
 
 
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.warmup < 0:
         raise UserError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    if args.compile and args.warmup < 1:
+        raise UserError("--warmup: --compile compiles in the warm-up steps; give at least 1")
     if args.batch < 4 or args.batch % 4:
         raise UserError(f"--batch: {args.batch} is not a positive multiple of 4 (P x K batches with K = 4)")
     device = torch.device(args.device)
@@ -237,13 +280,18 @@ def run(args: argparse.Namespace) -> int:
             f"{info.num_images} train images in "
             f"{shards}, {cfg.data.loader_workers} loader processes; {args.steps} steps after {args.warmup} warm-up"
         )
-        bare = bare_backbone(cfg, device, args.steps, args.warmup)
+        bare, _ = bare_backbone(cfg, device, args.steps, args.warmup)
         print(
             f"bare backbone (random batch on the device, SGD)     {bare:9.1f} images/s  {1000 * cfg.data.batch_size / bare:8.1f} ms/step"
             + _peak(device),
             flush=True,
         )
-        full, split, decode = full_pipeline(cfg, device, args.steps, args.warmup)
+        compiled: dict[str, dict[str, float]] = {}
+        cfg_c = _config(args, shards, args.compile) if args.compile else None
+        if cfg_c is not None:
+            bare_c, watch = bare_backbone(cfg_c, device, args.steps, args.warmup)
+            compiled["bare"] = _side_by_side("bare backbone", bare, bare_c, watch, device)
+        full, split, decode, _ = full_pipeline(cfg, device, args.steps, args.warmup)
         full_peak = _peak(device)
         parts = {k: split[f"time/{k}_ms"] for k in StepTimer.PARTS}
         wait = parts["data"] / max(1e-9, sum(parts.values()))
@@ -259,7 +307,12 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"ratio full pipeline / bare backbone: {full / bare:.2f}x ({full:.1f} vs {bare:.1f} images/s), data wait {100 * wait:.1f}%"
         )
+        if cfg_c is not None:
+            full_c, _, _, watch = full_pipeline(cfg_c, device, args.steps, args.warmup)
+            compiled["full"] = _side_by_side("full pipeline", full, full_c, watch, device)
     if args.json:
         figures = {"bare_images_per_s": bare, "full_images_per_s": full, "data_wait": wait, "step_ms": parts}
+        if compiled:
+            figures["compiled"] = {"mode": args.compile, **compiled}
         write_json(args.json, {**figures, "decode": decode, "device": name, "batch": cfg.data.batch_size})
     return 0
