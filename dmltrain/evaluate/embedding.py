@@ -61,13 +61,14 @@ def embed_batches(
     device until the last batch, so the host does not wait for each forward pass, and come back
     as float32 on the CPU, unnormalized. Empty batches are skipped; no batch at all gives a
     ``0 × 0`` array. Progress goes to stderr. A model with compiled parts (``model.compile``) sees every
-    batch at the first one's size: a smaller one (a split's last) is padded with zero images, whose
-    embeddings are dropped (static shapes: nothing recompiles; in eval mode a sample's embedding is its own).
+    batch at the largest size so far (the first's): a smaller one (a split's last, or one that lost unreadable
+    samples) is padded with zero images, whose embeddings are dropped (static shapes: nothing recompiles; in
+    eval mode a sample's embedding is its own).
     """
 
     dev = torch.device(device)
     static = has_compiled_parts(model)
-    size = 0  # the batch size a compiled model sees (the first batch's)
+    size = 0  # the batch size a compiled model sees (the largest so far: the first, but where it lost samples)
     was_training = model.training
     model.eval()
     embs: list[Tensor] = []
@@ -85,7 +86,7 @@ def embed_batches(
                     else torch.as_tensor(images, device=dev)
                 )
                 n = len(images)
-                size = size or n
+                size = max(size, n)
                 if static and n < size:
                     images = torch.cat([images, images.new_zeros((size - n, *images.shape[1:]))])
                 if channels_last:

@@ -15,9 +15,10 @@ bf16 and channels_last are the engine's and the input's business, seen by the co
 checkpointing is compiled too (the recomputation becomes part of the compiled backward). Compilation is lazy: the
 first step compiles, and :class:`CompileWatch` reports its time and the graph breaks once.
 
-Shapes are static (``dynamic=False``), and nothing recompiles from step to step: every training micro-batch has
-the same shape (the batch plan gives every worker ``data.batch_size / W`` samples, and an epoch has no partial
-batch), so a dynamic graph would only cost speed. Evaluation runs the model in eval mode without gradients (one
+Shapes are static (``dynamic=False``: no ``mark_dynamic``), and nothing recompiles from step to step: every
+training micro-batch has the same shape by construction (the batch plan gives every worker ``data.batch_size / W``
+samples, drops the pieces past an epoch's last full global batch, and substitutes an unreadable image), so a
+dynamic graph would only cost speed. Evaluation runs the model in eval mode without gradients (one
 more graph per part, compiled at the first evaluation), and pads a split's last, partial batch to the batch size
 (:func:`has_compiled_parts`, :func:`~dmltrain.evaluate.embedding.embed_batches`): in eval mode every sample's
 embedding is its own, so the padding changes nothing, and no batch shape recompiles.
