@@ -83,8 +83,12 @@ def test_supported_backbones_compile_without_graph_breaks(backbone, checkpointin
     torch.manual_seed(0)
     eager, traced = build_model(cfg.model), build_model(cfg.model)
     traced.load_state_dict(eager.state_dict())
-    watch = CompileWatch(compile_parts({"backbone": traced.backbone, "head": traced.head}, "default",
-                                       ["backbone", "head"], backend=BACKEND), "default")  # fmt: skip
+    watch = CompileWatch(
+        compile_parts(
+            {"backbone": traced.backbone, "head": traced.head}, "default", ["backbone", "head"], backend=BACKEND
+        ),
+        "default",
+    )
     assert watch.parts == ["backbone", "head"] and has_compiled_parts(traced)
     from torch._dynamo.utils import counters
 
@@ -106,8 +110,9 @@ def test_the_instance_loss_compiles_its_terms_whole():
     from dmltrain.losses import make_loss
 
     loss = GatheredInstanceLoss(make_loss("ice", {}, num_classes=4, dim=16))
-    watch = CompileWatch(compile_parts({"instance_loss": loss}, "default", ["backbone", "instance_loss"],
-                                       backend="aot_eager"), "default")  # fmt: skip
+    watch = CompileWatch(
+        compile_parts({"instance_loss": loss}, "default", ["backbone", "instance_loss"], backend="aot_eager"), "default"
+    )
     assert watch.parts == ["instance_loss"]
     x = torch.nn.functional.normalize(torch.randn(8, 16), dim=1).requires_grad_(True)
     loss(x, torch.arange(8) // 2).backward()
@@ -128,8 +133,10 @@ def test_evaluation_pads_the_last_batch_of_a_compiled_model():
     traced.load_state_dict(eager.state_dict())
     compile_parts({"backbone": traced.backbone, "head": traced.head}, "default", ["backbone"], backend="aot_eager")
     g = torch.Generator().manual_seed(3)
-    batches = [(torch.randn(n, 3, SIZE, SIZE, generator=g), torch.arange(n), torch.arange(n) + 10 * i)
-               for i, n in enumerate((5, 5, 3))]  # fmt: skip
+    batches = [
+        (torch.randn(n, 3, SIZE, SIZE, generator=g), torch.arange(n), torch.arange(n) + 10 * i)
+        for i, n in enumerate((5, 5, 3))
+    ]
     want, _, _ = embed_batches(eager, batches, progress=False)
     graphs = counters["stats"]["unique_graphs"]
     got, labels, index = embed_batches(traced, batches, progress=False)
@@ -221,11 +228,18 @@ def _steps(cfg, compiled: bool, steps: int, data) -> tuple[list[float], dict[str
     "backbone,extra",
     [
         # a CNN with channels_last, gradient checkpointing, two micro-batches a step and the instance loss compiled too
-        ("small_cnn", ("model.channels_last=true", "model.grad_checkpointing=true", "train.grad_accum=2",
-                       "model.compile_scope=[backbone,head,instance_loss]")),
+        (
+            "small_cnn",
+            (
+                "model.channels_last=true",
+                "model.grad_checkpointing=true",
+                "train.grad_accum=2",
+                "model.compile_scope=[backbone,head,instance_loss]",
+            ),
+        ),
         ("test_vit", ()),
     ],
-)  # fmt: skip
+)
 def test_compiled_steps_agree_with_eager_ones(backbone, extra, process_group):
     """Five optimizer steps (SGD, lr 0.01) of the DeepSpeed engine, the sharded classifier, ICE and the EMA, eager
     and with ``model.compile=default`` (inductor), no graph break: every micro-batch's loss agrees to 1e-3 of the

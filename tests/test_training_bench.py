@@ -97,10 +97,35 @@ def test_bench_train_compile_prints_eager_and_compiled_side_by_side(capsys, monk
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.setattr("dmltrain.models.compiled.BACKEND", "aot_eager")
     torch._dynamo.reset()
-    args = ["bench", "train", "--device", "cpu", "--backbone", "small_cnn", "--batch", "8", "--image-size", "24",
-            "--precision", "fp32", "--decode", "cpu", "--steps", "1", "--warmup", "1", "--synthetic", "8,4,32",
-            "--loader-workers", "0", "--set", "model.embedding_dim=64", "--compile",
-            "--json", str(tmp_path / "figures.json")]  # fmt: skip
+    args = [
+        "bench",
+        "train",
+        "--device",
+        "cpu",
+        "--backbone",
+        "small_cnn",
+        "--batch",
+        "8",
+        "--image-size",
+        "24",
+        "--precision",
+        "fp32",
+        "--decode",
+        "cpu",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--synthetic",
+        "8,4,32",
+        "--loader-workers",
+        "0",
+        "--set",
+        "model.embedding_dim=64",
+        "--compile",
+        "--json",
+        str(tmp_path / "figures.json"),
+    ]
     try:
         assert main(args) == 0
     finally:

@@ -91,7 +91,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dmltrain.config import PRODUCT_PRECISIONS, WEIGHT_STORAGES, gpu_only
+from dmltrain.config import NEAREST_TO, PRODUCT_PRECISIONS, SAMPLING_MODES, WEIGHT_STORAGES, gpu_only
 from dmltrain.distributed import softmax_torch
 from dmltrain.distributed.class_index import ClassIndex, build_index, nearest_keys, nearest_scores
 from dmltrain.distributed.class_partition import ClassPartition
@@ -112,11 +112,6 @@ from dmltrain.losses.margins import pair_cos
 
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # by loss.classifier.weight_storage
 BACKENDS = ("auto", "torch", "triton")
-#: the class draw's modes (``loss.classifier.sampling``): uniform others, nearest others, a share of each, or others
-#: drawn in proportion to the exponential of their nearness's logit
-SAMPLING_MODES = ("uniform", "hard", "mixed", "proportional")
-#: what the nearest classes are nearest to (``loss.classifier.nearest_to``): the batch's classes' rows or its embeddings
-NEAREST_TO = ("classes", "samples")
 NORM_EPS = 1e-12
 #: classes per block of the W-independent weight initialisation
 _INIT_BLOCK = 1 << 16
@@ -450,10 +445,19 @@ class _ShardedSoftmax(torch.autograd.Function):
         with torch.autocast(device_type=x.device.type, enabled=False):
             n_local = weight.shape[0]
             tcol, row, owned = _targets(labels, plan.class_start, n_local, active)
-            op = ShardOperands(x.detach(), weight.detach(), None if bias is None else bias.detach(),
-                               None if active is None else active.rows, None if active is None else active.count,
-                               tcol, plan.scale, plan.spec.normalized, plan.subcenters,
-                               None if active is None else active.offsets)  # fmt: skip
+            rows, count, offsets = (None, None, None) if active is None else (active.rows, active.count, active.offsets)
+            op = ShardOperands(
+                x=x.detach(),
+                weight=weight.detach(),
+                bias=None if bias is None else bias.detach(),
+                rows=rows,
+                count=count,
+                tcol=tcol,
+                scale=plan.scale,
+                normalized=plan.spec.normalized,
+                subcenters=plan.subcenters,
+                offsets=offsets,
+            )
             eps = plan.smoothing
             if plan.fused:
                 lse_nt, mx, sz, saved = softmax_kernels.partials(op, bool(eps), plan.precision, plan.deterministic)
@@ -482,8 +486,9 @@ class _ShardedSoftmax(torch.autograd.Function):
                 k_local = active.count
             drop = plan.drop
             beyond = _beyond(drop, sub_cos, row, owned)
-            out = _combine(lse_local, m, sz + z_t, z_t, cos_t, k_local, eps, plan.group, beyond,
-                           drop is not None and drop.dropping)  # fmt: skip
+            out = _combine(
+                lse_local, m, sz + z_t, z_t, cos_t, k_local, eps, plan.group, beyond, drop is not None and drop.dropping
+            )
             hits = None
             if plan.count_subcenters and drop is not None and sub_cos is not None:
                 hits = SubcenterHits(row, sub_cos.argmax(1), owned.to(drop.counts.dtype))
@@ -515,8 +520,9 @@ class _ShardedSoftmax(torch.autograd.Function):
                 else:
                     target = dense_target(rows, op.weight if need_w else None, op.bias if need_b else None)
             if plan.fused:
-                grad_x = softmax_kernels.gradients(op, ctx.saved, lse, alpha, off, need_x, target,
-                                                   plan.precision, plan.deterministic)  # fmt: skip
+                grad_x = softmax_kernels.gradients(
+                    op, ctx.saved, lse, alpha, off, need_x, target, plan.precision, plan.deterministic
+                )
             else:
                 grad_x = softmax_torch.gradients(op, ctx.saved, lse, alpha, off, need_x, target, plan.workspace)
             if op.weight.shape[0]:  # the targets: dL/d(target logit) through their pairs
@@ -524,8 +530,9 @@ class _ShardedSoftmax(torch.autograd.Function):
                 g_t = torch.where(ctx.owned, (torch.exp(ctx.z_t - lse) - on) * alpha, 0.0)
                 if op.sample_weight is not None:
                     g_t = g_t * op.sample_weight
-                leaves, zt, _, _ = _target_pairs(plan.spec, plan.margin_params, x, op.weight, op.bias, ctx.row,
-                                                 grad=True)  # fmt: skip
+                leaves, zt, _, _ = _target_pairs(
+                    plan.spec, plan.margin_params, x, op.weight, op.bias, ctx.row, grad=True
+                )
                 # a scalar's gradient: no grad_outputs, whose check would import torch.fx (seconds, once a process)
                 with torch.enable_grad():
                     grads = torch.autograd.grad((zt * g_t.to(zt.dtype)).sum(), leaves)
@@ -651,8 +658,11 @@ class ShardedClassifier(nn.Module):
             raise ValueError(f"ShardedClassifier: num_classes and dim must be positive, got {num_classes}, {dim}")
         if logits_budget_mb <= 0:
             raise ValueError(f"ShardedClassifier: logits_budget_mb must be positive, got {logits_budget_mb}")
-        for name, value, choices in (("precision", precision, PRODUCT_PRECISIONS), ("weight_storage", weight_storage, WEIGHT_STORAGES),
-                                     ("backend", backend, BACKENDS)):  # fmt: skip
+        for name, value, choices in (
+            ("precision", precision, PRODUCT_PRECISIONS),
+            ("weight_storage", weight_storage, WEIGHT_STORAGES),
+            ("backend", backend, BACKENDS),
+        ):
             if value not in choices:
                 raise ValueError(f"ShardedClassifier: {name} must be one of {', '.join(choices)}, got {value!r}")
         if sampling not in SAMPLING_MODES:
@@ -674,8 +684,10 @@ class ShardedClassifier(nn.Module):
         self.subcenters = self.spec.subcenters(self.params)
         self.margin_params = self.spec.logit_params(self.params)
         if drop_after is not None and self.subcenters < 2:
-            raise ValueError("ShardedClassifier: drop_after drops samples far from their dominant sub-center; "
-                             "it needs params.subcenters >= 2")  # fmt: skip
+            raise ValueError(
+                "ShardedClassifier: drop_after drops samples far from their dominant sub-center; "
+                "it needs params.subcenters >= 2"
+            )
         self.sampling, self.refresh_every, self.nearest_after = sampling, int(refresh_every), int(nearest_after)
         self.nearest_share = 1.0 if sampling == "hard" else float(nearest_share)
         self.nearest_to = nearest_to
@@ -698,8 +710,10 @@ class ShardedClassifier(nn.Module):
         self.class_start, self.class_end = self.partition.start(self.rank), self.partition.end(self.rank)
         n_local = self.class_end - self.class_start
         if self.torch_only and weight_storage != "fp32":
-            raise ValueError(f"ShardedClassifier: weight_storage {weight_storage!r} needs the fused kernels, which take no "
-                             f"{self.torch_only}; use fp32")  # fmt: skip
+            raise ValueError(
+                f"ShardedClassifier: weight_storage {weight_storage!r} needs the fused kernels, which take no "
+                f"{self.torch_only}; use fp32"
+            )
         rows = (n_local, dim) if self.subcenters == 1 else (n_local, self.subcenters, dim)
         self.weight = nn.Parameter(torch.empty(*rows, dtype=STORAGE_DTYPES[weight_storage]))
         # sub-center dropping: how often each class's samples were nearest to each of its sub-centers
@@ -903,11 +917,27 @@ class ShardedClassifier(nn.Module):
             queries = x_g if self.nearest_to == "samples" else None
             if self.sampling == "proportional":  # in proportion to exp(the logit a class's best cosine makes)
                 score = nearest_scores(index, labels_g, self.class_start, self.group, queries)
-                return draw_active(labels_g, self.partition, self.sample_ratio, self.seed, step, self.group,
-                                   weights=score.mul_(self.scale))  # fmt: skip
+                return draw_active(
+                    labels_g,
+                    self.partition,
+                    self.sample_ratio,
+                    self.seed,
+                    step,
+                    self.group,
+                    weights=score.mul_(self.scale),
+                )
             nearest = nearest_keys(index, labels_g, self.class_start, id_bits(self.num_classes), self.group, queries)
-        return draw_active(labels_g, self.partition, self.sample_ratio, self.seed, step, self.group, nearest,
-                           self.nearest_share, self.sampling_correction)  # fmt: skip
+        return draw_active(
+            labels_g,
+            self.partition,
+            self.sample_ratio,
+            self.seed,
+            step,
+            self.group,
+            nearest,
+            self.nearest_share,
+            self.sampling_correction,
+        )
 
     def _draws_nearest(self, step: int) -> bool:
         """Whether step ``step`` draws from the nearness index (``hard``, ``mixed``, ``proportional`` from
@@ -999,8 +1029,10 @@ class ShardedClassifier(nn.Module):
             self.fused, self.fused_precision = True, precision
             return
         if gpu_only("loss.classifier.precision", self.precision):
-            raise ValueError(f"ShardedClassifier: precision {self.precision!r} needs the fused CUDA kernels; the torch path "
-                             f"(weight on {dev.type}) computes in fp32, use precision 'auto' or 'fp32'")  # fmt: skip
+            raise ValueError(
+                f"ShardedClassifier: precision {self.precision!r} needs the fused CUDA kernels; the torch path "
+                f"(weight on {dev.type}) computes in fp32, use precision 'auto' or 'fp32'"
+            )
         if dt == torch.bfloat16:
             raise ValueError("ShardedClassifier: a bf16 weight (weight_storage 'bf16') needs the fused CUDA kernels")
         self.fused, self.fused_precision = False, "fp32"
