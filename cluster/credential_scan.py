@@ -37,16 +37,17 @@ from pathlib import Path
 YAML_SUFFIXES = frozenset({".yaml", ".yml"})
 # files whose unquoted right-hand sides are code, not literals
 CODE_SUFFIXES = frozenset(
-    {".py", ".pyi", ".pyx", ".ipynb", ".js", ".ts", ".go", ".rs", ".java", ".scala", ".kt", ".c", ".h", ".cc",
-     ".cpp", ".hpp", ".cu", ".cuh", ".rb", ".jl", ".r"}
-)  # fmt: skip
+    (".py .pyi .pyx .ipynb .js .ts .go .rs .java .scala .kt .c .h .cc .cpp .hpp .cu .cuh .rb .jl .r").split()
+)
 # right-hand sides that say nothing (types, booleans, placeholders)
 PLACEHOLDERS = frozenset(
-    {"none", "null", "nil", "true", "false", "yes", "no", "required", "optional", "changeme", "change-me",
-     "example", "placeholder", "redacted", "<redacted>", "secret", "password", "token", "string", "str", "bytes",
-     "int", "bool", "dict", "list", "any", "env", "environ", "default", "empty", "unset", "mask", "masked",
-     "anon", "google_default", "cloud", "browser"}
-)  # fmt: skip
+    (
+        "none null nil true false yes no required optional changeme change-me "
+        "example placeholder redacted <redacted> secret password token string str bytes "
+        "int bool dict list any env environ default empty unset mask masked "
+        "anon google_default cloud browser"
+    ).split()
+)
 _SHAPES = (
     (re.compile(rb"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----"), "a private key"),
     (re.compile(rb"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), "an AWS access key id"),

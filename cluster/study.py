@@ -18,7 +18,7 @@ Shards are reused: every ratio of a class count trains on the same shards. ``--c
 The answer is relative: each point against the largest ratio of its class count (ratio 1 when the
 study has it), seed by seed: the change of Recall@1 in points, the speed-up of a step, the
 classifier memory as a factor, with their spread over the seeds, and the wall time of a run
-(:mod:`cluster.study_results`, which holds the points, the table, the plots and what the parent run
+(:mod:`dmltrain.studies.results`, which holds the points, the table, the plots and what the parent run
 shows). Everything hangs under one MLflow parent run: the runs are its children (named with their
 point first: ``r0.1-c100k-s1-<study>``), the table, the CSVs and the plots its artifacts, every
 figure of every point one of its metrics, and its description says per point what it loses and
@@ -53,7 +53,10 @@ from typing import Any
 
 from cluster.launch import RunGroup, init_ray, prepare_data, prepare_driver, train
 from cluster.run_location import check_name
-from cluster.study_results import (
+from dmltrain.config import SAMPLING_MODES, build_config, load_config
+from dmltrain.config_tree import set_dotted
+from dmltrain.errors import UserError
+from dmltrain.studies.results import (
     Measure,
     Point,
     Repeat,
@@ -66,9 +69,6 @@ from cluster.study_results import (
     render,
     write_outputs,
 )
-from dmltrain.config import build_config, load_config
-from dmltrain.config_tree import set_dotted
-from dmltrain.errors import UserError
 from dmltrain.text import finite_number, one_line
 from dmltrain.tracking.description import loss_line
 from dmltrain.tracking.names import STUDY_POINT_TAG, STUDY_REPEAT_TAG
@@ -101,9 +101,6 @@ def parse_ratios(text: str) -> list[float]:
         if not 0 < r <= 1 or not math.isfinite(r):
             raise UserError(f"--ratios: {r:g} is not a share of classes in (0, 1]")
     return sorted(set(out), reverse=True)
-
-
-SAMPLING_MODES = ("uniform", "hard", "mixed", "proportional")  # loss.classifier.sampling
 
 
 def parse_sampling(text: str | None) -> list[str] | None:

@@ -35,24 +35,28 @@ from dmltrain.errors import UserError
 ALLOWED = ("dmltrain", "shards", "cluster", "configs", "pyproject.toml", "constraints.txt")
 
 #: gitignore-style patterns never uploaded: VCS, caches, environments, data, outputs, stores, binaries.
-LEFT_OUT = (
-    ".git/", ".hg/", ".svn/", "__pycache__/", "*.py[cod]", "*.egg-info/", ".pytest_cache/", ".mypy_cache/",
-    ".ruff_cache/", ".ipynb_checkpoints/", ".venv/", "venv/", "env/", ".tox/", ".nox/", "node_modules/",
-    "/data/", "/runs/", "/mlruns/", "/mlartifacts/", "/bench-out/", "/reports/",
-    "*.tar", "*.tar.*", "*.tgz", "*.zip", "*.npy", "*.npz", "*.pt", "*.pth", "*.ckpt", "*.safetensors", "*.bin",
-    "*.db", "*.db-*", "*.sqlite", "*.sqlite3", "*.sqlite-*", "*-wal", "*-journal", "*-shm",
-    "*.so", "*.dylib", "*.dll",
-)  # fmt: skip
+LEFT_OUT = tuple(
+    (
+        ".git/ .hg/ .svn/ __pycache__/ *.py[cod] *.egg-info/ .pytest_cache/ .mypy_cache/ "
+        ".ruff_cache/ .ipynb_checkpoints/ .venv/ venv/ env/ .tox/ .nox/ node_modules/ "
+        "/data/ /runs/ /mlruns/ /mlartifacts/ /bench-out/ /reports/ "
+        "*.tar *.tar.* *.tgz *.zip *.npy *.npz *.pt *.pth *.ckpt *.safetensors *.bin "
+        "*.db *.db-* *.sqlite *.sqlite3 *.sqlite-* *-wal *-journal *-shm "
+        "*.so *.dylib *.dll"
+    ).split()
+)
 
 #: gitignore-style patterns of files that look like credentials: refused, never silently sent.
-CREDENTIALS = (
-    ".ssh/", ".aws/", ".gnupg/", ".kube/", ".docker/", ".azure/", "gcloud/", ".ray/", ".mlflow/",
-    ".env", ".env.*", "!.env.example", "!.env.sample", "!.env.template",
-    ".netrc", "_netrc", ".pgpass", ".git-credentials", ".npmrc", ".pypirc", ".databrickscfg", "auth_token",
-    "credentials", "credentials.*", "*credentials*.json", "secrets.*", "*.secrets", "service-account*.json",
-    "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", "*.kdbx", "*.ovpn",
-    "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", "kubeconfig", "*.kubeconfig",
-)  # fmt: skip
+CREDENTIALS = tuple(
+    (
+        ".ssh/ .aws/ .gnupg/ .kube/ .docker/ .azure/ gcloud/ .ray/ .mlflow/ "
+        ".env .env.* !.env.example !.env.sample !.env.template "
+        ".netrc _netrc .pgpass .git-credentials .npmrc .pypirc .databrickscfg auth_token "
+        "credentials credentials.* *credentials*.json secrets.* *.secrets service-account*.json "
+        "*.pem *.key *.p12 *.pfx *.jks *.keystore *.kdbx *.ovpn "
+        "id_rsa* id_dsa* id_ecdsa* id_ed25519* kubeconfig *.kubeconfig"
+    ).split()
+)
 
 _IGNORE_FILES = (".gitignore", ".rayignore")
 # a fixed timestamp: the same files give the same zip, so Ray reuses an upload it already has

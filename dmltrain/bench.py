@@ -8,22 +8,58 @@ benchmark's module is imported.
 from __future__ import annotations
 
 import argparse
-import importlib
+from collections.abc import Callable
+from types import ModuleType
 
-BENCHES: dict[str, tuple[str, str]] = {
-    "input": ("shards.bench", "shard streaming with train augmentation vs torchvision ImageFolder + DataLoader"),
+
+# Each benchmark's module, imported when it runs (a function per benchmark: lazy, and followable to its code).
+def _input() -> ModuleType:
+    from shards import bench
+
+    return bench
+
+
+def _losses() -> ModuleType:
+    from dmltrain.losses import bench
+
+    return bench
+
+
+def _classifier() -> ModuleType:
+    from dmltrain.distributed import bench
+
+    return bench
+
+
+def _eval() -> ModuleType:
+    from dmltrain.evaluate import bench
+
+    return bench
+
+
+def _quality() -> ModuleType:
+    from dmltrain import quality_bench
+
+    return quality_bench
+
+
+def _train() -> ModuleType:
+    from dmltrain.training import bench
+
+    return bench
+
+
+BENCHES: dict[str, tuple[Callable[[], ModuleType], str]] = {
+    "input": (_input, "shard streaming with train augmentation vs torchvision ImageFolder + DataLoader"),
     "losses": (
-        "dmltrain.losses.bench",
+        _losses,
         "forward+backward time of every instance loss vs the similarity GEMM and pytorch-metric-learning",
     ),
-    "classifier": ("dmltrain.distributed.bench", "sharded classifier step time and peak memory vs its GEMM bound"),
-    "eval": ("dmltrain.evaluate.bench", "retrieval metrics time vs the bare similarity GEMM"),
-    "quality": (
-        "dmltrain.quality_bench",
-        "Recall@1 and wall time of dmltrain train vs a plain PyTorch loop at equal steps",
-    ),
+    "classifier": (_classifier, "sharded classifier step time and peak memory vs its GEMM bound"),
+    "eval": (_eval, "retrieval metrics time vs the bare similarity GEMM"),
+    "quality": (_quality, "Recall@1 and wall time of dmltrain train vs a plain PyTorch loop at equal steps"),
     "train": (
-        "dmltrain.training.bench",
+        _train,
         "the full training step from shards vs the bare backbone on random tensors: images/s, data wait",
     ),
 }
@@ -43,12 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def bench_parser(name: str) -> argparse.ArgumentParser:
     """The parser of benchmark ``name``'s options (``dmltrain bench NAME --help``; the docs' reference too)."""
-    module_name, help_text = BENCHES[name]
+    module, help_text = BENCHES[name]
     sub = argparse.ArgumentParser(prog=f"dmltrain bench {name}", description=help_text[0].upper() + help_text[1:] + ".")
-    importlib.import_module(module_name).add_arguments(sub)
+    module().add_arguments(sub)
     return sub
 
 
 def run(args: argparse.Namespace) -> int:
     sub = bench_parser(args.bench)
-    return int(importlib.import_module(BENCHES[args.bench][0]).run(sub.parse_args(args.bench_args)) or 0)
+    return int(BENCHES[args.bench][0]().run(sub.parse_args(args.bench_args)) or 0)

@@ -1,8 +1,9 @@
 """The ``dmltrain`` command.
 
 Each subcommand lives in the module that owns its work and exposes two functions,
-``add_arguments(parser)`` and ``run(args) -> int``. Only the chosen subcommand's module is
-imported, so ``dmltrain --help`` and ``dmltrain config show`` stay fast. A
+``add_arguments(parser)`` and ``run(args) -> int``; :data:`COMMANDS` names, for each, the function that
+imports that module. Only the chosen subcommand's module is imported, so ``dmltrain --help`` and
+``dmltrain config show`` stay fast. A
 :class:`~dmltrain.errors.UserError` anywhere becomes one line on stderr and its exit code; so
 does an ``OSError`` (a folder that cannot be written, a disk that filled up), naming the path,
 with exit code 1. Both lines are redacted (:func:`dmltrain.redact.redact_url`): a URL's password
@@ -14,39 +15,123 @@ Dotted overrides may also follow a command's options (``dmltrain train cfg.yaml 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import ModuleType
 
 from dmltrain.errors import UserError
 from dmltrain.redact import redact_url
 from dmltrain.text import printable
 
-# name -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "shards": ("shards.cli", "build WebDataset shards from a dataset layout, or inspect and verify them"),
-    "train": ("cluster.launch", "train on Ray: DeepSpeed workers, sharded classifier, MLflow logging"),
-    "eval": ("dmltrain.evaluate.cli", "evaluate a checkpoint or saved embeddings: Recall@K, NMI, MAP@R"),
-    "submit": ("cluster.submit", "submit a training to a Ray cluster as a Ray Job; follow, query or stop it"),
-    "tune": ("cluster.tune.cli", "search hyperparameters with Ray Tune (ASHA), trials logged as MLflow child runs"),
-    "study": ("cluster.study", "run class-subsampling scalability studies (accuracy, speed, memory vs ratio)"),
-    "report": ("dmltrain.report.cli", "compare MLflow runs in a Markdown and HTML report"),
+
+# -- the commands ---------------------------------------------------------------------------------
+# Each is a function that imports the module owning the command and returns it: lazily (only the chosen
+# command's module is loaded), yet followable: a reader, or an editor's "go to definition", goes from the
+# command's name to its code.
+def _shards() -> ModuleType:
+    from shards import cli
+
+    return cli
+
+
+def _train() -> ModuleType:
+    from cluster import launch
+
+    return launch
+
+
+def _eval() -> ModuleType:
+    from dmltrain.evaluate import cli
+
+    return cli
+
+
+def _submit() -> ModuleType:
+    from cluster import submit
+
+    return submit
+
+
+def _tune() -> ModuleType:
+    from cluster.tune import cli
+
+    return cli
+
+
+def _study() -> ModuleType:
+    from cluster import study
+
+    return study
+
+
+def _report() -> ModuleType:
+    from dmltrain.report import cli
+
+    return cli
+
+
+def _export() -> ModuleType:
+    from dmltrain.models import cli
+
+    return cli
+
+
+def _embed() -> ModuleType:
+    from dmltrain.evaluate import embed_cli
+
+    return embed_cli
+
+
+def _index() -> ModuleType:
+    from dmltrain.evaluate import index_cli
+
+    return index_cli
+
+
+def _noisy_labels() -> ModuleType:
+    from dmltrain.evaluate import noisy_labels
+
+    return noisy_labels
+
+
+def _bench() -> ModuleType:
+    from dmltrain import bench
+
+    return bench
+
+
+def _doctor() -> ModuleType:
+    from dmltrain import doctor
+
+    return doctor
+
+
+def _config() -> ModuleType:
+    return sys.modules[__name__]
+
+
+# name -> (the function that imports its module, one-line help)
+COMMANDS: dict[str, tuple[Callable[[], ModuleType], str]] = {
+    "shards": (_shards, "build WebDataset shards from a dataset layout, or inspect and verify them"),
+    "train": (_train, "train on Ray: DeepSpeed workers, sharded classifier, MLflow logging"),
+    "eval": (_eval, "evaluate a checkpoint or saved embeddings: Recall@K, NMI, MAP@R"),
+    "submit": (_submit, "submit a training to a Ray cluster as a Ray Job; follow, query or stop it"),
+    "tune": (_tune, "search hyperparameters with Ray Tune (ASHA), trials logged as MLflow child runs"),
+    "study": (_study, "run class-subsampling scalability studies (accuracy, speed, memory vs ratio)"),
+    "report": (_report, "compare MLflow runs in a Markdown and HTML report"),
     "export": (
-        "dmltrain.models.cli",
+        _export,
         "export a trained model as ONNX, TorchScript or pt2 with its preprocessing contract, checked against PyTorch",
     ),
-    "embed": ("dmltrain.evaluate.embed_cli", "embed a gallery (shards, a table or a folder of images), resumably"),
-    "index": ("dmltrain.evaluate.index_cli", "build, evaluate and query a faiss index of embeddings"),
+    "embed": (_embed, "embed a gallery (shards, a table or a folder of images), resumably"),
+    "index": (_index, "build, evaluate and query a faiss index of embeddings"),
     "noisy-labels": (
-        "dmltrain.evaluate.noisy_labels",
+        _noisy_labels,
         "list the train samples a sub-center model puts far from their class, to rebuild shards without them",
     ),
-    "bench": ("dmltrain.bench", "benchmarks: input pipeline, losses, sharded classifier, evaluation"),
-    "doctor": (
-        "dmltrain.doctor",
-        "what this node can and cannot do: CUDA, GPUs, NCCL, Triton, nvJPEG, Ray, MLflow, faiss",
-    ),
-    "config": ("dmltrain.cli", "show the resolved configuration (YAML file + dotted overrides)"),
+    "bench": (_bench, "benchmarks: input pipeline, losses, sharded classifier, evaluation"),
+    "doctor": (_doctor, "what this node can and cannot do: CUDA, GPUs, NCCL, Triton, nvJPEG, Ray, MLflow, faiss"),
+    "config": (_config, "show the resolved configuration (YAML file + dotted overrides)"),
 }
 
 
@@ -85,10 +170,10 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = _chosen_command(argv)
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (command, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
         if name == chosen:
-            importlib.import_module(module).add_arguments(p)
+            command().add_arguments(p)
     return parser
 
 
@@ -114,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse(argv)
-        return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+        return int(COMMANDS[args.command][0]().run(args) or 0)
     except UserError as e:
         print(f"dmltrain: error: {printable(redact_url(str(e)), None)}", file=sys.stderr)
         return e.exit_code

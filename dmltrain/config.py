@@ -26,23 +26,17 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from dmltrain.backbone_facts import TORCHVISION_BACKBONES, backbone_input, check_timm_model, timm_facts
 from dmltrain.config_tree import apply_overrides, flatten, read_tree
 from dmltrain.errors import ConfigError, UserError
 from dmltrain.redact import redact
 from dmltrain.text import clip
-from shards.config import IMAGENET_MEAN, IMAGENET_STD, DataConfig, Section
+from shards.config import DataConfig, Section
 from shards.read.sampler import batch_shape
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # a folder name: no separators, no leading dot
 PRETRAINED_KEYWORDS = ("", "none", "imagenet", "timm")  # model.pretrained values that are not files
 HF_PREFIX = "hf-hub:"  # model.pretrained=hf-hub:ORG/NAME: a Hugging Face repository in the local cache
-# dmltrain.models.backbones.BACKBONES' names (kept here so that checking a config imports no torchvision);
-# any other name is looked up in timm
-TORCHVISION_BACKBONES = (
-    "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "wide_resnet50_2",
-    "googlenet", "small_cnn",
-)  # fmt: skip
-
 #: ``train.precision``: the autocast of the model's forward pass
 TrainPrecision = Literal["fp32", "bf16", "fp16"]
 #: ``loss.classifier.precision``: the products of the fused classifier kernels (fp32 accumulation);
@@ -50,9 +44,20 @@ TrainPrecision = Literal["fp32", "bf16", "fp16"]
 ProductPrecision = Literal["auto", "fp32", "tf32", "bf16"]
 #: ``loss.classifier.weight_storage``: the classifier weight's dtype in memory
 WeightStorage = Literal["fp32", "bf16"]
-TRAIN_PRECISIONS, PRODUCT_PRECISIONS, WEIGHT_STORAGES = (
-    get_args(t) for t in (TrainPrecision, ProductPrecision, WeightStorage)
+#: ``loss.classifier.sampling``: the class draw's modes below ratio 1: uniform others, nearest others, a share of
+#: each, or others drawn in proportion to the exponential of their nearness's logit
+ClassSampling = Literal["uniform", "hard", "mixed", "proportional"]
+#: ``loss.classifier.nearest_to``: what the nearest classes are nearest to: the batch's classes' rows or its embeddings
+NearestTo = Literal["classes", "samples"]
+TRAIN_PRECISIONS, PRODUCT_PRECISIONS, WEIGHT_STORAGES, SAMPLING_MODES, NEAREST_TO = (
+    get_args(t) for t in (TrainPrecision, ProductPrecision, WeightStorage, ClassSampling, NearestTo)
 )
+
+#: ``model.compile``: torch.compile's mode, or False for eager
+CompileMode = Literal[False, "default", "max-autotune"]
+#: ``model.compile_scope``: the parts of the step that ``model.compile`` compiles
+CompileScope = Literal["backbone", "head", "instance_loss"]
+COMPILE_SCOPES = get_args(CompileScope)
 
 #: settings only GPU workers honour, by key, with what a CPU worker does instead
 GPU_ONLY = {
@@ -128,6 +133,18 @@ class ModelConfig(Section):
         False, description="BatchNorm statistics over the global batch (all workers), not each worker's part"
     )
     channels_last: bool = Field(False, description="channels_last memory format (convolutional backbones only)")
+    compile: CompileMode = Field(
+        False,
+        description="torch.compile (inductor) the parts of model.compile_scope, as timm's and open_clip's "
+        "--torchcompile: false, default, or max-autotune (tuned kernels, a longer compile); static shapes; the "
+        "compile time and graph breaks are logged once (a CPU worker needs a C++ compiler)",
+    )
+    compile_scope: list[CompileScope] = Field(
+        ["backbone", "head"],
+        min_length=1,
+        description="what model.compile compiles: backbone, head, instance_loss (the loss over the gathered batch, "
+        "not the gather); the sharded classifier is never compiled (its own kernels)",
+    )
 
     def pretrained_is_file(self) -> bool:
         """Whether ``pretrained`` names a file (a path to make absolute), not a keyword or an ``hf-hub:`` repository."""
@@ -164,7 +181,7 @@ class ClassifierLoss(Section):
         "lr·|g|/|w|²); pytorch-metric-learning's NormalizedSoftmaxLoss starts at 1",
     )
 
-    sampling: Literal["uniform", "hard", "mixed", "proportional"] = Field(
+    sampling: ClassSampling = Field(
         "uniform",
         description="with sample_ratio < 1, the classes besides the batch's: uniform (NormSoftmax's draw), hard (those "
         "whose rows are nearest the batch, see nearest_to, from an index refreshed every refresh_every steps) or mixed "
@@ -172,7 +189,7 @@ class ClassifierLoss(Section):
         "nearness makes, each with the log of its inclusion probability subtracted from its logit: the sampled loss "
         "then estimates the full softmax's; runs the torch backend)",
     )
-    nearest_to: Literal["classes", "samples"] = Field(
+    nearest_to: NearestTo = Field(
         "classes",
         description="sampling hard/mixed/proportional: rank the classes by their best cosine to the rows of the batch's classes "
         "(classes) or to the batch's embeddings (samples: the classes its samples score highest)",
@@ -226,11 +243,11 @@ class ClassifierLoss(Section):
             raise ValueError(
                 "loss.classifier.drop_after: drops samples far from their class's dominant sub-center; it needs params.subcenters >= 2"
             )
-        fallback = (
-            "sub-centers" if subcenters != 1
-            else "log-Q correction" if self.sampling_correction or self.sampling == "proportional"
-            else None
-        )  # fmt: skip
+        fallback = None
+        if subcenters != 1:
+            fallback = "sub-centers"
+        elif self.sampling_correction or self.sampling == "proportional":
+            fallback = "log-Q correction"
         if fallback:  # the torch backend computes in fp32 with an fp32 weight
             if self.weight_storage != "fp32":
                 raise ValueError(
@@ -550,8 +567,6 @@ class Config(Section):
                     f"model.features: {m.features} is for timm models; {m.backbone} gives its last feature map"
                 )
         else:
-            from dmltrain.models.timm_backbones import check_timm_model, timm_facts
-
             facts = timm_facts(m.backbone)
             if m.channels_last and not facts.convolutional:
                 raise UserError(
@@ -601,22 +616,6 @@ class Config(Section):
         """Dotted keys to scalar values (lists rendered as strings), those filled in from the backbone included:
         MLflow params, report diffs."""
         return flatten(self.model_dump(mode="json"))
-
-
-def backbone_input(backbone: str) -> tuple[tuple[float, ...], tuple[float, ...], str]:
-    """``(mean, std, interpolation)`` that backbone ``backbone`` expects: ImageNet's and bilinear for the torchvision
-    backbones, the pretrained config's for a timm model; a one-line :class:`UserError` for an unknown name."""
-    if backbone in TORCHVISION_BACKBONES:
-        return IMAGENET_MEAN, IMAGENET_STD, "bilinear"
-    from dmltrain.models.timm_backbones import timm_facts, timm_name
-
-    if timm_name(backbone) is None:
-        raise UserError(
-            f"model.backbone: unknown backbone '{backbone}' (choose from {', '.join(TORCHVISION_BACKBONES)}, "
-            f"or a timm model name)"
-        )
-    facts = timm_facts(backbone)
-    return facts.mean, facts.std, facts.interpolation
 
 
 # ------------------------------------------------------------------------------------------

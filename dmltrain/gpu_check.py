@@ -148,8 +148,15 @@ class Context:
             log.write(f"\n===== {what}: {' '.join(cmd)}\n")
             log.flush()
             # errors="replace": one undecodable byte must not end the reading (the part would wait for its cut)
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                                    env=env, start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+                env=env,
+                start_new_session=True,
+            )
             got: queue.Queue[str | None] = queue.Queue()
 
             def pump() -> None:
@@ -386,8 +393,14 @@ def part_classifier(ctx: Context, rows: list[Row]) -> None:
             widths = ", ".join(str(D) for D in sorted({j.D for j in child.jobs}))
             ratios = ", ".join(sorted({f"{j.R:g}" for j in child.jobs}))
             figure = _first_error(results, proc.stdout) if failed else f"{time.monotonic() - t0:.0f} s"
-            rows.append(Row("classifier", f"{child.what} (D = {widths}; R = {ratios})", figure,
-                            verdict="error" if failed else "info"))  # fmt: skip
+            rows.append(
+                Row(
+                    "classifier",
+                    f"{child.what} (D = {widths}; R = {ratios})",
+                    figure,
+                    verdict="error" if failed else "info",
+                )
+            )
         elif len(results) < len(child.jobs):
             rows.append(Row("classifier", child.what, _first_error(results, proc.stdout), verdict="error"))
 
@@ -423,8 +436,17 @@ def speedup_rows(job: ClassifierJob, ours: dict[float, dict[str, Any]], base_R: 
         return []
     shape = f"{_sci(job.N)}x{job.D} B={job.B:,}"
     base, r = ours[base_R]["step"], ours[job.R]["step"]
-    return [Row("classifier", f"{shape} R={job.R:g} vs R={base_R:g}", f"step {1e3 * r:.1f} ms", f"R={base_R:g}: {1e3 * base:.1f} ms",
-                base / r, f">= {SUBSAMPLE_SPEEDUP:g}x faster" if cuda else "", _check(base / r >= SUBSAMPLE_SPEEDUP, cuda))]  # fmt: skip
+    return [
+        Row(
+            "classifier",
+            f"{shape} R={job.R:g} vs R={base_R:g}",
+            f"step {1e3 * r:.1f} ms",
+            f"R={base_R:g}: {1e3 * base:.1f} ms",
+            base / r,
+            f">= {SUBSAMPLE_SPEEDUP:g}x faster" if cuda else "",
+            _check(base / r >= SUBSAMPLE_SPEEDUP, cuda),
+        )
+    ]
 
 
 def classifier_rows(shape: str, R: float, res: dict[str, Any], cuda: bool) -> list[Row]:
@@ -433,16 +455,38 @@ def classifier_rows(shape: str, R: float, res: dict[str, Any], cuda: bool) -> li
     what = f"{shape} R={R:g}"
     fb, gemm = res["fwd_bwd"], res["gemm"]
     kind = "bf16 3-GEMM bound" if cuda else "fp32 3-GEMM"
-    rows = [Row("classifier", f"{what} forward + backward", f"{1e3 * fb:.1f} ms", f"{kind} {1e3 * gemm:.1f} ms", fb / gemm,
-                f"<= {STEP_BOUND_X:g}x" if cuda else "", _check(fb <= STEP_BOUND_X * gemm, cuda)),
-            Row("classifier", f"{what} optimizer row update", f"{1e3 * res['optimizer']:.1f} ms",
-                f"forward + backward {1e3 * fb:.1f} ms", res["optimizer"] / fb)]  # fmt: skip
+    rows = [
+        Row(
+            "classifier",
+            f"{what} forward + backward",
+            f"{1e3 * fb:.1f} ms",
+            f"{kind} {1e3 * gemm:.1f} ms",
+            fb / gemm,
+            f"<= {STEP_BOUND_X:g}x" if cuda else "",
+            _check(fb <= STEP_BOUND_X * gemm, cuda),
+        ),
+        Row(
+            "classifier",
+            f"{what} optimizer row update",
+            f"{1e3 * res['optimizer']:.1f} ms",
+            f"forward + backward {1e3 * fb:.1f} ms",
+            res["optimizer"] / fb,
+        ),
+    ]
     if cuda and "peak_gpu" in res:
         state = 2 * res["param_bytes"] + res["opt_bytes"]  # weight, its gradient, optimizer state
         peak = res["peak_gpu"]
-        rows.append(Row("classifier", f"{what} peak memory", f"{peak / GIB:.2f} GiB",
-                        f"weight+grad+state {state / GIB:.2f} GiB", peak / state, "<= state + 1 GiB",
-                        _check(peak - state <= MEMORY_EXCESS, cuda)))  # fmt: skip
+        rows.append(
+            Row(
+                "classifier",
+                f"{what} peak memory",
+                f"{peak / GIB:.2f} GiB",
+                f"weight+grad+state {state / GIB:.2f} GiB",
+                peak / state,
+                "<= state + 1 GiB",
+                _check(peak - state <= MEMORY_EXCESS, cuda),
+            )
+        )
     return rows
 
 
@@ -469,11 +513,23 @@ def part_train(ctx: Context, rows: list[Row]) -> None:
 def train_rows(f: dict[str, Any], cuda: bool, what: str) -> list[Row]:
     full, bare, wait = f["full_images_per_s"], f["bare_images_per_s"], f["data_wait"]
     return [
-        Row("train", f"{what} B={f['batch']}: full pipeline", f"{full:.0f} images/s", f"bare backbone {bare:.0f} images/s",
-            full / bare, f">= {TRAIN_RATIO:g}x" if cuda else "", _check(full >= TRAIN_RATIO * bare, cuda)),
-        Row("train", f"{what}: waiting for data (decode={f['decode']})", f"{100 * wait:.1f}% of step time",
-            target=f"<= {100 * DATA_WAIT:g}%" if cuda else "", verdict=_check(wait <= DATA_WAIT, cuda)),
-    ]  # fmt: skip
+        Row(
+            "train",
+            f"{what} B={f['batch']}: full pipeline",
+            f"{full:.0f} images/s",
+            f"bare backbone {bare:.0f} images/s",
+            full / bare,
+            f">= {TRAIN_RATIO:g}x" if cuda else "",
+            _check(full >= TRAIN_RATIO * bare, cuda),
+        ),
+        Row(
+            "train",
+            f"{what}: waiting for data (decode={f['decode']})",
+            f"{100 * wait:.1f}% of step time",
+            target=f"<= {100 * DATA_WAIT:g}%" if cuda else "",
+            verdict=_check(wait <= DATA_WAIT, cuda),
+        ),
+    ]
 
 
 # -- evaluation ---------------------------------------------------------------------------------------------
@@ -494,19 +550,48 @@ def part_eval(ctx: Context, rows: list[Row]) -> None:
 def eval_rows(f: dict[str, Any], cuda: bool) -> list[Row]:
     size = f"n={f['n']:,} D={f['dim']}"
     gemm, recall = f["gemm_s"], f["recall_s"]
-    rows = [Row("eval", f"{size} Recall@K", f"{recall:.2f} s", f"similarity GEMM {gemm:.2f} s", recall / gemm,
-                f"<= {f['recall_target']:g}x" if cuda else "", _check(recall <= f["recall_target"] * gemm, cuda)),
-            Row("eval", f"{size} Recall@K + MAP@R", f"{f['recall_map_s']:.2f} s", f"similarity GEMM {gemm:.2f} s",
-                f["recall_map_s"] / gemm)]  # fmt: skip
+    rows = [
+        Row(
+            "eval",
+            f"{size} Recall@K",
+            f"{recall:.2f} s",
+            f"similarity GEMM {gemm:.2f} s",
+            recall / gemm,
+            f"<= {f['recall_target']:g}x" if cuda else "",
+            _check(recall <= f["recall_target"] * gemm, cuda),
+        ),
+        Row(
+            "eval",
+            f"{size} Recall@K + MAP@R",
+            f"{f['recall_map_s']:.2f} s",
+            f"similarity GEMM {gemm:.2f} s",
+            f["recall_map_s"] / gemm,
+        ),
+    ]
     if "kmeans_s" in f:
         ok = f["kmeans_s"] <= KMEANS_S
-        rows.append(Row("eval", f"k-means ({f['kmeans_engine']}), k={f['classes']:,}", f"{f['kmeans_s']:.2f} s",
-                        target=f"<= {KMEANS_S:g} s" if cuda else "", verdict=_check(ok, cuda)))  # fmt: skip
+        rows.append(
+            Row(
+                "eval",
+                f"k-means ({f['kmeans_engine']}), k={f['classes']:,}",
+                f"{f['kmeans_s']:.2f} s",
+                target=f"<= {KMEANS_S:g} s" if cuda else "",
+                verdict=_check(ok, cuda),
+            )
+        )
     for engine, seconds in f.get("binary_s", {}).items():
         x = f["float_s"] / seconds
-        rows.append(Row("eval", f"binary {f['binary_dim']} bits ({engine})", f"{seconds:.2f} s",
-                        f"float {f['binary_dim']} dims {f['float_s']:.2f} s", x, f">= {BINARY_X:g}x faster" if cuda else "",
-                        _check(x >= BINARY_X, cuda)))  # fmt: skip
+        rows.append(
+            Row(
+                "eval",
+                f"binary {f['binary_dim']} bits ({engine})",
+                f"{seconds:.2f} s",
+                f"float {f['binary_dim']} dims {f['float_s']:.2f} s",
+                x,
+                f">= {BINARY_X:g}x faster" if cuda else "",
+                _check(x >= BINARY_X, cuda),
+            )
+        )
     return rows
 
 
@@ -564,17 +649,30 @@ def dry_run_rows(ctx: Context) -> list[Row]:
                 problem = "" if read == job else "the child reads another job"
             except (ValueError, TypeError, KeyError, AttributeError) as e:
                 problem = f"{type(e).__name__}: {e}"
-            rows.append(Row("classifier", what, job.to_json() if not problem else problem, verdict="FAIL" if problem else "pass"))  # fmt: skip
+            rows.append(
+                Row(
+                    "classifier", what, job.to_json() if not problem else problem, verdict="FAIL" if problem else "pass"
+                )
+            )
     work = ctx.work
-    for part, argv in (("train", train_args(ctx, work / "t.json")), ("eval", eval_args(ctx, work / "e.json")),
-                       ("doctor", doctor_args(ctx, work / "d.json"))):  # fmt: skip
+    for part, argv in (
+        ("train", train_args(ctx, work / "t.json")),
+        ("eval", eval_args(ctx, work / "e.json")),
+        ("doctor", doctor_args(ctx, work / "d.json")),
+    ):
         rows.append(Row(part, " ".join(argv[1:4]), *_parse_problem(argv[2:])))
     args, _ = tests_args(ctx, work / "t.jsonl")
     files = [a for a in args if a.endswith(".py")]
     timeout = any(a.startswith("--timeout") for a in args)
     problem = "" if files else "no test module holds a CUDA test"
-    rows.append(Row("tests", f"pytest {len(files)} modules" + (f", --timeout={TEST_TIMEOUT_S}" if timeout else ""),
-                    problem or " ".join(Path(f).name for f in files), verdict="FAIL" if problem else "pass"))  # fmt: skip
+    rows.append(
+        Row(
+            "tests",
+            f"pytest {len(files)} modules" + (f", --timeout={TEST_TIMEOUT_S}" if timeout else ""),
+            problem or " ".join(Path(f).name for f in files),
+            verdict="FAIL" if problem else "pass",
+        )
+    )
     return rows
 
 
@@ -644,8 +742,10 @@ HEAD = ("part", "what", "figure", "bound or peer (same run)", "ratio", "target",
 def table(rows: Sequence[Row]) -> str:
     from dmltrain.text import markdown_table
 
-    cells = [[r.part, r.what, r.figure, r.reference, None if r.ratio is None else f"{r.ratio:.2f}", r.target, r.verdict]
-             for r in rows]  # fmt: skip
+    cells = [
+        [r.part, r.what, r.figure, r.reference, None if r.ratio is None else f"{r.ratio:.2f}", r.target, r.verdict]
+        for r in rows
+    ]
     return markdown_table(HEAD, cells)
 
 
@@ -693,10 +793,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", default="gpu-check", help="folder of the JSON, the table and the log (default gpu-check/)"
     )
     parser.add_argument("--json", default=None, help="the JSON's path (default: OUT/gpu-check-<start>.json)")
-    parser.add_argument("--pytest-args", default="-m cuda", help="what the tests part passes to pytest (default '-m cuda')")  # fmt: skip
-    parser.add_argument("--dry-run", action="store_true",
-                        help="build every job of every part at full size and check it against what its child reads; "
-                             "run nothing (seconds, no GPU)")  # fmt: skip
+    parser.add_argument(
+        "--pytest-args", default="-m cuda", help="what the tests part passes to pytest (default '-m cuda')"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build every job of every part at full size and check it against what its child reads; "
+        "run nothing (seconds, no GPU)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -761,16 +866,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
     rows = Rows(save)
-    print(f"gpu-check: {args.device} ({device}; {stack}){', tiny sizes' if args.tiny else ''}; parts {', '.join(parts)}; "
-          f"at most {args.total:.0f} s; log {log_path}", flush=True)  # fmt: skip
+    print(
+        f"gpu-check: {args.device} ({device}; {stack}){', tiny sizes' if args.tiny else ''}; parts {', '.join(parts)}; "
+        f"at most {args.total:.0f} s; log {log_path}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="dmltrain-gpu-check-") as tmp:
         ctx = Context(args.device, args.tiny, Path(tmp), log_path, args.pytest_args.split())
         run_parts(ctx, parts, budgets, args.total, echo=lambda s: print(s, flush=True), rows=rows, results=results)
     save()
     print(table(rows))
     failed = [r for r in rows if r.verdict in ("FAIL", "error", "cut")]
-    print(f"gpu-check: {len(rows)} rows, {len(failed)} failed, cut or broken; {time.time() - started:.0f} s; "
-          f"{json_path} and {json_path.with_suffix('.md')}", flush=True)  # fmt: skip
+    print(
+        f"gpu-check: {len(rows)} rows, {len(failed)} failed, cut or broken; {time.time() - started:.0f} s; "
+        f"{json_path} and {json_path.with_suffix('.md')}",
+        flush=True,
+    )
     return 1 if failed else 0
 
 

@@ -58,8 +58,16 @@ SHARED_MEMORY_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 
 #: the architectures the test suite compiles for: A100 and H100
 ARCHS = (80, 90)
 #: Triton's pointer element types -> torch dtype names (the launch stand-ins' dtypes)
-_TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "i64": "int64", "i32": "int32",
-                 "i16": "int16", "i8": "int8", "u8": "uint8"}  # fmt: skip
+_TORCH_DTYPES = {
+    "fp32": "float32",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+    "i64": "int64",
+    "i32": "int32",
+    "i16": "int16",
+    "i8": "int8",
+    "u8": "uint8",
+}
 
 
 @dataclass(frozen=True)
@@ -295,16 +303,28 @@ def compile_variant(variant: KernelVariant, arch: int, module: str = "") -> Comp
         regs, stack = resource_usage(compiled.asm["cubin"], compiled.metadata.name)
         sass = sass_counts(compiled.asm["cubin"])
     except Exception as e:  # noqa: BLE001 — any compiler failure is this variant's result, reported in the table
-        return CompileResult(variant.name, module, arch, seconds=time.perf_counter() - t0, error=one_line(e),
-                             triton=triton.__version__)  # fmt: skip
+        return CompileResult(
+            variant.name, module, arch, seconds=time.perf_counter() - t0, error=one_line(e), triton=triton.__version__
+        )
     missing = tuple(i for i in variant.ptx_needs(arch) if i not in compiled.asm["ptx"])
     shared, cpu = int(compiled.metadata.shared), _cpu_seconds() - cpu0
     return CompileResult(
-        variant.name, module, arch, shared, regs, stack, time.perf_counter() - t0, ptx_missing=missing, cpu_seconds=cpu,
-        spill_stores=sass["STL"], spill_loads=sass["LDL"], loop_spills=sass["loop_spills"],
+        variant.name,
+        module,
+        arch,
+        shared,
+        regs,
+        stack,
+        time.perf_counter() - t0,
+        ptx_missing=missing,
+        cpu_seconds=cpu,
+        spill_stores=sass["STL"],
+        spill_loads=sass["LDL"],
+        loop_spills=sass["loop_spills"],
         atomics=sum(sass[k] for k in ("RED", "REDG", "ATOM", "ATOMG")),
-        stages=int(getattr(compiled.metadata, "num_stages", 0)), triton=triton.__version__,
-    )  # fmt: skip
+        stages=int(getattr(compiled.metadata, "num_stages", 0)),
+        triton=triton.__version__,
+    )
 
 
 def _cpu_seconds() -> float:
@@ -398,11 +418,31 @@ def result_rows(results: Sequence[CompileResult], variants: dict[str, KernelVari
                 allowed = v is not None and (
                     v.spills_allowed or not r.loop_spills and r.stack <= SPILL_OUTSIDE_LOOPS_BYTES
                 )
-                parts.append(("spills, allowed" if v is not None and v.spills_allowed else
-                              "spills outside the loops" if allowed else "SPILLS") + bound)  # fmt: skip
+                parts.append(
+                    (
+                        "spills, allowed"
+                        if v is not None and v.spills_allowed
+                        else "spills outside the loops"
+                        if allowed
+                        else "SPILLS"
+                    )
+                    + bound
+                )
             verdict = "; ".join(parts)
-        rows.append([r.name, f"sm_{r.arch}", f"{r.shared:,}", f"{r.limit:,}", r.registers, f"{r.stack:,}",
-                     f"{r.spill_stores}/{r.spill_loads} ({r.loop_spills})", r.atomics, r.stages, verdict])  # fmt: skip
+        rows.append(
+            [
+                r.name,
+                f"sm_{r.arch}",
+                f"{r.shared:,}",
+                f"{r.limit:,}",
+                r.registers,
+                f"{r.stack:,}",
+                f"{r.spill_stores}/{r.spill_loads} ({r.loop_spills})",
+                r.atomics,
+                r.stages,
+                verdict,
+            ]
+        )
     return rows
 
 
@@ -440,8 +480,10 @@ def problems(results: Sequence[CompileResult], variants: dict[str, KernelVariant
         elif r.ptx_missing:
             out.append(f"{where}: the PTX lacks {', '.join(r.ptx_missing)}")
         elif not v.spills_allowed and (r.loop_spills or r.stack > SPILL_OUTSIDE_LOOPS_BYTES):
-            out.append(f"{where}: spills ({r.stack:,} bytes of stack per thread, {r.spill_stores} STL and "
-                       f"{r.spill_loads} LDL, {r.loop_spills} in an innermost loop, {r.registers} registers)")  # fmt: skip
+            out.append(
+                f"{where}: spills ({r.stack:,} bytes of stack per thread, {r.spill_stores} STL and "
+                f"{r.spill_loads} LDL, {r.loop_spills} in an innermost loop, {r.registers} registers)"
+            )
         elif v.max_stack_bytes is not None and r.stack > v.max_stack_bytes:
             out.append(f"{where}: stack {r.stack:,} bytes per thread > its bound {v.max_stack_bytes:,}")
     return out
@@ -459,9 +501,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kernel", default="", help="only variants whose name contains this text")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes (default: CPU cores)")
     p.add_argument("--json", default=None, help="also write the results here as JSON")
-    p.add_argument("--triton", default=None, metavar="DIR",
-                   help="compile with the Triton installed in DIR (pip install --target DIR triton==3.6.0: the GPU "
-                        "machine's) instead of this environment's")  # fmt: skip
+    p.add_argument(
+        "--triton",
+        default=None,
+        metavar="DIR",
+        help="compile with the Triton installed in DIR (pip install --target DIR triton==3.6.0: the GPU "
+        "machine's) instead of this environment's",
+    )
     args = p.parse_args(argv)
     for arch in args.arch:
         if arch not in SHARED_MEMORY_LIMITS:
@@ -492,8 +538,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line)
     cpu = sum(r.cpu_seconds for r in results)
     version = results[0].triton if results else "?"
-    print(f"{len(results)} compiles with Triton {version} in {time.perf_counter() - t0:.0f} s with {args.jobs} processes "
-          f"({cpu:.0f} s of CPU); {len(bad)} problems")  # fmt: skip
+    print(
+        f"{len(results)} compiles with Triton {version} in {time.perf_counter() - t0:.0f} s with {args.jobs} processes "
+        f"({cpu:.0f} s of CPU); {len(bad)} problems"
+    )
     if args.json:
         from dmltrain.fileio import write_json
 

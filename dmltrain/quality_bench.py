@@ -74,9 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shards", help="shard directory to train and evaluate on (train split; test, or query + gallery)"
     )
     data.add_argument(
-        "--synthetic", default="100,20,32", metavar="C,N,S",
+        "--synthetic",
+        default="100,20,32",
+        metavar="C,N,S",
         help="build synthetic shards: C train classes (as many test classes), N images each, S pixels (default 100,20,32: the demo's data)",
-    )  # fmt: skip
+    )
     parser.add_argument("--steps", type=int, required=True, help="training steps of each run")
     parser.add_argument("--workers", type=int, default=2, help="dmltrain workers (default 2)")
     parser.add_argument("--backbone", default="small_cnn")
@@ -220,12 +222,14 @@ def train_plain(cfg: Config, steps: int, seed: int) -> tuple[torch.nn.Module, fl
     np.random.seed(seed)  # MPerClassSampler draws from numpy's global generator: unseeded, the arm varied by ±2 points
     d, o = cfg.data, cfg.optim
     encoded, labels, num_classes = _read_train_split(Path(d.shards))
-    tf = transforms.Compose([
-        transforms.RandomResizedCrop(d.image_size, scale=d.augment.scale, ratio=d.augment.ratio),
-        transforms.RandomHorizontalFlip(d.augment.flip),
-        transforms.ToTensor(),
-        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])  # fmt: skip
+    tf = transforms.Compose(
+        [
+            transforms.RandomResizedCrop(d.image_size, scale=d.augment.scale, ratio=d.augment.ratio),
+            transforms.RandomHorizontalFlip(d.augment.flip),
+            transforms.ToTensor(),
+            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
     sampler = MPerClassSampler(
         labels, m=d.samples_per_class, batch_size=d.batch_size, length_before_new_iter=steps * d.batch_size
     )
@@ -331,8 +335,9 @@ def run(args: argparse.Namespace) -> int:
             f"quality bench: {described}; {args.backbone} D={args.dim} LayerNorm head, NormSoftmax T={args.temperature}, "
             f"class weights N(0, {args.class_init_std:g}²), P×K {args.batch // args.k}×{args.k}, "
             f"SGD lr {args.lr} momentum {args.momentum} wd {args.weight_decay}, "
-            f"crop {size} scale {scale[0]:g}-{scale[1]:g} + flip, {args.steps} steps", flush=True,
-        )  # fmt: skip
+            f"crop {size} scale {scale[0]:g}-{scale[1]:g} + flip, {args.steps} steps",
+            flush=True,
+        )
         results: dict[str, tuple[float, float]] = {}
         t0 = time.perf_counter()
         threads = torch.get_num_threads()

@@ -34,35 +34,37 @@ REDACTED = "<redacted>"
 #: fsspec storage options (dotted below ``storage_options``) whose values are written as they are: no secret
 #: goes there. A key ending in ``.*`` keeps everything below it.
 SAFE_STORAGE_OPTIONS = frozenset(
-    {
+    (
         # s3fs / botocore
-        "anon", "endpoint_url", "requester_pays", "version_aware", "use_ssl", "default_block_size",
-        "default_fill_cache", "default_cache_type", "cache_regions", "profile", "region_name", "max_concurrency",
-        "fixed_upload_size", "client_kwargs.region_name", "client_kwargs.endpoint_url", "client_kwargs.verify",
-        "client_kwargs.use_ssl", "client_kwargs.api_version", "config_kwargs.*",
-        "s3_additional_kwargs.ServerSideEncryption", "s3_additional_kwargs.StorageClass", "s3_additional_kwargs.ACL",
+        "anon endpoint_url requester_pays version_aware use_ssl default_block_size "
+        "default_fill_cache default_cache_type cache_regions profile region_name max_concurrency "
+        "fixed_upload_size client_kwargs.region_name client_kwargs.endpoint_url client_kwargs.verify "
+        "client_kwargs.use_ssl client_kwargs.api_version config_kwargs.* "
+        "s3_additional_kwargs.ServerSideEncryption s3_additional_kwargs.StorageClass s3_additional_kwargs.ACL "
         # gcsfs
-        "project", "access", "consistency", "requests_timeout", "default_location", "endpoint",
+        "project access consistency requests_timeout default_location endpoint "
         # aiohttp's ClientSession (gcsfs's and fsspec http's session_kwargs): named settings, never its headers or auth
-        "session_kwargs.trust_env", "session_kwargs.timeout.*", "session_kwargs.read_timeout",
-        "session_kwargs.conn_timeout", "session_kwargs.raise_for_status", "session_kwargs.auto_decompress",
-        "session_kwargs.read_bufsize", "session_kwargs.max_line_size", "session_kwargs.max_field_size",
+        "session_kwargs.trust_env session_kwargs.timeout.* session_kwargs.read_timeout "
+        "session_kwargs.conn_timeout session_kwargs.raise_for_status session_kwargs.auto_decompress "
+        "session_kwargs.read_bufsize session_kwargs.max_line_size session_kwargs.max_field_size "
         # fsspec's http and common options
-        "block_size", "simple_links", "same_scheme", "size_policy", "use_listings_cache", "listings_expiry_time",
-        "max_paths", "skip_instance_cache", "timeout", "client_kwargs.timeout.*", "client_kwargs.trust_env",
+        "block_size simple_links same_scheme size_policy use_listings_cache listings_expiry_time "
+        "max_paths skip_instance_cache timeout client_kwargs.timeout.* client_kwargs.trust_env "
         # adlfs: the account name is public (it is in every URL of the account)
-        "account_name",
-    }
-)  # fmt: skip
+        "account_name"
+    ).split()
+)
 # names that hold credentials, compared lower-cased without "_" and "-": these exact names, or names containing one
 # of the parts (aws_secret_access_key, headers.Authorization, sse_customer_key, ...); the storage options'
 # check (:func:`shards.storage.location.check_storage_options`) and the query-string rule share them
 SECRET_NAMES = frozenset({"key", "auth", "token", "credential", "credentials", "sig", "signature"})
-SECRET_PARTS = (
-    "secret", "password", "passwd", "credential", "authorization", "bearer", "cookie", "apikey", "accesskey",
-    "privatekey", "sessiontoken", "sastoken", "accesstoken", "refreshtoken", "customerkey", "accountkey",
-    "connectionstring",
-)  # fmt: skip
+SECRET_PARTS = tuple(
+    (
+        "secret password passwd credential authorization bearer cookie apikey accesskey "
+        "privatekey sessiontoken sastoken accesstoken refreshtoken customerkey accountkey "
+        "connectionstring"
+    ).split()
+)
 # in a query string also any name with these in it (X-Amz-Signature, X-Amz-Security-Token, X-Goog-Signature);
 # not among the storage options, where botocore's signature_version is a setting
 QUERY_SECRET_PARTS = (*SECRET_PARTS, "signature", "token", "authkey", "jwt", "hmac")

@@ -174,7 +174,7 @@ def _kernel_checks(device):
     and 16-column chunks under the interpreter), both backward paths, padding past a drawn count."""
     from dmltrain.distributed import softmax_kernels as sk
     from dmltrain.distributed.row_sparse import RowGradTarget, RowSet
-    from dmltrain.distributed.sharded_softmax import ShardOperands
+    from dmltrain.distributed.shard_operands import ShardOperands
 
     cases = [  # N, D, local rows, subsampled (drawn count or None), normalised, precision, accumulate, need x
         (16, 16, 16, False, None, True, "fp32", False, True),

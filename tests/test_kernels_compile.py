@@ -160,7 +160,7 @@ def _softmax_launches(monkeypatch, N: int, classes: int, D: int, drawn: int | No
 
     from dmltrain.distributed import softmax_kernels as sk
     from dmltrain.distributed.row_sparse import RowGrads, RowSet
-    from dmltrain.distributed.sharded_softmax import ShardOperands
+    from dmltrain.distributed.shard_operands import ShardOperands
 
     launches: list = []
     for name in ("_lse_kernel", "_grad_kernel", "_grad_x_kernel", "_grad_w_kernel", "_copy_rows_kernel", "_rows_out_kernel"):  # fmt: skip

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from cluster import study as st
-from cluster import study_results as sr
 from dmltrain.cli import main
 from dmltrain.config import load_config
 from dmltrain.errors import UserError
+from dmltrain.studies import results as sr
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs/demo.yaml"
@@ -137,7 +137,7 @@ def test_history_summaries():
 
 def _fake_study(tmp_path):
     """Two class counts; at 100 classes ratios 1 and 0.1, three seeds, seed 2 failed at ratio 1."""
-    from cluster.study_results import Repeat
+    from dmltrain.studies.results import Repeat
 
     def run(seed, r1, step, wall, mb=2.0, ok=True):
         values = {"recall@1": r1, "recall@10": 0.95, "step ms": step, "classifier MB": mb, "wall s": wall}
@@ -158,7 +158,7 @@ def _fake_study(tmp_path):
 
 
 def test_the_trade_off_against_ratio_1_seed_by_seed(tmp_path):
-    from cluster.study_results import RELATIVES, reference_of, relative, stat
+    from dmltrain.studies.results import RELATIVES, reference_of, relative, stat
 
     summary = _fake_study(tmp_path)
     r1, r01 = summary.points[0], summary.points[1]
@@ -459,7 +459,7 @@ def test_report_over_the_study_compares_its_points(study, tmp_path):
 # -- sampling modes (--sampling) --------------------------------------------------------------------------------
 def _sampling_study(tmp_path):
     """Ratios 1 and 0.1 at 100 classes, modes uniform and hard, two seeds; the probe's cosine over training."""
-    from cluster.study_results import Repeat
+    from dmltrain.studies.results import Repeat
 
     points = st.plan_points([1.0, 0.1], {100: "/s/100"}, 2, "s", 0, st.sampling_variants(["uniform", "hard"]), True)
     r1 = {"r1-c100": (0.80, 0.84), "uniform-r0.1-c100": (0.70, 0.74), "hard-r0.1-c100": (0.76, 0.82)}

@@ -89,3 +89,60 @@ def test_bench_train_bad_input_is_one_line(capsys):
         .err.strip()
         .startswith("dmltrain: error: --synthetic: expected classes,images per class,pixels")
     )
+
+
+def test_bench_train_compile_prints_eager_and_compiled_side_by_side(capsys, monkeypatch, tmp_path):
+    """``--compile``: each loop again with ``model.compile``, the two images/s on one line with their ratio, the
+    compile time and the graph breaks, and in the JSON (traced with ``aot_eager`` here: no C++ compile)."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setattr("dmltrain.models.compiled.BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    args = [
+        "bench",
+        "train",
+        "--device",
+        "cpu",
+        "--backbone",
+        "small_cnn",
+        "--batch",
+        "8",
+        "--image-size",
+        "24",
+        "--precision",
+        "fp32",
+        "--decode",
+        "cpu",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--synthetic",
+        "8,4,32",
+        "--loader-workers",
+        "0",
+        "--set",
+        "model.embedding_dim=64",
+        "--compile",
+        "--json",
+        str(tmp_path / "figures.json"),
+    ]
+    try:
+        assert main(args) == 0
+    finally:
+        torch._dynamo.reset()
+        if torch.distributed.is_initialized():
+            from dmltrain.training.engine import import_deepspeed
+
+            import_deepspeed().comm.destroy_process_group()
+    out = capsys.readouterr().out
+    for loop in ("bare backbone", "full pipeline"):
+        assert re.search(
+            loop + r": eager +[\d.]+ images/s \| compiled \(default\) +[\d.]+ images/s \| [\d.]+x; "
+            r"compiled backbone, head in [\d.]+ s, 0 graph breaks",
+            out,
+        ), out
+    compiled = json.loads((tmp_path / "figures.json").read_text())["compiled"]
+    assert compiled["mode"] == "default" and compiled["bare"]["graph_breaks"] == compiled["full"]["graph_breaks"] == 0
+    assert compiled["full"]["compiled_images_per_s"] > 0 and compiled["bare"]["compile_s"] > 0
+    assert main(["bench", "train", "--compile", "--warmup", "0"]) == 2
+    assert "--warmup: --compile compiles in the warm-up steps" in capsys.readouterr().err

@@ -122,8 +122,14 @@ def _gemm_bound(x: torch.Tensor, w: torch.Tensor, steps: int) -> tuple[float, fl
 # -- ours -----------------------------------------------------------------------------------------------
 def classifier_kwargs(job: ClassifierJob) -> dict[str, Any]:
     """The :class:`ShardedClassifier` arguments of ``job`` beyond ``(N, D)`` (what the child reads of it)."""
-    kwargs: dict[str, Any] = dict(kind=job.kind, sample_ratio=job.R, seed=0, logits_budget_mb=job.budget,
-                                  sampling=job.sampling, refresh_every=10**9)  # fmt: skip
+    kwargs: dict[str, Any] = dict(
+        kind=job.kind,
+        sample_ratio=job.R,
+        seed=0,
+        logits_budget_mb=job.budget,
+        sampling=job.sampling,
+        refresh_every=10**9,
+    )
     if job.device == "cuda":
         kwargs |= dict(precision=job.precision, weight_storage=job.storage, deterministic=job.deterministic)
     return kwargs

@@ -58,6 +58,15 @@ class GatheredInstanceLoss(nn.Module):
         self.loss, self.group, self.mode = loss, group, mode
         self.stats: Mapping[str, float] = {}
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``torch.compile`` (``model.compile_scope: instance_loss``) the loss's own computation, in place: its
+        per-anchor terms (``local_anchors``) or its forward (``full``); the size exchange and the gathers around
+        it stay eager (collectives, and the gathered rows' autograd function)."""
+        if self.mode == "local_anchors":
+            self.loss.anchor_terms = torch.compile(self.loss.anchor_terms, *args, **kwargs)
+        else:
+            self.loss.compile(*args, **kwargs)
+
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
         if embeddings.dim() != 2 or labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
             raise ValueError(

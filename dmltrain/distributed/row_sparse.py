@@ -105,9 +105,10 @@ def _union(a: RowSet, b: RowSet, num_rows: int) -> RowSet:
 class RowGradTarget:
     """Where one backward writes its row gradients: ``weight`` / ``bias`` (None when that parameter
     needs none) at ``rows`` (see :class:`RowSet`); ``accumulate``: add to what is there, else
-    overwrite (every row of ``rows`` exactly once; the buffers' other rows are zero)."""
+    overwrite (every row of ``rows`` exactly once; the buffers' other rows are zero). ``grads``: the
+    :class:`RowGrads` whose buffers these are, or None for fresh dense buffers (:func:`dense_target`)."""
 
-    grads: RowGrads
+    grads: RowGrads | None
     rows: RowSet
     weight: Tensor | None
     bias: Tensor | None
@@ -115,8 +116,16 @@ class RowGradTarget:
 
     def finish(self) -> None:
         """Record the rows written (call after every write of this backward)."""
-        if self.weight is not None or self.bias is not None:
+        if self.grads is not None and (self.weight is not None or self.bias is not None):
             self.grads._written(self.rows)
+
+
+def dense_target(rows: RowSet, weight: Tensor | None, bias: Tensor | None) -> RowGradTarget:
+    """A target of fresh zero buffers shaped like ``weight`` and ``bias`` (None: no gradient), for a backward
+    that returns its row gradients through autograd rather than to a :class:`RowGrads`: ``C_local × D``
+    written in full, which the row-sparse path avoids."""
+    zeros = lambda t: None if t is None else torch.zeros_like(t, memory_format=torch.contiguous_format)  # noqa: E731
+    return RowGradTarget(None, rows, zeros(weight), zeros(bias), accumulate=False)
 
 
 class RowGrads:

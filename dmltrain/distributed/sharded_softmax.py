@@ -5,8 +5,8 @@ owns (:class:`~dmltrain.distributed.class_partition.ClassPartition`: contiguous 
 ``C/W`` allowed) and is called as ``clf(local_embeddings, local_labels, step=global_step)``. It
 returns the mean loss over the *global* batch, the same value on every worker.
 
-The algorithm, top to bottom in this file (:meth:`ShardedClassifier.forward`, then
-:class:`_ShardedSoftmax`):
+The algorithm, top to bottom in this file (:meth:`ShardedClassifier.forward` does steps 1 and 2,
+then calls :func:`sharded_softmax` for the rest):
 
 1. **Gather.** The local embeddings (L2-normalised first, except for ``softmax_ce``) and labels
    are all-gathered (uneven local batch sizes allowed); labels are global class ids.
@@ -51,10 +51,19 @@ true gradient (θ from ``atan2`` of the unit vectors, InsightFace's continuation
 π``). Label smoothing (softmax CE) spreads ``ε`` over the other ``K − 1`` classes taking part,
 ``K`` counted over all shards, using the global sum of logits.
 
-The weight gradient is written into ``clf.weight.grad`` (and ``clf.bias.grad``) directly, through
-:attr:`ShardedClassifier.row_grads`, accumulating when it already exists, as Megatron's fused
-gradient accumulation does. Hence ``torch.autograd.grad(loss, clf.weight)`` is not supported;
-read ``.grad`` after backward.
+The call and the module. :func:`sharded_softmax` (steps 3 to 6, an autograd Function) takes tensors and
+one frozen :class:`SoftmaxPlan` (the kind, this step's draw, the backend, the buffers the module lends)
+and returns a :class:`SoftmaxResult` (the loss, its :class:`SoftmaxStats` by name, the sub-centers its
+samples were nearest to); it changes no module state. The module applies what it returns (its
+``stats``, the sub-center counts of sample dropping) after the call (:meth:`ShardedClassifier._take`).
+
+The one deliberate exception to autograd: the module's weight gradient is written into
+``clf.weight.grad`` (and ``clf.bias.grad``) directly, through :attr:`ShardedClassifier.row_grads`, the
+active rows only, accumulating when it already exists, as Megatron's fused gradient accumulation does;
+backward returns None for the weight, so a dense ``C_local × D`` gradient is never materialised (the
+reasons: :func:`sharded_softmax`). ``torch.autograd.grad(loss, embeddings)`` works as usual (and still
+writes the rows' ``.grad``); a plan without ``row_grads`` returns the weight's gradient through autograd,
+dense.
 
 Precision (``precision``): ``auto`` is bf16 products on CUDA and fp32 on the CPU. The torch path
 computes in fp32, or in float64 for a classifier moved to float64 (``.double()``). The weight is
@@ -75,13 +84,14 @@ import math
 import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dmltrain.config import PRODUCT_PRECISIONS, WEIGHT_STORAGES, gpu_only
+from dmltrain.config import NEAREST_TO, PRODUCT_PRECISIONS, SAMPLING_MODES, WEIGHT_STORAGES, gpu_only
 from dmltrain.distributed import softmax_torch
 from dmltrain.distributed.class_index import ClassIndex, build_index, nearest_keys, nearest_scores
 from dmltrain.distributed.class_partition import ClassPartition
@@ -94,18 +104,14 @@ from dmltrain.distributed.collectives import (
     gather_with_grad,
     group_rank_size,
 )
-from dmltrain.distributed.row_sparse import RowGrads, RowSet, add_rows
+from dmltrain.distributed.row_sparse import RowGrads, RowSet, add_rows, dense_target
+from dmltrain.distributed.shard_operands import ShardOperands
 from dmltrain.distributed.workspace import Workspace
 from dmltrain.losses.kinds import KINDS, ClassifierKind
 from dmltrain.losses.margins import pair_cos
 
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # by loss.classifier.weight_storage
 BACKENDS = ("auto", "torch", "triton")
-#: the class draw's modes (``loss.classifier.sampling``): uniform others, nearest others, a share of each, or others
-#: drawn in proportion to the exponential of their nearness's logit
-SAMPLING_MODES = ("uniform", "hard", "mixed", "proportional")
-#: what the nearest classes are nearest to (``loss.classifier.nearest_to``): the batch's classes' rows or its embeddings
-NEAREST_TO = ("classes", "samples")
 NORM_EPS = 1e-12
 #: classes per block of the W-independent weight initialisation
 _INIT_BLOCK = 1 << 16
@@ -130,31 +136,6 @@ def fused_unavailable(device: torch.device) -> str | None:
     if device.type != "cuda" and not softmax_kernels.INTERPRET:
         return f"the weight is on {device.type}: the kernels need CUDA, or TRITON_INTERPRET=1 set before triton is imported"
     return None
-
-
-class ShardOperands(NamedTuple):
-    """One shard's part of a call, as both backends take it.
-
-    ``x``: the gathered batch (``N × D``, compute dtype, unit rows for the normalised kinds);
-    ``weight``/``bias``: the shard's rows; ``rows``/``count``: the active rows (None: all; see
-    :class:`~dmltrain.distributed.class_sampling.ActiveRows`); ``tcol``: each sample's column among
-    the active rows (int64, −1 when this shard does not hold its class); ``scale``: the logit scale
-    of the normalised kinds. The torch backend alone takes the rest: ``subcenters`` (the weight is
-    then ``rows × k × D``), ``offsets`` (each active column's log-Q correction) and ``sample_weight``
-    (each sample's weight in the loss, for dropped samples).
-    """
-
-    x: Tensor
-    weight: Tensor
-    bias: Tensor | None
-    rows: Tensor | None
-    count: Tensor | None
-    tcol: Tensor
-    scale: float
-    normalized: bool
-    subcenters: int = 1
-    offsets: Tensor | None = None
-    sample_weight: Tensor | None = None
 
 
 class CallStats(Mapping[str, float]):
@@ -249,12 +230,98 @@ def _target_pairs(
         return leaves, zt, torch.zeros_like(zt).detach(), None
 
 
+class SoftmaxStats(NamedTuple):
+    """A call's statistics, 0-d float64 device tensors, the same on every worker: the loss; the share of the
+    global batch whose target logit is the largest (``accuracy``); the mean target logit and target cosine
+    (0 for ``softmax_ce``); the active classes of all shards; the share of the batch beyond the drop angle
+    (0 without dropping)."""
+
+    loss: Tensor
+    accuracy: Tensor
+    target_logit: Tensor
+    target_cos: Tensor
+    active_classes: Tensor
+    beyond_drop_angle: Tensor
+
+
+class SubcenterHits(NamedTuple):
+    """Which sub-center each sample of the global batch was nearest to, for the caller's counts:
+    ``counts[rows, subcenters] += owned`` (``rows`` clamped local rows, ``owned`` 1.0 where this shard
+    holds the sample's class, else 0.0; float64 like the counts)."""
+
+    rows: Tensor
+    subcenters: Tensor
+    owned: Tensor
+
+
+class SoftmaxResult(NamedTuple):
+    """What one call of :func:`sharded_softmax` returns: ``loss`` (differentiable, the embeddings' dtype),
+    its :class:`SoftmaxStats`, ``logits_kept`` (the torch path kept the logits for backward) and, for a
+    call that counts sub-centers (:attr:`SoftmaxPlan.count_subcenters`), its :class:`SubcenterHits`."""
+
+    loss: Tensor
+    stats: SoftmaxStats
+    logits_kept: bool
+    hits: SubcenterHits | None
+
+
+@dataclass(frozen=True)
+class DropPlan:
+    """Sample dropping in a call: ``counts`` (local rows × k, read only: how often each class's samples
+    were nearest to each sub-center, from before this call), ``cos`` (the cosine of the drop angle),
+    ``dropping`` (the samples beyond it leave the loss; else they are only counted)."""
+
+    counts: Tensor
+    cos: float
+    dropping: bool
+
+
+@dataclass(frozen=True)
+class SoftmaxPlan:
+    """Everything one call of :func:`sharded_softmax` takes besides its tensors, fixed for the call.
+
+    The kind (``spec``, the target logit's ``margin_params``, the logit ``scale``, ``subcenters``, label
+    ``smoothing``); the shard (``class_start``: the global id of its first row; ``group``: the classes'
+    process group); this step's draw (``active``, None: every row); the backend (``fused``, the products'
+    ``precision``, ``deterministic``, the torch path's ``logits_budget`` in bytes); sample dropping
+    (``drop``, None: none); ``count_subcenters`` (return :class:`SubcenterHits`: a training call).
+
+    Buffers are the caller's, lent for the call: ``workspace`` (scratch, within the forward and within the
+    backward) and ``kept`` (what the forward keeps for its backward; None: keep nothing). ``lease`` is held
+    by the call until its backward has run (or its graph is freed): while it lives, ``kept`` is not the
+    caller's to lend again (:meth:`ShardedClassifier._claim_kept` watches it through a weak reference).
+
+    ``row_grads``: where backward hands the active rows' gradients over to the row-sparse optimizer
+    (:class:`~dmltrain.distributed.row_sparse.RowGrads`, writing ``.grad`` directly); None: they are
+    returned through autograd as dense gradients of ``weight`` and ``bias``. See :func:`sharded_softmax`.
+    """
+
+    spec: ClassifierKind
+    margin_params: Mapping[str, float]
+    scale: float
+    subcenters: int
+    smoothing: float
+    class_start: int
+    group: Any
+    active: ActiveRows | None
+    fused: bool
+    precision: str
+    deterministic: bool
+    logits_budget: float
+    workspace: Workspace
+    kept: Workspace | None
+    lease: object | None = None
+    row_grads: RowGrads | None = None
+    drop: DropPlan | None = None
+    count_subcenters: bool = False
+
+
 class _Combined(NamedTuple):
     loss: Tensor
     lse: Tensor  # the global log-sum-exp per sample
     on: Tensor | float  # label smoothing's weight of the target class
     off: Tensor | None  # ... and of each other class (None: no smoothing)
-    stats: Tensor  # loss, accuracy, mean target logit, mean target cosine, active classes, share beyond drop_angle
+    stats: SoftmaxStats
     weight: Tensor | None  # each sample's weight, N/kept for kept samples and 0 for dropped (None: none dropped)
 
 
@@ -308,49 +375,105 @@ def _combine(
             loss = (per * weight).mean()
         else:
             loss = per.mean()
-    stats = torch.stack([loss, (tgt >= zmax).double().mean(), tgt.mean(), cos_tgt.mean(), k_total, dropped])
+    stats = SoftmaxStats(
+        loss=loss.clone(),  # its own tensor: the call returns the loss and its statistics as two outputs
+        accuracy=(tgt >= zmax).double().mean(),
+        target_logit=tgt.mean(),
+        target_cos=cos_tgt.mean(),
+        active_classes=k_total,
+        beyond_drop_angle=dropped,
+    )
     return _Combined(loss, lse, on, off, stats, weight)
 
 
-class _KeptClaim:
-    """Marks the classifier's kept-logits workspace as held until this call's backward (or its end)."""
+def _beyond(drop: DropPlan | None, sub_cos: Tensor | None, row: Tensor, owned: Tensor) -> Tensor | None:
+    """The samples of the global batch this shard finds beyond the drop angle of their class's dominant
+    sub-center (the one its samples were nearest to most often, in ``drop.counts``); None without dropping.
+
+    ``sub_cos``: each sample's cosines to its class's sub-centers (None on a shard without classes: an empty
+    mask, for every shard packs as many numbers for :func:`_combine`'s all-gather). A class none of whose
+    samples was counted yet has no dominant sub-center: nothing of it is beyond."""
+    if drop is None:
+        return None
+    if sub_cos is None:
+        return torch.zeros_like(owned)
+    seen = drop.counts.index_select(0, row)
+    dominant = seen.argmax(1)
+    return owned & (seen.sum(1) > 0) & (sub_cos.gather(1, dominant[:, None]).squeeze(1) < drop.cos)
+
+
+def _flat(result: SoftmaxResult) -> tuple:
+    """``result`` as the flat tuple an autograd Function returns (its fields in order, nested ones spread)."""
+    hits = result.hits if result.hits is not None else SubcenterHits(None, None, None)
+    return (result.loss, *result.stats, result.logits_kept, *hits)
+
+
+def _unflat(flat: Sequence) -> SoftmaxResult:
+    """The inverse of :func:`_flat`."""
+    n = len(SoftmaxStats._fields)
+    stats = SoftmaxStats(*flat[1 : 1 + n])
+    hits = SubcenterHits(*flat[2 + n :])
+    return SoftmaxResult(flat[0], stats, bool(flat[1 + n]), None if hits.rows is None else hits)
+
+
+def sharded_softmax(x: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, plan: SoftmaxPlan) -> SoftmaxResult:
+    """Steps 3 to 6 of one call (the module docstring) as a function: the loss of the gathered batch ``x``
+    (``N × D`` in the compute dtype, unit rows for the normalised kinds) with global class ids ``labels``
+    against this shard's ``weight``/``bias``, and its statistics.
+
+    Pure but for one deliberate exception: it reads only its arguments, changes none of them and no state
+    of any module; the caller applies what it returns (statistics, sub-center counts). Its buffers are the
+    ones the plan lends. The exception is the row gradients' hand-off: with ``plan.row_grads`` set, backward
+    writes the active rows' gradients into the row-sparse optimizer's buffers (the parameters' ``.grad``,
+    accumulating like Megatron's fused gradient accumulation) and returns None for ``weight`` and ``bias``.
+    Autograd would need a dense ``C_local × D`` gradient per call, zeroed and written in full (and summed
+    into ``.grad`` in full), when a subsampled step touches ``sample_ratio`` of its rows: at a million
+    classes of 512 floats that is 2 GiB written per step for the ~10 % of rows that hold a gradient, and
+    the optimizer would then have to find those rows again. With ``plan.row_grads`` None (a caller without
+    a row-sparse optimizer, ``torch.autograd.grad`` over the weight) that dense gradient is what backward
+    returns. The embeddings' gradient always returns through autograd.
+    """
+    return _unflat(_ShardedSoftmax.apply(x, weight, bias, labels, plan))
 
 
 class _ShardedSoftmax(torch.autograd.Function):
-    """Steps 3 to 6 of one call; autocast is off inside (the classifier chooses its own precision).
-
-    ``train``: a training call (not a probe's, not an evaluation's): it counts which sub-center each
-    sample is nearest to, for the dominant sub-centers of sample dropping."""
+    """:func:`sharded_softmax`'s autograd node; autocast is off inside (the plan chooses the precision)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, clf: ShardedClassifier, labels: Tensor,
-                active: ActiveRows | None, need_grad: bool, train: bool) -> Tensor:  # fmt: skip
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, plan: SoftmaxPlan):
+        active = plan.active
         with torch.autocast(device_type=x.device.type, enabled=False):
             n_local = weight.shape[0]
-            tcol, row, owned = _targets(labels, clf.class_start, n_local, active)
-            op = ShardOperands(x.detach(), weight.detach(), None if bias is None else bias.detach(),
-                               None if active is None else active.rows, None if active is None else active.count,
-                               tcol, clf.scale, clf.spec.normalized, clf.subcenters,
-                               None if active is None else active.offsets)  # fmt: skip
-            eps = clf.smoothing
-            claim = None
-            if clf.fused:
-                lse_nt, mx, sz, saved = softmax_kernels.partials(op, bool(eps), clf.fused_precision,
-                                                                 clf.deterministic)  # fmt: skip
+            tcol, row, owned = _targets(labels, plan.class_start, n_local, active)
+            rows, count, offsets = (None, None, None) if active is None else (active.rows, active.count, active.offsets)
+            op = ShardOperands(
+                x=x.detach(),
+                weight=weight.detach(),
+                bias=None if bias is None else bias.detach(),
+                rows=rows,
+                count=count,
+                tcol=tcol,
+                scale=plan.scale,
+                normalized=plan.spec.normalized,
+                subcenters=plan.subcenters,
+                offsets=offsets,
+            )
+            eps = plan.smoothing
+            if plan.fused:
+                lse_nt, mx, sz, saved = softmax_kernels.partials(op, bool(eps), plan.precision, plan.deterministic)
                 lse_nt, mx = lse_nt.to(x.dtype), mx.to(x.dtype)
                 sz = None if sz is None else sz.to(x.dtype)
             else:
-                kept = None
-                if need_grad:
-                    claim, kept = clf._claim_kept()
-                budget = clf.logits_budget_mb * 2**20
-                lse_nt, mx, sz, saved = softmax_torch.partials(op, bool(eps), clf.workspace, kept, budget)
+                lse_nt, mx, sz, saved = softmax_torch.partials(
+                    op, bool(eps), plan.workspace, plan.kept, plan.logits_budget
+                )
             if sz is None:
                 sz = torch.zeros_like(lse_nt)
             sub_cos = None
             if n_local:
-                _, z_t, cos_t, sub_cos = _target_pairs(clf.spec, clf.margin_params, op.x, op.weight, op.bias, row,
-                                                       grad=False)  # fmt: skip
+                _, z_t, cos_t, sub_cos = _target_pairs(
+                    plan.spec, plan.margin_params, op.x, op.weight, op.bias, row, grad=False
+                )
             else:
                 z_t = cos_t = torch.zeros_like(lse_nt)
             z_own = torch.where(owned, z_t, -math.inf)
@@ -361,18 +484,26 @@ class _ShardedSoftmax(torch.autograd.Function):
                 k_local = torch.full((), float(n_local if active is None else active.capacity), device=x.device)
             else:
                 k_local = active.count
-            drop, dropping = clf._drops(sub_cos, row, owned, train)
-            out = _combine(lse_local, m, sz + z_t, z_t, cos_t, k_local, eps, clf.group, drop, dropping)
+            drop = plan.drop
+            beyond = _beyond(drop, sub_cos, row, owned)
+            out = _combine(
+                lse_local, m, sz + z_t, z_t, cos_t, k_local, eps, plan.group, beyond, drop is not None and drop.dropping
+            )
+            hits = None
+            if plan.count_subcenters and drop is not None and sub_cos is not None:
+                hits = SubcenterHits(row, sub_cos.argmax(1), owned.to(drop.counts.dtype))
         if out.weight is not None:
             op = op._replace(sample_weight=out.weight.to(x.dtype))
-        ctx.clf, ctx.op, ctx.saved, ctx.claim = clf, op, saved, claim
-        ctx.row, ctx.owned, ctx.z_t, ctx.out = row, owned, z_t, out
-        clf._record(out.stats, getattr(saved, "kept", None) is not None, dropping)
-        return out.loss.to(x.dtype)
+        ctx.plan, ctx.op, ctx.saved = plan, op, saved
+        # not the loss: an output kept on ctx (the same tensor in float64) would tie the graph in a cycle
+        ctx.row, ctx.owned, ctx.z_t, ctx.out = row, owned, z_t, out._replace(loss=None, stats=None)
+        result = SoftmaxResult(out.loss.to(x.dtype), out.stats, getattr(saved, "kept", None) is not None, hits)
+        ctx.mark_non_differentiable(*result.stats, *(() if hits is None else hits))
+        return _flat(result)
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        clf, op, out = ctx.clf, ctx.op, ctx.out
+    def backward(ctx, grad_out: Tensor, *_):
+        plan, op, out = ctx.plan, ctx.op, ctx.out
         if op is None:
             raise RuntimeError("ShardedClassifier: backward through the same call twice is not supported")
         x = op.x
@@ -380,21 +511,28 @@ class _ShardedSoftmax(torch.autograd.Function):
             alpha = grad_out.to(x.dtype) / x.shape[0]  # dL/dloss · 1/N: the factor of every per-sample gradient
             lse = out.lse.to(x.dtype)
             off = None if out.off is None else out.off.to(x.dtype)
-            need_x, need_params = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-            target = clf.row_grads.target(RowSet(op.rows, op.count)) if need_params else None
-            if clf.fused:
-                grad_x = softmax_kernels.gradients(op, ctx.saved, lse, alpha, off, need_x, target,
-                                                   clf.fused_precision, clf.deterministic)  # fmt: skip
+            need_x, need_w, need_b = ctx.needs_input_grad[:3]
+            target = None
+            if need_w or need_b:
+                rows = RowSet(op.rows, op.count)
+                if plan.row_grads is not None:  # the hand-off (sharded_softmax's docstring)
+                    target = plan.row_grads.target(rows)
+                else:
+                    target = dense_target(rows, op.weight if need_w else None, op.bias if need_b else None)
+            if plan.fused:
+                grad_x = softmax_kernels.gradients(
+                    op, ctx.saved, lse, alpha, off, need_x, target, plan.precision, plan.deterministic
+                )
             else:
-                grad_x = softmax_torch.gradients(op, ctx.saved, lse, alpha, off, need_x, target, clf.workspace)
-            if ctx.claim is not None:
-                clf._return_kept(ctx.claim)
+                grad_x = softmax_torch.gradients(op, ctx.saved, lse, alpha, off, need_x, target, plan.workspace)
             if op.weight.shape[0]:  # the targets: dL/d(target logit) through their pairs
                 on = out.on if isinstance(out.on, float) else out.on.to(x.dtype)
                 g_t = torch.where(ctx.owned, (torch.exp(ctx.z_t - lse) - on) * alpha, 0.0)
                 if op.sample_weight is not None:
                     g_t = g_t * op.sample_weight
-                leaves, zt, _, _ = _target_pairs(clf.spec, clf.margin_params, x, op.weight, op.bias, ctx.row, grad=True)
+                leaves, zt, _, _ = _target_pairs(
+                    plan.spec, plan.margin_params, x, op.weight, op.bias, ctx.row, grad=True
+                )
                 # a scalar's gradient: no grad_outputs, whose check would import torch.fx (seconds, once a process)
                 with torch.enable_grad():
                     grads = torch.autograd.grad((zt * g_t.to(zt.dtype)).sum(), leaves)
@@ -409,8 +547,16 @@ class _ShardedSoftmax(torch.autograd.Function):
                 grad_x = torch.zeros_like(x)
             if target is not None:
                 target.finish()
-        ctx.op = ctx.saved = None
-        return None if grad_x is None else grad_x.to(x.dtype), None, None, None, None, None, None, None
+        # the call is over: dropping the plan ends its lease of the kept buffers
+        ctx.plan = ctx.op = ctx.saved = ctx.out = None
+        grad_w = grad_b = None
+        if target is not None and target.grads is None:  # returned through autograd
+            grad_w, grad_b = target.weight, target.bias
+        return None if grad_x is None else grad_x.to(x.dtype), grad_w, grad_b, None, None
+
+
+class _KeptLease:
+    """Marks the classifier's kept-logits workspace as lent to a call, until that call's plan is dropped."""
 
 
 # -- the module -------------------------------------------------------------------------------------------
@@ -512,8 +658,11 @@ class ShardedClassifier(nn.Module):
             raise ValueError(f"ShardedClassifier: num_classes and dim must be positive, got {num_classes}, {dim}")
         if logits_budget_mb <= 0:
             raise ValueError(f"ShardedClassifier: logits_budget_mb must be positive, got {logits_budget_mb}")
-        for name, value, choices in (("precision", precision, PRODUCT_PRECISIONS), ("weight_storage", weight_storage, WEIGHT_STORAGES),
-                                     ("backend", backend, BACKENDS)):  # fmt: skip
+        for name, value, choices in (
+            ("precision", precision, PRODUCT_PRECISIONS),
+            ("weight_storage", weight_storage, WEIGHT_STORAGES),
+            ("backend", backend, BACKENDS),
+        ):
             if value not in choices:
                 raise ValueError(f"ShardedClassifier: {name} must be one of {', '.join(choices)}, got {value!r}")
         if sampling not in SAMPLING_MODES:
@@ -535,8 +684,10 @@ class ShardedClassifier(nn.Module):
         self.subcenters = self.spec.subcenters(self.params)
         self.margin_params = self.spec.logit_params(self.params)
         if drop_after is not None and self.subcenters < 2:
-            raise ValueError("ShardedClassifier: drop_after drops samples far from their dominant sub-center; "
-                             "it needs params.subcenters >= 2")  # fmt: skip
+            raise ValueError(
+                "ShardedClassifier: drop_after drops samples far from their dominant sub-center; "
+                "it needs params.subcenters >= 2"
+            )
         self.sampling, self.refresh_every, self.nearest_after = sampling, int(refresh_every), int(nearest_after)
         self.nearest_share = 1.0 if sampling == "hard" else float(nearest_share)
         self.nearest_to = nearest_to
@@ -559,8 +710,10 @@ class ShardedClassifier(nn.Module):
         self.class_start, self.class_end = self.partition.start(self.rank), self.partition.end(self.rank)
         n_local = self.class_end - self.class_start
         if self.torch_only and weight_storage != "fp32":
-            raise ValueError(f"ShardedClassifier: weight_storage {weight_storage!r} needs the fused kernels, which take no "
-                             f"{self.torch_only}; use fp32")  # fmt: skip
+            raise ValueError(
+                f"ShardedClassifier: weight_storage {weight_storage!r} needs the fused kernels, which take no "
+                f"{self.torch_only}; use fp32"
+            )
         rows = (n_local, dim) if self.subcenters == 1 else (n_local, self.subcenters, dim)
         self.weight = nn.Parameter(torch.empty(*rows, dtype=STORAGE_DTYPES[weight_storage]))
         # sub-center dropping: how often each class's samples were nearest to each of its sub-centers
@@ -678,16 +831,80 @@ class ShardedClassifier(nn.Module):
             x = F.normalize(x, dim=1)
         x_g = gather_with_grad(x, self.group, sizes)
         self._step = int(step)
-        active = None if draw == "full" else self._draw(labels_g, int(step), x_g, uniform=draw == "uniform")
+        active = None if draw == "full" else self.draw(labels_g, int(step), x_g, uniform=draw == "uniform")
         self._active = active
         if N == 0:
             self.stats = {"loss": 0.0, "active_rows": float(self._num_active()), "active_classes": 0.0}
             return x_g.sum() * 0.0
         params = [p for p in (weight, bias) if p is not None]
         need_grad = torch.is_grad_enabled() and (x_g.requires_grad or any(p.requires_grad for p in params))
-        return _ShardedSoftmax.apply(x_g, weight, bias, self, labels_g, active, need_grad, train and need_grad)
+        plan = self.plan(active, need_grad=need_grad, train=train and need_grad)
+        result = sharded_softmax(x_g, weight, bias, labels_g, plan)
+        self._take(result)
+        return result.loss
 
-    def _draw(self, labels_g: Tensor, step: int, x_g: Tensor, uniform: bool = False) -> ActiveRows | None:
+    def plan(self, active: ActiveRows | None, need_grad: bool = True, train: bool = False) -> SoftmaxPlan:
+        """The :class:`SoftmaxPlan` of a call over the draw ``active`` (see :meth:`draw`), lending this module's
+        buffers; ``need_grad``: a backward will follow (the torch path keeps its logits for it, the kept buffers
+        then leased to the call); ``train``: a training call, which counts the sub-centers its samples are
+        nearest to (sample dropping). Reads the module's state, changes none of it but the lease."""
+        self._choose_path()
+        lease, kept = self._claim_kept() if need_grad and not self.fused else (None, None)
+        drop = None
+        if self.subcenter_counts is not None:
+            if self.subcenter_counts.device != self.weight.device:
+                self.subcenter_counts = self.subcenter_counts.to(self.weight.device)
+            drop = DropPlan(self.subcenter_counts, self.drop_cos, self._step >= self.drop_after)
+        return SoftmaxPlan(
+            spec=self.spec,
+            margin_params=self.margin_params,
+            scale=self.scale,
+            subcenters=self.subcenters,
+            smoothing=self.smoothing,
+            class_start=self.class_start,
+            group=self.group,
+            active=active,
+            fused=self.fused,
+            precision=self.fused_precision,
+            deterministic=self.deterministic,
+            logits_budget=self.logits_budget_mb * 2**20,
+            workspace=self.workspace,
+            kept=kept,
+            lease=lease,
+            row_grads=self.row_grads,
+            drop=drop,
+            count_subcenters=train,
+        )
+
+    def _take(self, result: SoftmaxResult) -> None:
+        """What a call changes in this module, from what it returned: the sub-center counts of sample dropping
+        (a training call's), and :attr:`stats`."""
+        if result.hits is not None:
+            h = result.hits
+            self.subcenter_counts.index_put_((h.rows, h.subcenters), h.owned, accumulate=True)
+        s = result.stats
+        on_device = {
+            "loss": s.loss,
+            "accuracy": s.accuracy,
+            "target_logit": s.target_logit,
+            "active_classes": s.active_classes,
+            "active_share": s.active_classes / self.num_classes,
+        }
+        if self.drop_after is not None:
+            dropping = self._step >= self.drop_after
+            on_device["beyond_drop_angle"] = s.beyond_drop_angle
+            on_device["dropped"] = s.beyond_drop_angle if dropping else torch.zeros_like(s.beyond_drop_angle)
+        if self.spec.normalized:
+            on_device["target_cos"] = s.target_cos
+        rows = self._num_active()
+        host = {"logits_kept": float(result.logits_kept)}
+        if isinstance(rows, Tensor):
+            on_device["active_rows"] = rows
+        else:
+            host["active_rows"] = float(rows)
+        self.stats = CallStats(on_device, host)
+
+    def draw(self, labels_g: Tensor, step: int, x_g: Tensor, uniform: bool = False) -> ActiveRows | None:
         """This shard's rows in step ``step``'s softmax (None: all of them); ``x_g``: the gathered batch;
         ``uniform``: the uniform draw of the same size instead, without log-Q offsets."""
         if round_total(self.num_classes, self.sample_ratio) >= self.num_classes:
@@ -700,11 +917,27 @@ class ShardedClassifier(nn.Module):
             queries = x_g if self.nearest_to == "samples" else None
             if self.sampling == "proportional":  # in proportion to exp(the logit a class's best cosine makes)
                 score = nearest_scores(index, labels_g, self.class_start, self.group, queries)
-                return draw_active(labels_g, self.partition, self.sample_ratio, self.seed, step, self.group,
-                                   weights=score.mul_(self.scale))  # fmt: skip
+                return draw_active(
+                    labels_g,
+                    self.partition,
+                    self.sample_ratio,
+                    self.seed,
+                    step,
+                    self.group,
+                    weights=score.mul_(self.scale),
+                )
             nearest = nearest_keys(index, labels_g, self.class_start, id_bits(self.num_classes), self.group, queries)
-        return draw_active(labels_g, self.partition, self.sample_ratio, self.seed, step, self.group, nearest,
-                           self.nearest_share, self.sampling_correction)  # fmt: skip
+        return draw_active(
+            labels_g,
+            self.partition,
+            self.sample_ratio,
+            self.seed,
+            step,
+            self.group,
+            nearest,
+            self.nearest_share,
+            self.sampling_correction,
+        )
 
     def _draws_nearest(self, step: int) -> bool:
         """Whether step ``step`` draws from the nearness index (``hard``, ``mixed``, ``proportional`` from
@@ -719,32 +952,6 @@ class ShardedClassifier(nn.Module):
         if self.index is None or self.index.stale(step, self.refresh_every) or self.index.built_at < self.nearest_after:
             self.index = build_index(self.weight, self.subcenters, step)
         return self.index
-
-    def _drops(self, sub_cos: Tensor | None, row: Tensor, owned: Tensor, train: bool) -> tuple[Tensor | None, bool]:
-        """(the samples of the global batch this shard finds beyond ``drop_angle`` of their class's dominant
-        sub-center, whether they are dropped from the loss this call: from ``drop_after`` on); (None, False)
-        without dropping.
-
-        Before ``drop_after`` they are only counted (``stats["beyond_drop_angle"]``), so that a run shows how
-        many samples an angle would drop before it does. ``sub_cos``: each sample's cosines to its class's
-        sub-centers (None without sub-centers, or on a shard without classes). A training call first reads
-        the dominant sub-centers, then counts its own samples' nearest. A class none of whose samples was
-        counted yet has no dominant sub-center: nothing of it is beyond. Every shard returns a mask, an empty
-        one too: all of them pack as many numbers for :func:`_combine`'s all-gather."""
-        if self.subcenter_counts is None:
-            return None, False
-        dropping = self._step >= self.drop_after
-        if sub_cos is None:  # no class here
-            return torch.zeros_like(owned), dropping
-        counts = self.subcenter_counts
-        if counts.device != sub_cos.device:
-            counts = self.subcenter_counts = counts.to(sub_cos.device)
-        seen = counts.index_select(0, row)
-        dominant = seen.argmax(1)
-        beyond = owned & (seen.sum(1) > 0) & (sub_cos.gather(1, dominant[:, None]).squeeze(1) < self.drop_cos)
-        if train:
-            counts.index_put_((row, sub_cos.argmax(1)), owned.to(counts.dtype), accumulate=True)
-        return beyond, dropping
 
     # -- the price of subsampling -----------------------------------------------------------------------
     def probe(
@@ -794,29 +1001,6 @@ class ShardedClassifier(nn.Module):
             **extra,
         }
 
-    def _record(self, stats: Tensor, kept: bool, dropping: bool = False) -> None:
-        """The last call's statistics (``stats``: loss, accuracy, target logit, target cosine, active classes,
-        share beyond the drop angle; ``dropping``: that share was dropped)."""
-        on_device = {
-            "loss": stats[0],
-            "accuracy": stats[1],
-            "target_logit": stats[2],
-            "active_classes": stats[4],
-            "active_share": stats[4] / self.num_classes,
-        }
-        if self.drop_after is not None:
-            on_device["beyond_drop_angle"] = stats[5]
-            on_device["dropped"] = stats[5] if dropping else torch.zeros_like(stats[5])
-        if self.spec.normalized:
-            on_device["target_cos"] = stats[3]
-        rows = self._num_active()
-        host = {"logits_kept": float(kept)}
-        if isinstance(rows, Tensor):
-            on_device["active_rows"] = rows
-        else:
-            host["active_rows"] = float(rows)
-        self.stats = CallStats(on_device, host)
-
     def _check_labels(self, labels: Tensor) -> None:
         lo, hi = torch.aminmax(labels)
         msg = f"ShardedClassifier: labels must be in [0, {self.num_classes})"
@@ -845,8 +1029,10 @@ class ShardedClassifier(nn.Module):
             self.fused, self.fused_precision = True, precision
             return
         if gpu_only("loss.classifier.precision", self.precision):
-            raise ValueError(f"ShardedClassifier: precision {self.precision!r} needs the fused CUDA kernels; the torch path "
-                             f"(weight on {dev.type}) computes in fp32, use precision 'auto' or 'fp32'")  # fmt: skip
+            raise ValueError(
+                f"ShardedClassifier: precision {self.precision!r} needs the fused CUDA kernels; the torch path "
+                f"(weight on {dev.type}) computes in fp32, use precision 'auto' or 'fp32'"
+            )
         if dt == torch.bfloat16:
             raise ValueError("ShardedClassifier: a bf16 weight (weight_storage 'bf16') needs the fused CUDA kernels")
         self.fused, self.fused_precision = False, "fp32"
@@ -857,19 +1043,16 @@ class ShardedClassifier(nn.Module):
         return self._active.capacity if self._active.count is None else self._active.count
 
     # -- buffers kept from forward to backward (torch path) ---------------------------------------------
-    def _claim_kept(self) -> tuple[_KeptClaim, Workspace]:
-        """The reused kept-buffers, or private ones while an earlier call still awaits its backward
-        (forward, forward, backward, backward must stay correct)."""
-        claim = _KeptClaim()
-        owner = None if self._kept_owner is None else self._kept_owner()
-        if owner is not None:
-            return claim, Workspace()
-        self._kept_owner = weakref.ref(claim)
-        return claim, self._kept
-
-    def _return_kept(self, claim: _KeptClaim) -> None:
-        if self._kept_owner is not None and self._kept_owner() is claim:
-            self._kept_owner = None
+    def _claim_kept(self) -> tuple[_KeptLease, Workspace]:
+        """A lease and the kept-buffers it lends: the reused ones, or private ones while an earlier call still
+        holds them (forward, forward, backward, backward must stay correct). The lease lives in the call's
+        plan; a call drops it when its backward ends (or its graph is freed), and the buffers are free again."""
+        lease = _KeptLease()
+        holder = None if self._kept_owner is None else self._kept_owner()
+        if holder is not None:
+            return lease, Workspace()
+        self._kept_owner = weakref.ref(lease)
+        return lease, self._kept
 
     def release_buffers(self) -> None:
         """Free the reusable scratch and kept buffers (they are rebuilt on the next call)."""

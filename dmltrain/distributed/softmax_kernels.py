@@ -1,6 +1,6 @@
 """The sharded softmax's compute in fused Triton kernels: the CUDA path.
 
-Two functions over one shard's :class:`~dmltrain.distributed.sharded_softmax.ShardOperands`, the
+Two functions over one shard's :class:`~dmltrain.distributed.shard_operands.ShardOperands`, the
 same two the torch backend (:mod:`~dmltrain.distributed.softmax_torch`) exposes:
 :func:`partials` (each sample's log-sum-exp, max and sum of its non-target logits on this shard)
 and :func:`gradients` (the embeddings' and the active rows' gradients). The ``N × K`` logits only
@@ -56,7 +56,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import triton
@@ -64,11 +64,9 @@ import triton.language as tl
 from torch import Tensor
 
 from dmltrain.distributed.row_sparse import RowGradTarget
+from dmltrain.distributed.shard_operands import ShardOperands
 from dmltrain.kernel_compile import KernelVariant
 from dmltrain.kernel_tuning import LaunchConfig, Tuner, time_launch
-
-if TYPE_CHECKING:
-    from dmltrain.distributed.sharded_softmax import ShardOperands
 
 PREC_CODE = {"fp32": 0, "tf32": 1, "bf16": 2}  # the kernels' PREC constexpr of each product precision
 _BF16_EMULATED = 3

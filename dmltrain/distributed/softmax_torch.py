@@ -1,6 +1,6 @@
 """The sharded softmax's compute in torch block GEMMs: the CPU path (and any device with ``backend="torch"``).
 
-Two pure functions over one shard's :class:`~dmltrain.distributed.sharded_softmax.ShardOperands`,
+Two pure functions over one shard's :class:`~dmltrain.distributed.shard_operands.ShardOperands`,
 the same two the Triton backend (:mod:`~dmltrain.distributed.softmax_kernels`) exposes:
 
 * :func:`partials`: each sample's log-sum-exp, max and (for label smoothing) sum of its logits
@@ -35,16 +35,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from dmltrain.distributed.row_sparse import RowGradTarget, add_rows
+from dmltrain.distributed.shard_operands import ShardOperands
 from dmltrain.distributed.workspace import BLOCK_ELEMENTS, Workspace
-
-if TYPE_CHECKING:
-    from dmltrain.distributed.sharded_softmax import ShardOperands
 
 NORM_EPS = 1e-12
 

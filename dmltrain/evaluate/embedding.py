@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from dmltrain.evaluate.rerank import Rerank
 from dmltrain.evaluate.retrieval import retrieval_metrics
+from dmltrain.models.compiled import has_compiled_parts
 from dmltrain.models.precision import autocast, to_channels_last
 from shards.decode.transforms import PixelNorm
 from shards.read.stream import eval_batches
@@ -59,10 +60,15 @@ def embed_batches(
     convolves fastest; the model's own layout is the caller's). The embeddings stay on the
     device until the last batch, so the host does not wait for each forward pass, and come back
     as float32 on the CPU, unnormalized. Empty batches are skipped; no batch at all gives a
-    ``0 × 0`` array. Progress goes to stderr.
+    ``0 × 0`` array. Progress goes to stderr. A model with compiled parts (``model.compile``) sees every
+    batch at the largest size so far (the first's): a smaller one (a split's last, or one that lost unreadable
+    samples) is padded with zero images, whose embeddings are dropped (static shapes: nothing recompiles; in
+    eval mode a sample's embedding is its own).
     """
 
     dev = torch.device(device)
+    static = has_compiled_parts(model)
+    size = 0  # the batch size a compiled model sees (the largest so far: the first, but where it lost samples)
     was_training = model.training
     model.eval()
     embs: list[Tensor] = []
@@ -79,6 +85,10 @@ def embed_batches(
                     if isinstance(images, Tensor)
                     else torch.as_tensor(images, device=dev)
                 )
+                n = len(images)
+                size = max(size, n)
+                if static and n < size:
+                    images = torch.cat([images, images.new_zeros((size - n, *images.shape[1:]))])
                 if channels_last:
                     images = to_channels_last(images)
                 emb = _embedding_of(model(images)).float()
@@ -86,12 +96,12 @@ def embed_batches(
                     raise ValueError(
                         f"embed_batches: expected {len(images)} × D embeddings, got shape {tuple(emb.shape)}"
                     )
-                embs.append(emb)
+                embs.append(emb[:n])
                 labels.append(_as_numpy(y, np.int64))
                 index.append(_as_numpy(idx, np.int64))
-                if len(labels[-1]) != len(images) or len(index[-1]) != len(images):
+                if len(labels[-1]) != n or len(index[-1]) != n:
                     raise ValueError("embed_batches: a batch's labels or index do not match its images")
-                bar.update(len(images))
+                bar.update(n)
     finally:
         bar.close()
         model.train(was_training)

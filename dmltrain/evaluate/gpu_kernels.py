@@ -161,8 +161,11 @@ def compile_variants() -> list:
                 sig = {"S": f"*{dtype}", "stride_row": "i32", "n_cols": "i32", **ints, "out": "*i64"}
                 cx = {"LARGER": larger, "RB": rb, "BN": _RANK_TILE // rb}
                 name = f"pair_ranks RB={rb} {dtype} {'larger' if larger else 'smaller'} is better"
-                out.append(KernelVariant(name, _pair_ranks_kernel, {**sig, **dict.fromkeys(cx, "constexpr")}, cx,
-                                         config=f"RB={rb}"))  # fmt: skip
+                out.append(
+                    KernelVariant(
+                        name, _pair_ranks_kernel, {**sig, **dict.fromkeys(cx, "constexpr")}, cx, config=f"RB={rb}"
+                    )
+                )
         rb *= 2
     sig = {"Q": "*i32", "G": "*i32", "out": "*i32", **dict.fromkeys(("nq", "ng", "n_words"), "i32")}
     sig |= dict.fromkeys(("stride_qw", "stride_gw", "stride_o"), "i32")

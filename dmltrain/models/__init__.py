@@ -19,7 +19,7 @@ from __future__ import annotations
 from dmltrain.lazy_exports import lazy_exports
 
 _EXPORTS = {
-    "Backbone": "backbones",
+    "Backbone": "backbone_base",
     "LayerChain": "backbones",
     "TimmBackbone": "timm_backbones",
     "BACKBONES": "backbones",

@@ -33,58 +33,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
+from dmltrain.backbone_facts import timm_name
 from dmltrain.errors import UserError
+from dmltrain.models.backbone_base import Backbone
+from dmltrain.models.timm_backbones import build_timm_backbone
 
 # Keys of the ImageNet classifier in torchvision checkpoints; a backbone never has them.
 CLASSIFIER_PREFIXES = ("fc.", "aux1.", "aux2.", "classifier.")
-
-
-class Backbone(nn.Module):
-    """What the embedding model needs of a network: named stages and their channels, ``forward(x, stages)``.
-
-    ``stage_channels`` maps each tappable stage name (in network order) to its output
-    channels. ``forward(x, stages)`` returns the feature maps (``B × C × H × W``) of ``stages`` in the
-    order asked; with ``stages=None`` it returns ``[last stage]``.
-    """
-
-    name: str
-    stage_channels: dict[str, int]
-    #: convolutional (channels_last helps) rather than a transformer over patch tokens
-    convolutional: bool = True
-
-    @property
-    def stage_names(self) -> tuple[str, ...]:
-        return tuple(self.stage_channels)
-
-    @property
-    def out_channels(self) -> int:
-        """Channels of the last stage: the features a single-level head pools."""
-        return self.stage_channels[self.stage_names[-1]]
-
-    def check_stages(self, stages: Sequence[str]) -> None:
-        """Raise a one-line :class:`UserError` for a stage name this network does not have."""
-        for s in stages:
-            if s not in self.stage_channels:
-                raise UserError(
-                    f"model.multilevel: unknown stage '{s}' for {self.name} (stages: {', '.join(self.stage_names)})"
-                )
-        if len(set(stages)) != len(stages):
-            raise UserError(f"model.multilevel: a stage is listed twice in {list(stages)}")
-
-    def set_grad_checkpointing(self, enable: bool = True) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def layer_ids(self) -> dict[str, int]:  # pragma: no cover - abstract
-        """Each parameter's layer, 0 at the input, rising towards the output (layer-wise learning-rate decay)."""
-        raise NotImplementedError
-
-    def no_weight_decay(self) -> set[str]:
-        """Names of parameters of more than one dimension that are not decayed with ``decay_norm_and_bias=False``
-        (a ViT's class token and position embeddings); none here."""
-        return set()
-
-    def forward(self, x: Tensor, stages: Sequence[str] | None = None) -> list[Tensor]:  # pragma: no cover
-        raise NotImplementedError
 
 
 @contextlib.contextmanager
@@ -147,6 +102,10 @@ class LayerChain(Backbone):
     def _run(self, layer_name: str, x: Tensor) -> Tensor:
         layer = getattr(self, layer_name)
         if self.grad_checkpointing and layer_name in self.stage_channels and torch.is_grad_enabled():
+            if torch.compiler.is_compiling():
+                # compiled (model.compile): the recomputation is part of the compiled backward, which replays no
+                # buffer update (the forward's running statistics are written once), and dynamo takes no context_fn
+                return checkpoint(layer, x, use_reentrant=False)
             recompute = lambda: (contextlib.nullcontext(), _recomputing(layer))  # noqa: E731
             return checkpoint(layer, x, use_reentrant=False, context_fn=recompute)
         return layer(x)
@@ -194,10 +153,9 @@ def _googlenet(name: str, *, transform_input: bool) -> LayerChain:
     # as torchvision does: its (slow) truncated-normal init is skipped when weights will be loaded
     net = tvm.googlenet(weights=None, aux_logits=False, init_weights=not transform_input)
     order = (
-        "conv1", "maxpool1", "conv2", "conv3", "maxpool2", "inception3a", "inception3b", "maxpool3",
-        "inception4a", "inception4b", "inception4c", "inception4d", "inception4e", "maxpool4",
-        "inception5a", "inception5b",
-    )  # fmt: skip
+        "conv1 maxpool1 conv2 conv3 maxpool2 inception3a inception3b maxpool3 "
+        "inception4a inception4b inception4c inception4d inception4e maxpool4 inception5a inception5b"
+    ).split()
     layers = [(n, getattr(net, n)) for n in order]
     channels = {"conv3": net.conv3.conv.out_channels}
     for n in order:
@@ -286,8 +244,6 @@ def build_backbone(
                 f"model.features: {features} is for timm models; {name} gives its last feature map (auto or patches)"
             )
         return BACKBONES[name][0](pretrained)
-    from dmltrain.models.timm_backbones import build_timm_backbone, timm_name
-
     if timm_name(name) is None:
         raise UserError(
             f"model.backbone: unknown backbone '{name}' (choose from {', '.join(BACKBONES)}, or a timm model name)"

@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from dmltrain.config import ModelConfig
-from dmltrain.models.backbones import Backbone, build_backbone
+from dmltrain.models.backbone_base import Backbone
+from dmltrain.models.backbones import build_backbone
 from dmltrain.models.binary import pack_sign_bits
 from dmltrain.models.heads import Head, build_head
 from dmltrain.models.precision import to_channels_last

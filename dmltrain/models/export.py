@@ -22,7 +22,8 @@ import torch
 from pydantic import ValidationError
 from torch import Tensor
 
-from dmltrain.config import _format_validation_error, backbone_input
+from dmltrain.backbone_facts import backbone_input
+from dmltrain.config import _format_validation_error
 from dmltrain.errors import UserError
 from dmltrain.fileio import atomic_path
 from dmltrain.models.embedding_model import EmbeddingModel, build_model
@@ -130,7 +131,7 @@ def _check_data(path: Path, config: Any) -> None:
 
 def input_spec(config: dict[str, Any], model_config: dict[str, Any]) -> dict[str, Any]:
     """What a model expects of its images: ``{mean, std, interpolation}`` (lists and a string) from the run
-    config's ``data`` section, with the backbone's own (:func:`~dmltrain.config.backbone_input`) where it has none
+    config's ``data`` section, with the backbone's own (:func:`~dmltrain.backbone_facts.backbone_input`) where it has none
     (a file written before these keys, or saved with its model section only)."""
     data = config.get("data") if isinstance(config.get("data"), dict) else {}
     mean, std, interpolation = backbone_input(str(model_config.get("backbone", "")))

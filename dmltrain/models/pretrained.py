@@ -38,10 +38,12 @@ from torch import Tensor, nn
 from torch.hub import HASH_REGEX
 from tqdm import tqdm
 
+from dmltrain.backbone_facts import timm_facts
 from dmltrain.config import HF_PREFIX
 from dmltrain.errors import UserError
 from dmltrain.fileio import atomic_path
-from dmltrain.models.backbones import CLASSIFIER_PREFIXES, Backbone, build_backbone, imagenet_weights
+from dmltrain.models.backbone_base import Backbone
+from dmltrain.models.backbones import CLASSIFIER_PREFIXES, build_backbone, imagenet_weights
 
 DOWNLOAD_TIMEOUT_S = 30.0  # per blocking socket operation, not for the whole file
 HF_FILES = ("model.safetensors", "pytorch_model.bin")  # what timm reads from a Hugging Face repository, in order
@@ -118,8 +120,6 @@ def _cached_weights(backbone_name: str, spec: str, allow_download: bool, missing
         if repo.count("/") != 1 or not all(repo.split("/")):
             raise UserError(f"model.pretrained={spec}: expected hf-hub:ORG/NAME")
     else:
-        from dmltrain.models.timm_backbones import timm_facts
-
         facts = timm_facts(backbone_name)
         repo, url = facts.hf_hub_id, facts.url
         if repo is None and url is None:

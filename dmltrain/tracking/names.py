@@ -53,6 +53,9 @@ ACTIVE_SHARE_TAG = "dmltrain.classifier.active_share"  # ... as a share of all c
 ACTIVE_ROWS_TAG = "dmltrain.classifier.active_rows"  # rank 0's shard rows in each step's softmax (run mean)
 LOGITS_KEPT_TAG = "dmltrain.classifier.logits_kept"  # 1: backward reused the forward's logits
 CLASSIFIER_MB_TAG = "dmltrain.memory.classifier_mb"  # rank 0's classifier shard: rows and their optimizer state
+COMPILE_SECONDS_TAG = "dmltrain.compile.seconds"  # model.compile: the first step's compile time (rank 0)
+COMPILE_GRAPH_BREAKS_TAG = "dmltrain.compile.graph_breaks"  # ... the graph breaks dynamo met in the compiled parts
+COMPILE_PARTS_TAG = "dmltrain.compile.parts"  # ... the parts compiled (model.compile_scope, those the run has)
 EVAL_COUNT_TAG_PREFIX = "dmltrain.eval."  # dmltrain.eval.<count>: the evaluation's bookkeeping
 EVAL_COUNTS = ("num_queries", "gallery_size", "excluded_queries", "unreadable_samples")
 

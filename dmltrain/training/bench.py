@@ -12,9 +12,15 @@ Two loops on the same device, model, batch and precision:
   NormSoftmax classifier and ICE over the (here one-worker) gathered batch, and the row-sparse
   classifier step.
 
+With ``--compile [MODE]`` each loop runs twice, eager and with ``model.compile`` (``default`` or
+``max-autotune``: :mod:`dmltrain.models.compiled`; the parts of ``model.compile_scope``, ``--set`` it to
+compile the instance loss too), their timed steps taken in turn (eager, compiled, eager, ...: on a shared
+machine both meet the same load), and the images/s are printed side by side with their ratio, the compile
+time (spent in the warm-up, at least one step) and the graph breaks.
+
 Each loop is timed over ``--steps`` steps after ``--warmup``; the device is synchronized
 only at the ends of the timed window (and, in the pipeline, by the step timer once, at its
-end). Printed: images/s of each, their ratio, and the pipeline's share of step time spent
+end; with ``--compile``, around each step). Printed: images/s of each, their ratio, and the pipeline's share of step time spent
 waiting for data (``StepTimer``'s ``data`` part: on CUDA the device time between the end of
 one step and the start of the next one's kernels). Without ``--shards`` it builds synthetic
 JPEG shards in a temporary directory first. Nothing is asserted: it reports.
@@ -26,7 +32,7 @@ import argparse
 import os
 import tempfile
 import time
-from itertools import count, islice
+from itertools import count
 from pathlib import Path
 
 import torch
@@ -36,6 +42,7 @@ from dmltrain.distributed.process_group import ensure_process_group
 from dmltrain.errors import UserError
 from dmltrain.fileio import write_json
 from dmltrain.models import build_model, param_groups
+from dmltrain.models.compiled import CompileWatch, compile_step
 from dmltrain.models.precision import autocast_dtype
 from dmltrain.training.engine import build_engine, loss_scale
 from dmltrain.training.head import LossHead
@@ -90,10 +97,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="any other config override for both loops, e.g. --set loss.classifier.sample_ratio=0.1",
     )
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        choices=["default", "max-autotune"],
+        help="also run each loop with model.compile=MODE (default: default) and print eager and compiled side by side",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON (make gpu-check reads them)")
 
 
-def _config(args: argparse.Namespace, shards: str) -> Config:
+def _config(args: argparse.Namespace, shards: str, compile_mode: str | None = None) -> Config:
     workers = args.loader_workers if args.loader_workers is not None else max(1, min(8, (os.cpu_count() or 2) - 1))
     cuda = args.device == "cuda"
     return load_config(
@@ -115,6 +129,7 @@ def _config(args: argparse.Namespace, shards: str) -> Config:
             "cluster.num_workers=1",
             f"cluster.use_gpu={str(cuda).lower()}",
             *args.overrides,
+            f"model.compile={compile_mode or 'false'}",
         ],
     )
 
@@ -149,75 +164,135 @@ def _peak(device: torch.device) -> str:
     return f"  peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else ""
 
 
-def bare_backbone(cfg: Config, device: torch.device, steps: int, warmup: int) -> float:
-    """Images/s of forward + backward + SGD of the embedding model on one random on-device batch."""
-    dtype = autocast_dtype(cfg.train.precision) or torch.float32
-    _reset_peak(device)
-    model = build_model(cfg.model).to(device=device, dtype=dtype).train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    S, b = cfg.data.image_size, cfg.data.batch_size
-    fmt = torch.channels_last if cfg.model.channels_last else torch.contiguous_format
-    x = torch.randn(b, 3, S, S, device=device, dtype=dtype).contiguous(memory_format=fmt)
-    t0 = 0.0
-    for i in range(warmup + steps):
-        if i == warmup:
-            _sync(device)
-            t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        model(x).float().pow(2).sum().backward()
-        opt.step()
-    _sync(device)
-    return b * steps / (time.perf_counter() - t0)
+def _compiled(cfg: Config, model: torch.nn.Module, instance, device: torch.device) -> CompileWatch | None:
+    """:func:`~dmltrain.models.compiled.compile_step` for one loop, dynamo's caches emptied first: each loop
+    compiles (or loads from inductor's cache on disk) what it runs, and reports its own compile time."""
+    if cfg.model.compile:
+        torch._dynamo.reset()
+    return compile_step(cfg.model, model, instance, device)
 
 
-def full_pipeline(cfg: Config, device: torch.device, steps: int, warmup: int) -> tuple[float, dict[str, float], str]:
-    """Images/s of the training step from shards, the step timer's split of the timed steps, and the decoding used."""
+class BareBackbone:
+    """The bare loop: forward + backward + SGD of the embedding model on one random on-device batch, in the run's
+    precision and memory format (compiled as ``cfg.model.compile`` asks: :attr:`watch`, else None)."""
 
-    ensure_process_group()
-    _reset_peak(device)
-    decode = resolve_decode(cfg.data.decode, device, cfg.data.augment)
-    stream = TrainStream.from_config(
-        cfg.data, cfg.train.seed, 0, 1, normalize=False, pin_memory=device.type == "cuda", decode=decode
-    )
-    model = build_model(cfg.model).to(device)
-    engine, _ = build_engine(model, param_groups(model, cfg.optim), cfg, 1)
-    dtype = autocast_dtype(cfg.train.precision) or torch.float32
-    objective = Objective(
-        cfg, stream.num_classes, model.embedding_dim, 1, classifier_dropout=model.classifier_dropout
-    ).to(device)
-    head = LossHead(objective, cfg.optim)
-    prefetch = Prefetcher(
-        DeviceInput.from_config(cfg.data, device, dtype, channels_last=cfg.model.channels_last), device
-    )
-    batches = (batch for epoch in count() for batch in stream.epoch(epoch))
-    timer = StepTimer(device)
-    engine.train()
-    t0 = 0.0
-    timer.start()
-    for step, (images, labels) in enumerate(prefetch(islice(batches, warmup + steps))):
-        if step == warmup:  # the timed window starts with this batch's wait
-            _sync(device)
-            timer.reset()
-            t0 = time.perf_counter()
-            timer.start()
+    def __init__(self, cfg: Config, device: torch.device) -> None:
+        dtype = autocast_dtype(cfg.train.precision) or torch.float32
+        self.model = build_model(cfg.model).to(device=device, dtype=dtype).train()
+        self.watch = _compiled(cfg, self.model, None, device)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+        S, b = cfg.data.image_size, cfg.data.batch_size
+        fmt = torch.channels_last if cfg.model.channels_last else torch.contiguous_format
+        self.x = torch.randn(b, 3, S, S, device=device, dtype=dtype).contiguous(memory_format=fmt)
+        self.timer = None
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        self.model(self.x).float().pow(2).sum().backward()
+        self.opt.step()
+
+
+class FullPipeline:
+    """The training step from shards (see the module doc), one batch ahead; :attr:`timer` splits its steps,
+    :attr:`decode` is the decoding used, :attr:`watch` what ``cfg.model.compile`` compiled (None: eager)."""
+
+    def __init__(self, cfg: Config, device: torch.device) -> None:
+        ensure_process_group()
+        self.decode = resolve_decode(cfg.data.decode, device, cfg.data.augment)
+        stream = TrainStream.from_config(
+            cfg.data, cfg.train.seed, 0, 1, normalize=False, pin_memory=device.type == "cuda", decode=self.decode
+        )
+        model = build_model(cfg.model).to(device)
+        self.engine, _ = build_engine(model, param_groups(model, cfg.optim), cfg, 1)
+        dtype = autocast_dtype(cfg.train.precision) or torch.float32
+        self.objective = Objective(
+            cfg, stream.num_classes, model.embedding_dim, 1, classifier_dropout=model.classifier_dropout
+        ).to(device)
+        self.head = LossHead(self.objective, cfg.optim)
+        self.watch = _compiled(cfg, self.engine.module, self.objective.instance, device)
+        prefetch = Prefetcher(
+            DeviceInput.from_config(cfg.data, device, dtype, channels_last=cfg.model.channels_last), device
+        )
+        self.batches = iter(prefetch(batch for epoch in count() for batch in stream.epoch(epoch)))
+        self.timer = StepTimer(device)
+        self.engine.train()
+        self.steps = 0
+        self.timer.start()
+
+    def step(self) -> None:
+        images, labels = next(self.batches)
+        engine, timer = self.engine, self.timer
         timer.lap("data")
-        loss = objective(engine(images), labels, step=step)
+        loss = self.objective(engine(images), labels, step=self.steps)
         timer.lap("forward")
         engine.backward(loss)
         timer.lap("backward")
         scale = loss_scale(engine)
         engine.step()
-        head.step(scale, applied=not engine.fp16_enabled() or engine.was_step_applied())
+        self.head.step(scale, applied=not engine.fp16_enabled() or engine.was_step_applied())
         timer.lap("optimizer")
+        self.steps += 1
         timer.start()
+
+
+def measure(loops: list[BareBackbone | FullPipeline], batch: int, steps: int, warmup: int, device) -> list[float]:
+    """Images/s of each loop over ``steps`` steps after ``warmup`` (where a compiled loop compiles). One loop is
+    timed as one window, the device synchronized at its ends only (a step timer's timer is reset at its start);
+    several are timed step by step in turn (eager, compiled, eager, ...), the device synchronized around each step,
+    so that they share whatever else the machine runs at the time."""
+    for _ in range(warmup):
+        for loop in loops:
+            loop.step()
     _sync(device)
-    wall = time.perf_counter() - t0
-    return cfg.data.batch_size * steps / wall, timer.summary(cfg.data.batch_size), decode
+    for loop in loops:
+        if loop.timer is not None:
+            loop.timer.reset()
+            loop.timer.start()
+    spent = [0.0] * len(loops)
+    if len(loops) == 1:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loops[0].step()
+        _sync(device)
+        spent[0] = time.perf_counter() - t0
+    else:
+        for _ in range(steps):
+            for i, loop in enumerate(loops):
+                if loop.timer is not None:  # its data part starts now, not where its last step ended
+                    loop.timer.start(from_now=True)
+                t0 = time.perf_counter()
+                loop.step()
+                _sync(device)
+                spent[i] += time.perf_counter() - t0
+    return [batch * steps / s for s in spent]
+
+
+def _side_by_side(
+    loop: str, eager: float, compiled: float, watch: CompileWatch | None, device: torch.device
+) -> dict[str, float]:
+    """Print one loop's eager and compiled images/s side by side; the figures for ``--json``."""
+    seconds = watch.seconds() if watch is not None else 0.0
+    breaks = sum(watch.breaks().values()) if watch is not None else 0
+    mode = watch.mode if watch is not None else "?"
+    print(
+        f"{loop}: eager {eager:9.1f} images/s | compiled ({mode}) {compiled:9.1f} images/s | {compiled / eager:.2f}x; "
+        f"compiled {', '.join(watch.parts) if watch else 'nothing'} in {seconds:.1f} s, {breaks} graph breaks "
+        "(steps taken in turn)",
+        flush=True,
+    )
+    return {
+        "eager_images_per_s": eager,
+        "compiled_images_per_s": compiled,
+        "compile_s": seconds,
+        "graph_breaks": breaks,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.warmup < 0:
         raise UserError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    if args.compile and args.warmup < 1:
+        raise UserError("--warmup: --compile compiles in the warm-up steps; give at least 1")
     if args.batch < 4 or args.batch % 4:
         raise UserError(f"--batch: {args.batch} is not a positive multiple of 4 (P x K batches with K = 4)")
     device = torch.device(args.device)
@@ -237,19 +312,30 @@ def run(args: argparse.Namespace) -> int:
             f"{info.num_images} train images in "
             f"{shards}, {cfg.data.loader_workers} loader processes; {args.steps} steps after {args.warmup} warm-up"
         )
-        bare = bare_backbone(cfg, device, args.steps, args.warmup)
+        b = cfg.data.batch_size
+        cfg_c = _config(args, shards, args.compile) if args.compile else None
+        compiled: dict[str, dict[str, float]] = {}
+        _reset_peak(device)
+        loops = [BareBackbone(cfg, device)] + ([BareBackbone(cfg_c, device)] if cfg_c else [])
+        bare, *bare_c = measure(loops, b, args.steps, args.warmup, device)
         print(
-            f"bare backbone (random batch on the device, SGD)     {bare:9.1f} images/s  {1000 * cfg.data.batch_size / bare:8.1f} ms/step"
-            + _peak(device),
+            f"bare backbone (random batch on the device, SGD)     {bare:9.1f} images/s  {1000 * b / bare:8.1f} ms/step"
+            + ("" if cfg_c else _peak(device)),
             flush=True,
         )
-        full, split, decode = full_pipeline(cfg, device, args.steps, args.warmup)
-        full_peak = _peak(device)
+        if cfg_c:
+            compiled["bare"] = _side_by_side("bare backbone", bare, bare_c[0], loops[1].watch, device)
+        del loops
+        _reset_peak(device)
+        pipes = [FullPipeline(cfg, device)] + ([FullPipeline(cfg_c, device)] if cfg_c else [])
+        full, *full_c = measure(pipes, b, args.steps, args.warmup, device)
+        full_peak = "" if cfg_c else _peak(device)
+        decode, split = pipes[0].decode, pipes[0].timer.summary(b)
         parts = {k: split[f"time/{k}_ms"] for k in StepTimer.PARTS}
         wait = parts["data"] / max(1e-9, sum(parts.values()))
         print(
             f"full pipeline (shards, decode={decode}, DeepSpeed, sharded NormSoftmax + ICE) {full:9.1f} images/s  "
-            f"{1000 * cfg.data.batch_size / full:8.1f} ms/step{full_peak}"
+            f"{1000 * b / full:8.1f} ms/step{full_peak}"
         )
         print(
             "  step split: "
@@ -259,7 +345,12 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"ratio full pipeline / bare backbone: {full / bare:.2f}x ({full:.1f} vs {bare:.1f} images/s), data wait {100 * wait:.1f}%"
         )
+        if cfg_c:
+            compiled["full"] = _side_by_side("full pipeline", full, full_c[0], pipes[1].watch, device)
+        del pipes  # their loader processes end before the shards' folder goes
     if args.json:
         figures = {"bare_images_per_s": bare, "full_images_per_s": full, "data_wait": wait, "step_ms": parts}
+        if compiled:
+            figures["compiled"] = {"mode": args.compile, **compiled}
         write_json(args.json, {**figures, "decode": decode, "device": name, "batch": cfg.data.batch_size})
     return 0

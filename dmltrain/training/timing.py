@@ -49,11 +49,12 @@ class StepTimer:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def start(self) -> None:
-        """A step begins (its ``data`` part counts from here: on CUDA, from the previous step's end)."""
+    def start(self, from_now: bool = False) -> None:
+        """A step begins (its ``data`` part counts from here: on CUDA, from the previous step's end, unless
+        ``from_now``: a loop whose steps take turns with another's, ``dmltrain bench train --compile``)."""
         self._last = time.perf_counter()
         if self.cuda:
-            self._current = [self._boundary if self._boundary is not None else self._record()]
+            self._current = [self._boundary if self._boundary is not None and not from_now else self._record()]
 
     def lap(self, part: str) -> None:
         """``part`` of the current step has finished; the last part (``optimizer``) completes the step."""

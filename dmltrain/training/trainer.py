@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import warnings
 from itertools import islice
 from typing import Any
@@ -47,12 +48,16 @@ from dmltrain.distributed.collectives import all_reduce_sum
 from dmltrain.distributed.process_group import ensure_process_group
 from dmltrain.errors import UserError
 from dmltrain.models import build_model, param_groups
+from dmltrain.models.compiled import compile_step
 from dmltrain.models.precision import autocast_dtype
 from dmltrain.models.sync_bn import convert_sync_batchnorm
 from dmltrain.tracking.datasets import dataset_inputs
 from dmltrain.tracking.description import describe_run
 from dmltrain.tracking.names import (
     CLASSIFIER_MB_TAG,
+    COMPILE_GRAPH_BREAKS_TAG,
+    COMPILE_PARTS_TAG,
+    COMPILE_SECONDS_TAG,
     EPOCH,
     IMAGES_PER_S,
     REMOTE_PREFIX,
@@ -149,6 +154,8 @@ class Trainer:
             cfg, self.stream.num_classes, model.embedding_dim, self.world, classifier_dropout=model.classifier_dropout
         ).to(self.device)
         self.head = LossHead(self.objective, cfg.optim)
+        # model.compile: in place, after the engine, so that the compiled code sees its parameters as it trains them
+        self.compiled = compile_step(cfg.model, self.model, self.objective.instance, self.device)
 
         schedule = LRSchedule(cfg.schedule, self.steps_per_epoch, self.total_steps)
         self.lr = ScheduledLR(schedule, self.engine.optimizer, self.model, self.head, cfg.optim.lr)
@@ -292,7 +299,26 @@ class Trainer:
             st.step += 1
             self._micro = 0
         self.guard.observe(st.step if boundary else st.step + 1, self.objective.losses)
+        if boundary and self.compiled is not None and not self.compiled.reported:
+            self._report_compile()
         return boundary
+
+    def _report_compile(self) -> None:
+        """Rank 0, once, after the first step (which compiled): the compile time and graph breaks, on stderr (the
+        driver's console and the worker's log) and as run tags."""
+        watch = self.compiled
+        watch.reported = True
+        if self.rank != 0:
+            return
+        print(f"dmltrain: {watch.summary()}", file=sys.stderr, flush=True)
+        if self.logger is not None:
+            self.logger.set_tags(
+                {
+                    COMPILE_SECONDS_TAG: f"{watch.seconds():.1f}",
+                    COMPILE_GRAPH_BREAKS_TAG: str(sum(watch.breaks().values())),
+                    COMPILE_PARTS_TAG: ",".join(watch.parts),
+                }
+            )
 
     def _act(self, due: Due) -> None:
         if due.log or due.evaluate or due.checkpoint:

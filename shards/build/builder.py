@@ -42,9 +42,9 @@ from dmltrain.redact import redact_url
 from dmltrain.text import printable
 from shards.build.exclude import apply_exclude, read_exclude
 from shards.build.ingest import ingest_file, ingest_source, load_or_skip
-from shards.build.layouts import Entry, Layout, class_sort_key, confine, read_layout
+from shards.build.layouts import READERS, Entry, Layout, class_sort_key, confine
 from shards.build.publish import Publisher
-from shards.build.table import table_guard
+from shards.build.table import read_table, table_guard
 from shards.build.writer import ShardRecord, SplitWriter
 from shards.config import MAX_IMAGE_SIDE
 from shards.manifest import FORMAT, MANIFEST_NAME, VERSION
@@ -102,6 +102,22 @@ class BuildResult:
         if self.uploads:
             lines.append(self.uploads)
         return lines
+
+
+def read_layout(
+    name: str, root: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, **table: bool
+) -> Layout:
+    """Parse the index of layout ``name`` under ``root`` (any of :data:`~shards.build.layouts.READERS`), or the table file ``root``
+    (``table``: a path or a URL, read with ``storage_options`` like the image URLs it lists, and confined as
+    :func:`shards.build.table.read_table` says; ``table`` holds its ``allow_outside`` and ``allow_private``)."""
+    if name == "table":
+        return read_table(root, storage_options, **table)
+    if name not in READERS:
+        raise UserError(f"--layout: unknown layout {name!r} (choose from {', '.join(READERS)})")
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise UserError(f"{root}: dataset root not found")
+    return READERS[name](root.resolve())
 
 
 def _is_number_list(x: Any) -> bool:

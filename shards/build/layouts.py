@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from dmltrain.errors import UserError
 
@@ -297,21 +296,3 @@ def confine(layout: Layout, follow_symlinks: bool = False) -> None:
 
 
 READERS = {"sop": read_sop, "cub": read_cub, "cars": read_cars, "inshop": read_inshop, "folder": read_folder}
-
-
-def read_layout(
-    name: str, root: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, **table: bool
-) -> Layout:
-    """Parse the index of layout ``name`` under ``root`` (any of :data:`READERS`), or the table file ``root``
-    (``table``: a path or a URL, read with ``storage_options`` like the image URLs it lists, and confined as
-    :func:`shards.build.table.read_table` says; ``table`` holds its ``allow_outside`` and ``allow_private``)."""
-    if name == "table":
-        from shards.build.table import read_table
-
-        return read_table(root, storage_options, **table)
-    if name not in READERS:
-        raise UserError(f"--layout: unknown layout {name!r} (choose from {', '.join(READERS)})")
-    root = Path(root).expanduser()
-    if not root.is_dir():
-        raise UserError(f"{root}: dataset root not found")
-    return READERS[name](root.resolve())

@@ -24,10 +24,12 @@ from shards.config import AugmentConfig, RandAugment
 
 JITTER_OPS = ("brightness", "contrast", "saturation", "hue")
 # torchvision's RandAugment operations, in its order (the draw is an index into this tuple)
-RANDAUGMENT_OPS = (
-    "identity", "shear_x", "shear_y", "translate_x", "translate_y", "rotate", "brightness", "color", "contrast",
-    "sharpness", "posterize", "solarize", "autocontrast", "equalize",
-)  # fmt: skip
+RANDAUGMENT_OPS = tuple(
+    (
+        "identity shear_x shear_y translate_x translate_y rotate brightness color contrast "
+        "sharpness posterize solarize autocontrast equalize"
+    ).split()
+)
 
 
 @dataclass(frozen=True)
