@@ -162,7 +162,9 @@ def run_jobs(jobs: list[ClassifierJob], timeout: float | None = None) -> tuple[l
     the child is killed: the jobs it finished keep their results."""
     cmd = [sys.executable, "-m", "dmltrain.distributed.bench_runs", *(j.to_json() for j in jobs)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
         why = f"exit code {proc.returncode}" + (" (killed: out of memory?)" if proc.returncode in (-9, 137) else "")
@@ -186,10 +188,24 @@ def _fmt_step(r: dict[str, Any], unit: str = "s") -> str:
 
 
 def _job(args: argparse.Namespace, R: float) -> ClassifierJob:
-    return ClassifierJob("ours", args.device, args.classes, args.dim, args.batch, args.steps, args.workers, R, kind=args.kind,
-                         optimizer=args.optimizer, budget=args.logits_budget_mb, precision=args.precision,
-                         storage=args.weight_storage, deterministic=args.deterministic, sampling=args.sampling,
-                         probe=args.probe)  # fmt: skip
+    return ClassifierJob(
+        "ours",
+        args.device,
+        args.classes,
+        args.dim,
+        args.batch,
+        args.steps,
+        args.workers,
+        R,
+        kind=args.kind,
+        optimizer=args.optimizer,
+        budget=args.logits_budget_mb,
+        precision=args.precision,
+        storage=args.weight_storage,
+        deterministic=args.deterministic,
+        sampling=args.sampling,
+        probe=args.probe,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -209,8 +225,13 @@ def _run_model(args: argparse.Namespace) -> int:
         raise UserError("bench classifier --model: models the uniform draw only, without --probe")
     shapes = roofline.ISSUE_SHAPES if args.shapes == "issue" else [(args.classes, args.dim, args.batch)]
     precision = "bf16" if args.precision == "auto" else args.precision
-    calls = [roofline.Call(C, D, B, args.workers, R, precision, args.deterministic, args.kind,
-                           weight_storage=args.weight_storage) for C, D, B in shapes for R in args.sample_ratio]  # fmt: skip
+    calls = [
+        roofline.Call(
+            C, D, B, args.workers, R, precision, args.deterministic, args.kind, weight_storage=args.weight_storage
+        )
+        for C, D, B in shapes
+        for R in args.sample_ratio
+    ]
     print(roofline.render(calls, GPUS[args.model]), flush=True)
     return 0
 
@@ -233,8 +254,11 @@ def _measure(
 
             subsampled = round_total(args.classes, R) < args.classes
             chance = ", a uniform draw's loss" if subsampled and args.sampling != "uniform" else ""
-            print(f"R={R:g}: probe (sampled and full softmax, embeddings' gradients only{chance}) {res['probe']:.3f} s = "
-                  f"{res['probe'] / res['step']:.2f}x the step (CPU time {res['probe_cpu'] / res['step_cpu']:.2f}x)", flush=True)  # fmt: skip
+            print(
+                f"R={R:g}: probe (sampled and full softmax, embeddings' gradients only{chance}) {res['probe']:.3f} s = "
+                f"{res['probe'] / res['step']:.2f}x the step (CPU time {res['probe_cpu'] / res['step_cpu']:.2f}x)",
+                flush=True,
+            )
     if 1.0 in done:
         for R, r in done.items():
             if R < 1.0:
@@ -278,8 +302,11 @@ def _run_cpu(args: argparse.Namespace) -> int:
         if "error" in peer:
             print(f"peer pytorch-metric-learning NormalizedSoftmaxLoss: {peer['error']}", flush=True)
         else:
-            print(f"peer pytorch-metric-learning NormalizedSoftmaxLoss + torch SGD (1 process, full softmax): step {_fmt_step(peer)}; "
-                  f"peak RSS {_size(peer['rss'])}", flush=True)  # fmt: skip
+            print(
+                f"peer pytorch-metric-learning NormalizedSoftmaxLoss + torch SGD (1 process, full softmax): step {_fmt_step(peer)}; "
+                f"peak RSS {_size(peer['rss'])}",
+                flush=True,
+            )
             if 1.0 in done:
                 r = done[1.0]
                 print(
@@ -315,15 +342,21 @@ def _run_cuda(args: argparse.Namespace) -> int:
         K = res["gemm_classes"]
         state = 2 * res["param_bytes"] + res["opt_bytes"]  # weight, its gradient, optimizer state
         print(f"R={R:g}: step {_fmt_step(res, 'ms')}", flush=True)
-        print(f"R={R:g}: forward + backward {res['fwd_bwd'] * 1e3:.3f} ms (the bound's and the peers' like for like); "
-              f"the optimizer's row update {res['optimizer'] * 1e3:.3f} ms", flush=True)  # fmt: skip
+        print(
+            f"R={R:g}: forward + backward {res['fwd_bwd'] * 1e3:.3f} ms (the bound's and the peers' like for like); "
+            f"the optimizer's row update {res['optimizer'] * 1e3:.3f} ms",
+            flush=True,
+        )
         print(
             f"R={R:g}: peak GPU memory {_size(res['peak_gpu'])} per GPU; weight + gradient + optimizer state {_size(state)}; "
             f"excess {_size(res['peak_gpu'] - state)}",
             flush=True,
         )
-        print(f"R={R:g}: bf16 3-GEMM bound (3 × {B}×{D} by {D}×{K:,}) {res['gemm'] * 1e3:.3f} ms; forward + backward / bound = "
-              f"{res['fwd_bwd'] / res['gemm']:.2f}", flush=True)  # fmt: skip
+        print(
+            f"R={R:g}: bf16 3-GEMM bound (3 × {B}×{D} by {D}×{K:,}) {res['gemm'] * 1e3:.3f} ms; forward + backward / bound = "
+            f"{res['fwd_bwd'] / res['gemm']:.2f}",
+            flush=True,
+        )
 
     header = (
         f"bench classifier (cuda, fused kernels): {args.kind}, N={N:,} classes, D={D}, global batch B={B}, W={W} GPU(s), "

@@ -76,11 +76,34 @@ class GPU:
     max_ctas_per_sm: int = 32
 
 
-def _gpu(name: str, arch: int, sms: int, clock: float, bf16: float, tf32: float, fp32: float, hbm: float,
-         l2: int, smem: int, *notes: str) -> GPU:  # fmt: skip
+def _gpu(
+    name: str,
+    arch: int,
+    sms: int,
+    clock: float,
+    bf16: float,
+    tf32: float,
+    fp32: float,
+    hbm: float,
+    l2: int,
+    smem: int,
+    *notes: str,
+) -> GPU:
     l2_rate = 5120 * clock  # bytes per clock: the A100 whitepaper's L2 read bandwidth, assumed for Hopper too
-    return GPU(name, arch, sms, clock, {"bf16": bf16, "tf32": tf32, "fp32": fp32}, hbm, l2, l2_rate, l2_rate / 2,
-               16 * sms * clock, smem, (*notes, *_COMMON))  # fmt: skip
+    return GPU(
+        name,
+        arch,
+        sms,
+        clock,
+        {"bf16": bf16, "tf32": tf32, "fp32": fp32},
+        hbm,
+        l2,
+        l2_rate,
+        l2_rate / 2,
+        16 * sms * clock,
+        smem,
+        (*notes, *_COMMON),
+    )
 
 
 _COMMON = (
@@ -91,16 +114,49 @@ _COMMON = (
 )
 #: the GPUs of ``bench classifier --model``: datasheet peaks (dense, no sparsity)
 GPUS: dict[str, GPU] = {
-    "h100": _gpu("H100 SXM5 80GB", 90, 132, 1.83e9, 989.4e12, 494.7e12, 66.9e12, 3.35e12, 50 * 2**20, 228 * 1024,
-                 "NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16, 495 tf32, 67 fp32 (CUDA cores), 3.35 TB/s HBM3",
-                 "50 MB L2, 132 SMs at 1.83 GHz (the bf16 figure's clock: 4,096 FLOP per SM per clock), "
-                 "228 KiB shared memory per SM"),
-    "h200": _gpu("H200 SXM 141GB", 90, 132, 1.83e9, 989.4e12, 494.7e12, 66.9e12, 4.8e12, 50 * 2**20, 228 * 1024,
-                 "NVIDIA H200 datasheet: 4.8 TB/s HBM3e; the H100 SXM's compute (989 TFLOP/s bf16), L2 and SMs"),
-    "a100": _gpu("A100 SXM4 80GB", 80, 108, 1.41e9, 312e12, 156e12, 19.5e12, 2.039e12, 40 * 2**20, 164 * 1024,
-                 "NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s bf16, 156 tf32, 19.5 fp32, 2,039 GB/s HBM2e",
-                 "40 MB L2, 108 SMs at 1.41 GHz, 164 KiB shared memory per SM"),
-}  # fmt: skip
+    "h100": _gpu(
+        "H100 SXM5 80GB",
+        90,
+        132,
+        1.83e9,
+        989.4e12,
+        494.7e12,
+        66.9e12,
+        3.35e12,
+        50 * 2**20,
+        228 * 1024,
+        "NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16, 495 tf32, 67 fp32 (CUDA cores), 3.35 TB/s HBM3",
+        "50 MB L2, 132 SMs at 1.83 GHz (the bf16 figure's clock: 4,096 FLOP per SM per clock), "
+        "228 KiB shared memory per SM",
+    ),
+    "h200": _gpu(
+        "H200 SXM 141GB",
+        90,
+        132,
+        1.83e9,
+        989.4e12,
+        494.7e12,
+        66.9e12,
+        4.8e12,
+        50 * 2**20,
+        228 * 1024,
+        "NVIDIA H200 datasheet: 4.8 TB/s HBM3e; the H100 SXM's compute (989 TFLOP/s bf16), L2 and SMs",
+    ),
+    "a100": _gpu(
+        "A100 SXM4 80GB",
+        80,
+        108,
+        1.41e9,
+        312e12,
+        156e12,
+        19.5e12,
+        2.039e12,
+        40 * 2**20,
+        164 * 1024,
+        "NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s bf16, 156 tf32, 19.5 fp32, 2,039 GB/s HBM2e",
+        "40 MB L2, 108 SMs at 1.41 GHz, 164 KiB shared memory per SM",
+    ),
+}
 
 #: (registers per thread, shared bytes per CTA) of the product kernels' binaries by (kernel, tiles) and compute
 #: capability, for the normalised kinds with bf16 products, as ``python -m dmltrain.kernel_compile --kernel
@@ -393,8 +449,20 @@ def _lse(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Launch
     exps = TB * n_tiles * (BB * BC + BB) + TB * S * BB  # the tile's, the rescale's, the final log
     l2 = n_tiles * N * D * e + TB * nv * D * e + S * N * 4 + 3 * S * N * 4  # x per class tile, w per sample tile
     hbm = N * D * e + nv * D * e + S * N * 4 + 3 * S * N * 4
-    launch = Launch("forward", "_lse_kernel", (TB, S), cfg, flops, exps, hbm, l2, programs=TB * busy,
-                    work_max=per, work_total=TB * n_tiles, chunk=i)  # fmt: skip
+    launch = Launch(
+        "forward",
+        "_lse_kernel",
+        (TB, S),
+        cfg,
+        flops,
+        exps,
+        hbm,
+        l2,
+        programs=TB * busy,
+        work_max=per,
+        work_total=TB * n_tiles,
+        chunk=i,
+    )
     launch.extra["x_l2"] = n_tiles * N * D * e
     return _product(geo, launch)
 
@@ -410,8 +478,21 @@ def _grad(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Launc
     l2 = 2 * (n_tiles * N * D * e + TB * nv * D * e) + n_tiles * N * 8  # logits' operands, then ŵ and x again
     atomic = n_tiles * N * D * 4 + TB * nv * (D + 1) * 4  # G·ŵ into grad_x per class tile; Gᵀx, Σ into h, red
     hbm = N * D * e + nv * D * e + 8 * N + 8 * N * D + 8 * nv * (D + 1)  # operands; scratch fetched, written back
-    launch = Launch("backward", "_grad_kernel", (TB, CT), cfg, flops, tiles * BB * BC, hbm, l2, atomic,
-                    programs=tiles, work_max=1, work_total=tiles, chunk=i)  # fmt: skip
+    launch = Launch(
+        "backward",
+        "_grad_kernel",
+        (TB, CT),
+        cfg,
+        flops,
+        tiles * BB * BC,
+        hbm,
+        l2,
+        atomic,
+        programs=tiles,
+        work_max=1,
+        work_total=tiles,
+        chunk=i,
+    )
     launch.extra["atomic_formula"] = 4 * N * nv * D * (1 / BB + 1 / BC)
     launch.extra["x_l2"] = 2 * n_tiles * N * D * e
     return _product(geo, launch)
@@ -431,8 +512,20 @@ def _grad_x(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Lau
     rmw = (2 * n_tiles - busy) * N * D * 4  # every tile stores the partial, all but a split's first read it
     l2 = n_tiles * N * D * e + 2 * TB * nv * D * e + n_tiles * N * 8 + rmw
     hbm = N * D * e + nv * D * e + 8 * N + busy * N * D * 4
-    launch = Launch("backward", "_grad_x_kernel", (TB, S), cfg, flops, TB * n_tiles * BB * BC, hbm, l2,
-                    programs=TB * busy, work_max=per, work_total=TB * n_tiles, chunk=i)  # fmt: skip
+    launch = Launch(
+        "backward",
+        "_grad_x_kernel",
+        (TB, S),
+        cfg,
+        flops,
+        TB * n_tiles * BB * BC,
+        hbm,
+        l2,
+        programs=TB * busy,
+        work_max=per,
+        work_total=TB * n_tiles,
+        chunk=i,
+    )
     launch.extra["x_l2"] = n_tiles * N * D * e
     return _product(geo, launch)
 
@@ -448,8 +541,20 @@ def _grad_w(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Lau
     rmw = (2 * TB - 1) * nv * D * 4  # every sample tile stores the rows' scratch, all but the first read it
     l2 = 2 * n_tiles * N * D * e + TB * nv * D * e + n_tiles * N * 8 + rmw + 4 * nv
     hbm = N * D * e + nv * D * e + 8 * N + 4 * nv * (D + 1)
-    launch = Launch("backward", "_grad_w_kernel", (CT,), cfg, flops, tiles * BB * BC, hbm, l2, programs=n_tiles,
-                    work_max=TB, work_total=tiles, chunk=i)  # fmt: skip
+    launch = Launch(
+        "backward",
+        "_grad_w_kernel",
+        (CT,),
+        cfg,
+        flops,
+        tiles * BB * BC,
+        hbm,
+        l2,
+        programs=n_tiles,
+        work_max=TB,
+        work_total=tiles,
+        chunk=i,
+    )
     launch.extra["x_l2"] = 2 * n_tiles * N * D * e
     return _product(geo, launch)
 
@@ -498,10 +603,21 @@ def cce_plan(call: Call, filtered: bool = False) -> list[Launch]:
     f = _CCE_FORWARD
     TB, TV = math.ceil(N / f["BLOCK_B"]), math.ceil(V / f["BLOCK_V"])
     tiles = TB * TV
-    fwd = Launch("forward", "cce lse forward", (tiles,), f, flops=tiles * 2 * f["BLOCK_B"] * f["BLOCK_V"] * _pad(D, 32),
-                 exps=tiles * f["BLOCK_B"] * f["BLOCK_V"], hbm=2 * N * D + 2 * V * D + 4 * N,
-                 l2=TV * N * D * 2 + TB * V * D * 2 + tiles * f["BLOCK_B"] * 8,
-                 programs=tiles, work_max=1, work_total=tiles, occupancy=1, assumed_slots=0)  # fmt: skip
+    fwd = Launch(
+        "forward",
+        "cce lse forward",
+        (tiles,),
+        f,
+        flops=tiles * 2 * f["BLOCK_B"] * f["BLOCK_V"] * _pad(D, 32),
+        exps=tiles * f["BLOCK_B"] * f["BLOCK_V"],
+        hbm=2 * N * D + 2 * V * D + 4 * N,
+        l2=TV * N * D * 2 + TB * V * D * 2 + tiles * f["BLOCK_B"] * 8,
+        programs=tiles,
+        work_max=1,
+        work_total=tiles,
+        occupancy=1,
+        assumed_slots=0,
+    )
     dot = Launch("forward", "cce indexed dot (targets)", hbm=4 * N * D + 4 * N, l2=4 * N * D + 4 * N)
     b = _CCE_BACKWARD
     BB, BV = b["BLOCK_B"], b["BLOCK_V"]
@@ -509,19 +625,30 @@ def cce_plan(call: Call, filtered: bool = False) -> list[Launch]:
     tiles = TB * TV
     full = min(tiles, N) if filtered else tiles  # blocks past the filter: at most one per sample's target
     per_full = 2 * BB * BV * 2 * _pad(D, 64)  # ∇E and ∇C products
-    bwd = Launch("backward", "cce backward" + (" (filtered, best case)" if filtered else ""), (tiles,), b,
-                 flops=tiles * 2 * BB * BV * _pad(D, 32) + full * per_full, exps=tiles * BB * BV,
-                 hbm=2 * N * D + 2 * V * D + 4 * N + 4 * N * D + 4 * min(V, full * BV) * D,  # E, C, LSE; ∇E, ∇C RMW
-                 l2=TV * N * D * 2 + TB * V * D * 2 + full * (BB + BV) * D * 2 + full * 2 * (BB + BV) * D * 2,
-                 programs=tiles, work_max=1, work_total=tiles, occupancy=1)  # fmt: skip
-    zeros = Launch("backward", "cce zeros (∇E, ∇C, locks)", hbm=2 * N * D + 2 * V * D, l2=2 * N * D + 2 * V * D,
-                   launches=3)  # fmt: skip
+    bwd = Launch(
+        "backward",
+        "cce backward" + (" (filtered, best case)" if filtered else ""),
+        (tiles,),
+        b,
+        flops=tiles * 2 * BB * BV * _pad(D, 32) + full * per_full,
+        exps=tiles * BB * BV,
+        hbm=2 * N * D + 2 * V * D + 4 * N + 4 * N * D + 4 * min(V, full * BV) * D,  # E, C, LSE; ∇E, ∇C RMW
+        l2=TV * N * D * 2 + TB * V * D * 2 + full * (BB + BV) * D * 2 + full * 2 * (BB + BV) * D * 2,
+        programs=tiles,
+        work_max=1,
+        work_total=tiles,
+        occupancy=1,
+    )
+    zeros = Launch(
+        "backward", "cce zeros (∇E, ∇C, locks)", hbm=2 * N * D + 2 * V * D, l2=2 * N * D + 2 * V * D, launches=3
+    )
     return [fwd, dot, zeros, bwd]
 
 
 # -- the report -------------------------------------------------------------------------------------------
-def _sum_time(launches: Sequence[Launch], gpu: GPU, precision: str, phase: str | None = None,
-              serial: bool = False) -> float:  # fmt: skip
+def _sum_time(
+    launches: Sequence[Launch], gpu: GPU, precision: str, phase: str | None = None, serial: bool = False
+) -> float:
     costs = [cost(x, gpu, precision) for x in launches if phase is None or x.phase == phase]
     return sum(c.serial if serial else c.time for c in costs)
 
@@ -594,18 +721,54 @@ def table_rows(launches: Sequence[Launch], gpu: GPU, precision: str) -> list[lis
         occ = f"{first.occupancy}{'' if first.occupancy_compiled else '*'}" if first.programs else "-"
         waves = f"{eff('wave_eff_assumed'):.0%}→{eff('wave_eff'):.0%}" if first.programs else "-"
         s = {k: sum(getattr(c, k) for c in costs) for k in ("compute", "exp", "hbm", "l2", "time")}
-        rows.append([first.phase, first.kernel, str(n), grid, _tiles(first.cfg), occ, waves,
-                     f"{sum(x.flops for x in group) / 1e12:.2f}", f"{sum(x.exps for x in group) / 1e9:.2f}",
-                     f"{sum(x.hbm for x in group) / 1e9:.2f}", f"{sum(x.l2 for x in group) / 1e9:.2f}",
-                     f"{sum(x.atomic for x in group) / 1e9:.2f}", f"{s['compute'] * 1e3:.2f}", f"{s['exp'] * 1e3:.2f}",
-                     f"{s['hbm'] * 1e3:.2f}", f"{s['l2'] * 1e3:.2f}", f"{s['time'] * 1e3:.2f}",
-                     max(("compute", "exp", "HBM", "L2+at"), key=dict(zip(("compute", "exp", "HBM", "L2+at"),
-                         (s["compute"], s["exp"], s["hbm"], s["l2"]))).get)])  # fmt: skip
+        rows.append(
+            [
+                first.phase,
+                first.kernel,
+                str(n),
+                grid,
+                _tiles(first.cfg),
+                occ,
+                waves,
+                f"{sum(x.flops for x in group) / 1e12:.2f}",
+                f"{sum(x.exps for x in group) / 1e9:.2f}",
+                f"{sum(x.hbm for x in group) / 1e9:.2f}",
+                f"{sum(x.l2 for x in group) / 1e9:.2f}",
+                f"{sum(x.atomic for x in group) / 1e9:.2f}",
+                f"{s['compute'] * 1e3:.2f}",
+                f"{s['exp'] * 1e3:.2f}",
+                f"{s['hbm'] * 1e3:.2f}",
+                f"{s['l2'] * 1e3:.2f}",
+                f"{s['time'] * 1e3:.2f}",
+                max(
+                    ("compute", "exp", "HBM", "L2+at"),
+                    key=dict(zip(("compute", "exp", "HBM", "L2+at"), (s["compute"], s["exp"], s["hbm"], s["l2"]))).get,
+                ),
+            ]
+        )
     return rows
 
 
-HEAD = ("phase", "kernel", "n", "grid", "tiles", "CTA/SM", "waves", "TFLOP", "G exp", "HBM GB", "L2 GB", "atom GB",
-        "compute ms", "exp ms", "HBM ms", "L2+at ms", "ms", "bound")  # fmt: skip
+HEAD = (
+    "phase",
+    "kernel",
+    "n",
+    "grid",
+    "tiles",
+    "CTA/SM",
+    "waves",
+    "TFLOP",
+    "G exp",
+    "HBM GB",
+    "L2 GB",
+    "atom GB",
+    "compute ms",
+    "exp ms",
+    "HBM ms",
+    "L2+at ms",
+    "ms",
+    "bound",
+)
 
 
 def _text_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -627,8 +790,10 @@ def breakdown(summary: Summary) -> list[str]:
     atomic = sum(x.atomic for x in launches)
     if atomic:
         formula = sum(x.extra.get("atomic_formula", 0.0) for x in launches)
-        out.append(f"fp32 atomics in the backward: {atomic / 1e9:.1f} GB ({formula / 1e9:.1f} GB by 4·B·C·D·(1/BLOCK_B + "
-                   f"1/BLOCK_C)), {atomic / gpu.atomic_bytes_s * 1e3:.1f} ms at the assumed {gpu.atomic_bytes_s / 1e12:.1f} TB/s")  # fmt: skip
+        out.append(
+            f"fp32 atomics in the backward: {atomic / 1e9:.1f} GB ({formula / 1e9:.1f} GB by 4·B·C·D·(1/BLOCK_B + "
+            f"1/BLOCK_C)), {atomic / gpu.atomic_bytes_s * 1e3:.1f} ms at the assumed {gpu.atomic_bytes_s / 1e12:.1f} TB/s"
+        )
     elif call.deterministic:
         rmw = sum(x.l2 for x in launches if x.kernel in ("_grad_x_kernel", "_grad_w_kernel"))
         out.append(
@@ -641,27 +806,35 @@ def breakdown(summary: Summary) -> list[str]:
             atomic = sum(x.atomic for x in ks)
             with_atomics = f", {flops / (l2 + atomic):.0f} with its atomics" if atomic else ""
             xs = sum(x.extra.get("x_l2", 0.0) for x in ks)
-            out.append(f"{kernel}: {l2 / 1e9:.1f} GB of L2 loads and stores ({xs / 1e9:.1f} GB of them x, re-streamed "
-                       f"per class tile): "
-                       f"{flops / l2:.0f} FLOP/B{with_atomics}; the L2 ridge is "
-                       f"{gpu.tensor_flops[call.precision] / gpu.l2_bytes_s:.0f}")  # fmt: skip
+            out.append(
+                f"{kernel}: {l2 / 1e9:.1f} GB of L2 loads and stores ({xs / 1e9:.1f} GB of them x, re-streamed "
+                f"per class tile): "
+                f"{flops / l2:.0f} FLOP/B{with_atomics}; the L2 ridge is "
+                f"{gpu.tensor_flops[call.precision] / gpu.l2_bytes_s:.0f}"
+            )
     x_bytes = call.batch * D * (2 if call.precision == "bf16" else 4)
     if x_bytes > gpu.l2_bytes / 2:
-        out.append(f"the gathered batch ({x_bytes / 2**20:.0f} MiB) passes half the L2 ({gpu.l2_bytes / 2**20:.0f} MiB): "
-                   "the HBM figures, which keep it there, are low")  # fmt: skip
+        out.append(
+            f"the gathered batch ({x_bytes / 2**20:.0f} MiB) passes half the L2 ({gpu.l2_bytes / 2**20:.0f} MiB): "
+            "the HBM figures, which keep it there, are low"
+        )
     passes = [x for x in launches if x.kernel in ("_copy_rows_kernel", "torch.zeros (h, red)", "_rows_out_kernel")]
     moved = sum(x.hbm for x in passes)
-    out.append(f"separate memory passes (the normalised copy made twice, h zeroed per chunk, _rows_out reading it back): "
-               f"{moved / 1e9:.1f} GB = {moved / (C * D):.1f}·C·D bytes, {moved / gpu.hbm_bytes_s * 1e3:.2f} ms of HBM")  # fmt: skip
+    out.append(
+        f"separate memory passes (the normalised copy made twice, h zeroed per chunk, _rows_out reading it back): "
+        f"{moved / 1e9:.1f} GB = {moved / (C * D):.1f}·C·D bytes, {moved / gpu.hbm_bytes_s * 1e3:.2f} ms of HBM"
+    )
     for kernel in ("_lse_kernel", "_grad_kernel", "_grad_x_kernel", "_grad_w_kernel"):
         ks = [x for x in launches if x.kernel == kernel]
         if ks:
             x = ks[0]
             c = cost(x, gpu, call.precision)
             how = "compiled" if x.occupancy_compiled else "no compile recorded: the launcher's assumption"
-            out.append(f"{kernel} splits: the launcher assumes {x.assumed_slots} programs at once (1 CTA/SM of "
-                       f"{x.cfg.num_warps} warps); {x.occupancy} CTA/SM ({how}): wave efficiency {c.wave_eff_assumed:.0%} "
-                       f"as assumed, {c.wave_eff:.0%} with it (first chunk)")  # fmt: skip
+            out.append(
+                f"{kernel} splits: the launcher assumes {x.assumed_slots} programs at once (1 CTA/SM of "
+                f"{x.cfg.num_warps} warps); {x.occupancy} CTA/SM ({how}): wave efficiency {c.wave_eff_assumed:.0%} "
+                f"as assumed, {c.wave_eff:.0%} with it (first chunk)"
+            )
     return out
 
 
@@ -692,29 +865,61 @@ def report(call: Call, gpu: GPU) -> tuple[str, Summary]:
         f"filter at best {s.cce_filtered * 1e3:.2f} ms",
         f"roofline step (forward {s.forward * 1e3:.2f} + backward {s.backward * 1e3:.2f}): {s.step * 1e3:.2f} ms with each "
         f"launch's bounds overlapped, {s.serial * 1e3:.2f} ms with compute, exponentials and memory one after another; "
-        + (f"target {s.target * 1e3:.0f} ms (issue 37, H100): {s.step / s.target:.2f}× / {s.serial / s.target:.2f}× the "
-           f"target, {verdict(s)}" if s.target else "no target at this shape"),
-    ]  # fmt: skip
+        + (
+            f"target {s.target * 1e3:.0f} ms (issue 37, H100): {s.step / s.target:.2f}× / {s.serial / s.target:.2f}× the "
+            f"target, {verdict(s)}"
+            if s.target
+            else "no target at this shape"
+        ),
+    ]
     return "\n".join(lines), s
 
 
 def render(calls: Sequence[Call], gpu: GPU) -> str:
     """``bench classifier --model``'s output: the GPU's figures, each call's table and lines, and with several calls
     one line each."""
-    parts = [f"roofline model of the fused step on paper, {gpu.name}; the figures it takes:",
-             *(f"  {note}" for note in gpu.notes),
-             "  the assumptions: dmltrain/distributed/roofline.py, docs/concepts/sharded-classifier.md", ""]  # fmt: skip
+    parts = [
+        f"roofline model of the fused step on paper, {gpu.name}; the figures it takes:",
+        *(f"  {note}" for note in gpu.notes),
+        "  the assumptions: dmltrain/distributed/roofline.py, docs/concepts/sharded-classifier.md",
+        "",
+    ]
     summaries = []
     for call in calls:
         text, s = report(call, gpu)
         parts += [text, ""]
         summaries.append(s)
     if len(summaries) > 1:
-        head = ("classes", "D", "B", "R", "step ms", "serialised ms", "3-GEMM ms", "CCE ms", "CCE filtered ms",
-                "target ms", "step / target", "verdict")  # fmt: skip
-        rows = [[f"{s.call.classes:,}", str(s.call.dim), f"{s.call.batch:,}", f"{s.call.sample_ratio:g}",
-                 f"{s.step * 1e3:.2f}", f"{s.serial * 1e3:.2f}", f"{s.gemm * 1e3:.2f}", f"{s.cce * 1e3:.2f}",
-                 f"{s.cce_filtered * 1e3:.2f}", f"{s.target * 1e3:.0f}" if s.target else "-",
-                 f"{s.step / s.target:.2f}" if s.target else "-", verdict(s)] for s in summaries]  # fmt: skip
+        head = (
+            "classes",
+            "D",
+            "B",
+            "R",
+            "step ms",
+            "serialised ms",
+            "3-GEMM ms",
+            "CCE ms",
+            "CCE filtered ms",
+            "target ms",
+            "step / target",
+            "verdict",
+        )
+        rows = [
+            [
+                f"{s.call.classes:,}",
+                str(s.call.dim),
+                f"{s.call.batch:,}",
+                f"{s.call.sample_ratio:g}",
+                f"{s.step * 1e3:.2f}",
+                f"{s.serial * 1e3:.2f}",
+                f"{s.gemm * 1e3:.2f}",
+                f"{s.cce * 1e3:.2f}",
+                f"{s.cce_filtered * 1e3:.2f}",
+                f"{s.target * 1e3:.0f}" if s.target else "-",
+                f"{s.step / s.target:.2f}" if s.target else "-",
+                verdict(s),
+            ]
+            for s in summaries
+        ]
         parts.append(_text_table(head, rows))
     return "\n".join(parts).rstrip()
