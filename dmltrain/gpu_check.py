@@ -13,7 +13,10 @@ within 7 minutes, the scarcest figures first:
 3. ``eval``: ``dmltrain bench eval`` at the SOP test set's size;
 4. ``doctor``: ``dmltrain doctor`` for a one-GPU training (``cluster.use_gpu=true cluster.num_workers=1``);
 5. ``tests``: the suite's CUDA tests (``pytest -m cuda``), each under its own timeout, each result
-   written as it ends.
+   written as it ends;
+6. ``compile``: ``dmltrain bench train --compile`` with timm's ViT-S/16 at 224 px, bf16, B = 64: eager and
+   ``torch.compile``'d images/s side by side, compile time and graph breaks; last, in the time the others
+   left (``--only compile`` runs it alone).
 
 Each part runs in child processes (their own process groups) under a time budget; a part over its
 budget is cut (its processes killed) and says so, a part that fails gives its error line, and the
@@ -54,7 +57,7 @@ from typing import Any
 from dmltrain.distributed.bench_job import CUDA_PEERS, ClassifierJob
 
 #: part -> seconds it may take, in the order they run (the whole run: at most TOTAL_BUDGET_S)
-BUDGETS = {"classifier": 210.0, "train": 60.0, "eval": 50.0, "doctor": 30.0, "tests": 120.0}
+BUDGETS = {"classifier": 210.0, "train": 60.0, "eval": 50.0, "doctor": 30.0, "tests": 120.0, "compile": 150.0}
 TOTAL_BUDGET_S = 420.0
 PARTS = tuple(BUDGETS)
 GIB = 2**30
@@ -532,6 +535,49 @@ def train_rows(f: dict[str, Any], cuda: bool, what: str) -> list[Row]:
     ]
 
 
+# -- the compiled step -------------------------------------------------------------------------------------
+def compile_args(ctx: Context, path: Path) -> list[str]:
+    if ctx.tiny:
+        sizes = ["--backbone", "small_cnn", "--image-size", "32", "--batch", "16", "--precision", "fp32"]
+        sizes += ["--steps", "2", "--warmup", "1", "--synthetic", "8,4,40", "--loader-workers", "1"]
+    else:  # a transformer, where compiling pays most; 2 warm-up steps: the compile, then one compiled step
+        sizes = ["--backbone", "vit_small_patch16_224", "--image-size", "224", "--batch", "64", "--precision", "bf16"]
+        sizes += ["--steps", "10", "--warmup", "2", "--synthetic", "64,8,256"]
+    return ["-m", "dmltrain", "bench", "train", "--device", ctx.device, *sizes, "--compile", "--json", str(path)]
+
+
+def part_compile(ctx: Context, rows: list[Row]) -> None:
+    path = ctx.work / "compile.json"
+    proc = ctx.child(compile_args(ctx, path), "bench train --compile")
+    if proc.returncode != 0 or not path.exists():
+        raise RuntimeError(f"bench train --compile failed (exit code {proc.returncode}): {_last_error(proc.stdout)}")
+    what = "small_cnn 32 fp32" if ctx.tiny else "ViT-S/16 224 bf16"
+    rows += compile_rows(json.loads(path.read_text()), ctx.cuda, what)
+
+
+def compile_rows(f: dict[str, Any], cuda: bool, what: str) -> list[Row]:
+    """One row per loop (bare backbone, full pipeline): compiled against eager images/s, measured in turn."""
+    rows = []
+    c = f["compiled"]
+    for loop, name in (("bare", "bare backbone"), ("full", "full pipeline")):
+        if loop not in c:
+            continue
+        x = c[loop]
+        rows.append(
+            Row(
+                "compile",
+                f"{what} B={f['batch']}: {name}, torch.compile ({c['mode']})",
+                f"{x['compiled_images_per_s']:.0f} images/s, compiled in {x['compile_s']:.0f} s, "
+                f"{x['graph_breaks']} graph breaks",
+                f"eager {x['eager_images_per_s']:.0f} images/s",
+                x["compiled_images_per_s"] / x["eager_images_per_s"],
+                ">= 1x, no graph break" if cuda else "",
+                _check(x["compiled_images_per_s"] >= x["eager_images_per_s"] and x["graph_breaks"] == 0, cuda),
+            )
+        )
+    return rows
+
+
 # -- evaluation ---------------------------------------------------------------------------------------------
 def eval_args(ctx: Context, path: Path) -> list[str]:
     sizes = ["--n", "400", "--dim", "32", "--binary-dim", "64", "--nmi-iters", "2", "--ks", "1,10"] if ctx.tiny else []
@@ -602,6 +648,7 @@ RUNNERS: dict[str, Callable[[Context, list[Row]], None]] = {
     "eval": part_eval,
     "doctor": part_doctor,
     "tests": part_tests,
+    "compile": part_compile,
 }
 
 
@@ -659,6 +706,7 @@ def dry_run_rows(ctx: Context) -> list[Row]:
         ("train", train_args(ctx, work / "t.json")),
         ("eval", eval_args(ctx, work / "e.json")),
         ("doctor", doctor_args(ctx, work / "d.json")),
+        ("compile", compile_args(ctx, work / "c.json")),
     ):
         rows.append(Row(part, " ".join(argv[1:4]), *_parse_problem(argv[2:])))
     args, _ = tests_args(ctx, work / "t.jsonl")

@@ -74,7 +74,7 @@ def test_peer_rows_stand_beside_ours_or_say_they_are_absent():
 
 def test_the_plan_measures_the_scarcest_figures_first():
     ctx = gc.Context("cuda", False, Path("."), Path("log"))
-    assert gc.PARTS == ("classifier", "train", "eval", "doctor", "tests")
+    assert gc.PARTS == ("classifier", "train", "eval", "doctor", "tests", "compile")
     assert sum(gc.BUDGETS.values()) >= gc.TOTAL_BUDGET_S  # the last part takes what is left
     plan = gc.classifier_plan(ctx, memory=80 * 2**30)
     assert plan[0].warm and {(j.D, j.R) for j in plan[0].jobs} == {(128, 1.0), (128, 0.1), (512, 1.0), (512, 0.1)}
@@ -104,6 +104,17 @@ def test_eval_and_train_rows():
     full, wait = gc.train_rows(t, cuda=True, what="ResNet-50")
     assert full.verdict == "pass" and full.ratio == pytest.approx(0.9) and wait.verdict == "FAIL"
     assert "| part | what | figure | bound or peer (same run) | ratio | target | verdict |" in gc.table([full, wait])
+
+
+def test_compile_rows_set_the_compiled_step_beside_the_eager_one():
+    loop = {"eager_images_per_s": 1000.0, "compiled_images_per_s": 1300.0, "compile_s": 41.2, "graph_breaks": 0}
+    f = {"batch": 64, "compiled": {"mode": "default", "bare": loop, "full": {**loop, "graph_breaks": 1}}}
+    bare, full = gc.compile_rows(f, cuda=True, what="ViT-S/16 224 bf16")
+    assert bare.what == "ViT-S/16 224 bf16 B=64: bare backbone, torch.compile (default)"
+    assert bare.figure == "1300 images/s, compiled in 41 s, 0 graph breaks" and bare.reference == "eager 1000 images/s"
+    assert bare.ratio == pytest.approx(1.3) and bare.verdict == "pass"
+    assert full.verdict == "FAIL"  # a graph break in a supported backbone is a failure on a GPU
+    assert [r.verdict for r in gc.compile_rows(f, cuda=False, what="x")] == ["info", "info"]
 
 
 def _sleeper(pid_file):
@@ -218,13 +229,14 @@ def test_dry_run_checks_every_full_size_job_against_what_its_child_reads(monkeyp
     fails here, on a CPU, rather than in every job of a lent GPU's window."""
     assert gc.main(["--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "gpu-check --dry-run: 24 jobs, 0 that their child would refuse" in out
+    assert "gpu-check --dry-run: 25 jobs, 0 that their child would refuse" in out
     assert '"N": 10000000, "D": 128, "B": 4096' in out and '"deterministic": false' in out
     doctor = (
         "| doctor | dmltrain doctor cluster.use_gpu=true | doctor cluster.use_gpu=true cluster.num_workers=1 --json"
     )
     for line in ("| train | dmltrain bench train | bench train --device cuda --backbone resnet50",
-                 "| eval | dmltrain bench eval | bench eval --device cuda", doctor):  # fmt: skip
+                 "| eval | dmltrain bench eval | bench eval --device cuda", doctor,
+                 "| compile | dmltrain bench train | bench train --device cuda --backbone vit_small_patch16_224"):  # fmt: skip
         assert line in out
 
     from dmltrain.distributed import bench_runs
