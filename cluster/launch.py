@@ -211,10 +211,13 @@ def check_run(cfg: Config) -> None:
     from shards.read.stream import TrainStream
 
     c = cfg.cluster
-    deepspeed_config(cfg, c.num_workers)  # reads and checks a user DeepSpeed JSON
+    for w in c.worker_counts():  # reads and checks a user DeepSpeed JSON at every worker count of the run
+        deepspeed_config(cfg, w)
     check_pretrained(cfg.model.backbone, cfg.model.pretrained, cfg.model)
-    # refuses (UserError) a global batch the split cannot fill once per epoch at this worker count
-    TrainStream.from_config(cfg.data, cfg.train.seed, 0, c.num_workers, loader_workers=0)
+    # refuses (UserError) a step's global batch the split cannot fill once per epoch (at any worker count)
+    TrainStream.from_config(
+        cfg.data, cfg.train.seed, 0, c.max_workers, loader_workers=0, grad_accum=cfg.train.grad_accum
+    )
 
 
 def user_error_in(error: BaseException | None) -> UserError | None:

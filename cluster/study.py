@@ -497,7 +497,7 @@ def _config_line(cfg) -> str:
     length = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs} epoch{'s' * (t.epochs != 1)}"
     return (
         f"Each run: {cfg.model.backbone} → {cfg.model.embedding_dim}-d, {loss_line(cfg, share=False)}; {length} of "
-        f"{cfg.data.batch_size} images on {cfg.cluster.num_workers} worker{'s' * (cfg.cluster.num_workers != 1)}."
+        f"{cfg.data.batch_size} images on {cfg.cluster.workers_text()}."
     )
 
 

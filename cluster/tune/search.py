@@ -36,9 +36,9 @@ def default_max_concurrent(cfg, trial_cpus: float) -> int:
     total = ray.cluster_resources()
     c = cfg.cluster
     if c.use_gpu:
-        fit = int(total.get("GPU", 0) // c.num_workers)
+        fit = int(total.get("GPU", 0) // c.max_workers)
     else:
-        fit = int(total.get("CPU", 0) // (c.num_workers * c.cpus_per_worker + trial_cpus))
+        fit = int(total.get("CPU", 0) // (c.max_workers * c.cpus_per_worker + trial_cpus))
     return max(1, fit)
 
 

@@ -20,12 +20,34 @@ from dmltrain.text import format_duration
 
 @ray.remote(num_cpus=0)
 class ProgressBoard:
+    """The driver's actor (on the driver's node: it outlives every worker group of the run) that rank 0
+    posts to: the progress line, the summary, the last step reached (:mod:`.elastic`) and lines for the
+    driver to print (``events``)."""
+
     def __init__(self) -> None:
         self._latest: dict[str, Any] = {}
         self._summary: dict[str, Any] = {}
+        self._reached: dict[str, Any] | None = None
+        self._events: list[str] = []
+        self._restarts = 0
 
     def update(self, info: dict[str, Any]) -> None:
         self._latest = {**self._latest, **info}
+
+    def reach(self, step: int, world: int, at: float) -> None:
+        self._reached = {"step": step, "world": world, "time": at}
+
+    def restarted(self) -> tuple[dict[str, Any] | None, int]:
+        """The last step a previous group of this run reached (None: this is the first), and this group's number."""
+        self._restarts += 1
+        return self._reached, self._restarts - 1
+
+    def event(self, line: str) -> None:
+        self._events.append(line)
+
+    def take_events(self) -> list[str]:
+        events, self._events = self._events, []
+        return events
 
     def set_summary(self, summary: dict[str, Any]) -> None:
         # merged: with asynchronous evaluation the workers post the position and the evaluation tasks the metrics
@@ -54,6 +76,16 @@ def post(board_name: str | None, info: dict[str, Any], summary: bool = False) ->
             pass
     else:
         board.update.remote(info)
+
+
+def board_handle(board_name: str | None):
+    """The driver's board, or None when there is none (no name, or gone)."""
+    if not board_name:
+        return None
+    try:
+        return _board(board_name)
+    except ValueError:
+        return None
 
 
 @functools.lru_cache(maxsize=4)
@@ -108,8 +140,12 @@ class ProgressPrinter:
         while not self._stop.wait(self.interval):
             try:
                 info, _ = ray.get(self.board.get.remote(), timeout=5)
+                events = ray.get(self.board.take_events.remote(), timeout=5)
             except Exception:  # noqa: BLE001 — the board may be restarting; the next poll will tell
                 continue
+            for event in events:  # a line of its own, above the progress line
+                self.stream.write(("\r\033[K" if self._tty else "") + event + "\n")
+                self._last_line = ""
             line = format_line(info)
             now = time.monotonic()
             if self._tty:
