@@ -124,6 +124,18 @@ def _train_phase(rank: int, world: int, cfg: dict, steps: int, start: str | None
     }
 
 
+def _destroy_group() -> None:
+    """End the process group; DeepSpeed's own call, once it has seen the group, also forgets what it derived."""
+    import torch.distributed as dist
+
+    from dmltrain.training.engine import import_deepspeed
+
+    try:
+        import_deepspeed().comm.destroy_process_group()
+    except AttributeError:  # DeepSpeed has not started its communication backend: nothing of its to forget
+        dist.destroy_process_group()
+
+
 def _resized_run(rank: int, world: int, cfg: dict, ports: list[int], folder: str) -> dict | None:
     """The three phases in one group of processes (imports cost more than training here): the process group is
     started again at each phase's worker count, the processes beyond it sitting the phase out."""
@@ -132,14 +144,9 @@ def _resized_run(rank: int, world: int, cfg: dict, ports: list[int], folder: str
 
     import torch.distributed as dist
 
-    from dmltrain.training.engine import import_deepspeed
-
-    def destroy() -> None:  # DeepSpeed's own call also forgets the groups it derived from the old one
-        import_deepspeed().comm.destroy_process_group()
-
     def regroup(size: int, port: int) -> bool:
         dist.barrier()
-        destroy()
+        _destroy_group()
         os.environ["WORLD_SIZE"] = str(size)
         if rank < size:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
@@ -147,7 +154,7 @@ def _resized_run(rank: int, world: int, cfg: dict, ports: list[int], folder: str
 
     def group_of_all(port: int) -> None:  # everybody back, for the next phase's start
         if dist.is_initialized():
-            destroy()
+            _destroy_group()
         os.environ["WORLD_SIZE"] = str(world)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
@@ -161,26 +168,6 @@ def _resized_run(rank: int, world: int, cfg: dict, ports: list[int], folder: str
     # ... and back to 3 workers from there, to the end
     up = _train_phase(rank, 3, cfg, REFERENCE_STEPS, at_4, (-1, ""))
     return None if rank else {"ref": ref, "down": down, "up": up}
-
-
-@pytest.mark.timeout(900)
-def test_a_run_resized_3_2_3_mid_epoch_is_the_run_without_the_resizes(shards, tmp_path):
-    from multiproc import free_port
-
-    cfg = _config(shards, tmp_path / "runs", zero_stage=1)
-    got = run_workers(_resized_run, 3, cfg, [free_port(), free_port()], str(tmp_path), timeout=800)[0]
-    ref, down, up = got["ref"], got["down"], got["up"]
-    assert sorted(ref["losses"]) == list(range(REFERENCE_STEPS)) and ref["step"] == REFERENCE_STEPS
-    assert sorted(down["losses"]) == [2, 3] and sorted(up["losses"]) == [4, 5]
-    resized = {**down["losses"], **up["losses"]}
-    for step in range(RESIZE_AT, REFERENCE_STEPS):
-        assert resized[step] == pytest.approx(ref["losses"][step], rel=1e-5), (step, resized[step], ref["losses"][step])
-    np.testing.assert_allclose(up["rows"], ref["rows"], rtol=0, atol=1e-5)
-    for k, v in ref["momentum"].items():
-        np.testing.assert_allclose(up["momentum"][k], v, rtol=0, atol=1e-5, err_msg=k)
-    for k, v in ref["weights"].items():
-        np.testing.assert_allclose(up["weights"][k], v, rtol=0, atol=1e-5, err_msg=k)
-    assert up["epoch"] == ref["epoch"]
 
 
 def _engine_step(engine, world: int, rank: int, step: int) -> None:
@@ -224,7 +211,7 @@ def _portable_state(rank: int, world: int, folder: str, ports: list[int]) -> dic
 
     out: dict = {}
     ports = iter(ports)
-    dist.destroy_process_group()  # the group of 3 from multiproc: DeepSpeed has not seen it yet
+    _destroy_group()
     for stages in ([0, 1, 2], [3]):
         os.environ["WORLD_SIZE"] = "2"
         if rank < 2:
@@ -254,13 +241,43 @@ def _portable_state(rank: int, world: int, folder: str, ports: list[int]) -> dic
     return None if rank else out
 
 
-@pytest.mark.timeout(600)
-def test_the_engine_state_moves_to_another_worker_count_at_every_zero_stage(tmp_path):
-    """Saved at 2 workers and loaded at 3 (weights, Adam's moments and step, SGD's momentum): the next step is the
-    one the 2 workers take, for ZeRO 0, 1, 2 and 3."""
+def _both(rank: int, world: int, cfg: dict, ports: list[int], folder: str) -> dict | None:
+    """Both checks in one group of 3 processes (each new group of processes imports torch and DeepSpeed again)."""
+    resized = _resized_run(rank, world, cfg, ports[:2], folder)
+    portable = _portable_state(rank, world, folder, ports[2:])
+    return None if rank else {**resized, "portable": portable}
+
+
+@pytest.fixture(scope="module")
+def checked(shards, tmp_path_factory) -> dict:
     from multiproc import free_port
 
-    got = run_workers(_portable_state, 3, str(tmp_path), [free_port() for _ in range(4)], timeout=500)[0]
+    folder = tmp_path_factory.mktemp("checked")
+    cfg = _config(shards, folder / "runs", zero_stage=1)
+    return run_workers(_both, 3, cfg, [free_port() for _ in range(6)], str(folder), timeout=800)[0]
+
+
+@pytest.mark.timeout(900)
+def test_a_run_resized_3_2_3_mid_epoch_is_the_run_without_the_resizes(checked):
+    ref, down, up = checked["ref"], checked["down"], checked["up"]
+    assert sorted(ref["losses"]) == list(range(REFERENCE_STEPS)) and ref["step"] == REFERENCE_STEPS
+    assert sorted(down["losses"]) == [2, 3] and sorted(up["losses"]) == [4, 5]
+    resized = {**down["losses"], **up["losses"]}
+    for step in range(RESIZE_AT, REFERENCE_STEPS):
+        assert resized[step] == pytest.approx(ref["losses"][step], rel=1e-5), (step, resized[step], ref["losses"][step])
+    np.testing.assert_allclose(up["rows"], ref["rows"], rtol=0, atol=1e-5)
+    for k, v in ref["momentum"].items():
+        np.testing.assert_allclose(up["momentum"][k], v, rtol=0, atol=1e-5, err_msg=k)
+    for k, v in ref["weights"].items():
+        np.testing.assert_allclose(up["weights"][k], v, rtol=0, atol=1e-5, err_msg=k)
+    assert up["epoch"] == ref["epoch"]
+
+
+@pytest.mark.timeout(900)
+def test_the_engine_state_moves_to_another_worker_count_at_every_zero_stage(checked):
+    """Saved at 2 workers and loaded at 3 (weights, Adam's moments and step, SGD's momentum): the next step is the
+    one the 2 workers take, for ZeRO 0, 1, 2 and 3."""
+    got = checked["portable"]
     for stage in range(4):
         for name in ("AdamW", "SGD"):
             two, three = got[(stage, name, 2)], got[(stage, name, 3)]

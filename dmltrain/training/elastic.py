@@ -2,11 +2,12 @@
 
 * :class:`StepSignals` is polled after every optimizer step, on every rank (one all-reduce of two
   flags over a CPU group: no device synchronisation). It says ``leaving`` when any rank's node is
-  going away, which a rank sees locally: its raylet exited (a preempted node's raylet is sent
-  SIGTERM; the worker processes, its children, are left to the end of the node), or Ray Train
-  marked its node as draining (a preemption notice through Ray's drain API, e.g. the autoscaler or
-  KubeRay on a spot interruption). It says ``checkpoint`` when ``train.checkpoint_every_s`` seconds
-  passed since the last checkpoint on rank 0's clock. The trainer then checkpoints at that step
+  going away, which a rank sees locally: its process got SIGTERM (a stopping node's raylet sends it
+  to its workers, e.g. a spot VM or a Kubernetes pod being reclaimed; :class:`SigtermNotice` makes it
+  a notice instead of Ray's immediate exit), its raylet exited, or Ray Train marked its node as
+  draining (a preemption notice through Ray's drain API, e.g. the autoscaler or KubeRay). It says
+  ``checkpoint`` when ``train.checkpoint_every_s`` seconds passed since the last checkpoint on rank
+  0's clock. The trainer then checkpoints at that step
   boundary and, when leaving, raises :class:`NodeLeaving` on every rank, so that Ray Train restarts
   the group on the nodes left from that checkpoint: nothing is lost beyond the step in progress.
 * :class:`Restarts` (rank 0) tells each worker group of a run what the previous one reached, through
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +31,37 @@ from typing import Any
 import psutil
 import torch
 import torch.distributed as dist
+from ray.train.v2._internal.execution.callback import WorkerCallback
 
 from dmltrain.tracking.names import RESIZE_TAG_PREFIX, WORKERS
 
 log = logging.getLogger(__name__)
+_sigterm_at: list[float] = []  # when this worker process was sent SIGTERM (set by the handler)
+_DRAINED = "Ray Train reports the node"
+
+
+def _on_sigterm(signum, frame) -> None:
+    if not _sigterm_at:
+        _sigterm_at.append(time.time())
+
+
+def install_sigterm_notice() -> bool:
+    """On a worker process's main thread: SIGTERM becomes a notice that :class:`StepSignals` reads (the workers
+    checkpoint at the next step boundary and stop) instead of Ray's handler, which exits at once and loses the
+    steps since the last checkpoint. A process that must go after that is killed by Ray (SIGKILL). False off the
+    main thread (nothing installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return True
+
+
+class SigtermNotice(WorkerCallback):
+    """Ray Train worker callback: :func:`install_sigterm_notice` where it can be, on each worker's main thread
+    (the training function runs on another)."""
+
+    def after_init_train_context(self) -> None:
+        install_sigterm_notice()
 
 
 class NodeLeaving(Exception):
@@ -79,22 +109,26 @@ class StepSignals:
             self.group = dist.new_group(backend="gloo")  # host flags: no wait on the device's stream
 
     def local_reason(self) -> str | None:
-        """Why this rank's node is going away, seen from this process alone; None while it stays."""
+        """Why this rank's node is going away, seen from this process alone; None while it stays. (A drained node
+        is told to every rank: only rank 0 says so.)"""
+        if _sigterm_at:
+            return "its process was sent SIGTERM (its node is stopping)"
         if self.raylet is not None and os.getppid() != self.raylet:
             return f"its raylet (pid {self.raylet}) exited"
         info = _ray_preemption()
         if info is not None:
             deadline = getattr(info, "deadline_ms", None)
             left = f", {max(0.0, deadline / 1000 - time.time()):.0f} s before its deadline" if deadline else ""
-            return f"Ray Train reports its node draining{left}"
+            ranks = getattr(info, "preempted_ranks", None)
+            return f"{_DRAINED} of rank(s) {ranks} draining{left}"
         return None
 
     def poll(self) -> tuple[bool, bool]:
         """``(leaving, checkpoint)`` after a step, agreed by every rank."""
         if self.reason is None:
             self.reason = self.local_reason()
-            if self.reason is not None:
-                log.warning("rank %d: %s; checkpointing at this step and stopping", self.rank, self.reason)
+            if self.reason is not None and (self.rank == 0 or not self.reason.startswith(_DRAINED)):
+                log.warning("%s; the workers checkpoint at this step and stop", self.reason)
         due = self.rank == 0 and self.every_s is not None and time.monotonic() - self.last_checkpoint >= self.every_s
         flags = torch.tensor([float(self.reason is not None), float(due)])
         if self.world > 1:
@@ -108,7 +142,7 @@ class StepSignals:
 
 @dataclass
 class Resize:
-    """A restart of the worker group whose replay is still under way."""
+    """A restart of the worker group, accounted for once its first step is done and its replay is over."""
 
     number: int
     before: int  # workers of the previous group
@@ -116,11 +150,15 @@ class Resize:
     reached: int  # the last step the previous group completed
     resumed: int  # the checkpoint's step
     reached_at: float  # when (time.time()) the previous group completed it
+    first_step_s: float | None = None  # from then to this group's first step
+    lost_s: float | None = None  # from then to this group's return to step ``reached``
 
-    def text(self, lost_s: float) -> str:
+    def text(self) -> str:
+        replayed = self.reached - self.resumed
         return (
             f"{self.before} -> {self.after} workers at step {self.reached}: resumed from step {self.resumed}, "
-            f"{self.reached - self.resumed} steps replayed, {lost_s:.1f} s lost"
+            f"first step {self.first_step_s:.1f} s after the last at {self.before} workers, "
+            f"{replayed} step{'s' * (replayed != 1)} replayed, {self.lost_s:.1f} s lost"
         )
 
 
@@ -147,26 +185,34 @@ class Restarts:
             if saved_world is not None and saved_world != self.world:
                 self._say(f"resumed at {self.world} workers from a checkpoint saved by {saved_world} (step {step})")
             return
-        self.pending = Resize(number, previous["world"], self.world, previous["step"], step, previous["time"])
+        r = Resize(number, previous["world"], self.world, previous["step"], step, previous["time"])
+        if step >= r.reached:  # nothing to replay: back where the previous group was, once loaded
+            r.lost_s = time.time() - r.reached_at
+        self.pending = r
         self._say(
-            f"{previous['world']} -> {self.world} workers: restarted from the checkpoint of step {step} "
-            f"(the previous group had reached step {previous['step']})"
+            f"{r.before} -> {self.world} workers: restarted from the checkpoint of step {step} "
+            f"(the previous group had reached step {r.reached})"
         )
-        self.reached(step)
 
     def reached(self, step: int) -> None:
-        """This group completed ``step``: posted to the board; a restart's replay ends at the step it had reached."""
+        """This group completed ``step``: posted to the board; the restart's account is done once this group took a
+        step and is back at the step the previous one had reached (its replay over)."""
         now = time.time()
         if self.board is not None:
             self.board.reach.remote(step, self.world, now)
         r = self.pending
-        if r is None or step < r.reached:
+        if r is None:
+            return
+        if r.first_step_s is None:
+            r.first_step_s = now - r.reached_at
+        if r.lost_s is None and step >= r.reached:
+            r.lost_s = now - r.reached_at
+        if r.lost_s is None:
             return
         self.pending = None
-        text = r.text(now - r.reached_at)
-        self._say(text)
+        self._say(r.text())
         if self.logger is not None:
-            self.logger.set_tag(f"{RESIZE_TAG_PREFIX}{r.number}", text)
+            self.logger.set_tag(f"{RESIZE_TAG_PREFIX}{r.number}", r.text())
 
     def _previous(self) -> tuple[dict[str, Any] | None, int]:
         if self.board is None:

@@ -89,7 +89,7 @@ from dmltrain.training.head import LossHead
 from dmltrain.training.metrics import STAT_LOSS, STAT_LR, TrainMetrics, memory_metrics, mlflow_names
 from dmltrain.training.objective import Objective
 from dmltrain.training.prefetch import Prefetcher
-from dmltrain.training.progress import board_handle
+from dmltrain.training.progress import WorkerEvents, board_handle
 from dmltrain.training.reporting import Reporter, RunContext, position_metrics
 from dmltrain.training.rng import seed_rngs
 from dmltrain.training.schedule import LRSchedule, ScheduledLR
@@ -111,6 +111,7 @@ class Trainer:
     def __init__(self, cfg: Config, run: RunContext):
         self.cfg, self.run = cfg, run
         self.rank, self.world = ensure_process_group()
+        WorkerEvents.install(board_handle(run.board_name), self.rank)  # dmltrain's warnings, to the driver's terminal
         self.device = worker_device(cfg.cluster.use_gpu)
         torch.set_num_threads(
             max(1, int(cfg.cluster.cpus_per_worker)) if not cfg.cluster.use_gpu else max(1, torch.get_num_threads())
