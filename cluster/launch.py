@@ -249,6 +249,16 @@ def absolutize(cfg: Config) -> Config:
     return cfg.model_copy(update={"data": data, "train": train, "model": model, "tracking": tracking})
 
 
+def fixed_workers(cfg: Config, command: str) -> None:
+    """Refuse an elastic ``cluster.num_workers`` in one line where ``command`` (``tune``, ``study``) trains runs side
+    by side that must compare at one worker count."""
+    if cfg.cluster.elastic:
+        raise UserError(
+            f"cluster.num_workers: {list(cfg.cluster.num_workers)} is an elastic range, for dmltrain train; "
+            f"dmltrain {command} compares runs at one worker count: give a number"
+        )
+
+
 def prepare_driver(cfg: Config, shards: Callable[[Config], list[Config]] | None = None) -> Config:
     """Everything a driver checks before Ray starts, the same for ``train``, ``tune`` and ``study``; returns
     ``cfg`` with absolute paths (:func:`absolutize`).

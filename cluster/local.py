@@ -248,9 +248,13 @@ class LocalCluster:
         return sid is not None and any(_is_raylet(pid) for pid in session_pids(sid))
 
     def start_node(self, i: int) -> None:
-        """Start node ``i`` (0: the head) and wait until ``ray start`` returns."""
+        """Start node ``i`` (0: the head) and wait until it runs. What is left of its previous session (a raylet
+        that died leaves its log monitor behind) is ended first."""
         if self.alive(i):
             raise UserError(f"node {i} runs already")
+        if self.nodes[i].sid is not None:
+            end_session(self.nodes[i].sid)
+        self._reap(i)
         self._started(i, self._launch(i))
 
     def kill_node(self, i: int, sig: int = signal.SIGKILL) -> None:

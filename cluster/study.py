@@ -51,7 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from cluster.launch import RunGroup, init_ray, prepare_data, prepare_driver, train
+from cluster.launch import RunGroup, fixed_workers, init_ray, prepare_data, prepare_driver, train
 from cluster.run_location import check_name
 from dmltrain.config import SAMPLING_MODES, build_config, load_config
 from dmltrain.config_tree import set_dotted
@@ -436,6 +436,7 @@ def run_study(
         shards.update(prepare_shards(c, classes, progress=progress))
         return [c.model_copy(update={"data": c.data.model_copy(update={"shards": d})}) for d in shards.values()]
 
+    fixed_workers(cfg, "study")
     cfg = prepare_driver(cfg, shard_sets)
     study = RunGroup.place(cfg, "study", name=name, config_name=config_name, out=out)
     name, out_dir, runs_root = study.name, study.out_dir, study.runs_root

@@ -26,9 +26,10 @@ other action happen between steps only, so a run never resumes in the middle of 
 run resumed at another worker count (an elastic run that lost or regained a node) continues mid-epoch.
 
 After every step the :class:`~.elastic.StepSignals` say, the same on every rank, whether a checkpoint is
-due by time (``train.checkpoint_every_s``) and whether a node is leaving (its raylet exited, or Ray
-drains it): then the workers checkpoint at that step and stop (:class:`~.elastic.NodeLeaving`), and Ray
-Train restarts them on the nodes left; :class:`~.elastic.Restarts` accounts for each restart.
+due by time (``train.checkpoint_every_s``) and whether a node is leaving (a worker was sent SIGTERM, its
+raylet exited, or Ray drains its node): then the workers checkpoint at that step and stop
+(:class:`~.elastic.NodeLeaving`), and Ray Train restarts them on the nodes left; :class:`~.elastic.Restarts`
+accounts for each restart.
 
 Every decision that involves a collective (when to evaluate, checkpoint or report) is a
 pure function of the step, identical on every rank, so no rank ever waits alone. So is the

@@ -1,0 +1,148 @@
+"""Elastic runs without Ray: the config's checks, what every rank decides after a step (a leaving node, a
+checkpoint due by time), and the account of a restart (the worker count logged, the line, the tag with the steps
+replayed and the seconds lost)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from multiproc import run_workers
+
+from dmltrain.training import elastic
+
+
+class _Method:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _Board:
+    """The driver's board as the workers call it (``board.<method>.remote(...)``), its answers plain values."""
+
+    def __init__(self, previous=None, number=0):
+        self.answer, self.reached_steps, self.events = (previous, number), [], []
+        self.restarted = _Method(lambda: self.answer)
+        self.reach = _Method(lambda step, world, at: self.reached_steps.append((step, world)))
+        self.event = _Method(self.events.append)
+
+
+class _Logger:
+    def __init__(self):
+        self.metrics, self.tags = [], {}
+
+    def log_metrics(self, metrics, step=0, *, again=False):
+        self.metrics.append((dict(metrics), step, again))
+
+    def set_tag(self, key, value):
+        self.tags[key] = value
+
+
+@pytest.fixture
+def no_ray_get(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
+
+
+def test_a_first_start_logs_the_worker_count_and_nothing_else(no_ray_get):
+    board, logger = _Board(), _Logger()
+    restarts = elastic.Restarts(board, logger, world=3)
+    restarts.started(0, None)
+    assert logger.metrics == [({"cluster/workers": 3}, 0, True)] and board.events == [] and logger.tags == {}
+    restarts.reached(1)
+    assert board.reached_steps == [(1, 3)] and logger.tags == {}
+
+
+def test_a_restart_is_accounted_once_its_replay_is_over(no_ray_get):
+    t0 = time.time() - 30
+    board, logger = _Board({"step": 12, "world": 3, "time": t0}, number=1), _Logger()
+    restarts = elastic.Restarts(board, logger, world=2)
+    restarts.started(8, saved_world=3)
+    assert logger.metrics == [({"cluster/workers": 2}, 8, True)]  # logged again at a step the run may hold
+    assert board.events == ["workers: 3 -> 2 workers: restarted from the checkpoint of step 8 (the previous group had "
+                            "reached step 12)"]  # fmt: skip
+    for step in (9, 10, 11):
+        restarts.reached(step)
+        assert logger.tags == {}, step
+    restarts.reached(12)
+    (text,) = logger.tags.values()
+    assert list(logger.tags) == ["dmltrain.resize.1"]
+    assert (
+        text.startswith("3 -> 2 workers at step 12: resumed from step 8, first step ")
+        and ", 4 steps replayed, " in text
+    )
+    lost = float(text.rsplit(", ", 1)[1].split(" s lost")[0])
+    assert 30 <= lost < 60, text
+    restarts.reached(13)
+    assert len(logger.tags) == 1 and board.events[-1] == f"workers: {text}"
+
+
+def test_a_restart_from_the_step_reached_replays_nothing(no_ray_get):
+    board, logger = _Board({"step": 15, "world": 3, "time": time.time() - 5}, number=3), _Logger()
+    restarts = elastic.Restarts(board, logger, world=2)
+    restarts.started(15, saved_world=3)
+    assert logger.tags == {}  # its first step is not taken yet
+    restarts.reached(16)
+    assert ", 0 steps replayed, " in logger.tags["dmltrain.resize.3"]
+
+
+def test_the_same_worker_count_is_no_change(no_ray_get):
+    """A group restarted at the size it had (a crashed worker) logs no new worker count; the restart is still told."""
+    board, logger = _Board({"step": 4, "world": 2, "time": time.time()}, number=1), _Logger()
+    elastic.Restarts(board, logger, world=2).started(4, saved_world=2)
+    assert logger.metrics == [] and board.events
+
+
+def _signals_worker(rank, world, every_s):
+    import torch.distributed as dist
+
+    signals = elastic.StepSignals(rank, world, every_s)
+    first = signals.poll()
+    elastic.install_sigterm_notice()  # the worker's main thread here, as under Ray Train (SigtermNotice)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # this process lives on: the notice is read after the next step
+    dist.barrier()
+    second = signals.poll()
+    return first, second, signals.reason
+
+
+def test_every_rank_stops_when_one_is_sent_sigterm():
+    got = run_workers(_signals_worker, 2, None, timeout=120)
+    assert [g[0] for g in got] == [(False, False)] * 2
+    assert [g[1] for g in got] == [(True, False)] * 2, "one rank's notice is every rank's"
+    assert got[1][2].startswith("its process was sent SIGTERM") and got[0][2] is None
+
+
+def test_checkpoints_by_time_follow_rank_0s_clock():
+    signals = elastic.StepSignals(0, 1, every_s=0.2)
+    assert signals.poll() == (False, False)
+    time.sleep(0.25)
+    assert signals.poll() == (False, True)
+    signals.checkpointed()
+    assert signals.poll() == (False, False)
+    assert elastic.StepSignals(0, 1, every_s=None).poll() == (False, False)
+
+
+def test_an_elastic_range_is_checked_when_the_config_is_read(tmp_path, capsys):
+    from cluster.launch import fixed_workers
+    from dmltrain.cli import main
+    from dmltrain.config import load_config
+    from dmltrain.errors import UserError
+
+    cfg = load_config(None, ["cluster.num_workers=[1,4]", "cluster.max_failures=-1", "data.batch_size=48"])
+    assert cfg.cluster.elastic and list(cfg.cluster.worker_counts()) == [1, 2, 3, 4]
+    assert cfg.cluster.workers_text() == "1-4 workers (elastic)" and cfg.flat()["cluster.num_workers"] == "[1, 4]"
+    with pytest.raises(UserError, match=r"^cluster.num_workers: \[1, 4\] is an elastic range, for dmltrain train"):
+        fixed_workers(cfg, "tune")
+    # one line, exit 2, before anything starts: a range whose counts cannot split a step, a range without restarts
+    for overrides, text in [
+        (["cluster.num_workers=[3,4]", "cluster.max_failures=-1"], "cluster.num_workers: at 3 workers the P = 16"),
+        (["cluster.num_workers=[1,2]"], "cluster.max_failures: an elastic run"),
+        (["cluster.num_workers=[3,1]"], "cluster.num_workers: must be >= 1, or [min, max]"),
+    ]:
+        assert main(["train", "configs/demo.yaml", *overrides, f"train.output_dir={tmp_path}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert text in err and "\n" not in err, err
