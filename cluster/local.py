@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     if args.nodes < 0 or args.cpus < 0 or args.gpus < 0:
         raise UserError("--nodes, --cpus and --gpus: must be >= 0")
     cluster = LocalCluster.start(folder, args.nodes, cpus=args.cpus, gpus=args.gpus, dashboard=not args.no_dashboard)
-    print(f"local Ray cluster at {cluster.address}: a head and {args.nodes} worker nodes, {args.cpus} CPUs each")
+    nodes = f"{args.nodes} worker node{'s' * (args.nodes != 1)}"
+    print(f"local Ray cluster at {cluster.address}: a head and {nodes}, {args.cpus} CPU{'s' * (args.cpus != 1)} each")
     print(f"  train on it:  dmltrain train CONFIG cluster.address={cluster.address}")
     if cluster.dashboard:
         print(f"  dashboard:    {cluster.dashboard}")

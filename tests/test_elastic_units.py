@@ -146,3 +146,40 @@ def test_an_elastic_range_is_checked_when_the_config_is_read(tmp_path, capsys):
         assert main(["train", "configs/demo.yaml", *overrides, f"train.output_dir={tmp_path}"]) == 2
         err = capsys.readouterr().err.strip()
         assert text in err and "\n" not in err, err
+
+
+def test_rays_messages_go_to_the_runs_log_file_and_what_a_user_must_act_on_to_the_terminal_too(
+    tmp_path, capfd, monkeypatch
+):
+    """Through Ray's loggers (``ray`` and below, as ``ray.init`` and Ray's token setup write them), not a filter of
+    the output: Ray's INFO and WARNING records land in the run's log file only, ERROR in both; afterwards Ray's
+    loggers are as they were."""
+    import logging
+    import sys
+
+    from cluster.ray_logging import route_ray_logs
+
+    ray_logger = logging.getLogger("ray")
+    # Ray's own handler writes to the terminal (here: this test's stderr, which Ray's import, earlier, did not see)
+    monkeypatch.setattr(ray_logger, "handlers", [logging.StreamHandler(sys.stderr)])
+    before = ray_logger.handlers[:], ray_logger.propagate, ray_logger.level
+    log_file = tmp_path / "run" / "driver.log"
+    to_terminal = logging.StreamHandler(sys.stderr)  # and a handler of the driver's own on the root logger
+    logging.getLogger().addHandler(to_terminal)
+    try:
+        with route_ray_logs(log_file) as routed:
+            assert routed == log_file
+            logging.getLogger("ray._private.worker").info("Connecting to existing Ray cluster at 127.0.0.1:1")
+            logging.getLogger("ray._private.authentication").warning("Token authentication is enabled")
+            logging.getLogger("ray.train").error("a worker group could not start")
+    finally:
+        logging.getLogger().removeHandler(to_terminal)
+    assert (ray_logger.handlers, ray_logger.propagate, ray_logger.level) == before
+    logging.getLogger("ray").info("after the run")
+    text, terminal = log_file.read_text(), "".join(capfd.readouterr())
+    assert "Connecting to existing Ray cluster" in text and "Token authentication is enabled" in text
+    assert "Connecting" not in terminal and "Token" not in terminal
+    assert "a worker group could not start" in text and "ERROR ray.train: a worker group could not start" in terminal
+    assert "after the run" not in text and log_file.stat().st_mode & 0o777 == 0o600
+    with route_ray_logs(None) as routed:  # a run under a URL: no local folder, nothing changes
+        assert routed is None and ray_logger.handlers == before[0]

@@ -78,7 +78,7 @@ def _raylet_parent() -> int | None:
         return None
 
 
-def _ray_preemption() -> Any:
+def ray_preemption() -> Any:
     """Ray Train's preemption notice for this worker's group (a drained node), read locally; None without one.
 
     Ray's public ``ray.train.get_preemption_info()`` is a barrier through an actor on every call; this
@@ -115,7 +115,7 @@ class StepSignals:
             return "its process was sent SIGTERM (its node is stopping)"
         if self.raylet is not None and os.getppid() != self.raylet:
             return f"its raylet (pid {self.raylet}) exited"
-        info = _ray_preemption()
+        info = ray_preemption()
         if info is not None:
             deadline = getattr(info, "deadline_ms", None)
             left = f", {max(0.0, deadline / 1000 - time.time()):.0f} s before its deadline" if deadline else ""
