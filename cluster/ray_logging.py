@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,11 +33,32 @@ _RAY_LOGGER = "ray"
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class _RunLogs(logging.Handler):
+    """The one handler on Ray's logger while runs train in this driver: each record goes to every active run's log
+    file (a study trains several at once, in threads, over one Ray; Ray's messages are the driver's, not a run's).
+    Ray's ``ray.init`` sets its format on the handlers it finds there: the files keep theirs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.files: list[logging.Handler] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in list(self.files):
+            handler.handle(record)
+
+
+_lock = threading.Lock()
+_router: _RunLogs | None = None
+_saved: tuple[list[logging.Handler], bool, int] | None = None  # Ray's logger before the first active run
+
+
 @contextmanager
 def route_ray_logs(log_file: Path | None) -> Iterator[Path | None]:
     """While the block runs: Ray's Python loggers on this driver write to ``log_file`` (created 0600, appended to),
-    records of ERROR and above also to stderr; afterwards they are as they were. ``log_file`` None (a run under a
-    URL, with no local folder): nothing changes."""
+    records of ERROR and above also to stderr; once no run's block is active, they are as they were. Blocks may
+    overlap in any order (runs in threads): meanwhile Ray's records go to every active run's file. ``log_file``
+    None (a run under a URL, with no local folder): nothing changes."""
+    global _router, _saved
     if log_file is None:
         yield None
         return
@@ -44,21 +66,28 @@ def route_ray_logs(log_file: Path | None) -> Iterator[Path | None]:
     fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0), 0o600)
     to_file = logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8"))
     to_file.setFormatter(logging.Formatter(_FORMAT))
-    to_file.setLevel(logging.DEBUG)
-    must_act = logging.StreamHandler(sys.stderr)
-    must_act.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    must_act.setLevel(logging.ERROR)
     ray_logger = logging.getLogger(_RAY_LOGGER)
-    saved = ray_logger.handlers[:], ray_logger.propagate, ray_logger.level
-    ray_logger.handlers = [to_file, must_act]
-    ray_logger.propagate = False
-    if ray_logger.level == logging.NOTSET or ray_logger.level > logging.INFO:
-        ray_logger.setLevel(logging.INFO)
+    with _lock:
+        if _router is None:
+            _saved = ray_logger.handlers[:], ray_logger.propagate, ray_logger.level
+            must_act = logging.StreamHandler(sys.stderr)
+            must_act.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+            must_act.setLevel(logging.ERROR)
+            _router = _RunLogs()
+            ray_logger.handlers = [_router, must_act]
+            ray_logger.propagate = False
+            if ray_logger.level == logging.NOTSET or ray_logger.level > logging.INFO:
+                ray_logger.setLevel(logging.INFO)
+        _router.files.append(to_file)
     try:
         yield log_file
     finally:
-        ray_logger.handlers, ray_logger.propagate = saved[0], saved[1]
-        ray_logger.setLevel(saved[2])
+        with _lock:
+            _router.files.remove(to_file)
+            if not _router.files:
+                ray_logger.handlers, ray_logger.propagate = _saved[0], _saved[1]
+                ray_logger.setLevel(_saved[2])
+                _router = _saved = None
         to_file.close()
 
 

@@ -183,3 +183,44 @@ def test_rays_messages_go_to_the_runs_log_file_and_what_a_user_must_act_on_to_th
     assert "after the run" not in text and log_file.stat().st_mode & 0o777 == 0o600
     with route_ray_logs(None) as routed:  # a run under a URL: no local folder, nothing changes
         assert routed is None and ray_logger.handlers == before[0]
+
+
+def test_runs_training_at_once_each_get_rays_messages_and_leave_rays_loggers_as_they_were(tmp_path, capfd, monkeypatch):
+    """A study trains its points at once, in threads of one driver: their runs' blocks overlap and end in any order.
+    Meanwhile Ray's records go to every active run's file, none to the terminal; once the last block ends Ray's
+    loggers are as they were (no handler of a closed file left behind)."""
+    import logging
+    import sys
+
+    from cluster.ray_logging import route_ray_logs
+
+    ray_logger = logging.getLogger("ray")
+    monkeypatch.setattr(ray_logger, "handlers", [logging.StreamHandler(sys.stderr)])
+    before = ray_logger.handlers[:], ray_logger.propagate, ray_logger.level
+    first, second = (route_ray_logs(tmp_path / run / "driver.log") for run in ("first", "second"))
+    first.__enter__()
+    second.__enter__()
+    ray_logger.warning("while both train")
+    first.__exit__(None, None, None)  # the run that started first ends first
+    ray_logger.warning("while the second trains")
+    second.__exit__(None, None, None)
+    assert (ray_logger.handlers, ray_logger.propagate, ray_logger.level) == before
+    ray_logger.warning("after both")
+    one, two = ((tmp_path / run / "driver.log").read_text() for run in ("first", "second"))
+    assert "while both train" in one and "while both train" in two
+    assert "while the second trains" in two and "while the second trains" not in one
+    terminal = "".join(capfd.readouterr())
+    assert "while" not in terminal and "after both" in terminal
+
+
+def test_the_drivers_printer_writes_to_the_stderr_it_finds_when_made(monkeypatch):
+    """It is made for every run now (the workers' lines are printed without a progress line too): the ``sys.stderr``
+    of the moment, not the one of the module's import, which a study's caller may have closed since."""
+    import io
+    import sys
+
+    from dmltrain.training.progress import ProgressPrinter
+
+    now = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", now)
+    assert ProgressPrinter(None, progress=False).stream is now

@@ -117,18 +117,20 @@ def format_line(info: dict[str, Any]) -> str:
 
 class ProgressPrinter:
     """Polls a board and prints: a rewritten line on a terminal, a line every ``interval`` s otherwise
-    (``progress`` False: none); the workers' lines (board events) either way, each also handed to ``on_event``."""
+    (``progress`` False: none); the workers' lines (board events) either way, each also handed to ``on_event``.
+    ``stream`` None: the ``sys.stderr`` of the moment it is made (not of the module's import: it may be another now)."""
 
     def __init__(
         self,
         board,
         interval: float = 1.0,
         log_interval: float = 15.0,
-        stream=sys.stderr,
+        stream=None,
         *,
         progress: bool = True,
         on_event=None,
     ):
+        stream = sys.stderr if stream is None else stream
         self.board, self.interval, self.log_interval, self.stream = board, interval, log_interval, stream
         self.progress, self.on_event = progress, on_event
         self._stop = threading.Event()
