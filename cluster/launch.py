@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,10 +211,13 @@ def check_run(cfg: Config) -> None:
     from shards.read.stream import TrainStream
 
     c = cfg.cluster
-    deepspeed_config(cfg, c.num_workers)  # reads and checks a user DeepSpeed JSON
+    for w in c.worker_counts():  # reads and checks a user DeepSpeed JSON at every worker count of the run
+        deepspeed_config(cfg, w)
     check_pretrained(cfg.model.backbone, cfg.model.pretrained, cfg.model)
-    # refuses (UserError) a global batch the split cannot fill once per epoch at this worker count
-    TrainStream.from_config(cfg.data, cfg.train.seed, 0, c.num_workers, loader_workers=0)
+    # refuses (UserError) a step's global batch the split cannot fill once per epoch (at any worker count)
+    TrainStream.from_config(
+        cfg.data, cfg.train.seed, 0, c.max_workers, loader_workers=0, grad_accum=cfg.train.grad_accum
+    )
 
 
 def user_error_in(error: BaseException | None) -> UserError | None:
@@ -244,6 +247,16 @@ def absolutize(cfg: Config) -> Config:
         model = model.model_copy(update={"pretrained": str(Path(model.pretrained).expanduser().resolve())})
     tracking = cfg.tracking.model_copy(update={"uri": cfg.tracking.resolved_uri()})
     return cfg.model_copy(update={"data": data, "train": train, "model": model, "tracking": tracking})
+
+
+def fixed_workers(cfg: Config, command: str) -> None:
+    """Refuse an elastic ``cluster.num_workers`` in one line where ``command`` (``tune``, ``study``) trains runs side
+    by side that must compare at one worker count."""
+    if cfg.cluster.elastic:
+        raise UserError(
+            f"cluster.num_workers: {list(cfg.cluster.num_workers)} is an elastic range, for dmltrain train; "
+            f"dmltrain {command} compares runs at one worker count: give a number"
+        )
 
 
 def prepare_driver(cfg: Config, shards: Callable[[Config], list[Config]] | None = None) -> Config:
@@ -307,6 +320,13 @@ LOOPBACK = "127.0.0.1"
 _CLUSTERS_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+_USER_START_TIMEOUT = os.environ.get(START_TIMEOUT_ENV)  # the user's own choice wins over the defaults below
+# An elastic run sizes its group from a view of the cluster that Ray refreshes every 20 s: after a lost node
+# its first restart may still count the node and wait for a placement that cannot come; Ray tries again
+# (smaller, once the view is fresh) after this many seconds instead of the 5 minutes a fixed local run waits.
+ELASTIC_START_TIMEOUT_S = 10
+PREEMPTION_POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"  # how often Ray Train looks for drained nodes (5 s)
+LOCAL_START_TIMEOUT_S = 300
 
 
 def local_ray_env() -> dict[str, str]:
@@ -333,9 +353,7 @@ def start_local_ray(**init_kwargs: Any) -> None:
 
     Ray Train's controller polls its workers every 0.5 s here instead of Ray's 2 s (an explicit
     ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` wins): a local run starts and ends seconds sooner. Its
-    workers may take 5 minutes to start instead of 60 s (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``
-    wins): on a busy machine a worker importing torch and DeepSpeed on a shared core took longer,
-    and Ray Train then tore the run down as failed.
+    workers may take 5 minutes to start instead of 60 s (:func:`ray_train_env`).
 
     Every local Ray of dmltrain starts here: ``train``, ``tune`` and ``study`` without
     ``cluster.address``, and the test fixtures. Ray >= 2.59 runs it with token authentication
@@ -351,7 +369,7 @@ def start_local_ray(**init_kwargs: Any) -> None:
     # Ray Train's controller acts once per health check (2 s by default): starting the workers
     # and noticing they finished took seconds of idle waiting; its processes inherit this
     os.environ.setdefault(HEALTH_CHECK_ENV, "0.5")
-    os.environ.setdefault(START_TIMEOUT_ENV, "300")
+    os.environ.setdefault(START_TIMEOUT_ENV, str(LOCAL_START_TIMEOUT_S))
     private_token()
     init_kwargs.setdefault("_temp_dir", private_temp_dir())
     with _loopback_stays_loopback():
@@ -363,23 +381,52 @@ def init_ray(cfg: Config) -> None:
 
     A loopback address (``127.0.0.1:port``, ``localhost:port``) joins that local instance as
     given; Ray would otherwise rewrite it to the machine's outward address, where a local
-    instance started by :func:`start_local_ray` does not listen."""
+    instance started by :func:`start_local_ray` (or ``dmltrain cluster local``) does not listen.
+    What Ray's actors and workers print stays in their node's session logs (``log_to_driver=False``,
+    :mod:`cluster.ray_logging`): the terminal shows dmltrain."""
     import ray
 
     if ray.is_initialized():
         return
     address = cfg.cluster.address
-    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     try:
         if not address:
-            start_local_ray(log_to_driver=True)
+            start_local_ray(log_to_driver=False)
         elif address.rsplit(":", 1)[0] in (LOOPBACK, "localhost"):
+            _local_token_auth()
             with _loopback_stays_loopback():
-                ray.init(address=address, log_to_driver=True)
+                ray.init(address=address, log_to_driver=False)
         else:
-            ray.init(address=address, log_to_driver=True)
+            ray.init(address=address, log_to_driver=False)
     except ConnectionError as e:
         raise UserError(f"cluster.address: cannot join the Ray cluster at {address}: {e}") from None
+
+
+def _local_token_auth() -> None:
+    """Join a cluster of this machine with this user's token when ``RAY_AUTH_MODE`` is unset: Ray does so for the
+    local cluster it finds by itself, never for an explicit address, but a loopback address is one of this machine's
+    (``dmltrain cluster local`` starts its nodes with token authentication)."""
+    from ray._private.authentication import authentication_token_setup as auth
+
+    auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def ray_train_env(cfg: Config) -> None:
+    """Ray Train's settings for this run, through the environment its controller inherits (an explicit
+    ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` wins): an elastic run waits :data:`ELASTIC_START_TIMEOUT_S` for a
+    worker group's placement before sizing it again; a fixed run on a local Ray 5 minutes (a worker importing
+    torch and DeepSpeed on a shared core of a busy machine took longer than Ray's 60 s). Ray Train looks for
+    drained nodes (a preemption notice) every second instead of every 5 (an explicit
+    ``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S`` wins): the workers have a few seconds' notice to save a step."""
+    os.environ.setdefault(PREEMPTION_POLL_ENV, "1")
+    if _USER_START_TIMEOUT:
+        os.environ[START_TIMEOUT_ENV] = _USER_START_TIMEOUT
+    elif cfg.cluster.elastic:
+        os.environ[START_TIMEOUT_ENV] = str(ELASTIC_START_TIMEOUT_S)
+    elif not cfg.cluster.address:
+        os.environ[START_TIMEOUT_ENV] = str(LOCAL_START_TIMEOUT_S)
+    else:
+        os.environ.pop(START_TIMEOUT_ENV, None)
 
 
 def build_trainer(cfg: Config, run_name: str, run_context: dict[str, Any], callbacks: list | None = None):
@@ -388,10 +435,12 @@ def build_trainer(cfg: Config, run_name: str, run_context: dict[str, Any], callb
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from dmltrain.training.async_eval import validation_config
+    from dmltrain.training.elastic import SigtermNotice
     from dmltrain.training.faults import fault_env
     from dmltrain.training.trainer import train_loop_per_worker
 
     c = cfg.cluster
+    ray_train_env(cfg)
     resources = {"CPU": c.cpus_per_worker}
     if c.use_gpu:
         resources["GPU"] = 1
@@ -408,13 +457,21 @@ def build_trainer(cfg: Config, run_name: str, run_context: dict[str, Any], callb
         train_loop_config={"config": cfg.to_dict(), "run": run_context},
         torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
         validation_config=validation_config(cfg, run_context),  # eval.mode async: Ray evaluates checkpoints
-        scaling_config=ScalingConfig(num_workers=c.num_workers, use_gpu=c.use_gpu, resources_per_worker=resources),
+        # an elastic run starts with what it gets of [min, max], restarts smaller after a failure and grows back when
+        # Ray finds room again (checked every cluster.resize_interval_s)
+        scaling_config=ScalingConfig(
+            num_workers=c.num_workers,
+            use_gpu=c.use_gpu,
+            resources_per_worker=resources,
+            elastic_resize_monitor_interval_s=c.resize_interval_s,
+        ),
         run_config=RunConfig(
             name=run_name,
             storage_path=RunLocation.of(cfg).root,
             failure_config=FailureConfig(max_failures=c.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
-            callbacks=callbacks,
+            # a worker sent SIGTERM (its node stopping) checkpoints at the next step boundary before it stops
+            callbacks=[*(callbacks or []), SigtermNotice()],
             worker_runtime_env={"env_vars": env},
             logging_config=LoggingConfig(log_level="WARNING"),
         ),
@@ -436,7 +493,9 @@ def train(
     name resumes that run; "" resumes the latest run of ``config_path`` in the output folder.
     """
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from cluster.ray_logging import LOG_FILE, append, route_ray_logs, where_logs_went
     from dmltrain.training.progress import ProgressBoard, ProgressPrinter
 
     started = time.time()
@@ -474,11 +533,19 @@ def train(
     summary: dict[str, Any] = {}
     status = "FAILED"
     board = None
+    log_file = None if run_dir is None else run_dir / LOG_FILE
+    logs = ExitStack()  # Ray's messages to the run's log file while it trains
+    logs.enter_context(route_ray_logs(log_file))
     try:
         try:
+            started_ray = not ray.is_initialized()
             init_ray(cfg)
+            if started_ray or parent_run_id is None:
+                print(where_logs_went(log_file), file=sys.stderr)
             board_name = f"dmltrain-progress-{uuid.uuid4().hex[:8]}"
-            board = ProgressBoard.options(name=board_name).remote()
+            # on this node: the board outlives every worker group of the run, whichever nodes they lose
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            board = ProgressBoard.options(name=board_name, scheduling_strategy=here).remote()
             context = {
                 "run_name": run_name,
                 "storage_dir": storage_dir,
@@ -491,10 +558,8 @@ def train(
                 ).to_dict(),
             }
             trainer = build_trainer(cfg, run_name, context)
-            if progress:
-                with ProgressPrinter(board):
-                    result = trainer.fit()
-            else:
+            # the workers' lines (a resize, a warning) are printed either way; the progress line when asked
+            with ProgressPrinter(board, progress=progress, on_event=lambda line: append(log_file, line)):
                 result = trainer.fit()
             failure = result.error
         except UserError:
@@ -519,6 +584,7 @@ def train(
         status = "KILLED"
         raise
     finally:
+        logs.close()
         if board is not None:
             ray.kill(board)
         if error is not None:

@@ -51,7 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from cluster.launch import RunGroup, init_ray, prepare_data, prepare_driver, train
+from cluster.launch import RunGroup, fixed_workers, init_ray, prepare_data, prepare_driver, train
 from cluster.run_location import check_name
 from dmltrain.config import SAMPLING_MODES, build_config, load_config
 from dmltrain.config_tree import set_dotted
@@ -436,6 +436,7 @@ def run_study(
         shards.update(prepare_shards(c, classes, progress=progress))
         return [c.model_copy(update={"data": c.data.model_copy(update={"shards": d})}) for d in shards.values()]
 
+    fixed_workers(cfg, "study")
     cfg = prepare_driver(cfg, shard_sets)
     study = RunGroup.place(cfg, "study", name=name, config_name=config_name, out=out)
     name, out_dir, runs_root = study.name, study.out_dir, study.runs_root
@@ -497,7 +498,7 @@ def _config_line(cfg) -> str:
     length = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs} epoch{'s' * (t.epochs != 1)}"
     return (
         f"Each run: {cfg.model.backbone} → {cfg.model.embedding_dim}-d, {loss_line(cfg, share=False)}; {length} of "
-        f"{cfg.data.batch_size} images on {cfg.cluster.num_workers} worker{'s' * (cfg.cluster.num_workers != 1)}."
+        f"{cfg.data.batch_size} images on {cfg.cluster.workers_text()}."
     )
 
 

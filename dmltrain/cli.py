@@ -52,6 +52,12 @@ def _submit() -> ModuleType:
     return submit
 
 
+def _cluster() -> ModuleType:
+    from cluster import local
+
+    return local
+
+
 def _tune() -> ModuleType:
     from cluster.tune import cli
 
@@ -116,6 +122,7 @@ COMMANDS: dict[str, tuple[Callable[[], ModuleType], str]] = {
     "train": (_train, "train on Ray: DeepSpeed workers, sharded classifier, MLflow logging"),
     "eval": (_eval, "evaluate a checkpoint or saved embeddings: Recall@K, NMI, MAP@R"),
     "submit": (_submit, "submit a training to a Ray cluster as a Ray Job; follow, query or stop it"),
+    "cluster": (_cluster, "start or stop a local multi-node Ray cluster on loopback (a head and N worker nodes)"),
     "tune": (_tune, "search hyperparameters with Ray Tune (ASHA), trials logged as MLflow child runs"),
     "study": (_study, "run class-subsampling scalability studies (accuracy, speed, memory vs ratio)"),
     "report": (_report, "compare MLflow runs in a Markdown and HTML report"),

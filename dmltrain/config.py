@@ -357,6 +357,12 @@ class TrainConfig(Section):
     )
     output_dir: str = "runs"
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0: at each epoch end")
+    checkpoint_every_s: float | None = Field(
+        None,
+        gt=0,
+        description="also checkpoint at the first step boundary this many seconds after the last checkpoint (rank "
+        "0's clock, shared with the others); None: by train.checkpoint_every alone",
+    )
     keep_checkpoints: int = Field(
         2, ge=1, description="most recent training checkpoints kept (the best model is kept apart)"
     )
@@ -494,11 +500,61 @@ class TrackingConfig(Section):
 
 class ClusterConfig(Section):
     address: str | None = Field(None, description="Ray address to join; none starts a local Ray")
-    num_workers: int = Field(2, ge=1)
+    num_workers: int | tuple[int, int] = Field(
+        2,
+        description="training workers: N, or [min, max] for an elastic run (Ray Train's elastic scaling) that starts "
+        "with what the cluster has, goes on with fewer workers when a node is lost and grows back when it returns; "
+        "a step's global batch stays data.batch_size × train.grad_accum at every worker count",
+    )
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0, description="fractional values let several workers share a core")
-    max_failures: int = Field(0, ge=-1, description="worker-group restarts allowed (-1: unlimited)")
+    max_failures: int = Field(
+        0,
+        ge=-1,
+        description="worker-group restarts allowed (-1: unlimited); a lost node or worker is one, and an elastic run "
+        "needs at least one",
+    )
+    resize_interval_s: float = Field(
+        60.0,
+        gt=0,
+        description="elastic runs: how often Ray Train checks whether more workers fit, to grow the group "
+        "(ScalingConfig.elastic_resize_monitor_interval_s)",
+    )
     storage_path: str | None = Field(None, description="Ray Train storage; default train.output_dir")
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> int | tuple[int, int]:
+        pair = isinstance(v, (list, tuple)) and len(v) == 2
+        values = list(v) if pair else [v]
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+            raise ValueError("must be a worker count N, or [min, max] for an elastic run")
+        if values[0] < 1 or values[-1] < values[0]:
+            raise ValueError("must be >= 1, or [min, max] with 1 <= min <= max")
+        return (values[0], values[1]) if pair else values[0]
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the worker count is a range (Ray Train's elastic scaling)."""
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    def worker_counts(self) -> range:
+        """Every worker count the run may train at."""
+        return range(self.min_workers, self.max_workers + 1)
+
+    def workers_text(self) -> str:
+        """``1 worker``, ``4 workers``, or ``1-3 workers (elastic)``."""
+        if self.elastic:
+            return f"{self.min_workers}-{self.max_workers} workers (elastic)"
+        return f"{self.num_workers} worker{'s' * (self.num_workers != 1)}"
 
 
 class Config(Section):
@@ -514,10 +570,31 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check(self) -> Config:
-        d, w = self.data, self.cluster.num_workers
-        batch_shape(
-            d.sampler, d.batch_size, d.samples_per_class, w, d.classes_per_batch
-        )  # ValueError: the one-line message
+        d, c = self.data, self.cluster
+        unsplit = []  # worker counts of an elastic range that cannot split a step
+        for w in reversed(c.worker_counts()):  # ValueError: the one-line message
+            try:
+                batch_shape(
+                    d.sampler,
+                    d.batch_size,
+                    d.samples_per_class,
+                    w,
+                    d.classes_per_batch,
+                    grad_accum=self.train.grad_accum,
+                    max_world=c.max_workers,
+                )
+            except ValueError as e:
+                if w == c.max_workers or not str(e).startswith("cluster.num_workers: at "):
+                    raise
+                unsplit.append((w, str(e)))
+        if unsplit:
+            counts = " or ".join(str(w) for w, _ in reversed(unsplit))
+            raise ValueError(unsplit[-1][1].replace(f"at {unsplit[-1][0]} workers", f"at {counts} workers", 1))
+        if c.elastic and c.max_failures == 0:
+            raise ValueError(
+                f"cluster.max_failures: an elastic run (cluster.num_workers {list(c.num_workers)}) goes on after a lost "
+                "node by restarting its workers; allow restarts (-1: unlimited)"
+            )
         if self.loss.instance is not None:
             if d.sampler != "pk":
                 raise ValueError("data.sampler: instance losses need positives in every batch; use data.sampler=pk")

@@ -140,9 +140,9 @@ def config_needs(cfg: Any) -> dict[str, str]:
         needs["faiss"] = "eval.nmi or eval.binary on CPU workers"
     if c.use_gpu and not c.address:  # a local Ray puts every worker on this node's GPUs
         why = "cluster.use_gpu: true"
-        needs |= {"cuda": why, "gpus": f"{why}, cluster.num_workers: {c.num_workers}"}
-        if c.num_workers > 1:
-            needs["nccl"] = f"{why}, cluster.num_workers: {c.num_workers}"
+        needs |= {"cuda": why, "gpus": f"{why}, cluster.num_workers: {c.max_workers}"}
+        if c.max_workers > 1:
+            needs["nccl"] = f"{why}, cluster.num_workers: {c.max_workers}"
         if cfg.loss.classifier is not None:
             needs["triton"] = f"{why} with loss.classifier (the fused kernels)"
         if resolve_decode(cfg.data.decode, "cuda", cfg.data.augment) == "device":
@@ -209,8 +209,8 @@ def _gpus(cfg: Any, facts: dict[str, Any]) -> str:
             f"{i}: {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, {_gib(free)} free of {_gib(total)}"
         )
     c = cfg.cluster
-    if c.use_gpu and not c.address and n < c.num_workers:
-        raise Absent(f"{n} GPU(s) for cluster.num_workers: {c.num_workers} GPU workers: " + "; ".join(parts))
+    if c.use_gpu and not c.address and n < c.min_workers:
+        raise Absent(f"{n} GPU(s) for cluster.num_workers: {c.min_workers} GPU workers: " + "; ".join(parts))
     return f"{n}: " + "; ".join(parts) if n > 1 else parts[0][3:]
 
 

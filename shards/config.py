@@ -200,8 +200,8 @@ class AugmentConfig(Section):
 
     Order: ``resize`` (the frame the crop is drawn in) -> ``rotation`` -> RandomResizedCrop (``scale``,
     ``ratio``) to ``data.image_size`` -> ``flip`` -> ``randaugment`` -> ``color_jitter`` -> ``grayscale`` ->
-    normalization -> ``erase`` -> ``noise``. Every random choice is drawn from (train.seed, epoch, rank, batch,
-    slot).
+    normalization -> ``erase`` -> ``noise``. Every random choice is drawn from (train.seed, epoch, step, the
+    image's place in the step's global batch), whichever worker takes it.
     """
 
     resize: int | tuple[int, int] | None = Field(

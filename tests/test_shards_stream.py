@@ -38,7 +38,7 @@ from shards.read.tar_index import GroupReader
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-# every augmentation option on: all of them must be functions of (seed, epoch, rank, batch)
+# every augmentation option on: all of them must be functions of (seed, epoch, step, slot)
 ALL_OPTIONS = AugmentConfig(
     resize=[24, 24],
     scale=(0.3, 1.0),
@@ -188,12 +188,12 @@ def test_plan_signature_and_resume_position(shard_dir, tmp_path):
     assert set(sig) == {
         "plan_version",
         "split",
-        "world_size",
         "sampler",
         "batch_size",
+        "grad_accum",
         "samples_per_class",
         "seed",
-        "shuffle_window_batches",
+        "shuffle_window_steps",
         "manifest_digest",
     }
     # what does not change the plan does not change the signature; every plan input does
@@ -206,14 +206,16 @@ def test_plan_signature_and_resume_position(shard_dir, tmp_path):
     assert (
         stream(shard_dir, rank=1, world_size=2).plan_signature()
         == stream(shard_dir, rank=0, world_size=2).plan_signature()
-    ), "same on all ranks"
+        == stream(shard_dir, rank=2, world_size=3).plan_signature()
+        == sig
+    ), "same on all ranks, at every worker count"
     changed = {
-        "world_size": stream(shard_dir, world_size=3),
+        "grad_accum": stream(shard_dir, grad_accum=2),
         "batch_size": stream(shard_dir, batch_size=2 * P * K),
         "samples_per_class": stream(shard_dir, batch_size=2 * P * K, samples_per_class=2 * K),
         "sampler": stream(shard_dir, sampler="random"),
         "seed": stream(shard_dir, seed=12),
-        "shuffle_window_batches": stream(shard_dir, shuffle_images=600),
+        "shuffle_window_steps": stream(shard_dir, shuffle_images=600),
     }
     for key, ts in changed.items():
         assert ts.plan_signature()[key] != sig[key], key
@@ -230,6 +232,35 @@ def test_plan_signature_and_resume_position(shard_dir, tmp_path):
     with pytest.raises(UserError, match="plan_signature"):
         bigger.epoch(0, start_batch=base.batches_per_epoch - 1)
     assert not hasattr(base, "state_dict") and not hasattr(base, "position")
+
+
+def test_a_step_is_the_same_images_and_crops_at_every_worker_count(shard_dir):
+    """The global batch of a step, pixels and augmentation included, whichever workers take it in whichever
+    micro-batches, and from whichever step an epoch is resumed: a run resumed at another worker count continues
+    the same optimization."""
+
+    def steps(world, start_step=0, **kw):
+        """Every step of epoch 1 from ``start_step``, the ranks' micro-batches put back in order."""
+        ranks = [stream(shard_dir, rank=r, world_size=world, augment=ALL_OPTIONS, **kw) for r in range(world)]
+        accum = ranks[0].accum
+        got = [list(ts.epoch(1, start_batch=start_step * accum, with_index=True)) for ts in ranks]
+        out = []
+        for s in range(len(got[0]) // accum):
+            parts = [got[r][s * accum + j] for j in range(accum) for r in range(world)]
+            out.append(tuple(torch.cat([p[i] for p in parts]) for i in range(3)))
+        return out
+
+    ref = steps(1)
+    assert len(ref) == stream(shard_dir).steps_per_epoch > 3
+    for world, kw in [(2, {}), (3, {}), (3, {"max_world": 6}), (1, {"max_world": 3})]:
+        other = steps(world, **kw)
+        assert len(other) == len(ref)
+        for a, b in zip(ref, other):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), (world, kw)
+    # P = 6 classes a step, at most 6 / 6 = 1 a worker at 3 of 6 workers: 2 micro-batches of one class each
+    assert stream(shard_dir, rank=0, world_size=3, max_world=6).accum == 2
+    for a, b in zip(ref[2:], steps(2, start_step=2)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), "resumed mid-epoch at another worker count"
 
 
 def test_random_sampler_batches(shard_dir):
@@ -249,7 +280,7 @@ def test_config_errors(shard_dir):
         stream(shard_dir, batch_size=10, samples_per_class=3)
     with pytest.raises(UserError, match="evenly"):
         stream(shard_dir, world_size=4, batch_size=18)
-    with pytest.raises(UserError, match="fewer than one global batch"):
+    with pytest.raises(UserError, match="fewer than one step.s global batch"):
         stream(shard_dir, batch_size=3 * 200)
     with pytest.raises(UserError, match="no split 'val'"):
         TrainStream(shard_dir, "val", rank=0, world_size=1, batch_size=18)

@@ -136,18 +136,18 @@ _OPTIONS = {
 
 
 @pytest.mark.parametrize("option", list(_OPTIONS))
-def test_every_option_is_reproducible_from_seed_epoch_rank_batch(option):
-    """Records and pixels are functions of (seed, epoch, rank, batch) through the batch's slot generators: the
+def test_every_option_is_reproducible_from_seed_epoch_step_slot(option):
+    """Records and pixels are functions of (seed, epoch, step, place in the step) through the slot generators: the
     same key gives the same records and the same pixels, changing any one of its parts gives other draws."""
     _, png = _png()
     kwargs, drawn = _OPTIONS[option]
     t = TrainTransform(S, AugmentConfig(**kwargs), draft=False)
     slots = 16
-    key = (3, 1, 1, 5)  # seed, epoch, rank, batch
+    key = (3, 1, 1, 5)  # seed, epoch, step, first slot (of a step of 4 × 16 images)
 
-    def batch(seed, epoch, rank, b):
-        rngs = slot_rngs(seed, epoch, rank, b, slots)
-        records = [t.draw(W, H, r) for r in slot_rngs(seed, epoch, rank, b, slots)]
+    def batch(seed, epoch, step, first):
+        rngs = slot_rngs(seed, epoch, step, first, slots, 4 * slots)
+        records = [t.draw(W, H, r) for r in slot_rngs(seed, epoch, step, first, slots, 4 * slots)]
         return records, [t(png, r) for r in rngs]
 
     records, pixels = batch(*key)
@@ -163,7 +163,7 @@ def test_every_option_is_reproducible_from_seed_epoch_rank_batch(option):
         changed = list(key)
         changed[part] += 1
         other, other_pixels = batch(*changed)
-        assert [drawn(r) for r in other] != [drawn(r) for r in records], (option, "seed epoch rank batch".split()[part])
+        assert [drawn(r) for r in other] != [drawn(r) for r in records], (option, "seed epoch step slot".split()[part])
         assert any(not np.array_equal(a, b) for a, b in zip(pixels, other_pixels))
 
 

@@ -8,7 +8,8 @@ synthetic shards, sharded NormSoftmax with class subsampling plus ICE):
    workers hold before step 3 (``DMLTRAIN_FAULT_HOLD``: a live worker of this run, whatever the
    machine's load): Ray restarts the group, training resumes from step 2's checkpoint, ends at
    the same step in a single MLflow run, one value per step, with the same weights as run 1;
-3. a run saved at 2 workers is resumed at 1 worker by re-running it under its name;
+3. a run saved at 2 workers mid-epoch is resumed at 1 worker by re-running it under its name: it continues the
+   epoch (the global batch of a step does not depend on the worker count);
 4. a copy of run 1 with a pickle planted in its checkpoint is refused before any worker starts;
 5. a loss made NaN at step 3 stops the run FAILED, keeping the checkpoints of steps 1-2 only;
 6. a `dmltrain train` process killed outright (SIGKILL) while its workers hold before step 4: its
@@ -291,8 +292,9 @@ def test_resume_at_a_different_worker_count(env):
     assert len(runs) == 1
     tags = runs[0].data.tags
     assert tags["dmltrain.resumed_from_step"] == "2" and tags["resumed.cluster.num_workers"] == "1"
-    # step 2 was mid-epoch under a 2-worker batch plan: the 1-worker run starts the next epoch instead
-    assert "world_size" in tags["dmltrain.resumed_at_epoch_start"]
+    # step 2 was mid-epoch: the 1-worker run continues that epoch, the same steps (the plan does not depend on W)
+    assert "dmltrain.resumed_at_epoch_start" not in tags
+    assert [int(m.value) for m in client.get_metric_history(runs[0].info.run_id, "cluster/workers")] == [2, 1]
     cosines = [m.value for m in client.get_metric_history(runs[0].info.run_id, "softmax/probe/grad_cos")]
     assert len(cosines) == 4 and all(0.0 < c <= 1.0 + 1e-9 for c in cosines), cosines
     chance = client.get_metric_history(runs[0].info.run_id, "softmax/probe/uniform_loss_gap")

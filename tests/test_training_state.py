@@ -153,16 +153,16 @@ def test_scheduled_lr_freezes_the_backbone_during_the_head_only_start():
 def test_a_changed_batch_plan_moves_a_mid_epoch_position_to_the_next_epoch(tmp_path):
     from dmltrain.training.state import TrainState, realign_to_plan
 
-    plan = {"world_size": 2, "batch_size": 32, "seed": 0, "manifest_digest": "ab"}
+    plan = {"plan_version": 2, "batch_size": 32, "seed": 0, "manifest_digest": "ab"}
     # the same plan: the position stands (and survives a JSON round trip)
     st = TrainState(step=7, epoch=1, batch=3, plan=dict(plan))
     (tmp_path / "s.json").write_text(__import__("json").dumps(__import__("dataclasses").asdict(st)))
     st = TrainState.from_json(tmp_path / "s.json")
     assert realign_to_plan(st, plan) == [] and (st.epoch, st.batch) == (1, 3)
-    # another world size mid-epoch: the next epoch's start, and the changed keys named
-    st = TrainState(step=7, epoch=1, batch=3, plan=dict(plan))
-    assert realign_to_plan(st, {**plan, "world_size": 3, "manifest_digest": "cd"}) == ["manifest_digest", "world_size"]
-    assert (st.step, st.epoch, st.batch) == (7, 2, 0) and st.plan["world_size"] == 3
+    # a position of an older plan version (or other shards) mid-epoch: the next epoch's start, the changed keys named
+    st = TrainState(step=7, epoch=1, batch=3, plan={**plan, "plan_version": 1})
+    assert realign_to_plan(st, {**plan, "manifest_digest": "cd"}) == ["manifest_digest", "plan_version"]
+    assert (st.step, st.epoch, st.batch) == (7, 2, 0) and st.plan["plan_version"] == 2
     # at an epoch boundary nothing moves; a state saved before plans were recorded keeps its position
     st = TrainState(step=8, epoch=2, batch=0, plan=dict(plan))
     assert realign_to_plan(st, {**plan, "seed": 1}) == ["seed"] and (st.epoch, st.batch) == (2, 0)

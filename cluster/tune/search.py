@@ -15,7 +15,7 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from cluster.launch import RunGroup, init_ray, prepare_driver
+from cluster.launch import RunGroup, fixed_workers, init_ray, prepare_driver
 from cluster.run_location import RunLocation
 from cluster.tune.results import TuneSummary, best_config_yaml, reconcile_with_mlflow, results_table, rows_from_results
 from cluster.tune.sealed_state import SearchState
@@ -36,9 +36,9 @@ def default_max_concurrent(cfg, trial_cpus: float) -> int:
     total = ray.cluster_resources()
     c = cfg.cluster
     if c.use_gpu:
-        fit = int(total.get("GPU", 0) // c.num_workers)
+        fit = int(total.get("GPU", 0) // c.max_workers)
     else:
-        fit = int(total.get("CPU", 0) // (c.num_workers * c.cpus_per_worker + trial_cpus))
+        fit = int(total.get("CPU", 0) // (c.max_workers * c.cpus_per_worker + trial_cpus))
     return max(1, fit)
 
 
@@ -90,6 +90,7 @@ def tune_search(
                 f"tune {name}: {state.root}/{name} holds a search already; resume it with --resume, or choose "
                 "another --name"
             )
+    fixed_workers(cfg, "tune")
     cfg = prepare_driver(cfg)  # train's checks; synthetic shards are built once, here, for every trial
     base_tree = cfg.to_dict()
     if scheduler == "asha" and cfg.eval.every == 0:

@@ -110,7 +110,7 @@ def describe_run(cfg: Any, manifest_summary: Mapping[str, Any], total_steps: int
         f"- **Model**: {m.backbone}, {m.embedding_dim or 'backbone'}-d embedding ({m.head} head), {pretrained}",
         f"- **Losses**: {loss_line(cfg)}",
         f"- **Training**: {_count(total_steps)} steps = {epochs:.3g} epochs of {batch}, {o.name} lr {o.lr:g} "
-        f"({cfg.schedule.kind}), {t.precision}, {cfg.cluster.num_workers} worker{'s' * (cfg.cluster.num_workers != 1)}, "
+        f"({cfg.schedule.kind}), {t.precision}, {cfg.cluster.workers_text()}, "
         f"seed {t.seed}",
         f"- **Evaluation**: {', '.join(what)} on {' → '.join(d.eval_splits)}, {when}"
         + (", and the untrained model at step 0" if e.before_training else ""),

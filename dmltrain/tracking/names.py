@@ -37,6 +37,9 @@ RESUMED_PARAM_PREFIX = (
 )
 RESUMED_FROM_STEP_TAG = "dmltrain.resumed_from_step"
 RESUMED_AT_EPOCH_START_TAG = "dmltrain.resumed_at_epoch_start"
+# dmltrain.resize.<n>: the n-th restart of the worker group in this run ("3 -> 2 workers at step 37: resumed from
+# step 35, 2 steps replayed, 48.2 s lost"); the worker count itself is the metric cluster/workers
+RESIZE_TAG_PREFIX = "dmltrain.resize."
 TUNE_TRIAL_TAG = "dmltrain.tune.trial"  # Ray Tune's trial id, on a trial's run
 TUNE_STOPPED_TAG = "dmltrain.tune.stopped_early"  # a trial the scheduler stopped
 TUNE_BEST_TRIAL_TAG = "dmltrain.tune.best_trial"  # on a search's parent run
@@ -95,6 +98,7 @@ INSTANCE_PREFIX = "instance/"  # instance/<stat>: the instance loss's
 CLASSIFIER_LOSS = CLASSIFIER_PREFIX + "loss"
 INSTANCE_LOSS = INSTANCE_PREFIX + "loss"
 SKIPPED_SAMPLES = "data/skipped_samples"
+WORKERS = "cluster/workers"  # the worker group's size, logged at the start and at every change (elastic runs)
 REMOTE_PREFIX = "data/remote/"  # data/remote/<counter>: remote shard reads, all ranks (requests, bytes, retries, retries/<kind>, failed)
 REMOTE_RETRIES = "data/remote/retries"
 TRAIN_PREFIX = "train/"  # the objective's other statistics

@@ -231,10 +231,11 @@ class RunHandle:
     def log_params(self, params: Mapping[str, Any]) -> None:
         self.query("log params", lambda c: _log_params(c, self.run_id, params))
 
-    def log_metrics(self, metrics: Mapping[str, Any], step: int = 0) -> None:
+    def log_metrics(self, metrics: Mapping[str, Any], step: int = 0, *, again: bool = False) -> None:
         """Log ``metrics`` at ``step`` under their MLflow keys (:func:`~dmltrain.tracking.names.metric_key`);
-        NaN and values that are not numbers are left out."""
-        if self._logged_through is not None and step <= self._logged_through:
+        NaN and values that are not numbers are left out. ``again``: even at a step the run already holds
+        (a value that changes when the workers restart there, such as their number)."""
+        if not again and self._logged_through is not None and step <= self._logged_through:
             return  # the run holds this step already: a resumed run replaying the steps after its checkpoint
         ts = int(time.time() * 1000)
         items = [

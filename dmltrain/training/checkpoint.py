@@ -18,9 +18,10 @@ workers into one checkpoint, so every per-rank file has a rank-unique name:
 ==========================  ======  ==========================================================
 
 Resuming at the same world size and ZeRO stage loads DeepSpeed's own checkpoint (exact,
-bit for bit); at another world size the data-parallel state comes from ``model.pt`` and
-``dp_optimizer.pt``, the classifier reshards by class id, and RNG streams are re-derived
-from (seed, step, rank).
+bit for bit); at another world size or ZeRO stage the data-parallel state comes from ``model.pt``
+and ``dp_optimizer.pt`` (ZeRO 0-3: :mod:`.dp_state`), the classifier reshards by class id (its rows,
+their optimizer state and per-class state such as the hard-class index), and RNG streams are
+re-derived from (seed, step, rank).
 
 Nothing is unpickled beyond data: every file, DeepSpeed's included, is read weights-only with an
 explicit allow-list of DeepSpeed's state types (:mod:`.safe_load`); a file naming any other type
@@ -89,6 +90,7 @@ class Checkpointer:
         self.model_config = model_config
         self.states: dict[str, Stateful] = dict(states or {})
         self.last_step: int | None = None  # the step of the latest checkpoint saved or restored by this run
+        self.restored_world_size: int | None = None  # the worker count that saved the restored checkpoint
         if head.proxies is not None:
             self.states["instance_loss"] = head
 
@@ -118,17 +120,15 @@ class Checkpointer:
         engine = self.engine
         directory.mkdir(parents=True, exist_ok=True)
         engine.save_checkpoint(str(directory), tag=ENGINE_TAG)
-        # collectives under ZeRO; ZeRO-3 runs resume only at their own world size (DeepSpeed's checkpoint)
-        dp = full_dp_state(engine) if state.zero_stage < 3 else None
+        dp = full_dp_state(engine)  # collectives under ZeRO
         weights = full_module_state_dict(engine)
         if self.head.classifier_head is not None:
             self.head.classifier_head.save(directory / CLASSIFIER_DIR)  # collective
         torch.save(rng_state(), directory / f"rng-rank{self.rank}.pt")
         if self.rank != 0:
             return
-        if dp is not None:
-            weights.update(dp["weights"])  # fp32 masters over the (possibly bf16) module copy
-            torch.save({"optim": dp["optim"], "scalars": dp["scalars"]}, directory / "dp_optimizer.pt")
+        weights.update(dp["weights"])  # fp32 masters over the (possibly bf16) module copy
+        torch.save({"optim": dp["optim"], "scalars": dp["scalars"]}, directory / "dp_optimizer.pt")
         extra = {"step": state.step, "metrics": state.last_metrics}
         save_model(directory / "model.pt", engine.module, self.model_config, extra=extra, state_dict=weights)
         for stem, obj in self.states.items():
@@ -146,6 +146,7 @@ class Checkpointer:
 
     def _load_from(self, directory: Path) -> TrainState:
         state = TrainState.from_json(directory / STATE_FILE)
+        self.restored_world_size = state.world_size
         same_layout = state.world_size == self.world_size and state.zero_stage == self.zero_stage
         if same_layout:
             load_path, _ = self.engine.load_checkpoint(str(directory), tag=ENGINE_TAG, load_lr_scheduler_states=False)
@@ -166,21 +167,23 @@ class Checkpointer:
         return state
 
     def _load_portable(self, directory: Path, state: TrainState) -> None:
-        """The data-parallel state saved at another world size: full weights and per-parameter optimizer state."""
-        if self.zero_stage >= 3 or state.zero_stage >= 3:
+        """The data-parallel state saved at another world size or ZeRO stage: full weights and per-parameter
+        optimizer state (a checkpoint without them, a ZeRO-3 one of an older dmltrain, is one line)."""
+        if not (directory / "dp_optimizer.pt").exists():
             raise UserError(
-                f"{directory}: saved with ZeRO-{state.zero_stage} at {state.world_size} workers; a ZeRO-3 run resumes only "
-                f"with the same cluster.num_workers and train.zero_stage"
+                f"{directory}: saved with ZeRO-{state.zero_stage} at {state.world_size} workers without the portable "
+                f"optimizer state; resume it with cluster.num_workers={state.world_size} and "
+                f"train.zero_stage={state.zero_stage}"
             )
         module = self.engine.module
         weights = _load(directory / "model.pt")["state_dict"]
         opt = _load(directory / "dp_optimizer.pt")
         params = dict(module.named_parameters())
-        load_full_dp_state(
-            self.engine, {"weights": {k: weights[k] for k in params}, "optim": opt["optim"], "scalars": opt["scalars"]}
-        )
-        buffers = {k: v for k, v in weights.items() if k not in params}
-        module.load_state_dict({**module.state_dict(), **buffers})
+        dp = {"weights": {k: weights[k] for k in params}, "optim": opt["optim"], "scalars": opt["scalars"]}
+        load_full_dp_state(self.engine, dp, module_weights=weights)
+        if self.zero_stage < 3:  # ZeRO-3's buffers were loaded with its partitions
+            buffers = {k: v for k, v in weights.items() if k not in params}
+            module.load_state_dict({**module.state_dict(), **buffers})
 
 
 EMA_STATE = "ema"  # the stem of the weights' average in a checkpoint (train.ema_decay)

@@ -4,7 +4,10 @@ DeepSpeed's own engine checkpoint is exact but tied to the data-parallel world s
 ZeRO partitions the optimizer (stage >= 1), and its universal-checkpoint converter only
 knows Adam's state. So beside the engine checkpoint we keep every parameter's fp32 master
 weight and optimizer state (SGD momentum, Adam moments and step) keyed by parameter name;
-a run resumed at another world size rebuilds its partitions from them.
+a run resumed at another world size rebuilds its partitions from them, at every ZeRO stage:
+ZeRO 1-2 through the fragments DeepSpeed links to each parameter, ZeRO-3 through its
+partitioned parameters (``safe_get/set_full_*`` gather and scatter both kinds; ZeRO-3's working
+copy of each parameter is written through ``GatheredParameters``).
 
 Both functions are collectives under ZeRO (every rank must call them).
 """
@@ -31,14 +34,29 @@ def _uses_hp_mapping(engine) -> bool:
     return any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
 
 
+def _flat_partitions(engine) -> list[torch.Tensor]:
+    """The flat fp32 partitions the base optimizer keeps its state for. ZeRO-3 lists them in its param groups
+    only while it steps, so they are read from the ZeRO-3 optimizer itself."""
+    if _zero_stage(engine) >= 3:
+        return list(engine.optimizer.fp32_partitioned_groups_flat)
+    return [q for g in _base_optimizer(engine).param_groups for q in g["params"]]
+
+
 def _flat_state_keys(engine) -> list[str]:
     """Optimizer-state keys of the flat partitions: the same on every rank, unlike per-fragment keys."""
     base = _base_optimizer(engine)
     keys: set[str] = set()
-    for g in base.param_groups:
-        for q in g["params"]:
-            keys |= {k for k, v in base.state.get(q, {}).items() if torch.is_tensor(v) and v.shape == q.shape}
+    for q in _flat_partitions(engine):
+        keys |= {k for k, v in base.state.get(q, {}).items() if torch.is_tensor(v) and v.shape == q.shape}
     return sorted(keys)
+
+
+def _fresh_state(like: torch.Tensor, keys: list[str], scalars: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state for ``like`` with zero tensors under ``keys`` and ``scalars`` (Adam's step) set."""
+    st: dict[str, Any] = {k: torch.zeros_like(like) for k in keys}
+    for k, v in scalars.items():
+        st[k] = torch.tensor(v, dtype=torch.float32) if isinstance(v, float) else v
+    return st
 
 
 def _relink_optimizer_state(engine) -> None:
@@ -56,15 +74,23 @@ def _base_optimizer(engine) -> torch.optim.Optimizer:
 
 
 def full_dp_state(engine) -> dict[str, Any]:
-    """``{'weights': {name: fp32}, 'optim': {name: {key: tensor}}, 'scalars': {key: value}}`` on every rank."""
-    if _zero_stage(engine) >= 3:
-        raise NotImplementedError("portable state of ZeRO-3 engines")
+    """``{'weights': {name: fp32}, 'optim': {name: {key: tensor}}, 'scalars': {key: value}}`` on every rank
+    (``weights``: the trainable parameters' fp32 masters; a frozen one's value is in the module's state dict)."""
     ds_utils = import_deepspeed().utils
     weights: dict[str, torch.Tensor] = {}
     optim: dict[str, dict[str, torch.Tensor]] = {}
     scalars: dict[str, Any] = {}
     base = _base_optimizer(engine)
-    if _uses_hp_mapping(engine):
+    if _zero_stage(engine) >= 3:
+        keys = _flat_state_keys(engine)
+        for name, p in engine.module.named_parameters():
+            if not p.requires_grad:
+                continue  # no fp32 master, no optimizer state: its value is the module's
+            # each call all-gathers the partitions of every rank: same order on all ranks
+            weights[name] = ds_utils.safe_get_full_fp32_param(p).detach().float().cpu().clone()
+            optim[name] = {k: ds_utils.safe_get_full_optimizer_state(p, k).detach().float().cpu().clone() for k in keys}
+        flat_states = [base.state[q] for q in _flat_partitions(engine) if q in base.state]
+    elif _uses_hp_mapping(engine):
         _relink_optimizer_state(engine)
         keys = _flat_state_keys(engine)
         for name, p in engine.module.named_parameters():
@@ -93,20 +119,22 @@ def full_dp_state(engine) -> dict[str, Any]:
     return {"weights": weights, "optim": optim, "scalars": scalars}
 
 
-def load_full_dp_state(engine, state: dict[str, Any]) -> None:
-    """Write a :func:`full_dp_state` into a freshly initialised engine of any world size."""
-    if _zero_stage(engine) >= 3:
-        raise NotImplementedError("portable state of ZeRO-3 engines")
+def load_full_dp_state(engine, state: dict[str, Any], module_weights: dict[str, torch.Tensor] | None = None) -> None:
+    """Write a :func:`full_dp_state` into a freshly initialised engine of any world size.
+
+    Under ZeRO-3 ``module_weights`` (the full module state dict: frozen parameters and buffers too)
+    becomes the partitioned working copy first; the other stages take the module's values from ``state``.
+    """
     ds_utils = import_deepspeed().utils
+    if _zero_stage(engine) >= 3:
+        _load_zero3(engine, state, module_weights or {})
+        return
     weights, optim, scalars = state["weights"], state["optim"], state["scalars"]
     base = _base_optimizer(engine)
     keys = sorted({k for per in optim.values() for k in per})
 
     def fresh_state(like: torch.Tensor) -> dict[str, Any]:
-        st: dict[str, Any] = {k: torch.zeros_like(like) for k in keys}
-        for k, v in scalars.items():
-            st[k] = torch.tensor(v, dtype=torch.float32) if isinstance(v, float) else v
-        return st
+        return _fresh_state(like, keys, scalars)
 
     named = dict(engine.module.named_parameters())
     missing = sorted(set(named) - set(weights))
@@ -134,6 +162,54 @@ def load_full_dp_state(engine, state: dict[str, Any]) -> None:
                     st = fresh_state(p)
                     st.update({k: v.to(device=p.device, dtype=p.dtype).clone() for k, v in optim[name].items()})
                     base.state[p] = st
+
+
+def _load_zero3(engine, state: dict[str, Any], module_weights: dict[str, torch.Tensor]) -> None:
+    """ZeRO-3: the working copy from ``module_weights`` (gathered, written on rank 0, scattered again), then each
+    trainable parameter's fp32 master and optimizer state from ``state``."""
+    weights, optim = state["weights"], state["optim"]
+    module = engine.module
+    named = dict(module.named_parameters())
+    missing = sorted(n for n, p in named.items() if p.requires_grad and n not in weights)
+    if missing:
+        raise KeyError(f"checkpoint lacks parameters {missing[:5]}")
+    full = {**module_weights, **weights}
+    with import_deepspeed().zero.GatheredParameters(list(named.values()), modifier_rank=0), torch.no_grad():
+        for name, p in named.items():
+            if name in full:
+                p.copy_(full[name].to(device=p.device, dtype=p.dtype))
+    keys = sorted({k for per in optim.values() for k in per})
+    base = _base_optimizer(engine)
+    if keys:  # a new engine's optimizer has no state before its first step: made here, then filled
+        for q in _flat_partitions(engine):
+            base.state[q] = _fresh_state(q, keys, state["scalars"])
+    for name, p in named.items():
+        if p.requires_grad:
+            _set_zero3_partition(p, weights[name])
+            for k, v in optim.get(name, {}).items():
+                _set_zero3_partition(p, v, k)
+    with torch.no_grad():  # ZeRO-3 partitions parameters only: every rank holds the buffers whole
+        for name, buf in module.named_buffers():
+            if name in module_weights:
+                buf.copy_(module_weights[name].to(device=buf.device, dtype=buf.dtype))
+
+
+def _set_zero3_partition(param, value: torch.Tensor, key: str | None = None) -> None:
+    """This rank's part of ZeRO-3 ``param``'s fp32 master (``key`` None) or optimizer state ``key`` from the full value.
+
+    DeepSpeed's ``safe_set_full_*`` does the same but reads past the end of the value for the last rank when the
+    parameter does not split evenly (0.19: it takes whole partitions, padding included); here the padding stays 0.
+    """
+    opt = param._z3_optimizer
+    part, group = opt._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)
+    flat = value.detach().flatten().to(device=part.device, dtype=part.dtype)
+    lo = min(part.numel() * opt._get_param_partition_rank(param), flat.numel())
+    hi = min(lo + part.numel(), flat.numel())
+    with torch.no_grad():
+        part.zero_()
+        part[: hi - lo].copy_(flat[lo:hi])
+    if opt._swappable_optimizer_subgroup(group):
+        opt._optimizer_states_and_gradient_swap_out(group)
 
 
 def full_module_state_dict(engine) -> dict[str, torch.Tensor]:

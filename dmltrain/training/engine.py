@@ -27,6 +27,7 @@ import torch
 from dmltrain.config import Config, OptimConfig
 from dmltrain.config_tree import deep_merge
 from dmltrain.errors import UserError
+from shards.read.sampler import batch_shape
 
 # Keys the data pipeline (data.batch_size, cluster.num_workers, train.grad_accum) owns; a user DeepSpeed JSON may
 # not change them.
@@ -55,12 +56,23 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     """The engine's JSON, generated from ``cfg`` and overridden by ``train.deepspeed_config`` if set.
 
     Gradient clipping acts on the data-parallel parameters only (backbone and head);
-    the sharded classifier's rows are not clipped. ``train.grad_accum`` micro-batches of
-    ``data.batch_size`` make one optimizer step (DeepSpeed's ``gradient_accumulation_steps``:
-    ``engine.backward`` divides the loss by it, ``engine.step`` steps at every ``grad_accum``-th call).
+    the sharded classifier's rows are not clipped. A step is ``data.batch_size × train.grad_accum``
+    images at every worker count, taken in the micro-batches of
+    :func:`~shards.read.sampler.batch_shape` (``train.grad_accum`` of ``data.batch_size`` at the largest
+    ``cluster.num_workers``, more and smaller ones at fewer workers): DeepSpeed's
+    ``gradient_accumulation_steps``, by which ``engine.backward`` divides the loss and at whose every
+    multiple ``engine.step`` steps.
     """
-    local_batch = cfg.data.batch_size // world_size
-    accum = cfg.train.grad_accum
+    d = cfg.data
+    shape = batch_shape(
+        d.sampler,
+        d.batch_size,
+        d.samples_per_class,
+        world_size,
+        grad_accum=cfg.train.grad_accum,
+        max_world=cfg.cluster.max_workers,
+    )
+    local_batch, accum = shape.local_batch_size, shape.accum
     precision = cfg.train.precision
     generated: dict[str, Any] = {
         "train_batch_size": local_batch * world_size * accum,
@@ -96,8 +108,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     for key in _BATCH_KEYS:
         if key in user and user[key] != generated[key]:
             raise UserError(
-                f"{path}: '{key}' is set by data.batch_size, cluster.num_workers and train.grad_accum; "
-                f"remove it from the JSON"
+                f"{path}: '{key}' is set by data.batch_size, cluster.num_workers and train.grad_accum "
+                f"({generated[key]} at {world_size} workers); remove it from the JSON"
             )
     return deep_merge(generated, user)
 

@@ -7,7 +7,9 @@ variable on to its workers).
   and checkpoints reported) and waits until ``FOLDER/release`` exists, having written
   ``FOLDER/held-rank<r>-<pid>``: a test knows a live worker of the run and its pid, kills it (or its driver)
   while the run cannot end, then releases. Once ``release`` exists no worker holds again (a restarted group,
-  a resumed run). A hold gives up after :data:`HOLD_LIMIT_S`.
+  a resumed run). A hold gives up after :data:`HOLD_LIMIT_S`. A held worker that receives Ray Train's preemption
+  notice (its node drained) writes ``FOLDER/notice-rank<r>``: a test releases the workers once they know, so that
+  they save the step they are held before.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ class Hold:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / f"held-rank{self.rank}-{os.getpid()}").touch()
-        deadline = time.monotonic() + HOLD_LIMIT_S
+        from dmltrain.training.elastic import ray_preemption
+
+        deadline, noticed = time.monotonic() + HOLD_LIMIT_S, False
         while not (self.folder / RELEASE).exists() and time.monotonic() < deadline:
+            if not noticed and ray_preemption() is not None:
+                (self.folder / f"notice-rank{self.rank}").touch()
+                noticed = True
             time.sleep(0.05)

@@ -8,6 +8,7 @@ because rank 0 and the driver may sit on different machines of a cluster.
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 import threading
 import time
@@ -20,12 +21,34 @@ from dmltrain.text import format_duration
 
 @ray.remote(num_cpus=0)
 class ProgressBoard:
+    """The driver's actor (on the driver's node: it outlives every worker group of the run) that rank 0
+    posts to: the progress line, the summary, the last step reached (:mod:`.elastic`) and lines for the
+    driver to print (``events``)."""
+
     def __init__(self) -> None:
         self._latest: dict[str, Any] = {}
         self._summary: dict[str, Any] = {}
+        self._reached: dict[str, Any] | None = None
+        self._events: list[str] = []
+        self._restarts = 0
 
     def update(self, info: dict[str, Any]) -> None:
         self._latest = {**self._latest, **info}
+
+    def reach(self, step: int, world: int, at: float) -> None:
+        self._reached = {"step": step, "world": world, "time": at}
+
+    def restarted(self) -> tuple[dict[str, Any] | None, int]:
+        """The last step a previous group of this run reached (None: this is the first), and this group's number."""
+        self._restarts += 1
+        return self._reached, self._restarts - 1
+
+    def event(self, line: str) -> None:
+        self._events.append(line)
+
+    def take_events(self) -> list[str]:
+        events, self._events = self._events, []
+        return events
 
     def set_summary(self, summary: dict[str, Any]) -> None:
         # merged: with asynchronous evaluation the workers post the position and the evaluation tasks the metrics
@@ -56,6 +79,16 @@ def post(board_name: str | None, info: dict[str, Any], summary: bool = False) ->
         board.update.remote(info)
 
 
+def board_handle(board_name: str | None):
+    """The driver's board, or None when there is none (no name, or gone)."""
+    if not board_name:
+        return None
+    try:
+        return _board(board_name)
+    except ValueError:
+        return None
+
+
 @functools.lru_cache(maxsize=4)
 def _board(name: str):
     # one lookup on the Ray head per process, not one per log line (a missing board raises and is not cached)
@@ -83,10 +116,23 @@ def format_line(info: dict[str, Any]) -> str:
 
 
 class ProgressPrinter:
-    """Polls a board and prints: a rewritten line on a terminal, a line every ``interval`` s otherwise."""
+    """Polls a board and prints: a rewritten line on a terminal, a line every ``interval`` s otherwise
+    (``progress`` False: none); the workers' lines (board events) either way, each also handed to ``on_event``.
+    ``stream`` None: the ``sys.stderr`` of the moment it is made (not of the module's import: it may be another now)."""
 
-    def __init__(self, board, interval: float = 1.0, log_interval: float = 15.0, stream=sys.stderr):
+    def __init__(
+        self,
+        board,
+        interval: float = 1.0,
+        log_interval: float = 15.0,
+        stream=None,
+        *,
+        progress: bool = True,
+        on_event=None,
+    ):
+        stream = sys.stderr if stream is None else stream
         self.board, self.interval, self.log_interval, self.stream = board, interval, log_interval, stream
+        self.progress, self.on_event = progress, on_event
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._tty = hasattr(stream, "isatty") and stream.isatty()
@@ -99,8 +145,21 @@ class ProgressPrinter:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        try:  # the last lines the workers posted (a group's last words before the run ended)
+            self._print_events(ray.get(self.board.take_events.remote(), timeout=5))
+        except Exception:  # noqa: BLE001 — the board is gone: nothing more to print
+            pass
         if self._tty and self._last_line:
             self.stream.write("\n")
+            self.stream.flush()
+
+    def _print_events(self, events: list[str]) -> None:
+        for event in events:  # a line of its own, above the progress line
+            self.stream.write(("\r\033[K" if self._tty and self._last_line else "") + event + "\n")
+            self._last_line = ""
+            if self.on_event is not None:
+                self.on_event(event)
+        if events:
             self.stream.flush()
 
     def _run(self) -> None:
@@ -108,7 +167,11 @@ class ProgressPrinter:
         while not self._stop.wait(self.interval):
             try:
                 info, _ = ray.get(self.board.get.remote(), timeout=5)
+                events = ray.get(self.board.take_events.remote(), timeout=5)
             except Exception:  # noqa: BLE001 — the board may be restarting; the next poll will tell
+                continue
+            self._print_events(events)
+            if not self.progress:
                 continue
             line = format_line(info)
             now = time.monotonic()
@@ -120,3 +183,36 @@ class ProgressPrinter:
                 self.stream.write(line + "\n")
                 self.stream.flush()
                 self._last_line, last_print = line, now
+
+
+class WorkerEvents(logging.Handler):
+    """On a worker: dmltrain's WARNING and above, posted to the driver's board as a line (``rank r: ...``) for it to
+    print and log; at most ``limit`` lines a process, then one saying how to see the rest (the worker's own log)."""
+
+    LOGGERS = ("dmltrain", "shards", "cluster")
+
+    def __init__(self, board: Any, rank: int, limit: int = 50):
+        super().__init__(logging.WARNING)
+        self.board, self.rank, self.limit, self.sent = board, rank, limit, 0
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.sent > self.limit:
+            return
+        self.sent += 1
+        line = self.format(record) if self.sent <= self.limit else "more worker warnings: see the workers' logs"
+        try:
+            self.board.event.remote(f"rank {self.rank}: {line}")
+        except Exception:  # noqa: BLE001 — the driver is gone: nobody to tell
+            pass
+
+    @classmethod
+    def install(cls, board: Any, rank: int) -> WorkerEvents | None:
+        """Attach one to dmltrain's loggers of this worker process (once); None without a board."""
+        if board is None:
+            return None
+        handler = cls(board, rank)
+        for name in cls.LOGGERS:
+            logger = logging.getLogger(name)
+            logger.handlers = [h for h in logger.handlers if not isinstance(h, cls)] + [handler]
+        return handler

@@ -15,9 +15,9 @@ class TrainState:
     """Position of a run; JSON-serialisable."""
 
     step: int = 0  # optimizer steps taken
-    epoch: int = 0  # epoch the next batch belongs to
-    batch: int = 0  # batches of ``epoch`` already consumed (micro-batches: grad_accum of them per step)
-    grad_accum: int = 1  # micro-batches per optimizer step (train.grad_accum) the position was reached with
+    epoch: int = 0  # epoch the next step belongs to
+    batch: int = 0  # steps of ``epoch`` already taken (whole global batches: the same at every worker count)
+    grad_accum: int = 1  # train.grad_accum the position was reached with (a step: data.batch_size × grad_accum images)
     world_size: int = 1
     zero_stage: int = 0
     finished: bool = False
@@ -61,23 +61,24 @@ class TrainState:
 
 def check_accumulation(state: TrainState, grad_accum: int) -> None:
     """Refuse to resume a position reached with another ``train.grad_accum``: a step would stand for another
-    number of batches (the schedule, the cadence and ``train.max_steps`` count steps). Positions are saved only
-    between optimizer steps, so a resumed run never starts in the middle of an accumulation; a position that
-    would (a batch count that is not a whole number of steps) is refused too."""
-    if state.grad_accum != grad_accum or state.batch % grad_accum:
+    number of images (the schedule, the cadence and ``train.max_steps`` count steps). Positions are saved only
+    between optimizer steps, so a resumed run never starts in the middle of an accumulation, whatever the
+    number of micro-batches its worker count takes a step in."""
+    if state.grad_accum != grad_accum:
         raise UserError(
             f"train.grad_accum: the checkpoint at step {state.step} was saved with train.grad_accum={state.grad_accum} "
-            f"(batch {state.batch} of epoch {state.epoch}); resume it with train.grad_accum={state.grad_accum}"
+            f"(step {state.batch} of epoch {state.epoch}); resume it with train.grad_accum={state.grad_accum}"
         )
 
 
 def realign_to_plan(state: TrainState, plan: dict[str, Any]) -> list[str]:
     """Make ``state``'s (epoch, batch) valid under the batch ``plan`` (``TrainStream.plan_signature()``).
 
-    A mid-epoch position replays the same batches only under the plan it was reached with; under
-    another (world size, batch settings, seed or shards changed) the run moves to the start of
-    the next epoch. Returns the plan keys that changed (empty: nothing moved). A state saved
-    without a plan, or at an epoch boundary, keeps its position. ``state.plan`` becomes ``plan``.
+    A mid-epoch position continues the same steps only under the plan it was reached with, at any
+    worker count; under another (batch settings, seed or shards changed, or a position saved by an
+    older plan version) the run moves to the start of the next epoch. Returns the plan keys that
+    changed (empty: nothing moved). A state saved without a plan, or at an epoch boundary, keeps its
+    position. ``state.plan`` becomes ``plan``.
     """
     old, state.plan = state.plan, dict(plan)
     if old is None or old == plan:

@@ -17,10 +17,19 @@ One :class:`Trainer` per worker process. It builds its parts, each in its own mo
   :class:`~.checkpoint.Checkpointer` (save and resume) and the
   :class:`~.reporting.Reporter` (Ray Train reports, the driver's progress line).
 
-A step is ``train.grad_accum`` micro-batches: each is embedded, scored and back-propagated (DeepSpeed
+A step is one global batch of ``data.batch_size × train.grad_accum`` images, the same at every worker
+count (:mod:`shards.read.sampler`), which each worker takes in ``accum`` micro-batches (``train.grad_accum``
+at the largest worker count, more at fewer): each is embedded, scored and back-propagated (DeepSpeed
 accumulates the engine's gradients, the classifier adds its rows' into theirs), and the last one's
 ``engine.step()`` and :meth:`LossHead.step` make the one optimizer step of both. Checkpoints and every
-other action happen between steps only, so a run never resumes in the middle of an accumulation.
+other action happen between steps only, so a run never resumes in the middle of an accumulation, and a
+run resumed at another worker count (an elastic run that lost or regained a node) continues mid-epoch.
+
+After every step the :class:`~.elastic.StepSignals` say, the same on every rank, whether a checkpoint is
+due by time (``train.checkpoint_every_s``) and whether a node is leaving (a worker was sent SIGTERM, its
+raylet exited, or Ray drains its node): then the workers checkpoint at that step and stop
+(:class:`~.elastic.NodeLeaving`), and Ray Train restarts them on the nodes left; :class:`~.elastic.Restarts`
+accounts for each restart.
 
 Every decision that involves a collective (when to evaluate, checkpoint or report) is a
 pure function of the step, identical on every rank, so no rank ever waits alone. So is the
@@ -46,7 +55,6 @@ import torch
 from dmltrain.config import Config
 from dmltrain.distributed.collectives import all_reduce_sum
 from dmltrain.distributed.process_group import ensure_process_group
-from dmltrain.errors import UserError
 from dmltrain.models import build_model, param_groups
 from dmltrain.models.compiled import compile_step
 from dmltrain.models.precision import autocast_dtype
@@ -72,6 +80,7 @@ from dmltrain.training.async_eval import load_record, record_summary, validation
 from dmltrain.training.cadence import Cadence, Due
 from dmltrain.training.checkpoint import EMA_STATE, Checkpointer
 from dmltrain.training.divergence import Diverged, DivergenceGuard
+from dmltrain.training.elastic import NodeLeaving, Restarts, StepSignals
 from dmltrain.training.ema import WeightEMA
 from dmltrain.training.engine import build_engine, loss_scale
 from dmltrain.training.evaluator import Evaluator
@@ -81,6 +90,7 @@ from dmltrain.training.head import LossHead
 from dmltrain.training.metrics import STAT_LOSS, STAT_LR, TrainMetrics, memory_metrics, mlflow_names
 from dmltrain.training.objective import Objective
 from dmltrain.training.prefetch import Prefetcher
+from dmltrain.training.progress import WorkerEvents, board_handle
 from dmltrain.training.reporting import Reporter, RunContext, position_metrics
 from dmltrain.training.rng import seed_rngs
 from dmltrain.training.schedule import LRSchedule, ScheduledLR
@@ -102,6 +112,7 @@ class Trainer:
     def __init__(self, cfg: Config, run: RunContext):
         self.cfg, self.run = cfg, run
         self.rank, self.world = ensure_process_group()
+        WorkerEvents.install(board_handle(run.board_name), self.rank)  # dmltrain's warnings, to the driver's terminal
         self.device = worker_device(cfg.cluster.use_gpu)
         torch.set_num_threads(
             max(1, int(cfg.cluster.cpus_per_worker)) if not cfg.cluster.use_gpu else max(1, torch.get_num_threads())
@@ -122,16 +133,11 @@ class Trainer:
             normalize=False,  # uint8 (or encoded JPEGs) cross to the device; self.input normalizes there
             pin_memory=self.device.type == "cuda",
             decode=resolve_decode(cfg.data.decode, self.device, cfg.data.augment),
+            grad_accum=t.grad_accum,
+            max_world=cfg.cluster.max_workers,
         )
-        self.accum = t.grad_accum  # micro-batches per optimizer step
-        self.steps_per_epoch = self.stream.batches_per_epoch // self.accum
-        if self.steps_per_epoch < 1:
-            raise UserError(
-                f"train.grad_accum: {self.accum} micro-batches per step, but an epoch holds {self.stream.batches_per_epoch} "
-                f"batches of data.batch_size {cfg.data.batch_size} at {self.world} workers; lower train.grad_accum"
-            )
-        # an epoch's last batches_per_epoch % grad_accum batches would not fill a step: they are left out
-        self.epoch_batches = self.steps_per_epoch * self.accum
+        self.accum = self.stream.accum  # micro-batches per optimizer step at this worker count
+        self.steps_per_epoch = self.stream.steps_per_epoch  # at least 1 (the stream refuses less)
         self.total_steps = t.max_steps if t.max_steps is not None else t.epochs * self.steps_per_epoch
         self.num_epochs = math.ceil(self.total_steps / self.steps_per_epoch)
 
@@ -191,11 +197,14 @@ class Trainer:
             states={EMA_STATE: self.ema} if self.ema is not None else None,
         )
         self.state = TrainState(
-            world_size=self.world, zero_stage=t.zero_stage, grad_accum=self.accum, plan=self.stream.plan_signature()
+            world_size=self.world, zero_stage=t.zero_stage, grad_accum=t.grad_accum, plan=self.stream.plan_signature()
         )
         self._micro = 0  # micro-batches of the step in progress
         self.guard = DivergenceGuard(self.objective.terms, self.device)
         self.fence = Fence(run.driver, self.rank, self.device)
+        self.signals = StepSignals(self.rank, self.world, t.checkpoint_every_s)
+        self._leaving = False  # a node of the group is leaving (self.signals): stop after this step's checkpoint
+        self.restarts = Restarts(board_handle(run.board_name), self.logger, self.world) if self.rank == 0 else None
         self.nan_at, self.hold = injected_nan_step(), Hold.from_env(self.rank)  # tests' fault injection
 
     # -- the algorithm ------------------------------------------------------------------------------
@@ -219,8 +228,11 @@ class Trainer:
             return summary
 
     def _fit(self) -> dict[str, Any]:
-        resumed = self._resume()
+        saved_world = self._resume()
+        resumed = saved_world is not None
         st = self.state
+        if self.restarts is not None:
+            self.restarts.started(st.step, saved_world)
         if st.finished:  # the same command again on a finished run: nothing left to train
             summary = self._summary()
             if self.cfg.eval.mode == "async":  # the evaluation tasks' record of the run
@@ -235,23 +247,28 @@ class Trainer:
                 st.initial_metrics = self._evaluate("initial")
         self.engine.train()
         self.objective.train()
+        spe = self.steps_per_epoch
         while st.step < self.total_steps:
             epoch = st.epoch
             self.timer.start()
-            # whole steps only: this epoch's usable batches, or the batches of the steps left
-            left = min(self.epoch_batches - st.batch, (self.total_steps - st.step) * self.accum)
-            batches = islice(self.stream.epoch(epoch, start_batch=st.batch), max(0, left))
+            # this epoch's steps from the position, or the steps left; each step is self.accum micro-batches
+            left = min(spe - st.batch, self.total_steps - st.step)
+            batches = islice(self.stream.epoch(epoch, start_batch=st.batch * self.accum), max(0, left) * self.accum)
+            signalled = Due()
             for images, labels in self.prefetch(batches):
-                stepped = self._train_step(images, labels)
-                if stepped and st.batch < self.epoch_batches:  # an epoch's last step acts once, with its epoch end
-                    self._act(self.cadence.due(st.step))
+                if self._train_step(images, labels):
+                    signalled = self._after_step()
+                    if st.batch < spe:  # an epoch's last step acts once, with its epoch end
+                        self._act(self.cadence.due(st.step) | signalled)
+                        self._stop_if_leaving()
                 self.timer.start()
-            if st.batch >= self.epoch_batches or st.step < self.total_steps:
-                step_due = self.cadence.due(st.step) if st.batch >= self.epoch_batches else Due()
+            if st.batch >= spe or st.step < self.total_steps:
+                step_due = (self.cadence.due(st.step) | signalled) if st.batch >= spe else Due()
                 st.epoch, st.batch = epoch + 1, 0  # the epoch is complete (or the stream ended it)
                 # one save for both: with asynchronous evaluation, a step checkpoint and the epoch's
                 # validated one would otherwise be two checkpoints of the same step
                 self._act(step_due | self.cadence.due(st.step, epoch_end=st.epoch))
+                self._stop_if_leaving()
         self.guard.check()
         self.fence.check()
         inline = self.cfg.eval.mode == "inline"
@@ -294,9 +311,9 @@ class Trainer:
                 self.ema.update()
         timer.lap("optimizer")
         self.metrics.add({**self.objective.device_stats, STAT_LR: lr})  # summed on the device, read at log points
-        st.batch += 1
         if boundary:
             st.step += 1
+            st.batch += 1
             self._micro = 0
         self.guard.observe(st.step if boundary else st.step + 1, self.objective.losses)
         if boundary and self.compiled is not None and not self.compiled.reported:
@@ -320,6 +337,22 @@ class Trainer:
                 }
             )
 
+    def _after_step(self) -> Due:
+        """After every step, on every rank: what the :class:`~.elastic.StepSignals` ask for (a checkpoint, at
+        this step, when one is due by time or a node is leaving, unless the run ends here anyway)."""
+        leaving, by_time = self.signals.poll()
+        self._leaving = leaving
+        if self.restarts is not None:
+            self.restarts.reached(self.state.step)
+        return Due(checkpoint=(leaving or by_time) and self.state.step < self.total_steps)
+
+    def _stop_if_leaving(self) -> None:
+        if self._leaving and self.state.step < self.total_steps:
+            raise NodeLeaving(
+                f"a node of this worker group is leaving; step {self.state.step} is checkpointed and the workers stop "
+                "for Ray Train to restart them on the nodes left"
+            )
+
     def _act(self, due: Due) -> None:
         if due.log or due.evaluate or due.checkpoint:
             self.guard.check()  # the same calls on every rank: all stop together, before anything is saved
@@ -331,6 +364,8 @@ class Trainer:
                 self._evaluate("eval", checkpoint=due.checkpoint)
             elif due.checkpoint:
                 self.checkpointer.save(self.state)
+        if due.checkpoint:
+            self.signals.checkpointed()
 
     def _evaluate(self, phase: str, checkpoint: bool = False) -> dict[str, float]:
         """``eval.mode: inline``: evaluate now (then checkpoint, when due); ``async``: checkpoint now and
@@ -353,13 +388,14 @@ class Trainer:
         return summary
 
     # -- around the loop ----------------------------------------------------------------------------
-    def _resume(self) -> bool:
-        """Load Ray's latest checkpoint if any; True when resumed."""
+    def _resume(self) -> int | None:
+        """Load Ray's latest checkpoint if any; the worker count that saved it when resumed, else None."""
         st = self.checkpointer.restore()
         if st is None:
-            return False
+            return None
+        saved_world = self.checkpointer.restored_world_size
         st.finished = st.step >= self.total_steps  # a longer schedule continues a finished run
-        check_accumulation(st, self.accum)
+        check_accumulation(st, self.cfg.train.grad_accum)
         was = (st.epoch, st.batch)
         changed = realign_to_plan(st, self.stream.plan_signature())
         if changed and (st.epoch, st.batch) != was and self.rank == 0:
@@ -376,7 +412,7 @@ class Trainer:
             self.logger.set_tag(RESUMED_FROM_STEP_TAG, str(st.step))
             self.logger.skip_logged_steps()  # the steps replayed after the checkpoint keep their first values
         self.state = st
-        return True
+        return saved_world
 
     def _describe_run(self) -> None:
         """Rank 0, once per run: its description (completed after each evaluation) and its datasets."""
@@ -413,7 +449,7 @@ class Trainer:
             return
         summary.update({REMOTE_PREFIX + k: v for k, v in io.items()})
         st = self.state
-        summary[EPOCH] = st.epoch + st.batch / self.epoch_batches
+        summary[EPOCH] = st.epoch + st.batch / self.steps_per_epoch
         summary.update(memory_metrics(self.device))
         if self.stream.skipped + self.input.skipped:
             summary[SKIPPED_SAMPLES] = float(self.stream.skipped + self.input.skipped)
@@ -455,6 +491,10 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     trainer = Trainer(cfg, RunContext.from_dict(payload["run"]))
     try:
         trainer.fit()
+    except NodeLeaving as e:
+        if trainer.rank == 0:
+            log.warning("%s", e)
+        raise
     finally:
         if trainer.logger is not None:
             trainer.logger.close()

@@ -6,7 +6,7 @@ rectangle, noise seed), with torchvision's sampling rules for every option of
 :class:`~shards.config.AugmentConfig`. Applying a record to pixels is another step
 (:class:`shards.decode.transforms.TrainTransform` on the CPU), so a backend that decodes elsewhere
 (e.g. on a GPU) can apply the very same record: the geometry and factors of each image are
-a function of (seed, epoch, rank, batch, slot) alone, whoever draws them.
+a function of (seed, epoch, step, slot) alone, whoever draws them.
 
 The draws come in a fixed order (crop, flip, rotation, jitter, erase, noise, RandAugment), each
 only when its option is on, so with the default options the draws are those of a plain

@@ -3,7 +3,7 @@
 :class:`EncodedTransform` runs in the loader processes (:mod:`shards.read.datasets` calls it): for each
 image slot it reads the stored image's header, draws the slot's :class:`~shards.decode.augment.AugmentParams`
 exactly as :class:`~shards.decode.transforms.TrainTransform` does (the same generator, the same draws in the
-same order, so the same crop, flip and factors for every (seed, epoch, rank, batch, slot)), and hands over
+same order, so the same crop, flip and factors for every (seed, epoch, step, slot)), and hands over
 the bytes with the record. What the device path does not decode (anything but an RGB or grayscale JPEG, a
 rotated crop, or RandAugment operations) is decoded and augmented right there by the CPU transform and handed over as pixels. A
 batch travels as one :class:`EncodedImages`; :mod:`shards.decode.device` is the other half.

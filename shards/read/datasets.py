@@ -3,8 +3,9 @@
 :func:`build_batch` turns a batch's pieces (:mod:`shards.read.sampler`) into ``b × C × S × S``
 images (uint8, or float32 pixel values when the transform adds noise) with their labels
 and indices in the split, applying the substitution policy for unreadable samples (below).
-Each image slot has its own ``random.Random`` derived from (seed, epoch, rank, batch)
-(:func:`slot_rngs`), so a batch comes out the same in whichever process builds it. With an
+Each image slot of a step's global batch has its own ``random.Random`` derived from (seed, epoch,
+step, slot) (:func:`slot_rngs`), so an image's augmentation is the same in whichever process builds
+it, at whichever worker count. With an
 :class:`~shards.decode.encoded.EncodedTransform` a training batch comes out as
 :class:`~shards.decode.encoded.EncodedImages` (bytes and augmentation records, decoded on the
 device) drawn from the same generators, under the same substitution policy.
@@ -33,10 +34,11 @@ _AUG = 0xA06
 Transform = Callable[[bytes, random.Random], Any]
 
 
-def slot_rngs(seed: int, epoch: int, rank: int, batch: int, slots: int) -> list[random.Random]:
-    """One generator per image slot of a batch, all derived from (seed, epoch, rank, batch)."""
-    seeds = np.random.default_rng([seed, epoch, rank, batch, _AUG]).integers(0, 2**63, size=slots)
-    return [random.Random(int(x)) for x in seeds]
+def slot_rngs(seed: int, epoch: int, step: int, first: int, slots: int, step_slots: int) -> list[random.Random]:
+    """The generators of image slots ``first .. first + slots - 1`` of a step's global batch of ``step_slots``
+    images, all derived from (seed, epoch, step): the same for an image whichever worker takes it."""
+    seeds = np.random.default_rng([seed, epoch, step, _AUG]).integers(0, 2**63, size=step_slots)
+    return [random.Random(int(x)) for x in seeds[first : first + slots]]
 
 
 def _decode(
@@ -62,16 +64,15 @@ def build_batch(
     pieces: list[Piece],
     transform: Transform,
     *,
-    seed: int,
-    epoch: int,
-    rank: int,
     batch: int,
+    rngs: list[random.Random],
     image_size: int,
     channels: int = 3,
     dtype: Any = np.uint8,
     substitute: bool = True,
 ) -> dict[str, Any]:
-    """Decode and augment one batch: ``images`` ``b×channels×S×S`` of ``dtype`` (contiguous; an
+    """Decode and augment one batch (number ``batch``; ``rngs``: one generator per image slot, see
+    :func:`slot_rngs`): ``images`` ``b×channels×S×S`` of ``dtype`` (contiguous; an
     :class:`~shards.decode.encoded.EncodedImages` with an ``EncodedTransform``), ``labels``, ``index``,
     ``skipped``, ``notes``.
 
@@ -90,7 +91,8 @@ def build_batch(
     notes: list[str] = []
     seen: set = set()
     skipped = 0
-    rngs = slot_rngs(seed, epoch, rank, batch, len(slots)) if slots else []
+    if len(rngs) != len(slots):
+        raise ValueError(f"{len(rngs)} generators for {len(slots)} image slots")
     for i, (g, _, pos) in enumerate(slots):
         rng = rngs[i]
         img = _decode(reader, g, pos, transform, rng, notes, seen)
@@ -139,7 +141,8 @@ def _worker_slice() -> tuple[int, int]:
 
 
 class TrainBatchDataset(IterableDataset):
-    """Batches ``start ..`` of (epoch, rank) from the plan; a DataLoader worker ``i`` of ``n`` builds every n-th."""
+    """Micro-batches ``start ..`` of (epoch, rank) among ``world_size`` workers taking a step in ``accum`` micro-batches;
+    a DataLoader worker ``i`` of ``n`` builds every n-th."""
 
     def __init__(
         self,
@@ -151,28 +154,32 @@ class TrainBatchDataset(IterableDataset):
         epoch: int,
         start: int,
         rank: int,
+        world_size: int,
+        accum: int,
         seed: int,
     ):
         self.split, self.table, self.planner, self.transform = split, table, planner, transform
         self.epoch, self.start, self.rank, self.seed = epoch, start, rank, seed
+        self.world_size, self.accum = world_size, accum
 
     def __iter__(self):
         wid, nw = _worker_slice()
         reader = GroupReader(self.split, self.table)
-        mine = (
-            (b, p) for b, p in self.planner.batches(self.epoch, self.rank, self.start) if (b - self.start) % nw == wid
+        planned = self.planner.batches(
+            self.epoch, rank=self.rank, world_size=self.world_size, accum=self.accum, start=self.start
         )
+        mine = (mb for mb in planned if (mb.index - self.start) % nw == wid)
+        step_slots = self.planner.per_step * self.planner.k
         try:
-            for b, pieces in reader.read_ahead(mine):
+            for mb in reader.read_ahead(mine):
                 t = self.transform
+                slots = sum(len(p.positions) for p in mb.pieces)
                 out = build_batch(
                     reader,
-                    pieces,
+                    mb.pieces,
                     t,
-                    seed=self.seed,
-                    epoch=self.epoch,
-                    rank=self.rank,
-                    batch=b,
+                    batch=mb.index,
+                    rngs=slot_rngs(self.seed, self.epoch, mb.step, mb.first_slot, slots, step_slots),
                     image_size=t.size,
                     channels=t.channels,
                     dtype=t.dtype,
@@ -210,10 +217,8 @@ class EvalBatchDataset(IterableDataset):
                     reader,
                     pieces,
                     t,
-                    seed=0,
-                    epoch=0,
-                    rank=0,
                     batch=b,
+                    rngs=slot_rngs(0, 0, b, 0, len(pieces), len(pieces)),  # evaluation draws nothing
                     image_size=t.crop,
                     channels=t.channels,
                     substitute=False,

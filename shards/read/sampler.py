@@ -1,4 +1,4 @@
-"""Epoch plans: which images form each batch of each rank, from the manifest's class groups alone.
+"""Epoch plans: which images form each step's global batch, and which part of it each rank takes.
 
 The unit of sampling is a *piece*: K images of one class group (P×K sampler) or a single
 image (random sampler). A group of ``n`` images gives ``m = max(1, round(n / K))`` pieces
@@ -8,23 +8,22 @@ per epoch from a fresh permutation of its images, so an epoch sees about every i
 * ``n ≥ K``: ``m`` disjoint pieces; at most K/2 images are left out (different ones each
   epoch), or the last piece is topped up with images from the class's other pieces.
 
-Per epoch (seeded by ``(seed, epoch)``, the same on every rank) the shards are put in a
-random order and the pieces of their groups laid end to end; the sequence is rotated by a
-random offset and cut into ``W`` equal runs of ``batches_per_epoch × pieces_per_batch``
-pieces, one per rank; the few pieces past the last full global batch are dropped (different
-ones each epoch). So every rank has exactly ``batches_per_epoch`` batches, known from the
-manifest before any data is read, and reads contiguous stretches of the shards.
+The plan does not depend on the number of workers. A step's global batch is ``L`` pieces
+(``data.batch_size × train.grad_accum`` images: P classes of K, or single images); per epoch
+(seeded by ``(seed, epoch)``) the shards are put in a random order, the pieces of their groups
+laid end to end, the sequence rotated by a random offset and cut into ``L`` *lanes* of
+``steps_per_epoch`` pieces; lane ``i`` gives the ``i``-th piece of every step. The few pieces past
+the last full step are dropped (different ones each epoch). Each lane is shuffled in windows of
+``window_steps`` steps (the shuffle buffer: a plan, not a copy of data; the last window also takes
+the remainder). So the global batch of step ``s`` of an epoch is a pure function of (seed, epoch, s,
+shards, L, K, window), and a class repeats within a step only where a lane boundary cuts its group,
+or when it has more pieces than a lane (two pieces of K positives: harmless to any loss).
 
-Within a rank, pieces are shuffled in windows of ``window_batches`` batches (the class-level
-shuffle buffer: a plan, not a copy of data; the last window also takes the remainder). P×K
-windows deal their pieces, sorted by a random per-class key, round-robin into batches, so a
-batch never holds two pieces of one class when the class has no more pieces in the window
-than the window has batches. A class lands on two ranks only where a run boundary cuts its
-group, or when it is bigger than a shard (then it is several groups), so a global batch
-repeats a class only in those rare cases (two pieces of K positives: harmless to any loss).
-
-Everything is a pure function of (seed, epoch, rank, batch): killing a run and resuming at
-(epoch, start_batch) replays the same batches.
+Whichever ``W`` workers run take each step in ``accum`` micro-batches (:class:`BatchShape`):
+micro-batch ``j`` is the ``j``-th run of ``L / accum`` pieces, and rank ``r`` takes the ``r``-th
+``L / (accum × W)`` of it. A rank therefore reads ``L / W`` whole lanes, contiguous stretches
+of the shards, and a resume at another ``W`` (or another accumulation) continues the same steps:
+``batches(epoch, start=...)`` is a pure function of (epoch, rank, W, accum, start).
 """
 
 from __future__ import annotations
@@ -32,32 +31,37 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from shards.manifest import GroupTable, SplitInfo
 
 _ORDER, _PIECES, _WINDOW = 0x0D3E, 0x91EC, 0x317D
-PLAN_VERSION = 1  # bump when this module changes which samples a (seed, epoch, rank, batch) plan names
+PLAN_VERSION = 2  # bump when this module changes which samples a (seed, epoch, step) plan names; 2: W-independent
 SAMPLERS = ("pk", "random")
 
 
 @dataclass(frozen=True)
 class BatchShape:
-    """How one global batch splits over ranks: each rank takes ``pieces_per_rank`` pieces of ``k`` images.
+    """How a step's global batch splits over the ``world_size`` workers running now.
 
-    P×K (``sampler="pk"``): P = batch_size / K classes, P / W whole classes per rank.
-    Random: ``k`` = 1 and batch_size / W single images per rank. Build it with :func:`batch_shape`.
+    A step is ``pieces_per_step`` pieces of ``k`` images (``data.batch_size × train.grad_accum``
+    images, whatever the worker count): P×K (``sampler="pk"``) pieces are classes of K images,
+    random ones single images. Each worker takes it in ``accum`` micro-batches of ``pieces_per_rank``
+    pieces. Build it with :func:`batch_shape`.
     """
 
     sampler: str
-    batch_size: int
+    batch_size: int  # data.batch_size: the global micro-batch at the largest worker count
     k: int
     world_size: int
+    accum: int  # micro-batches per step at this worker count
+    pieces_per_step: int
 
     @property
     def pieces_per_rank(self) -> int:
-        return self.batch_size // (self.k * self.world_size)
+        return self.pieces_per_step // (self.accum * self.world_size)
 
     @property
     def local_batch_size(self) -> int:
@@ -69,42 +73,69 @@ class BatchShape:
 
 
 def batch_shape(
-    sampler: str, batch_size: int, samples_per_class: int, world_size: int, classes_per_batch: int | None = None
+    sampler: str,
+    batch_size: int,
+    samples_per_class: int,
+    world_size: int,
+    classes_per_batch: int | None = None,
+    *,
+    grad_accum: int = 1,
+    max_world: int | None = None,
 ) -> BatchShape:
-    """The :class:`BatchShape` of a global batch over ``world_size`` workers, or :class:`ValueError` with the
-    one-line message that names the ``data.*`` key at fault (the config check and the stream share it).
+    """The :class:`BatchShape` of a step over ``world_size`` workers, or :class:`ValueError` with the
+    one-line message that names the key at fault (the config check and the stream share it).
 
-    ``classes_per_batch`` (P), when given, must agree with ``batch_size`` = P × K.
+    ``batch_size`` (P × K for P×K) is the global micro-batch of ``max_world`` workers (default
+    ``world_size``), ``grad_accum`` micro-batches a step. At fewer workers a step keeps its
+    ``batch_size × grad_accum`` images and the accumulation grows instead: the fewest micro-batches
+    that split the step evenly without a worker's micro-batch outgrowing its share at ``max_world``
+    (its memory). ``classes_per_batch`` (P), when given, must agree with ``batch_size`` = P × K.
     """
-    w = world_size
+    w, top = world_size, max_world or world_size
     if w < 1:
         raise ValueError(f"cluster.num_workers: must be >= 1, got {w}")
+    if top < w:
+        raise ValueError(f"cluster.num_workers: {w} workers, more than the largest count {top}")
     if batch_size < 1:
         raise ValueError(f"data.batch_size: must be >= 1, got {batch_size}")
+    if grad_accum < 1:
+        raise ValueError(f"train.grad_accum: must be >= 1, got {grad_accum}")
     if sampler == "random":
-        if batch_size % w:
-            raise ValueError(f"data.batch_size: {batch_size} is not divisible by cluster.num_workers = {w}")
-        return BatchShape(sampler, batch_size, 1, w)
-    if sampler != "pk":
+        k = 1
+        if batch_size % top:
+            raise ValueError(f"data.batch_size: {batch_size} is not divisible by cluster.num_workers = {top}")
+    elif sampler == "pk":
+        k = samples_per_class
+        if k < 1:
+            raise ValueError(f"data.samples_per_class: must be >= 1, got {k}")
+        if batch_size % k:
+            raise ValueError(
+                f"data.batch_size: {batch_size} is not divisible into P×K with K = data.samples_per_class = {k}"
+            )
+        if classes_per_batch is not None and classes_per_batch * k != batch_size:
+            raise ValueError(
+                f"data.classes_per_batch: {classes_per_batch} × samples_per_class {k} != data.batch_size {batch_size}"
+            )
+        if (batch_size // k) % top:
+            raise ValueError(
+                f"data.classes_per_batch: P = {batch_size // k} classes cannot be split evenly over "
+                f"cluster.num_workers = {top} (each class's K images stay on one worker)"
+            )
+    else:
         raise ValueError(f"data.sampler: {sampler!r} is not 'pk' or 'random'")
-    k = samples_per_class
-    if k < 1:
-        raise ValueError(f"data.samples_per_class: must be >= 1, got {k}")
-    if batch_size % k:
+    per_step = batch_size // k * grad_accum
+    share = batch_size // k // top  # a worker's pieces per micro-batch at the largest count: the memory bound
+    accum = next(
+        (a for a in range(1, per_step // w + 1) if per_step % (w * a) == 0 and per_step // (w * a) <= share), None
+    )
+    if accum is None:
+        what = f"P = {per_step} classes" if sampler == "pk" else f"{per_step} images"
         raise ValueError(
-            f"data.batch_size: {batch_size} is not divisible into P×K with K = data.samples_per_class = {k}"
+            f"cluster.num_workers: at {w} workers the {what} of a step (data.batch_size × train.grad_accum) cannot be "
+            f"split evenly{' (each class stays on one worker)' if sampler == 'pk' else ''}; use worker counts "
+            f"that divide {per_step}"
         )
-    if classes_per_batch is not None and classes_per_batch * k != batch_size:
-        raise ValueError(
-            f"data.classes_per_batch: {classes_per_batch} × samples_per_class {k} != data.batch_size {batch_size}"
-        )
-    p = batch_size // k
-    if p % w:
-        raise ValueError(
-            f"data.classes_per_batch: P = {p} classes cannot be split evenly over cluster.num_workers = {w} "
-            "(each class's K images stay on one worker)"
-        )
-    return BatchShape(sampler, batch_size, k, w)
+    return BatchShape(sampler, batch_size, k, w, accum, per_step)
 
 
 @dataclass(frozen=True)
@@ -112,6 +143,16 @@ class Piece:
     group: int  # row of the group table
     label: int
     positions: tuple[int, ...]  # sample positions inside the group
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch of one rank: its index in the rank's epoch (``step × accum + j``), its pieces, the
+    step it belongs to, and the position of its first image among the step's global batch."""
+
+    index: int
+    pieces: list[Piece]
+    step: int
+    first_slot: int
 
 
 def pieces_per_group(counts: np.ndarray, k: int) -> np.ndarray:
@@ -142,30 +183,20 @@ def group_pieces(n: int, k: int, m: int, rng: np.random.Generator) -> list[tuple
 
 
 class EpochPlanner:
-    """Batches of pieces for every (epoch, rank), computed from a :class:`GroupTable`.
+    """The global batch of every step of every epoch, computed from a :class:`GroupTable`, and each rank's part.
 
-    ``pieces_per_batch`` is per rank: P/W classes for P×K, ``batch_size / W`` images for random.
+    ``pieces_per_step`` (L, the lanes) pieces of ``k`` images make a step, whatever the worker count.
     """
 
-    def __init__(
-        self,
-        table: GroupTable,
-        *,
-        world_size: int,
-        k: int,
-        pieces_per_batch: int,
-        seed: int,
-        class_balanced: bool,
-        window_batches: int,
-    ):
-        if world_size < 1 or k < 1 or pieces_per_batch < 1 or window_batches < 1:
-            raise ValueError("world_size, k, pieces_per_batch and window_batches must be >= 1")
+    def __init__(self, table: GroupTable, *, k: int, pieces_per_step: int, seed: int, window_steps: int):
+        if k < 1 or pieces_per_step < 1 or window_steps < 1:
+            raise ValueError("k, pieces_per_step and window_steps must be >= 1")
         self.table = table
-        self.world_size, self.k, self.per_batch = world_size, k, pieces_per_batch
-        self.seed, self.class_balanced, self.window_batches = int(seed), class_balanced, window_batches
+        self.k, self.per_step = k, pieces_per_step
+        self.seed, self.window_steps = int(seed), window_steps
         self.pieces = pieces_per_group(table.count, k)
         self.total_pieces = int(self.pieces.sum())
-        self.batches_per_epoch = self.total_pieces // (pieces_per_batch * world_size)
+        self.steps_per_epoch = self.total_pieces // pieces_per_step
         shards = table.shard
         self._shard_bounds = np.searchsorted(shards, np.arange(int(shards.max()) + 2 if len(shards) else 1))
 
@@ -194,39 +225,42 @@ class EpochPlanner:
             out.append(Piece(g, int(self.table.label[g]), cache[g][j]))
         return out
 
-    def _arrange(self, pieces: list[Piece], rng: np.random.Generator) -> list[list[Piece]]:
-        nb = len(pieces) // self.per_batch
-        if not self.class_balanced:
-            perm = rng.permutation(len(pieces))
-            return [[pieces[i] for i in perm[b * self.per_batch : (b + 1) * self.per_batch]] for b in range(nb)]
-        labels = np.array([p.label for p in pieces])
-        uniq, inverse = np.unique(labels, return_inverse=True)
-        key = rng.random(len(uniq))[inverse]
-        order = np.lexsort((np.arange(len(pieces)), key))  # by class key; a class's pieces stay adjacent
-        batches = [[pieces[order[b + i * nb]] for i in range(self.per_batch)] for b in range(nb)]
-        return [batches[b] for b in rng.permutation(nb)]
-
     # -- public -----------------------------------------------------------------------------
-    def batches(self, epoch: int, rank: int, start: int = 0) -> Iterator[tuple[int, list[Piece]]]:
-        """``(batch index, pieces)`` for ``rank`` in ``epoch``, from batch ``start`` to the end."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} outside world size {self.world_size}")
-        if self.batches_per_epoch == 0 or start >= self.batches_per_epoch:
+    def batches(
+        self, epoch: int, *, rank: int = 0, world_size: int = 1, accum: int = 1, start: int = 0
+    ) -> Iterator[MicroBatch]:
+        """``rank``'s micro-batches of ``epoch`` among ``world_size`` workers taking each step in ``accum``
+        micro-batches, from micro-batch ``start`` (``step × accum + j``) to the end of the epoch."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        p = self.per_step // (world_size * accum)
+        if p < 1 or p * world_size * accum != self.per_step:
+            raise ValueError(f"{self.per_step} pieces a step do not split into {accum} × {world_size} equal parts")
+        steps = self.steps_per_epoch
+        if steps == 0 or start >= steps * accum:
             return
+        # this rank's piece positions in a step (= its lanes), micro-batch by micro-batch
+        firsts = [j * world_size * p + rank * p for j in range(accum)]
+        lanes = np.concatenate([np.arange(f, f + p) for f in firsts])
         gseq, cum, offset = self._sequence(epoch)
-        run = self.batches_per_epoch * self.per_batch
-        wb = self.window_batches
-        n_windows = max(1, self.batches_per_epoch // wb)  # the last window takes the remainder: no tiny tail window
-        for w in range(min(start // wb, n_windows - 1), n_windows):
-            b0 = w * wb
-            b1 = self.batches_per_epoch if w == n_windows - 1 else b0 + wb
-            local = np.arange(b0 * self.per_batch, b1 * self.per_batch, dtype=np.int64)
-            positions = (offset + rank * run + local) % self.total_pieces
-            pieces = self._pieces_at(epoch, gseq, cum, positions, {})
-            rng = np.random.default_rng([self.seed, epoch, rank, w, _WINDOW])
-            for i, batch in enumerate(self._arrange(pieces, rng)):
-                if b0 + i >= start:
-                    yield b0 + i, batch
+        ws = self.window_steps
+        n_windows = max(1, steps // ws)  # the last window takes the remainder: no tiny tail window
+        for w in range(min(start // accum // ws, n_windows - 1), n_windows):
+            s0 = w * ws
+            s1 = steps if w == n_windows - 1 else s0 + ws
+            # lane i holds sequence positions offset + i * steps + s, shuffled within the window
+            order = np.stack(
+                [s0 + np.random.default_rng([self.seed, epoch, int(i), w, _WINDOW]).permutation(s1 - s0) for i in lanes]
+            )
+            positions = (offset + lanes[:, None] * steps + order) % self.total_pieces
+            flat = self._pieces_at(epoch, gseq, cum, positions.ravel(), {})
+            width = s1 - s0
+            for s in range(s0, s1):
+                for j in range(accum):
+                    index = s * accum + j
+                    if index >= start:
+                        rows = range(j * p, (j + 1) * p)
+                        yield MicroBatch(index, [flat[r * width + s - s0] for r in rows], s, firsts[j] * self.k)
 
 
 def eval_batch_ranges(num_samples: int, world_size: int, rank: int, batch_size: int) -> list[tuple[int, int]]:

@@ -1,19 +1,20 @@
 """Stream training and evaluation batches from a shard directory on any number of workers.
 
-:class:`TrainStream` yields each rank's part of global batches: class-balanced P×K batches
-(rank r gets P/W whole classes, K images each) or plain random batches. Every rank yields
-exactly :attr:`TrainStream.batches_per_epoch` batches, a number computed from the manifest
-before reading anything, so uneven shards never leave a rank short inside a collective.
-The plan (:mod:`shards.read.sampler`) is a pure function of (seed, epoch, rank, batch), and so is
-each batch's augmentation, whichever loader process decodes it: ``epoch(e, start_batch=b)``
-replays an interrupted epoch from batch ``b`` exactly, provided
-:meth:`TrainStream.plan_signature` (world size, batch settings, seed, shards) is unchanged.
+:class:`TrainStream` yields each rank's part of each step's global batch: class-balanced P×K
+(rank r gets whole classes, K images each) or plain random images, in ``accum`` micro-batches a
+step. Every rank yields exactly :attr:`TrainStream.batches_per_epoch` micro-batches, a number
+computed from the manifest before reading anything, so uneven shards never leave a rank short
+inside a collective. The global batch of a step (:mod:`shards.read.sampler`) is a pure function
+of (seed, epoch, step) and the batch settings, not of the worker count, and so is each image's
+augmentation, whichever loader process decodes it and whichever rank takes it:
+``epoch(e, start_batch=s × accum)`` continues an interrupted epoch from step ``s`` exactly, at any
+worker count, provided :meth:`TrainStream.plan_signature` (batch settings, seed, shards) is unchanged.
 
 Reading (:mod:`shards.read.tar_index`): the manifest gives each class group's byte range in its
 shard, so a loader process reads just the groups its batches need; nothing holds an index of
 images, and the memory in use is a batch's worth of encoded images. Decoding
 (:mod:`shards.read.datasets`, :mod:`shards.decode.transforms`): each image slot draws its
-augmentation from (seed, epoch, rank, batch). With ``loader_workers = n > 0`` a torch
+augmentation from (seed, epoch, step, its place in the step). With ``loader_workers = n > 0`` a torch
 DataLoader runs ``n`` processes; process ``i`` builds batches ``start + i, start + i + n, ...``
 and the main process puts them back in order, so the output does not depend on ``n``. Loader
 processes hand over uint8 ``b×C×S×S`` batches; normalization to float32 happens in the
@@ -138,12 +139,14 @@ def _deliver(
 class TrainStream:
     """Training batches of one rank (see the module docstring); :meth:`from_config` builds it from a run config.
 
-    ``batch_size`` is the global batch over all ranks. ``sampler="pk"``: P = batch_size // K
-    classes per global batch, P divisible by ``world_size``; each rank's batch holds P/W
-    classes × K images (a class with fewer than K images is sampled with replacement).
-    ``sampler="random"``: batch_size / W images per rank. Labels are int64 contiguous training ids.
-    A batch shape the world size cannot split is a one-line :class:`UserError` naming the
-    ``data.*`` key (:func:`shards.read.sampler.batch_shape`, the config check's own test).
+    ``batch_size`` is the global micro-batch over ``max_world`` ranks (default ``world_size``), and a
+    step's global batch is ``grad_accum`` of them, whatever the number of ranks running:
+    ``sampler="pk"``: P = batch_size × grad_accum // K classes a step, each rank's micro-batch holding
+    whole classes of K images (a class with fewer than K images is sampled with replacement);
+    ``sampler="random"``: single images. At fewer ranks than ``max_world`` each takes the step in more
+    micro-batches (:attr:`accum`) of at most its share at ``max_world``. Labels are int64 contiguous
+    training ids. A batch shape the world size cannot split is a one-line :class:`UserError` naming the
+    key (:func:`shards.read.sampler.batch_shape`, the config check's own test).
 
     Images: ``image_size`` crops augmented as ``augment`` says (:class:`~shards.config.AugmentConfig`,
     default: RandomResizedCrop + flip), resampled with ``interpolation`` (bilinear by default). With
@@ -158,10 +161,10 @@ class TrainStream:
     (JPEG bytes and augmentation records, the same records the CPU path would apply), for a
     :class:`~shards.decode.device.DeviceDecoder`; ``normalize`` must then be False.
 
-    ``shuffle_images`` bounds the shuffle window (in images); larger mixes classes more widely.
-    A resumed run sees the same batches when :meth:`plan_signature` is unchanged (shards, seed,
-    world size, batch settings; ``loader_workers``, ``normalize`` and the augmentation do not
-    matter): store it with the (epoch, batch) position and resume mid-epoch only under an equal one.
+    ``shuffle_images`` bounds the shuffle window (in images of whole steps); larger mixes classes more widely.
+    A resumed run sees the same steps when :meth:`plan_signature` is unchanged (shards, seed, batch
+    settings; not the world size: ``loader_workers``, ``normalize`` and the augmentation do not matter
+    either): store it with the (epoch, step) position and resume mid-epoch only under an equal one.
     """
 
     def __init__(
@@ -174,6 +177,8 @@ class TrainStream:
         sampler: str = "pk",
         batch_size: int,
         samples_per_class: int = 4,
+        grad_accum: int = 1,
+        max_world: int | None = None,
         seed: int = 0,
         image_size: int = 224,
         augment: AugmentConfig | None = None,
@@ -198,30 +203,32 @@ class TrainStream:
         self.manifest = Manifest.load(shard_dir, storage_options, remote)
         self.split = self.manifest.split(split)
         try:
-            shape = batch_shape(sampler, batch_size, samples_per_class, world_size)
+            shape = batch_shape(
+                sampler, batch_size, samples_per_class, world_size, grad_accum=grad_accum, max_world=max_world
+            )
         except ValueError as e:
             raise UserError(str(e)) from None
         self.rank, self.world_size, self.seed = rank, world_size, int(seed)
         self.sampler, self.batch_size, self.samples_per_class = sampler, batch_size, shape.k
+        self.grad_accum, self.shape = grad_accum, shape
+        self.accum = shape.accum  # micro-batches per step at this world size
         self.local_batch_size = shape.local_batch_size
         self.loader_workers, self.pin_memory, self.normalize = loader_workers, pin_memory, bool(normalize)
         self.table = self.split.group_table()
-        window = max(1, shuffle_images // self.local_batch_size)
         self.planner = EpochPlanner(
             self.table,
-            world_size=world_size,
             k=shape.k,
-            pieces_per_batch=shape.pieces_per_rank,
+            pieces_per_step=shape.pieces_per_step,
             seed=self.seed,
-            class_balanced=shape.class_balanced,
-            window_batches=window,
+            window_steps=max(1, shuffle_images // (shape.pieces_per_step * shape.k)),
         )
-        self.batches_per_epoch = self.planner.batches_per_epoch
-        if self.batches_per_epoch == 0:
+        self.steps_per_epoch = self.planner.steps_per_epoch
+        self.batches_per_epoch = self.steps_per_epoch * self.accum  # this rank's micro-batches
+        if self.steps_per_epoch == 0:
             unit = f"groups of K = {shape.k}" if shape.class_balanced else "images"
             raise UserError(
-                f"{self.manifest.path}: split {split!r} has {self.planner.total_pieces} {unit}, fewer than one global batch "
-                f"({shape.pieces_per_rank * world_size}); lower data.batch_size"
+                f"{self.manifest.path}: split {split!r} has {self.planner.total_pieces} {unit}, fewer than one step's "
+                f"global batch ({shape.pieces_per_step}); lower data.batch_size or train.grad_accum"
             )
         self.num_classes = self.split.num_labels
         self.norm = norm
@@ -241,10 +248,13 @@ class TrainStream:
         pin_memory: bool = False,
         draft: bool = True,
         decode: str = "cpu",
+        grad_accum: int = 1,
+        max_world: int | None = None,
     ) -> TrainStream:
         """The training stream a run's ``data`` section describes (shards, train split, sampler, P×K, image
         size, augmentation, normalization and resampling, loader processes), drawn from ``seed``, for ``rank``
-        of ``world_size``.
+        of ``world_size``; ``grad_accum`` (``train.grad_accum``) and ``max_world`` (the largest
+        ``cluster.num_workers``) as in the constructor.
 
         The keywords are how this process consumes it: ``loader_workers`` (default
         ``data.loader_workers``), ``normalize``, ``pin_memory``, ``draft`` and ``decode`` (resolved:
@@ -259,6 +269,8 @@ class TrainStream:
             sampler=d.sampler,
             batch_size=d.batch_size,
             samples_per_class=d.samples_per_class,
+            grad_accum=grad_accum,
+            max_world=max_world,
             seed=seed,
             image_size=d.image_size,
             augment=d.augment,
@@ -295,35 +307,40 @@ class TrainStream:
         return out
 
     def plan_signature(self) -> dict[str, Any]:
-        """Everything that decides which samples each (epoch, rank, batch) gets, as a JSON-ready dict.
+        """Everything that decides which samples each (epoch, step) gets, as a JSON-ready dict.
 
-        Keys: ``plan_version``, ``split``, ``world_size``, ``sampler``, ``batch_size``,
-        ``samples_per_class``, ``seed``, ``shuffle_window_batches``, ``manifest_digest``
-        (:func:`plan_digest`). A position (epoch, batch) saved with one signature replays the same
-        batches only under an equal signature; under another, resume at the next epoch boundary
-        (``start_batch=0``). The same on every rank.
+        Keys: ``plan_version``, ``split``, ``sampler``, ``batch_size``, ``grad_accum``,
+        ``samples_per_class``, ``seed``, ``shuffle_window_steps``, ``manifest_digest``
+        (:func:`plan_digest`); not the world size, which only decides each rank's part. A position
+        (epoch, step) saved with one signature continues the same steps only under an equal
+        signature; under another, resume at the next epoch boundary (``start_batch=0``). The same on
+        every rank and at every worker count.
         """
         return {
             "plan_version": PLAN_VERSION,
             "split": self.split.name,
-            "world_size": self.world_size,
             "sampler": self.sampler,
             "batch_size": self.batch_size,
+            "grad_accum": self.grad_accum,
             "samples_per_class": self.samples_per_class,
             "seed": self.seed,
-            "shuffle_window_batches": self.planner.window_batches,
+            "shuffle_window_steps": self.planner.window_steps,
             "manifest_digest": plan_digest(self.split, self.table),
         }
 
     def plan(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[int, list[Piece]]]:
-        """The batches' content (group, label, positions) without reading any image."""
-        return self.planner.batches(epoch, self.rank, start_batch)
+        """This rank's micro-batches' content, ``(index, pieces)`` (group, label, positions), without reading any image."""
+        for mb in self.planner.batches(
+            epoch, rank=self.rank, world_size=self.world_size, accum=self.accum, start=start_batch
+        ):
+            yield mb.index, mb.pieces
 
     def epoch(
         self, epoch: int, start_batch: int = 0, *, with_index: bool = False
     ) -> Iterator[tuple[torch.Tensor, ...]]:
-        """``(images, labels)`` (``+ index`` of each sample in the split with ``with_index``) for batches
-        ``start_batch .. batches_per_epoch - 1`` of ``epoch`` on this rank.
+        """``(images, labels)`` (``+ index`` of each sample in the split with ``with_index``) for micro-batches
+        ``start_batch .. batches_per_epoch - 1`` of ``epoch`` on this rank (step ``s`` is micro-batches
+        ``s × accum .. s × accum + accum - 1``).
 
         ``start_batch`` must lie in ``0..batches_per_epoch`` (the end: nothing left), else
         :class:`UserError` right here, before any batch: a position saved under another plan
@@ -335,7 +352,7 @@ class TrainStream:
             or not 0 <= start_batch <= self.batches_per_epoch
         ):
             raise UserError(
-                f"start_batch {start_batch!r}: outside 0..{self.batches_per_epoch}, the batches per epoch of split "
+                f"start_batch {start_batch!r}: outside 0..{self.batches_per_epoch}, the micro-batches per epoch of split "
                 f"{self.split.name!r} of {self.manifest.root} at world size {self.world_size}, batch size {self.batch_size}; "
                 f"a position saved under another plan (plan_signature) cannot be resumed mid-epoch: start the next epoch"
             )
@@ -353,6 +370,8 @@ class TrainStream:
             epoch=epoch,
             start=start_batch,
             rank=self.rank,
+            world_size=self.world_size,
+            accum=self.accum,
             seed=self.seed,
         )
         pin = _pin_available(self.pin_memory) and self.decode == "cpu"
