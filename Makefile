@@ -10,10 +10,11 @@ DOCS_STACK := $(VENV)/docs
 LINT_STACK := $(VENV)/lint
 RUFF := $(LINT_STACK)/bin/ruff
 PYTEST_ARGS ?=
-# The suite runs in this many pytest-xdist processes, a test file to each at a time (module fixtures built once):
-# much of a test's wall time is waiting (a Ray or DeepSpeed start, a subprocess's imports), so two processes
-# keep 2 cores busier. TEST_WORKERS=0 runs it in one process.
-TEST_WORKERS ?= 2
+# TEST_WORKERS=N runs the suite in N pytest-xdist processes, a test file to each at a time. 0 (one process) by
+# default: with 2, on this 2-core machine under load, the tutorial tests' `dmltrain train` failed at start
+# (ValueError: I/O operation on closed file) and the tiny gpu-check run exited 1, both passing in one process;
+# not yet understood.
+TEST_WORKERS ?= 0
 SHELL  := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 # pip warns once per absent mirror folder; keep its real messages only.
