@@ -493,11 +493,39 @@ def classifier_rows(shape: str, R: float, res: dict[str, Any], cuda: bool) -> li
     return rows
 
 
+#: ``bench train`` at toy sizes (``--tiny``), for the train and compile parts
+TINY_TRAIN = (
+    "--backbone",
+    "small_cnn",
+    "--image-size",
+    "32",
+    "--batch",
+    "16",
+    "--precision",
+    "fp32",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--synthetic",
+    "8,4,40",
+    "--loader-workers",
+    "1",
+)
+
+
+def bench_train_figures(ctx: Context, argv: list[str], path: Path, label: str) -> dict[str, Any]:
+    """Run one ``bench train`` child and read the figures it wrote to ``path``; its error line if it failed."""
+    proc = ctx.child(argv, label)
+    if proc.returncode != 0 or not path.exists():
+        raise RuntimeError(f"{label} failed (exit code {proc.returncode}): {_last_error(proc.stdout)}")
+    return json.loads(path.read_text())
+
+
 # -- the training step --------------------------------------------------------------------------------------
 def train_args(ctx: Context, path: Path) -> list[str]:
     if ctx.tiny:
-        sizes = ["--backbone", "small_cnn", "--image-size", "32", "--batch", "16", "--precision", "fp32"]
-        sizes += ["--steps", "2", "--warmup", "1", "--synthetic", "8,4,40", "--loader-workers", "1"]
+        sizes = list(TINY_TRAIN)
     else:  # 1,024 synthetic images: built in seconds, enough for 20 + 5 steps of 128 (the stream repeats)
         sizes = ["--backbone", "resnet50", "--image-size", "224", "--batch", "128", "--precision", "bf16"]
         sizes += ["--channels-last", "--steps", "20", "--warmup", "5", "--synthetic", "128,8,256"]
@@ -506,11 +534,9 @@ def train_args(ctx: Context, path: Path) -> list[str]:
 
 def part_train(ctx: Context, rows: list[Row]) -> None:
     path = ctx.work / "train.json"
-    proc = ctx.child(train_args(ctx, path), "bench train")
-    if proc.returncode != 0 or not path.exists():
-        raise RuntimeError(f"bench train failed (exit code {proc.returncode}): {_last_error(proc.stdout)}")
+    figures = bench_train_figures(ctx, train_args(ctx, path), path, "bench train")
     what = "small_cnn 32 fp32" if ctx.tiny else "ResNet-50 224 bf16 channels_last"
-    rows += train_rows(json.loads(path.read_text()), ctx.cuda, what)
+    rows += train_rows(figures, ctx.cuda, what)
 
 
 def train_rows(f: dict[str, Any], cuda: bool, what: str) -> list[Row]:
@@ -538,8 +564,7 @@ def train_rows(f: dict[str, Any], cuda: bool, what: str) -> list[Row]:
 # -- the compiled step -------------------------------------------------------------------------------------
 def compile_args(ctx: Context, path: Path) -> list[str]:
     if ctx.tiny:
-        sizes = ["--backbone", "small_cnn", "--image-size", "32", "--batch", "16", "--precision", "fp32"]
-        sizes += ["--steps", "2", "--warmup", "1", "--synthetic", "8,4,40", "--loader-workers", "1"]
+        sizes = list(TINY_TRAIN)
     else:  # a transformer, where compiling pays most; 2 warm-up steps: the compile, then one compiled step
         sizes = ["--backbone", "vit_small_patch16_224", "--image-size", "224", "--batch", "64", "--precision", "bf16"]
         sizes += ["--steps", "10", "--warmup", "2", "--synthetic", "64,8,256"]
@@ -548,11 +573,9 @@ def compile_args(ctx: Context, path: Path) -> list[str]:
 
 def part_compile(ctx: Context, rows: list[Row]) -> None:
     path = ctx.work / "compile.json"
-    proc = ctx.child(compile_args(ctx, path), "bench train --compile")
-    if proc.returncode != 0 or not path.exists():
-        raise RuntimeError(f"bench train --compile failed (exit code {proc.returncode}): {_last_error(proc.stdout)}")
+    figures = bench_train_figures(ctx, compile_args(ctx, path), path, "bench train --compile")
     what = "small_cnn 32 fp32" if ctx.tiny else "ViT-S/16 224 bf16"
-    rows += compile_rows(json.loads(path.read_text()), ctx.cuda, what)
+    rows += compile_rows(figures, ctx.cuda, what)
 
 
 def compile_rows(f: dict[str, Any], cuda: bool, what: str) -> list[Row]:
