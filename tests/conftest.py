@@ -30,6 +30,17 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """Code under test may set torch's thread count for its process (a worker's ``cluster.cpus_per_worker``, the
+    validation task's ``eval.async_cpus``); tests run in one process, so each gets back the count it started with
+    and no test's figures depend on which tests ran before it."""
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` need a CUDA device: skipped without one, selected alone by ``pytest -m cuda``
     (``make gpu-check``)."""

@@ -242,27 +242,37 @@ def _steps(cfg, compiled: bool, steps: int, data) -> tuple[list[float], dict[str
 )
 def test_compiled_steps_agree_with_eager_ones(backbone, extra, process_group):
     """Five optimizer steps (SGD, lr 0.01) of the DeepSpeed engine, the sharded classifier, ICE and the EMA, eager
-    and with ``model.compile=default`` (inductor), no graph break: every micro-batch's loss agrees to 1e-3 of the
-    first loss (fp32 sums in another order, grown over five steps: about 2e-5 seen; a step that missed an update
-    would differ by the loss itself), the first backward's backbone gradients to 1e-3 of each one's largest entry
-    (about 2e-5 seen), and the EMA's averages to 1e-3 of the largest weight."""
+    and with ``model.compile=default`` (inductor), no graph break: every micro-batch's loss agrees to 5e-3 of the
+    first loss (a step that missed an update would differ by the loss itself: 0.8 of it here), the first
+    backward's backbone gradients to 5e-2 of each one's norm, and the EMA's averages to 1e-3 of the largest weight.
+
+    The bounds are not fp32 rounding alone (about 2e-5 with two threads): a max-pool's gradient jumps when fp32
+    sums in another order flip its argmax between two nearly equal inputs. With one thread (the count earlier
+    tests leave in this process) eager flips a few against eager with two, and against the compiled step: 7% of a
+    stage-2 gradient's largest entry, 2.4% of its norm, 1.4e-3 of the first loss after five steps. The test pins
+    two threads so its figures do not depend on the tests before it."""
     from torch._inductor import config as inductor_config
 
     cfg = _config(backbone, "model.compile=default", *extra)
     g = torch.Generator().manual_seed(5)
     data = [(torch.randn(8, 3, SIZE, SIZE, generator=g), torch.arange(8) // 2) for _ in range(2)]
-    loss_e, grad_e, ema_e = _steps(cfg, False, 5, data)
-    # scalar C++ kernels: half the cold compile's time (gcc without the vector headers); the step is the same code
-    with inductor_config.patch({"cpp.vec_isa_ok": False}):
-        loss_c, grad_c, ema_c = _steps(cfg, True, 5, data)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        loss_e, grad_e, ema_e = _steps(cfg, False, 5, data)
+        # scalar C++ kernels: half the cold compile's time (gcc without the vector headers); the step is the same code
+        with inductor_config.patch({"cpp.vec_isa_ok": False}):
+            loss_c, grad_c, ema_c = _steps(cfg, True, 5, data)
+    finally:
+        torch.set_num_threads(threads)
     assert len(loss_e) == len(loss_c) == 5 * cfg.train.grad_accum
-    assert max(abs(a - b) for a, b in zip(loss_e, loss_c)) <= 1e-3 * loss_e[0], (loss_e, loss_c)
+    assert max(abs(a - b) for a, b in zip(loss_e, loss_c)) <= 5e-3 * loss_e[0], (loss_e, loss_c)
     assert grad_e.keys() == grad_c.keys()
     for name, ge in grad_e.items():
         gc = grad_c[name]
         assert (ge is None) == (gc is None), name
         if ge is not None:
-            assert (ge - gc).abs().max() <= 1e-3 * ge.abs().max(), name
+            assert (ge - gc).norm() <= 5e-2 * ge.norm(), name
     top = max(float(v.abs().max()) for v in ema_e.values())
     for name, e in ema_e.items():
         assert (e - ema_c[name]).abs().max() <= 1e-3 * top, name

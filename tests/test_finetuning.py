@@ -307,17 +307,16 @@ def test_a_checkpoints_average_is_what_an_asynchronous_evaluation_loads(tmp_path
 
 
 def test_a_position_is_resumed_only_with_its_own_accumulation():
-    """Checkpoints are taken between optimizer steps, so a saved position is a whole number of steps; resuming it
-    with another train.grad_accum (a step would mean other batches) is refused in one line."""
+    """Checkpoints are taken between optimizer steps, so a saved position (``batch`` counts steps of the epoch) is
+    resumed with its own train.grad_accum at any worker count; another one (a step would mean other images) is
+    refused in one line."""
     from dmltrain.training.state import TrainState, check_accumulation
 
-    check_accumulation(TrainState(step=3, batch=6, grad_accum=2), 2)
-    for state, accum in (
-        (TrainState(step=3, batch=6, grad_accum=2), 1),
-        (TrainState(step=3, batch=5, grad_accum=2), 2),
-    ):
+    for batch in (5, 6):
+        check_accumulation(TrainState(step=3, batch=batch, grad_accum=2), 2)
+    for accum in (1, 4):
         with pytest.raises(UserError) as e:
-            check_accumulation(state, accum)
+            check_accumulation(TrainState(step=3, batch=6, grad_accum=2), accum)
         assert "train.grad_accum: the checkpoint at step 3 was saved with train.grad_accum=2" in str(e.value)
     assert TrainState().grad_accum == 1  # a position saved before train.grad_accum existed: no accumulation
     from dmltrain.training.engine import deepspeed_config
