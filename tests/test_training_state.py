@@ -1,7 +1,7 @@
 """World-size-independent state of DeepSpeed engines, and the learning-rate schedule.
 
 A real DeepSpeed engine is trained a few steps at W=2, its full per-parameter state is
-taken, and engines at W=3 and W=1 are rebuilt from it: every fp32 master weight and every
+taken, and an engine at W=1 is rebuilt from it (W=3: tests/test_elastic.py): every fp32 master weight and every
 optimizer-state tensor must come back bit for bit, and the next step must match a single
 process continuing from the same state.
 """
@@ -88,9 +88,9 @@ def test_portable_state_round_trips_across_world_sizes(tmp_path):
     path = str(tmp_path / "state.pt")
     keys = run_workers(_save, 2, path, timeout=240)[0]
     assert keys[0] == ["momentum_buffer"] and keys[1] == ["momentum_buffer"] and keys[2] == ["exp_avg", "exp_avg_sq"]
-    for world in (3, 1):
-        for rank_result in run_workers(_load, world, path, timeout=240):
-            assert rank_result == [(True, True, True)] * len(SETUPS), (world, rank_result)
+    # loaded by one process: growing 2 -> 3 is checked at every ZeRO stage by tests/test_elastic.py
+    (rank_result,) = run_workers(_load, 1, path, timeout=240)
+    assert rank_result == [(True, True, True)] * len(SETUPS), rank_result
 
 
 def test_schedule_shapes():
