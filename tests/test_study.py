@@ -187,7 +187,11 @@ def test_the_trade_off_against_ratio_1_seed_by_seed(tmp_path):
         "change/" in k and "r1-" in k for k in metrics
     )
     text = sr.describe_study(summary, "Each run: ...")
-    assert "- **r0.1-c100**: Recall@1 -2.50 ± 0.71 points, 2.25 ± 0.35× step speed" in text
+    # seeds 0 and 1 pair: Δ -2, -3; the 95 % t interval's half-width t(0.975, 1) · s.d. / √2 = 12.706 · 0.5 = 6.35
+    assert (
+        "- **r0.1-c100**: Δ Recall@1 within noise: -2.5 ± 6.4 points (95 % interval over 2 paired seeds; "
+        "r1-c100 at 0.8100 ± 0.0141), 2.25 ± 0.35× step speed"
+    ) in text
     assert "- **r1-c100** (the reference): 105.0 ms per step, 65 s per run" in text
     assert text.index("r0.1-c1k**:") < text.index("r1-c100** (the reference)")  # the changes first
     # a variant (a later study's sampling mode) without its own ratio-1 point is compared with the full softmax
@@ -198,6 +202,48 @@ def test_the_trade_off_against_ratio_1_seed_by_seed(tmp_path):
         p.repeats[0].status = "finished"
     variants[2].repeats[0].status = "failed"
     assert reference_of(variants[3], variants) is variants[0] and reference_of(variants[1], variants) is variants[0]
+
+
+def _paired(ref_r1: list[float], point_r1: list[float]):
+    ref = sr.Point(1.0, 100, "/s", "r1-c100", repeats=[])
+    pt = sr.Point(0.1, 100, "/s", "r0.1-c100", repeats=[])
+    for seed, (a, b) in enumerate(zip(ref_r1, point_r1)):
+        ref.repeats.append(sr.Repeat(seed, f"a{seed}", "finished", {"recall@1": a}))
+        pt.repeats.append(sr.Repeat(seed, f"b{seed}", "finished", {"recall@1": b}))
+    return ref, pt
+
+
+def test_paired_deltas_of_recall_at_1_checked_by_hand():
+    # a clear loss: Δ -2, -2.5, -1.5 points; s.d. 0.5; t(0.975, 2) = 4.303: half-width 4.303 · 0.5 / √3 = 1.2421
+    ref, pt = _paired([0.50, 0.52, 0.54], [0.48, 0.495, 0.525])
+    pd = sr.paired_delta(pt, ref)
+    assert pd.n == 3 and pd.stat.mean == pytest.approx(-2.0) and pd.stat.sd == pytest.approx(0.5)
+    assert pd.half == pytest.approx(4.302653 * 0.5 / math.sqrt(3), rel=1e-6)
+    assert pd.interval == pytest.approx((-3.2421, -0.7579), abs=1e-4) and pd.within_noise is False
+    assert pd.reference.mean == pytest.approx(0.52) and pd.verdict() == "-2.0 ± 1.2 points"
+    assert pd.sentence("r1-c100") == "-2.0 ± 1.2 points (95 % interval over 3 paired seeds; r1-c100 at 0.5200 ± 0.0200)"
+    # the spread exceeds the effect: Δ +1, -3, -1; s.d. 2; half-width 4.303 · 2 / √3 = 4.97
+    ref, pt = _paired([0.50, 0.52, 0.54], [0.51, 0.49, 0.53])
+    pd = sr.paired_delta(pt, ref)
+    assert pd.stat.mean == pytest.approx(-1.0) and pd.stat.sd == pytest.approx(2.0)
+    assert pd.half == pytest.approx(4.969, abs=1e-3) and pd.within_noise is True
+    assert pd.verdict() == "within noise (-1.0 ± 5.0 points)"
+    # changes under a point get two decimals; no float noise, no "-0.00"
+    ref, pt = _paired([0.0100, 0.0100], [0.0110, 0.0100])
+    pd = sr.paired_delta(pt, ref)
+    assert pd.verdict() == "within noise (+0.05 ± 0.64 points)"  # Δ 0.1, 0: 12.706 · 0.0707 / √2 = 0.635
+    ref, pt = _paired([0.0100, 0.0100], [0.0100, 0.0100])
+    assert sr.paired_delta(pt, ref).verdict() == "within noise (0.00 ± 0.00 points)"
+    # one seed: a change, no interval, said so
+    ref, pt = _paired([0.50], [0.48])
+    pd = sr.paired_delta(pt, ref)
+    assert pd.half is None and pd.within_noise is None
+    assert pd.verdict() == "-2.0 points (one seed: no interval)"
+    assert pd.sentence("r1-c100") == "-2.0 points (one seed: no interval; r1-c100 at 0.5000)"
+    # only seeds finished on both sides pair; none: nothing to say
+    pt.repeats[0].status = "failed"
+    assert sr.paired_delta(pt, ref).n == 0 and sr.paired_delta(pt, ref).verdict() == sr.MISSING
+    assert sr.rounded(0.009999999999999998) == 0.01 and sr.rounded(299.8512) == 299.9
 
 
 def test_outputs_of_a_study(tmp_path):
@@ -217,8 +263,15 @@ def test_outputs_of_a_study(tmp_path):
     assert "| point | r1-c100 | r0.1-c100 | r1-c1k | r0.1-c1k |" in md and "compare each point with ratio 1" in md
     # the classifier memory is the same everywhere: not plotted, and said so
     assert "Not plotted (the same at every ratio): classifier memory 2.000 MB at 100 classes, 2.000 MB at 1,000" in md
+    # the verdicts first, then the table with its row of them; Δ at 1000 classes -1, -2, -1: the interval holds 0
+    assert "- **r0.1-c1k**: Δ Recall@1 within noise: -1.3 ± 1.4 points (95 % interval over 3 paired seeds; " in md
+    assert "| Δ recall@1, 95 % interval | — | within noise (-2.5 ± 6.4 points) | — |" in md
     rows = list(csv.DictReader(files["study.csv"].open()))
     assert [r["point"] for r in rows] == ["r1-c100", "r0.1-c100", "r1-c1k", "r0.1-c1k"]
+    assert rows[3]["verdict"] == "within noise (-1.3 ± 1.4 points)" and float(rows[3]["Δ recall@1 95% high"]) > 0
+    metrics = sr.parent_metrics(summary)
+    assert metrics["change/delta_recall_at_1_ci95_half/r0.1-c100"] == 6.353  # 12.706 · 0.7071 / √2, 4 digits
+    assert not any("memory_factor" in k for k in metrics)  # 1× everywhere: no chart of a constant
     assert float(rows[1]["Δ recall@1 (points)"]) == pytest.approx(-2.5) and rows[0]["runs"] == "2"
     runs = list(csv.DictReader(files["study_runs.csv"].open()))
     assert len(runs) == 12 and runs[2]["status"] == "failed" and runs[2]["error"] == "boom"
@@ -424,10 +477,11 @@ def test_two_point_study_writes_its_table_and_plots_under_one_parent_run(study, 
     assert float(rows["r0.75-c12"]["Δ recall@1 (points)"]) == pytest.approx(delta)
     assert float(rows["r0.75-c12"]["speed-up (×)"]) == pytest.approx(speedup)
     metrics = parent.data.metrics
-    assert metrics["change/delta_recall_at_1_points/r0.75-c12"] == pytest.approx(delta)
-    assert metrics["change/speedup/r0.75-c12"] == pytest.approx(speedup) and "change/speedup/r1-c12" not in metrics
+    assert metrics["change/delta_recall_at_1_points/r0.75-c12"] == sr.rounded(delta)
+    assert metrics["change/speedup/r0.75-c12"] == sr.rounded(speedup) and "change/speedup/r1-c12" not in metrics
     note = parent.data.tags["mlflow.note.content"]
-    assert f"- **r0.75-c12**: Recall@1 {delta:.2f} points, {speedup:.2f}× step speed" in note
+    assert f"- **r0.75-c12**: Δ Recall@1 {sr._signed(delta, 2 if abs(delta) < 1 else 1)} points (one seed" in note
+    assert f"{speedup:.2f}× step speed" in note
 
     md = (out / "study.md").read_text()
     assert md.startswith("# Class-subsampling study sub") and "| point | r1-c12 | r0.75-c12 |" in md
