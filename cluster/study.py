@@ -67,11 +67,12 @@ from dmltrain.studies.results import (
     point_label,
     probe_measures,
     render,
+    timeline,
     write_outputs,
 )
 from dmltrain.text import finite_number, one_line
 from dmltrain.tracking.description import loss_line
-from dmltrain.tracking.names import STUDY_POINT_TAG, STUDY_REPEAT_TAG
+from dmltrain.tracking.names import STEP_MS, STUDY_POINT_TAG, STUDY_REPEAT_TAG
 from dmltrain.tracking.queries import history, steady_state
 from dmltrain.tracking.run import RunHandle
 from shards.build.synthetic import build_synthetic_shards
@@ -296,16 +297,26 @@ def summarise_history(values: list[float], how: str) -> float:
 def run_measures(uri: str, run_id: str | None, measures: list[Measure]) -> dict[str, float]:
     """The ``metric``, ``tag`` and recorded ``wall`` measures of a run from MLflow (NaN when tracking was off or
     one is absent)."""
-    wanted = [m for m in measures if m.source in ("metric", "tag", "wall")]
+    wanted = [m for m in measures if m.source in ("metric", "tag", "wall", "timeline")]
     out = {m.name: float("nan") for m in wanted}
     if run_id is None or not wanted:
         return out
 
     def read(client) -> dict[str, float]:
-        tags = client.get_run(run_id).data.tags
+        run = client.get_run(run_id)
+        tags = run.data.tags
         got = {}
+        if any(m.source == "timeline" for m in wanted):
+            windows = [(m.step, m.timestamp, m.value) for m in client.get_metric_history(run_id, STEP_MS)]
+            try:
+                accum = max(1, int(run.data.params.get("train.grad_accum", 1)))
+            except ValueError:
+                accum = 1
+            parts = timeline(run.info.start_time, run.info.end_time, windows, accum)
         for m in wanted:
-            if m.source in ("tag", "wall"):
+            if m.source == "timeline":
+                got[m.name] = parts.get(m.key, float("nan"))
+            elif m.source in ("tag", "wall"):
                 try:
                     got[m.name] = float(tags[m.key])
                 except (KeyError, ValueError):

@@ -246,6 +246,34 @@ def test_paired_deltas_of_recall_at_1_checked_by_hand():
     assert sr.rounded(0.009999999999999998) == 0.01 and sr.rounded(299.8512) == 299.9
 
 
+def test_a_runs_wall_time_in_parts_sets_its_start_up_apart(tmp_path):
+    # a run that starts at t = 1000 s, sleeps 60 s (start-up), then 3 windows of 10 steps at 100, 120, 100 ms a step
+    # (one 10 s evaluation after step 20) and 5 s at the end; logged at the end of each window
+    start = 1_000_000
+    windows = [(10, start + 61_000, 100.0), (20, start + 62_200, 120.0), (30, start + 73_200, 100.0)]
+    end = start + 78_200
+    parts = sr.timeline(start, end, windows)
+    assert parts == pytest.approx({"startup": 60.0, "steps": 3.2, "other": 15.0})
+    # two micro-batches a step double the steps' time; a step logged again by a resumed run counts once
+    parts = sr.timeline(start, end, [*windows, (20, start + 90_000, 120.0)], accum=2)
+    assert parts["steps"] == pytest.approx(6.4) and parts["startup"] == pytest.approx(59.0)
+    assert all(math.isnan(v) for v in sr.timeline(start, end, []).values())
+
+    # read from a real MLflow run as the study reads it
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    run = client.create_run(client.create_experiment("t"), start_time=start)
+    for step, ts, ms in windows:
+        client.log_metric(run.info.run_id, "time/step_ms", ms, timestamp=int(ts), step=step)
+    client.set_terminated(run.info.run_id, end_time=end)
+    got = st.run_measures(uri, run.info.run_id, sr.timeline_measures())
+    assert got == pytest.approx({"start-up s": 60.0, "steps s": 3.2, "eval and other s": 15.0})
+    point = sr.Point(1.0, 100, "/s", "r1-c100", repeats=[sr.Repeat(0, "x", "finished", got)])
+    assert sr.wall_parts(point) == "run 78 s: start-up 60 s, training steps 3.2 s, evaluation and the rest 15 s"
+
+
 def test_outputs_of_a_study(tmp_path):
     summary = _fake_study(tmp_path)
     files = sr.write_outputs(summary)

@@ -26,9 +26,9 @@ lost by the uniform draw at a ratio each other mode wins back, and a :class:`Mea
 **Files** (:func:`write_outputs`, each written atomically): ``study.md`` (the table with the points
 as columns, so that it fits a page and MLflow's Markdown view, its notes and figures), ``study.csv``
 (one row per point: every measure's mean and spread), ``study_runs.csv`` (one row per run),
-``tradeoff.png`` (the study's figure: the change of Recall@1, the speed-up, the memory factor and the
-wall time against the ratio, one line per class count; panels whose values do not vary are left out
-and said so), ``recall_vs_ratio.png`` (Recall@K against the ratio, the paper's Fig. 4, zero-based) and,
+``tradeoff.png`` (the study's figure: the change of Recall@1 with each point's verdict in its note, the speed-up,
+the memory factor, the time in training steps and the start-up against the ratio, one line per class count;
+panels whose values do not vary are left out and said so), ``recall_vs_ratio.png`` (Recall@K against the ratio, the paper's Fig. 4, zero-based) and,
 with two class counts or more, ``vs_classes.png`` (the same trade-off and the step time against the
 number of classes, one line per ratio), and ``<measure>.png`` for every curve measure (its history over
 the training steps, one line per point, the mean over the seeds). :func:`render` is the text the command prints,
@@ -69,7 +69,8 @@ from dmltrain.tracking.queries import STEADY_STATE
 class Measure:
     """A figure read of each run: ``source`` ``eval`` (the final evaluation's metric ``key``), ``metric``
     (an MLflow metric history, summarised by ``how``: ``steady``, ``max``, ``mean`` or ``last``), ``tag``
-    (an MLflow tag) or ``wall`` (the wall time of the run's training, kept as the tag ``key`` so that a
+    (an MLflow tag), ``timeline`` (part ``key`` of :func:`timeline`) or ``wall`` (the wall time of the run's
+    training, kept as the tag ``key`` so that a
     study run again reads the first training's, not the resumed no-op's). ``name`` heads its column; ``mlflow`` is its key
     among the parent run's metrics; ``digits`` its decimals in the tables; ``curve``: a ``metric`` whose history
     is also plotted against the step (``<mlflow>.png``, within ``ylim``)."""
@@ -110,7 +111,47 @@ def default_measures(ks: Sequence[int], gpu: bool = False) -> list[Measure]:
         Measure("active classes", "tag", ACTIVE_CLASSES_TAG, mlflow="active_classes", digits=0),
         Measure("active rows", "tag", ACTIVE_ROWS_TAG, mlflow="active_rows", digits=1),
         Measure("wall s", "wall", STUDY_WALL_TAG, mlflow="wall_s", digits=0),
+        *timeline_measures(),
     ]
+
+
+def timeline_measures() -> list[Measure]:
+    """The run's MLflow wall time in its parts (:func:`timeline`): start-up, time in training steps, the rest."""
+    return [
+        Measure("start-up s", "timeline", "startup", mlflow="startup_s", digits=0),
+        Measure("steps s", "timeline", "steps", mlflow="steps_s", digits=1),
+        Measure("eval and other s", "timeline", "other", mlflow="other_s", digits=0),
+    ]
+
+
+def timeline(
+    start_ms: float | None, end_ms: float | None, windows: Sequence[tuple[int, float, float]], accum: int = 1
+) -> dict[str, float]:
+    """Where a run's MLflow wall time went, from what it logged: ``windows`` are the ``(step, timestamp ms,
+    step ms)`` of each logged ``time/step_ms`` (the wall time per micro-batch of the steps since the previous
+    log point, evaluations and checkpoints left out; ``accum`` micro-batches a step). ``steps`` is the time in
+    training steps (Σ steps of a window × accum × its step ms), ``startup`` the time from the run's start to the
+    first window's first step (the first log's time less that window's steps: Ray's workers, the data, the
+    evaluation before training), ``other`` the rest of the wall time (evaluations, checkpoints, the models'
+    logging). NaN where the run logged no window or has no end (a step logged twice, by a resumed run, counts
+    once: its later value)."""
+    nan = float("nan")
+    by_step: dict[int, tuple[float, float]] = {}
+    for step, ts, ms in sorted(windows, key=lambda w: (w[0], w[1])):
+        if finite_number(ms):
+            by_step[int(step)] = (float(ts), float(ms))
+    if start_ms is None or not by_step:
+        return {"startup": nan, "steps": nan, "other": nan}
+    prev, steps_s, first = 0, 0.0, None
+    for step in sorted(by_step):
+        ts, ms = by_step[step]
+        seconds = (step - prev) * accum * ms / 1000
+        if first is None:
+            first = (ts - start_ms) / 1000 - seconds
+        steps_s += seconds
+        prev = step
+    other = nan if end_ms is None else (end_ms - start_ms) / 1000 - first - steps_s
+    return {"startup": first, "steps": steps_s, "other": other}
 
 
 def probe_measures() -> list[Measure]:
@@ -436,7 +477,9 @@ def notes(summary: StudySummary) -> list[str]:
         f"Values: {spread}. Speed: the {STEADY_STATE}; speed-up = the reference's step time / the point's.",
         "Δ recall@1, 95 % interval: the mean change in points of the seeds finished on both sides and the half-width "
         "of its Student-t 95 % interval; 'within noise' when that interval holds 0.",
-        "Wall s: the whole run (start-up, evaluations and checkpoints included).",
+        "Wall s: the whole run (start-up, evaluations and checkpoints included); its parts, of the MLflow run's time: "
+        "start-up s (to the first training step: workers, data, the evaluation before training), steps s (in "
+        "training steps, as time/step_ms logged them), eval and other s (evaluations, checkpoints, the models).",
     ]
 
 
@@ -556,9 +599,26 @@ def _tradeoff_series(summary: StudySummary) -> list[_Series]:
         r = by["factor"]
         memory = _values_text("classifier memory", "classifier MB", 3, " MB")
         out.append(_Series(r.axis, rel_of(r), 1.0, True, "{:.2f}×", memory))
-    wall = _values_text("wall time", "wall s", 0, " s")
-    out.append(_Series("wall time per run (s)", lambda p: stat(p, "wall s"), None, True, "{:.0f}", wall))
+    # the wall time only in its parts: start-up would otherwise read as a gain of the ratio
+    steps = _values_text("time in training steps", "steps s", 1, " s")
+    out.append(_Series("time in training steps per run (s)", lambda p: stat(p, "steps s"), None, True, "{:.1f}", steps))
+    startup = _values_text("start-up", "start-up s", 0, " s")
+    out.append(_Series("start-up per run (s)", lambda p: stat(p, "start-up s"), None, True, "{:.0f}", startup))
     return out
+
+
+def wall_parts(point: Point) -> str | None:
+    """``run 97 s: start-up 60 s, training steps 15.2 s, evaluation and the rest 22 s`` (means over the seeds;
+    the total is the MLflow run's time, the sum of the parts); the study's wall time alone where the parts are
+    missing; None without either."""
+    a, b, c = (stat(point, n) for n in ("start-up s", "steps s", "eval and other s"))
+    if a.n and b.n and c.n:
+        return (
+            f"run {a.mean + b.mean + c.mean:.0f} s: start-up {a.mean:.0f} s, training steps {b.mean:.1f} s, "
+            f"evaluation and the rest {c.mean:.0f} s"
+        )
+    wall = stat(point, "wall s")
+    return f"{wall.mean:.0f} s per run" if wall.n else None
 
 
 def _shared(point: Point, points: Sequence[Point]) -> bool:
@@ -780,8 +840,8 @@ def write_outputs(summary: StudySummary) -> dict[str, Path]:
     failed = [r for r in summary.runs if r.error]
     lines += [f"- {r.run_name} failed: {r.error}" for r in failed]
     described = {
-        "tradeoff.png": "the change of Recall@1 (each point's verdict in its note), the speed-up, the memory factor "
-        "and the wall time against the ratio, those that vary",
+        "tradeoff.png": "the change of Recall@1 (each point's verdict in its note), the speed-up of a steady step, "
+        "the memory factor, the time in training steps and the start-up against the ratio, those that vary",
         "recall_vs_ratio.png": "Recall@K against the ratio",
         "vs_classes.png": "the trade-off and the step time against the number of classes",
         **{
@@ -854,15 +914,12 @@ def describe_study(summary: StudySummary, config_line: str) -> str:
     refs, others = [], []
     for p in summary.points:
         ref = reference_of(p, summary.points)
-        wall, step = stat(p, "wall s"), stat(p, "step ms")
+        step = stat(p, "step ms")
         if not p.finished:
             others.append(f"- **{p.label}**: failed")
             continue
         if ref is p:  # the baseline: its own figures, not a change of 0 against itself
-            shown = [
-                f"{step.mean:.1f} ms per step" if step.n else None,
-                f"{wall.mean:.0f} s per run" if wall.n else None,
-            ]
+            shown = [f"{step.mean:.1f} ms per step" if step.n else None, wall_parts(p)]
             refs.append(f"- **{p.label}** (the reference): " + ", ".join(x for x in shown if x))
             continue
         by = {r.kind: relative(p, ref, r) for r in summary.relatives}
@@ -874,7 +931,7 @@ def describe_study(summary: StudySummary, config_line: str) -> str:
             f"{gap.text(0)}% of the {GAP_BASELINE} draw's Recall@1 gap closed" if gap.n else None,
             f"{sp.text(2)}× step speed" if sp.n else None,
             f"classifier memory {mem.text(2)}×" if mem.n else None,
-            f"{wall.mean:.0f} s per run" if wall.n else None,
+            wall_parts(p),
         ]
         others.append(f"- **{p.label}**: " + ", ".join(x for x in parts if x))
     lines += others + refs
