@@ -33,6 +33,11 @@ the classifier's probe on (``loss.classifier.probe_every``, ``--probe-every``, d
 gap the mode closes, and the probe's gradient cosine, in the table and over training (``grad_cos.png``),
 and its loss gaps (the run's draw, and a uniform draw of the same size on the same model) in the table.
 
+Every study turns the probe on (every ``train.log_every`` steps unless set): its full-softmax loss on the
+step's batch is the loss that means the same at every ratio (``full-softmax loss`` in the table,
+``full_loss.png`` over training); ``batch/loss``, a softmax over the drawn classes only, is lower the fewer
+are drawn and is not compared.
+
 Runs train one at a time by default, so their speed figures are comparable; ``--parallel N`` runs
 N at once when only the accuracy matters.
 
@@ -63,6 +68,7 @@ from dmltrain.studies.results import (
     StudySummary,
     default_measures,
     describe_study,
+    full_loss_measure,
     parent_metrics,
     point_label,
     probe_measures,
@@ -558,12 +564,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--probe-every {args.probe_every}: must be at least 1")
     cfg = load_config(args.config, args.overrides)
     c = cfg.loss.classifier
-    probe = args.probe_every or (c.probe_every if c is not None else 0)
-    if modes and not probe:
-        probe = cfg.train.log_every
-    if probe and c is not None and probe != c.probe_every:
+    asked = args.probe_every or (c.probe_every if c is not None else 0)
+    # the probe is always on: its full-softmax loss is the one loss that compares across ratios (its time is left
+    # out of the step times); its gradient figures are tabled where the draw is studied or the probe asked for
+    probe = asked or cfg.train.log_every
+    if c is not None and probe != c.probe_every:
         cfg = load_config(args.config, [*args.overrides, f"loss.classifier.probe_every={probe}"])
-    measures = default_measures(cfg.eval.ks, gpu=cfg.cluster.use_gpu) + (probe_measures() if probe else [])
+    measures = default_measures(cfg.eval.ks, gpu=cfg.cluster.use_gpu) + [full_loss_measure()]
+    measures += probe_measures() if asked or modes else []
     summary = run_study(
         cfg,
         ratios,

@@ -216,6 +216,29 @@ def test_comparable_groups_and_many_runs_as_rows():
     assert (2, 1) in t.bold and (2, 2) not in t.bold and t.links[(7, 0)] == "u7"
 
 
+def test_the_loss_figure_overlays_a_loss_that_compares_across_sample_ratios():
+    from dmltrain.report.compare import curves, loss_figure
+    from dmltrain.report.runs import RunRecord
+
+    def rec(i, ratio, full=None):
+        hist = {"batch/loss": [(1, 6.2 - i), (2, 6.0 - i)]}
+        if full is not None:
+            hist["softmax/probe/full_loss"] = full
+        return RunRecord(
+            f"id{i}", f"r{i}", "1", "FINISHED", 0, 1, {"loss.classifier.sample_ratio": ratio}, {}, {}, hist
+        )
+
+    # both runs probed the full softmax: its loss is overlaid, not the sampled softmax's
+    both = [rec(0, "1", [(1, 6.2), (2, 6.0)]), rec(1, "0.1", [(1, 6.3), (2, 6.1)])]
+    which, title = loss_figure(both)
+    assert which == "full_loss" and "the same loss at every sample ratio" in title
+    assert curves(both, which)["r1"] == ([1, 2], [6.3, 6.1])
+    # one did not: the objective, said not comparable across the ratios; one ratio (1 and 1.0): nothing to say
+    which, title = loss_figure([both[0], rec(1, "0.1")])
+    assert which == "loss" and "not comparable across sample ratios" in title
+    assert "not comparable" not in loss_figure([rec(0, "1"), rec(1, "1.0")])[1]
+
+
 def test_overlaid_curves(full_report):
     from dmltrain.report.compare import curves
 

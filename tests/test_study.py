@@ -274,6 +274,34 @@ def test_a_runs_wall_time_in_parts_sets_its_start_up_apart(tmp_path):
     assert sr.wall_parts(point) == "run 78 s: start-up 60 s, training steps 3.2 s, evaluation and the rest 15 s"
 
 
+def test_the_full_softmax_loss_the_study_compares_is_the_same_at_every_ratio():
+    """The probe's full-softmax loss of one model on one batch is the same at ratio 1 and 0.1 (a float64
+    softmax over all 500 classes: the reference), while the objective, over the drawn classes, is lower at 0.1."""
+    import torch
+    from distributed_reference import dense_classifier_loss
+
+    from dmltrain.distributed import ShardedClassifier
+
+    C, D = 500, 16
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(24, D, generator=g, dtype=torch.float64), torch.randint(0, C, (24,), generator=g)
+    losses = {}
+    for ratio in (1.0, 0.1):
+        clf = ShardedClassifier(C, D, "normsoftmax", sample_ratio=ratio, seed=3).double()
+        with torch.no_grad():
+            clf.weight.copy_(torch.randn(C, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+            sampled = float(clf(x, y, step=1))
+        losses[ratio] = (float(clf.probe(x, y, 1)["full_loss"]), sampled, clf)
+    full = {r: v[0] for r, v in losses.items()}
+    assert full[1.0] == pytest.approx(full[0.1], rel=1e-12)
+    clf = losses[1.0][2]
+    reference = dense_classifier_loss(x, y, clf.full_weight().double(), None, "normsoftmax", clf.params)
+    assert full[1.0] == pytest.approx(float(reference), rel=1e-9)
+    assert losses[0.1][1] < losses[1.0][1] - 0.5  # the objective is not comparable across ratios
+    m = sr.full_loss_measure()
+    assert m.key == "softmax/probe/full_loss" and m.curve
+
+
 def test_outputs_of_a_study(tmp_path):
     summary = _fake_study(tmp_path)
     files = sr.write_outputs(summary)

@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 from dmltrain.errors import UserError
 from dmltrain.evaluate.plots import plot_curves, run_colors
 from dmltrain.fileio import write_text
-from dmltrain.report.compare import curves, metrics_table, write_csv
+from dmltrain.report.compare import curves, loss_figure, metrics_table, write_csv
 from dmltrain.report.pages import Links, render_html, render_markdown
 from dmltrain.report.runs import RunRecord, collect, get_experiment, resolve_tracking_uri, select_runs
 from dmltrain.text import markdown_table, printable, safe_name
@@ -49,9 +49,11 @@ def build_report(
     records = collect(client, chosen, out_dir, progress=progress)
     colors = run_colors([r.name for r in records])
     figures = {}
-    loss, recall = curves(records, "loss"), curves(records, "recall")
+    which, loss_title = loss_figure(records)
+    loss, recall = curves(records, which), curves(records, "recall")
     if any(len(steps) > 1 for steps, _ in loss.values()):
-        p = plot_curves(loss, out_dir / "loss.png", "loss", "Training loss (the objective, per log window)", colors)
+        ylabel = "full-softmax loss" if which == "full_loss" else "loss"
+        p = plot_curves(loss, out_dir / "loss.png", ylabel, loss_title, colors)
         if p is not None:
             figures["loss"] = p
     if any(len(steps) > 1 for steps, _ in recall.values()):  # one evaluation is a value, not a curve

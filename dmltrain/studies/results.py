@@ -54,6 +54,7 @@ from dmltrain.tracking.names import (
     CLASSIFIER_MB_TAG,
     CUDA_PEAK_MB,
     IMAGES_PER_S,
+    PROBE_FULL_LOSS,
     PROBE_GRAD_COS,
     PROBE_LOSS_GAP,
     PROBE_UNIFORM_LOSS_GAP,
@@ -168,6 +169,22 @@ def probe_measures() -> list[Measure]:
         Measure("loss gap", "metric", PROBE_LOSS_GAP, "mean", "loss_gap", digits=2),
         Measure("uniform draw's loss gap", "metric", PROBE_UNIFORM_LOSS_GAP, "mean", "uniform_loss_gap", digits=2),
     ]
+
+
+def full_loss_measure() -> Measure:
+    """The loss that compares across ratios: the probe's full-softmax loss on the training batch (the last
+    logged and its history, ``full_loss.png``); the objective ``batch/loss`` is a softmax over the drawn classes
+    only, lower the fewer are drawn, and is not read."""
+    return Measure(
+        "full-softmax loss",
+        "metric",
+        PROBE_FULL_LOSS,
+        "last",
+        "full_loss",
+        digits=3,
+        curve=True,
+        about="the full softmax's loss on the training batch (the probe; the same loss at every ratio)",
+    )
 
 
 RELATIVES = (
