@@ -154,7 +154,9 @@ def prepare_shards(cfg, classes: list[int] | None, progress: bool = True) -> dic
     """Class count -> shard directory, building missing synthetic shards once (``--classes``)."""
     s = cfg.data.synthetic
     if not classes or s is None:
-        prepare_data(cfg)  # the config's own shards (built when synthetic and missing) and its splits
+        prepare_data(
+            cfg, progress=progress
+        )  # the config's own shards (built when synthetic and missing) and its splits
         shards = location_of(cfg.data)  # a local folder or a URL
         own = Manifest.load(shards).split(cfg.data.train_split).num_classes
         if classes and classes != [own]:

@@ -90,6 +90,20 @@ def test_synthetic_shards_of_other_class_counts_sit_beside_the_configs():
     assert st.synthetic_shards_dir(cfg, 1000) == Path("data/synthetic-sop-1000c")
 
 
+def test_no_progress_builds_shards_without_bars(tmp_path, capfd):
+    from cluster.launch import prepare_data
+
+    tiny = "{classes: 4, per_class: 2, image_size: 16, shard_size: 8}"
+    cfg = load_config(DEMO, [f"data.shards={tmp_path / 'syn'}", f"data.synthetic={tiny}"])
+    capfd.readouterr()
+    prepare_data(cfg, progress=False)  # the config's own shards (dmltrain train, tune, a study without --classes)
+    assert st.prepare_shards(cfg, [3], progress=False) == {3: str((tmp_path / "syn-3c").resolve())}
+    err = capfd.readouterr().err
+    assert "building synthetic shards in" in err and "%|" not in err and "it/s" not in err
+    prepare_data(cfg.model_copy(update={"data": cfg.data.model_copy(update={"shards": str(tmp_path / "b")})}))
+    assert "%|" in capfd.readouterr().err  # the bars this test looks for, where they are asked for
+
+
 def test_cli_refuses_a_study_without_a_classifier_or_classes_of_a_real_dataset(tmp_path, capsys, monkeypatch):
     rc = main(["study", "subsampling", str(DEMO), "loss.classifier=null", "--ratios", "1,0.1"])
     assert rc == 2 and capsys.readouterr().err.strip() == (
