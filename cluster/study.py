@@ -433,11 +433,13 @@ def run_study(
     variants: list[tuple[str, dict[str, Any]]] | None = None,
     measures: list[Measure] | None = None,
     full_once: bool = False,
+    ui_url: str | None = None,
 ) -> StudySummary:
     """Train every point ``repeats`` times (see the module doc), write the table and plots, log them to the
     parent run; returns the summary. ``variants``: a further axis of points, ``(label, dotted overrides)``
     each (:func:`plan_points`, ``full_once`` too); ``measures``: what is read of each run (default:
-    :func:`default_measures`; a study that logs more, such as the gradient probe, adds its own)."""
+    :func:`default_measures`; a study that logs more, such as the gradient probe, adds its own); ``ui_url``:
+    the MLflow UI the printed parent link points into (default: the tracking server's, or ``mlflow ui``'s)."""
     started = time.time()
     if cfg.loss.classifier is None:
         raise UserError(
@@ -468,7 +470,7 @@ def run_study(
     print(
         f"study {name}: {len(points)} point{'s' * (len(points) != 1)} (ratios {', '.join(f'{r:g}' for r in ratios)} x "
         f"{', '.join(str(n) for n in shards)} classes) x {repeats} seed{'s' * (repeats != 1)} = {len(runs)} runs"
-        + (f"; MLflow parent run {parent.url() or parent.run_id}" if parent.run_id else ""),
+        + (f"; MLflow parent run {parent.url(ui=ui_url) or parent.run_id}" if parent.run_id else ""),
         file=sys.stderr,
         flush=True,
     )
@@ -501,7 +503,7 @@ def run_study(
     summary = StudySummary(
         name, list(cfg.eval.ks), points, out_dir, {}, parent.run_id, parent.uri, time.time() - started, measures
     )
-    summary.parent_url = parent.url()
+    summary.parent_url = parent.url(ui=ui_url)
     summary.files = write_outputs(summary)
     for path in summary.files.values():
         parent.log_artifact(path, "study")
@@ -547,15 +549,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--probe-every",
         type=int,
-        help="steps between two probes of the full softmax's gradient (loss.classifier.probe_every; default with "
-        "--sampling: the config's, or train.log_every when it is 0)",
+        help="steps between two probes of the full softmax (loss.classifier.probe_every; default: the config's, or "
+        "train.log_every when it is 0; a study always probes, for the loss that compares across ratios)",
     )
     p.add_argument("--name", help="study name (default study-<config>-<time>); the same name resumes a study")
     p.add_argument("--out", help="directory of the table and plots (default <storage>/<name>)")
     p.add_argument(
         "--parallel", type=int, default=1, help="points trained at once (default 1: comparable speed figures)"
     )
-    p.add_argument("--no-progress", action="store_true", help="no live progress line")
+    p.add_argument(
+        "--ui-url",
+        help="MLflow UI base URL of the printed links (default: the tracking server's, or mlflow ui's "
+        "http://127.0.0.1:5000)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no live progress line and no shard-build bars")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -587,6 +594,7 @@ def run(args: argparse.Namespace) -> int:
         variants=sampling_variants(modes) if modes else None,
         measures=measures,
         full_once=bool(modes),
+        ui_url=args.ui_url,
     )
     print(render(summary))
     return 0 if summary.ok else 1

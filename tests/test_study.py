@@ -657,4 +657,9 @@ def test_the_sampling_flag_sets_the_variants_and_turns_the_probe_on(monkeypatch,
     assert "grad cos" in [m.name for m in seen["measures"]]
     main(["study", "subsampling", str(DEMO), "--ratios", "1,0.1", "--probe-every", "3"])
     assert seen["variants"] is None and seen["cfg"].loss.classifier.probe_every == 3
+    # without --sampling or --probe-every the probe is on all the same, for the full-softmax loss alone
+    main(["study", "subsampling", str(DEMO), "train.log_every=5", "--ratios", "1,0.1", "--ui-url", "http://ui:8080"])
+    names = [m.name for m in seen["measures"]]
+    assert seen["cfg"].loss.classifier.probe_every == 5 and "full-softmax loss" in names and "grad cos" not in names
+    assert seen["ui_url"] == "http://ui:8080"
     capsys.readouterr()
