@@ -438,6 +438,9 @@ def test_a_study_parent_gets_its_points_table_verdicts_and_files(tmp_path, capsy
     assert f"/runs/{pid}?workflowType=machine_learning" in links[1]
     md = (tmp_path / "rep" / "report.md").read_text()
     assert md.index("## Study sub") < md.index("## Runs")
+    # 0.0120 against 0.0100 is one seed's luck: no run's value is bold, the study's table weighs it
+    metrics_part = md[md.index("## Final metrics") :]
+    assert "**" not in metrics_part[: metrics_part.index("\n## ", 5)] and "No value is bold" in md
     assert f"(http://ui.example:8080/#/experiments/{exp}/runs/{pid}?workflowType=machine_learning)" in md
     assert "[study.md](study/sub/study.md)" in md and "![tradeoff.png](study/sub/tradeoff.png)" in md
     assert (tmp_path / "rep" / "study" / "sub" / "tradeoff.png").read_bytes() == PNG + b"fake"

@@ -64,6 +64,10 @@ COMPARABLE = {
         "train.zero_stage",
     ),
 }
+STUDY_NOTE = (
+    "No value is bold: these are a study's runs, whose differences the study's table above weighs against the "
+    "spread of its seeds."
+)
 COMPARABLE_NOTE = (
     "Bold: the best value among the runs it can be compared with: evaluation metrics among runs evaluated on the "
     "same data, the loss among runs with the same losses and batches, speed among runs on the same cluster, model "
@@ -269,14 +273,15 @@ def runs_table(records: list[RunRecord], run_links: list[str]) -> Table:
     return _orient(records, labels, cells, run_links, set(), "", titles)
 
 
-def metrics_table(records: list[RunRecord], run_links: list[str]) -> Table:
-    """The metric columns, the best Recall@1 with its step, the best values marked (:func:`best_cells`)."""
+def metrics_table(records: list[RunRecord], run_links: list[str], mark_best: bool = True) -> Table:
+    """The metric columns, the best Recall@1 with its step, the best values marked (:func:`best_cells`) unless
+    ``mark_best`` is false (a study's runs, whose differences its own table weighs against their spread)."""
     cols = metric_columns(records)
     cells = []
     for r in records:
         b = best_recall(r)
         cells.append([*(format_value(c.value(r), c.speed) for c in cols), f"{b[0]:.4f} ({b[1]})" if b else MISSING])
-    bold = {(i, j) for j, rows in best_cells(records, cols).items() for i in rows}
+    bold = {(i, j) for j, rows in best_cells(records, cols).items() for i in rows} if mark_best else set()
     return _orient(records, [c.header for c in cols] + ["best recall@1 (step)"], cells, run_links, bold, "metric")
 
 

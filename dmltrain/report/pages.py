@@ -18,6 +18,7 @@ from pathlib import Path
 from dmltrain.redact import redact_url
 from dmltrain.report.compare import (
     COMPARABLE_NOTE,
+    STUDY_NOTE,
     Table,
     differing_params,
     evaluations_table,
@@ -142,9 +143,9 @@ def render_markdown(
     if note:
         parts += [note, ""]
     parts += [_md_table(runs_table(records, run_links)), "", "## Final metrics", ""]
-    parts += [_md_table(metrics_table(records, run_links)), ""]
+    parts += [_md_table(metrics_table(records, run_links, mark_best=not studies)), ""]
     if not single:
-        parts += [f"*{COMPARABLE_NOTE}*", ""]
+        parts += [f"*{STUDY_NOTE if studies else COMPARABLE_NOTE}*", ""]
     if single:
         evals = evaluations_table(records[0])
         if evals.rows:
@@ -272,10 +273,10 @@ def render_html(
     body += [
         _html_table(runs_table(records, run_links)),
         "<h2>Final metrics</h2>",
-        _html_table(metrics_table(records, run_links)),
+        _html_table(metrics_table(records, run_links, mark_best=not studies)),
     ]
     if not single:
-        body.append(f'<p class="meta">{esc(COMPARABLE_NOTE)}</p>')
+        body.append(f'<p class="meta">{esc(STUDY_NOTE if studies else COMPARABLE_NOTE)}</p>')
     if single:
         evals = evaluations_table(records[0])
         if evals.rows:
