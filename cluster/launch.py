@@ -161,8 +161,9 @@ def check_outputs(cfg: Config) -> None:
         check_output_dir(shards.path, "data.shards")  # a URL is written through its SDK: nothing local to check
 
 
-def prepare_data(cfg: Config) -> None:
-    """Build synthetic shards if configured and missing; then check the shards and splits exist."""
+def prepare_data(cfg: Config, progress: bool = True) -> None:
+    """Build synthetic shards if configured and missing (``progress``: with the builder's bars); then check
+    the shards and splits exist."""
     from shards.manifest import Manifest
 
     shards_dir = location_of(cfg.data)  # a local folder or a URL
@@ -184,6 +185,7 @@ def prepare_data(cfg: Config) -> None:
             seed=s.seed,
             shard_size=s.shard_size,
             overwrite=False,
+            progress=progress,
             family_size=s.family_size,
             family_spread=s.family_spread,
             label_noise=s.label_noise,
@@ -259,7 +261,9 @@ def fixed_workers(cfg: Config, command: str) -> None:
         )
 
 
-def prepare_driver(cfg: Config, shards: Callable[[Config], list[Config]] | None = None) -> Config:
+def prepare_driver(
+    cfg: Config, shards: Callable[[Config], list[Config]] | None = None, progress: bool = True
+) -> Config:
     """Everything a driver checks before Ray starts, the same for ``train``, ``tune`` and ``study``; returns
     ``cfg`` with absolute paths (:func:`absolutize`).
 
@@ -271,7 +275,7 @@ def prepare_driver(cfg: Config, shards: Callable[[Config], list[Config]] | None 
     """
     check_outputs(cfg)
     if shards is None:
-        prepare_data(cfg)
+        prepare_data(cfg, progress=progress)
         variants = [cfg]
     else:
         variants = shards(cfg)
@@ -499,7 +503,7 @@ def train(
     from dmltrain.training.progress import ProgressBoard, ProgressPrinter
 
     started = time.time()
-    cfg = prepare_driver(cfg)
+    cfg = prepare_driver(cfg, progress=progress)
     config_file = str(Path(config_path).resolve()) if config_path else None
     where = RunLocation.of(cfg)
     run_name = resolve_run_name(cfg, where, config_file, resume) or default_run_name(config_name)

@@ -33,6 +33,11 @@ the classifier's probe on (``loss.classifier.probe_every``, ``--probe-every``, d
 gap the mode closes, and the probe's gradient cosine, in the table and over training (``grad_cos.png``),
 and its loss gaps (the run's draw, and a uniform draw of the same size on the same model) in the table.
 
+Every study turns the probe on (every ``train.log_every`` steps unless set): its full-softmax loss on the
+step's batch is the loss that means the same at every ratio (``full-softmax loss`` in the table,
+``full_loss.png`` over training); ``batch/loss``, a softmax over the drawn classes only, is lower the fewer
+are drawn and is not compared.
+
 Runs train one at a time by default, so their speed figures are comparable; ``--parallel N`` runs
 N at once when only the accuracy matters.
 
@@ -63,15 +68,17 @@ from dmltrain.studies.results import (
     StudySummary,
     default_measures,
     describe_study,
+    full_loss_measure,
     parent_metrics,
     point_label,
     probe_measures,
     render,
+    timeline,
     write_outputs,
 )
 from dmltrain.text import finite_number, one_line
 from dmltrain.tracking.description import loss_line
-from dmltrain.tracking.names import STUDY_POINT_TAG, STUDY_REPEAT_TAG
+from dmltrain.tracking.names import STEP_MS, STUDY_POINT_TAG, STUDY_REPEAT_TAG
 from dmltrain.tracking.queries import history, steady_state
 from dmltrain.tracking.run import RunHandle
 from shards.build.synthetic import build_synthetic_shards
@@ -147,7 +154,9 @@ def prepare_shards(cfg, classes: list[int] | None, progress: bool = True) -> dic
     """Class count -> shard directory, building missing synthetic shards once (``--classes``)."""
     s = cfg.data.synthetic
     if not classes or s is None:
-        prepare_data(cfg)  # the config's own shards (built when synthetic and missing) and its splits
+        prepare_data(
+            cfg, progress=progress
+        )  # the config's own shards (built when synthetic and missing) and its splits
         shards = location_of(cfg.data)  # a local folder or a URL
         own = Manifest.load(shards).split(cfg.data.train_split).num_classes
         if classes and classes != [own]:
@@ -296,16 +305,26 @@ def summarise_history(values: list[float], how: str) -> float:
 def run_measures(uri: str, run_id: str | None, measures: list[Measure]) -> dict[str, float]:
     """The ``metric``, ``tag`` and recorded ``wall`` measures of a run from MLflow (NaN when tracking was off or
     one is absent)."""
-    wanted = [m for m in measures if m.source in ("metric", "tag", "wall")]
+    wanted = [m for m in measures if m.source in ("metric", "tag", "wall", "timeline")]
     out = {m.name: float("nan") for m in wanted}
     if run_id is None or not wanted:
         return out
 
     def read(client) -> dict[str, float]:
-        tags = client.get_run(run_id).data.tags
+        run = client.get_run(run_id)
+        tags = run.data.tags
         got = {}
+        if any(m.source == "timeline" for m in wanted):
+            windows = [(m.step, m.timestamp, m.value) for m in client.get_metric_history(run_id, STEP_MS)]
+            try:
+                accum = max(1, int(run.data.params.get("train.grad_accum", 1)))
+            except ValueError:
+                accum = 1
+            parts = timeline(run.info.start_time, run.info.end_time, windows, accum)
         for m in wanted:
-            if m.source in ("tag", "wall"):
+            if m.source == "timeline":
+                got[m.name] = parts.get(m.key, float("nan"))
+            elif m.source in ("tag", "wall"):
                 try:
                     got[m.name] = float(tags[m.key])
                 except (KeyError, ValueError):
@@ -414,11 +433,13 @@ def run_study(
     variants: list[tuple[str, dict[str, Any]]] | None = None,
     measures: list[Measure] | None = None,
     full_once: bool = False,
+    ui_url: str | None = None,
 ) -> StudySummary:
     """Train every point ``repeats`` times (see the module doc), write the table and plots, log them to the
     parent run; returns the summary. ``variants``: a further axis of points, ``(label, dotted overrides)``
     each (:func:`plan_points`, ``full_once`` too); ``measures``: what is read of each run (default:
-    :func:`default_measures`; a study that logs more, such as the gradient probe, adds its own)."""
+    :func:`default_measures`; a study that logs more, such as the gradient probe, adds its own); ``ui_url``:
+    the MLflow UI the printed parent link points into (default: the tracking server's, or ``mlflow ui``'s)."""
     started = time.time()
     if cfg.loss.classifier is None:
         raise UserError(
@@ -449,7 +470,7 @@ def run_study(
     print(
         f"study {name}: {len(points)} point{'s' * (len(points) != 1)} (ratios {', '.join(f'{r:g}' for r in ratios)} x "
         f"{', '.join(str(n) for n in shards)} classes) x {repeats} seed{'s' * (repeats != 1)} = {len(runs)} runs"
-        + (f"; MLflow parent run {parent.url() or parent.run_id}" if parent.run_id else ""),
+        + (f"; MLflow parent run {parent.url(ui=ui_url) or parent.run_id}" if parent.run_id else ""),
         file=sys.stderr,
         flush=True,
     )
@@ -482,7 +503,7 @@ def run_study(
     summary = StudySummary(
         name, list(cfg.eval.ks), points, out_dir, {}, parent.run_id, parent.uri, time.time() - started, measures
     )
-    summary.parent_url = parent.url()
+    summary.parent_url = parent.url(ui=ui_url)
     summary.files = write_outputs(summary)
     for path in summary.files.values():
         parent.log_artifact(path, "study")
@@ -528,15 +549,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--probe-every",
         type=int,
-        help="steps between two probes of the full softmax's gradient (loss.classifier.probe_every; default with "
-        "--sampling: the config's, or train.log_every when it is 0)",
+        help="steps between two probes of the full softmax (loss.classifier.probe_every; default: the config's, or "
+        "train.log_every when it is 0; a study always probes, for the loss that compares across ratios)",
     )
     p.add_argument("--name", help="study name (default study-<config>-<time>); the same name resumes a study")
     p.add_argument("--out", help="directory of the table and plots (default <storage>/<name>)")
     p.add_argument(
         "--parallel", type=int, default=1, help="points trained at once (default 1: comparable speed figures)"
     )
-    p.add_argument("--no-progress", action="store_true", help="no live progress line")
+    p.add_argument(
+        "--ui-url",
+        help="MLflow UI base URL of the printed links (default: the tracking server's, or mlflow ui's "
+        "http://127.0.0.1:5000)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no live progress line and no shard-build bars")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -547,12 +573,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--probe-every {args.probe_every}: must be at least 1")
     cfg = load_config(args.config, args.overrides)
     c = cfg.loss.classifier
-    probe = args.probe_every or (c.probe_every if c is not None else 0)
-    if modes and not probe:
-        probe = cfg.train.log_every
-    if probe and c is not None and probe != c.probe_every:
+    asked = args.probe_every or (c.probe_every if c is not None else 0)
+    # the probe is always on: its full-softmax loss is the one loss that compares across ratios (its time is left
+    # out of the step times); its gradient figures are tabled where the draw is studied or the probe asked for
+    probe = asked or cfg.train.log_every
+    if c is not None and probe != c.probe_every:
         cfg = load_config(args.config, [*args.overrides, f"loss.classifier.probe_every={probe}"])
-    measures = default_measures(cfg.eval.ks, gpu=cfg.cluster.use_gpu) + (probe_measures() if probe else [])
+    measures = default_measures(cfg.eval.ks, gpu=cfg.cluster.use_gpu) + [full_loss_measure()]
+    measures += probe_measures() if asked or modes else []
     summary = run_study(
         cfg,
         ratios,
@@ -566,6 +594,7 @@ def run(args: argparse.Namespace) -> int:
         variants=sampling_variants(modes) if modes else None,
         measures=measures,
         full_once=bool(modes),
+        ui_url=args.ui_url,
     )
     print(render(summary))
     return 0 if summary.ok else 1

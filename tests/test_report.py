@@ -216,6 +216,29 @@ def test_comparable_groups_and_many_runs_as_rows():
     assert (2, 1) in t.bold and (2, 2) not in t.bold and t.links[(7, 0)] == "u7"
 
 
+def test_the_loss_figure_overlays_a_loss_that_compares_across_sample_ratios():
+    from dmltrain.report.compare import curves, loss_figure
+    from dmltrain.report.runs import RunRecord
+
+    def rec(i, ratio, full=None):
+        hist = {"batch/loss": [(1, 6.2 - i), (2, 6.0 - i)]}
+        if full is not None:
+            hist["softmax/probe/full_loss"] = full
+        return RunRecord(
+            f"id{i}", f"r{i}", "1", "FINISHED", 0, 1, {"loss.classifier.sample_ratio": ratio}, {}, {}, hist
+        )
+
+    # both runs probed the full softmax: its loss is overlaid, not the sampled softmax's
+    both = [rec(0, "1", [(1, 6.2), (2, 6.0)]), rec(1, "0.1", [(1, 6.3), (2, 6.1)])]
+    which, title = loss_figure(both)
+    assert which == "full_loss" and "the same loss at every sample ratio" in title
+    assert curves(both, which)["r1"] == ([1, 2], [6.3, 6.1])
+    # one did not: the objective, said not comparable across the ratios; one ratio (1 and 1.0): nothing to say
+    which, title = loss_figure([both[0], rec(1, "0.1")])
+    assert which == "loss" and "not comparable across sample ratios" in title
+    assert "not comparable" not in loss_figure([rec(0, "1"), rec(1, "1.0")])[1]
+
+
 def test_overlaid_curves(full_report):
     from dmltrain.report.compare import curves
 
@@ -356,3 +379,71 @@ def test_hostile_names_stay_inert_and_inside_the_output_folder(store, tmp_path, 
     assert not any(c.startswith(("=", "+", "@")) or (c.startswith("-") and c != "-0.5") for c in cells), cells
     html = (out / "report.html").read_text()
     assert "<script>alert" not in html and "<img src=x" not in html
+
+
+# -- a study parent ---------------------------------------------------------------------------------------------
+def test_a_study_parent_gets_its_points_table_verdicts_and_files(tmp_path, capsys):
+    from mlflow import MlflowClient
+
+    from dmltrain.report.study import parse_label
+
+    assert parse_label("hard-r0.1-c100k") == ("hard", 0.1, 100_000) and parse_label("r1e-05-c1M") == ("", 1e-05, 10**6)
+    assert parse_label("r1-c500") == ("", 1.0, 500) and parse_label("baseline") is None
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("st")
+    parent = client.create_run(exp, run_name="sub", tags={"dmltrain.kind": "study", "dmltrain.run_name": "sub"})
+    pid = parent.info.run_id
+    (tmp_path / "art").mkdir()
+    (tmp_path / "art" / "study.md").write_text("# Class-subsampling study sub\n")
+    (tmp_path / "art" / "tradeoff.png").write_bytes(PNG + b"fake")
+    (tmp_path / "art" / "study.csv").write_text("point\n")
+    for f in ("study.md", "tradeoff.png", "study.csv"):
+        client.log_artifact(pid, str(tmp_path / "art" / f), "study")
+    # seeds 0 and 1: Recall@1 0.0100, 0.0100 at ratio 1; 0.0120, 0.0100 at 0.1 (Δ +0.2, 0: seed noise)
+    for label, r1s, step_ms in (("r1-c500", (0.0100, 0.0100), 300.0), ("r0.1-c500", (0.0120, 0.0100), 150.0)):
+        for seed, r1 in enumerate(r1s):
+            tags = {"mlflow.parentRunId": pid, "dmltrain.study.point": label, "dmltrain.study.repeat": str(seed)}
+            run = client.create_run(exp, run_name=f"{label}-s{seed}-sub", tags=tags)
+            rid = run.info.run_id
+            client.log_param(rid, "loss.classifier.sample_ratio", label[1:].split("-")[0])
+            client.log_metric(rid, "eval/recall_at_1", r1, step=10)
+            for step, ms in ((1, 999.0), (2, step_ms), (3, step_ms + seed)):
+                client.log_metric(rid, "time/step_ms", ms, step=step)
+            client.set_terminated(rid)
+    client.set_terminated(pid)
+
+    rc = main(["report", "--experiment", "st", "--runs", "sub", "--tracking-uri", uri, "--out", str(tmp_path / "rep"),
+               "--ui-url", "http://ui.example:8080", "--no-progress"])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert rc == 0
+    # per point: mean ± s.d. of the seeds, the paired Δ and its verdict; the steady step time (first window left out)
+    assert "| point | r1-c500 | r0.1-c500 |" in printed
+    assert "| Δ recall@1, 95 % interval | — | within noise (+0.1 ± 1.3 points) |" in printed  # 12.706·0.1414/√2
+    assert "| recall@1 | 0.0100 ± 0.0000 | 0.0110 ± 0.0014 |" in printed
+    assert (
+        "| step ms | 300.2 ± 0.4 | 150.2 ± 0.4 |" in printed
+        and "| speed-up (×) | 1.00 ± 0.00 | 2.00 ± 0.00 |" in printed
+    )
+    assert (
+        "r0.1-c500: Δ Recall@1 within noise: +0.1 ± 1.3 points (95 % interval over 2 paired seeds; r1-c500 at "
+        in printed
+    )
+    # every printed link: the given UI, MLflow's model-training view
+    links = re.findall(r"https?://\S+", printed)
+    assert len(links) == 2 and all(
+        u.startswith("http://ui.example:8080/#/") and "workflowType=machine_learning" in u for u in links
+    )
+    assert f"/runs/{pid}?workflowType=machine_learning" in links[1]
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert md.index("## Study sub") < md.index("## Runs")
+    # 0.0120 against 0.0100 is one seed's luck: no run's value is bold, the study's table weighs it
+    metrics_part = md[md.index("## Final metrics") :]
+    assert "**" not in metrics_part[: metrics_part.index("\n## ", 5)] and "No value is bold" in md
+    assert f"(http://ui.example:8080/#/experiments/{exp}/runs/{pid}?workflowType=machine_learning)" in md
+    assert "[study.md](study/sub/study.md)" in md and "![tradeoff.png](study/sub/tradeoff.png)" in md
+    assert (tmp_path / "rep" / "study" / "sub" / "tradeoff.png").read_bytes() == PNG + b"fake"
+    assert not (tmp_path / "rep" / "study" / "sub" / "study.csv").exists()
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert "<h2>Study sub</h2>" in page and "within noise (+0.1 ± 1.3 points)" in page

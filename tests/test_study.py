@@ -90,6 +90,20 @@ def test_synthetic_shards_of_other_class_counts_sit_beside_the_configs():
     assert st.synthetic_shards_dir(cfg, 1000) == Path("data/synthetic-sop-1000c")
 
 
+def test_no_progress_builds_shards_without_bars(tmp_path, capfd):
+    from cluster.launch import prepare_data
+
+    tiny = "{classes: 4, per_class: 2, image_size: 16, shard_size: 8}"
+    cfg = load_config(DEMO, [f"data.shards={tmp_path / 'syn'}", f"data.synthetic={tiny}"])
+    capfd.readouterr()
+    prepare_data(cfg, progress=False)  # the config's own shards (dmltrain train, tune, a study without --classes)
+    assert st.prepare_shards(cfg, [3], progress=False) == {3: str((tmp_path / "syn-3c").resolve())}
+    err = capfd.readouterr().err
+    assert "building synthetic shards in" in err and "%|" not in err and "it/s" not in err
+    prepare_data(cfg.model_copy(update={"data": cfg.data.model_copy(update={"shards": str(tmp_path / "b")})}))
+    assert "%|" in capfd.readouterr().err  # the bars this test looks for, where they are asked for
+
+
 def test_cli_refuses_a_study_without_a_classifier_or_classes_of_a_real_dataset(tmp_path, capsys, monkeypatch):
     rc = main(["study", "subsampling", str(DEMO), "loss.classifier=null", "--ratios", "1,0.1"])
     assert rc == 2 and capsys.readouterr().err.strip() == (
@@ -187,7 +201,11 @@ def test_the_trade_off_against_ratio_1_seed_by_seed(tmp_path):
         "change/" in k and "r1-" in k for k in metrics
     )
     text = sr.describe_study(summary, "Each run: ...")
-    assert "- **r0.1-c100**: Recall@1 -2.50 ± 0.71 points, 2.25 ± 0.35× step speed" in text
+    # seeds 0 and 1 pair: Δ -2, -3; the 95 % t interval's half-width t(0.975, 1) · s.d. / √2 = 12.706 · 0.5 = 6.35
+    assert (
+        "- **r0.1-c100**: Δ Recall@1 within noise: -2.5 ± 6.4 points (95 % interval over 2 paired seeds; "
+        "r1-c100 at 0.8100 ± 0.0141), 2.25 ± 0.35× step speed"
+    ) in text
     assert "- **r1-c100** (the reference): 105.0 ms per step, 65 s per run" in text
     assert text.index("r0.1-c1k**:") < text.index("r1-c100** (the reference)")  # the changes first
     # a variant (a later study's sampling mode) without its own ratio-1 point is compared with the full softmax
@@ -198,6 +216,104 @@ def test_the_trade_off_against_ratio_1_seed_by_seed(tmp_path):
         p.repeats[0].status = "finished"
     variants[2].repeats[0].status = "failed"
     assert reference_of(variants[3], variants) is variants[0] and reference_of(variants[1], variants) is variants[0]
+
+
+def _paired(ref_r1: list[float], point_r1: list[float]):
+    ref = sr.Point(1.0, 100, "/s", "r1-c100", repeats=[])
+    pt = sr.Point(0.1, 100, "/s", "r0.1-c100", repeats=[])
+    for seed, (a, b) in enumerate(zip(ref_r1, point_r1)):
+        ref.repeats.append(sr.Repeat(seed, f"a{seed}", "finished", {"recall@1": a}))
+        pt.repeats.append(sr.Repeat(seed, f"b{seed}", "finished", {"recall@1": b}))
+    return ref, pt
+
+
+def test_paired_deltas_of_recall_at_1_checked_by_hand():
+    # a clear loss: Δ -2, -2.5, -1.5 points; s.d. 0.5; t(0.975, 2) = 4.303: half-width 4.303 · 0.5 / √3 = 1.2421
+    ref, pt = _paired([0.50, 0.52, 0.54], [0.48, 0.495, 0.525])
+    pd = sr.paired_delta(pt, ref)
+    assert pd.n == 3 and pd.stat.mean == pytest.approx(-2.0) and pd.stat.sd == pytest.approx(0.5)
+    assert pd.half == pytest.approx(4.302653 * 0.5 / math.sqrt(3), rel=1e-6)
+    assert pd.interval == pytest.approx((-3.2421, -0.7579), abs=1e-4) and pd.within_noise is False
+    assert pd.reference.mean == pytest.approx(0.52) and pd.verdict() == "-2.0 ± 1.2 points"
+    assert pd.sentence("r1-c100") == "-2.0 ± 1.2 points (95 % interval over 3 paired seeds; r1-c100 at 0.5200 ± 0.0200)"
+    # the spread exceeds the effect: Δ +1, -3, -1; s.d. 2; half-width 4.303 · 2 / √3 = 4.97
+    ref, pt = _paired([0.50, 0.52, 0.54], [0.51, 0.49, 0.53])
+    pd = sr.paired_delta(pt, ref)
+    assert pd.stat.mean == pytest.approx(-1.0) and pd.stat.sd == pytest.approx(2.0)
+    assert pd.half == pytest.approx(4.969, abs=1e-3) and pd.within_noise is True
+    assert pd.verdict() == "within noise (-1.0 ± 5.0 points)"
+    # changes under a point get two decimals; no float noise, no "-0.00"
+    ref, pt = _paired([0.0100, 0.0100], [0.0110, 0.0100])
+    pd = sr.paired_delta(pt, ref)
+    assert pd.verdict() == "within noise (+0.05 ± 0.64 points)"  # Δ 0.1, 0: 12.706 · 0.0707 / √2 = 0.635
+    ref, pt = _paired([0.0100, 0.0100], [0.0100, 0.0100])
+    assert sr.paired_delta(pt, ref).verdict() == "within noise (0.00 ± 0.00 points)"
+    # one seed: a change, no interval, said so
+    ref, pt = _paired([0.50], [0.48])
+    pd = sr.paired_delta(pt, ref)
+    assert pd.half is None and pd.within_noise is None
+    assert pd.verdict() == "-2.0 points (one seed: no interval)"
+    assert pd.sentence("r1-c100") == "-2.0 points (one seed: no interval; r1-c100 at 0.5000)"
+    # only seeds finished on both sides pair; none: nothing to say
+    pt.repeats[0].status = "failed"
+    assert sr.paired_delta(pt, ref).n == 0 and sr.paired_delta(pt, ref).verdict() == sr.MISSING
+    assert sr.rounded(0.009999999999999998) == 0.01 and sr.rounded(299.8512) == 299.9
+
+
+def test_a_runs_wall_time_in_parts_sets_its_start_up_apart(tmp_path):
+    # a run that starts at t = 1000 s, sleeps 60 s (start-up), then 3 windows of 10 steps at 100, 120, 100 ms a step
+    # (one 10 s evaluation after step 20) and 5 s at the end; logged at the end of each window
+    start = 1_000_000
+    windows = [(10, start + 61_000, 100.0), (20, start + 62_200, 120.0), (30, start + 73_200, 100.0)]
+    end = start + 78_200
+    parts = sr.timeline(start, end, windows)
+    assert parts == pytest.approx({"startup": 60.0, "steps": 3.2, "other": 15.0})
+    # two micro-batches a step double the steps' time; a step logged again by a resumed run counts once
+    parts = sr.timeline(start, end, [*windows, (20, start + 90_000, 120.0)], accum=2)
+    assert parts["steps"] == pytest.approx(6.4) and parts["startup"] == pytest.approx(59.0)
+    assert all(math.isnan(v) for v in sr.timeline(start, end, []).values())
+
+    # read from a real MLflow run as the study reads it
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    run = client.create_run(client.create_experiment("t"), start_time=start)
+    for step, ts, ms in windows:
+        client.log_metric(run.info.run_id, "time/step_ms", ms, timestamp=int(ts), step=step)
+    client.set_terminated(run.info.run_id, end_time=end)
+    got = st.run_measures(uri, run.info.run_id, sr.timeline_measures())
+    assert got == pytest.approx({"start-up s": 60.0, "steps s": 3.2, "eval and other s": 15.0})
+    point = sr.Point(1.0, 100, "/s", "r1-c100", repeats=[sr.Repeat(0, "x", "finished", got)])
+    assert sr.wall_parts(point) == "run 78 s: start-up 60 s, training steps 3.2 s, evaluation and the rest 15 s"
+
+
+def test_the_full_softmax_loss_the_study_compares_is_the_same_at_every_ratio():
+    """The probe's full-softmax loss of one model on one batch is the same at ratio 1 and 0.1 (a float64
+    softmax over all 500 classes: the reference), while the objective, over the drawn classes, is lower at 0.1."""
+    import torch
+    from distributed_reference import dense_classifier_loss
+
+    from dmltrain.distributed import ShardedClassifier
+
+    C, D = 500, 16
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(24, D, generator=g, dtype=torch.float64), torch.randint(0, C, (24,), generator=g)
+    losses = {}
+    for ratio in (1.0, 0.1):
+        clf = ShardedClassifier(C, D, "normsoftmax", sample_ratio=ratio, seed=3).double()
+        with torch.no_grad():
+            clf.weight.copy_(torch.randn(C, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+            sampled = float(clf(x, y, step=1))
+        losses[ratio] = (float(clf.probe(x, y, 1)["full_loss"]), sampled, clf)
+    full = {r: v[0] for r, v in losses.items()}
+    assert full[1.0] == pytest.approx(full[0.1], rel=1e-12)
+    clf = losses[1.0][2]
+    reference = dense_classifier_loss(x, y, clf.full_weight().double(), None, "normsoftmax", clf.params)
+    assert full[1.0] == pytest.approx(float(reference), rel=1e-9)
+    assert losses[0.1][1] < losses[1.0][1] - 0.5  # the objective is not comparable across ratios
+    m = sr.full_loss_measure()
+    assert m.key == "softmax/probe/full_loss" and m.curve
 
 
 def test_outputs_of_a_study(tmp_path):
@@ -217,8 +333,15 @@ def test_outputs_of_a_study(tmp_path):
     assert "| point | r1-c100 | r0.1-c100 | r1-c1k | r0.1-c1k |" in md and "compare each point with ratio 1" in md
     # the classifier memory is the same everywhere: not plotted, and said so
     assert "Not plotted (the same at every ratio): classifier memory 2.000 MB at 100 classes, 2.000 MB at 1,000" in md
+    # the verdicts first, then the table with its row of them; Δ at 1000 classes -1, -2, -1: the interval holds 0
+    assert "- **r0.1-c1k**: Δ Recall@1 within noise: -1.3 ± 1.4 points (95 % interval over 3 paired seeds; " in md
+    assert "| Δ recall@1, 95 % interval | — | within noise (-2.5 ± 6.4 points) | — |" in md
     rows = list(csv.DictReader(files["study.csv"].open()))
     assert [r["point"] for r in rows] == ["r1-c100", "r0.1-c100", "r1-c1k", "r0.1-c1k"]
+    assert rows[3]["verdict"] == "within noise (-1.3 ± 1.4 points)" and float(rows[3]["Δ recall@1 95% high"]) > 0
+    metrics = sr.parent_metrics(summary)
+    assert metrics["change/delta_recall_at_1_ci95_half/r0.1-c100"] == 6.353  # 12.706 · 0.7071 / √2, 4 digits
+    assert not any("memory_factor" in k for k in metrics)  # 1× everywhere: no chart of a constant
     assert float(rows[1]["Δ recall@1 (points)"]) == pytest.approx(-2.5) and rows[0]["runs"] == "2"
     runs = list(csv.DictReader(files["study_runs.csv"].open()))
     assert len(runs) == 12 and runs[2]["status"] == "failed" and runs[2]["error"] == "boom"
@@ -424,10 +547,11 @@ def test_two_point_study_writes_its_table_and_plots_under_one_parent_run(study, 
     assert float(rows["r0.75-c12"]["Δ recall@1 (points)"]) == pytest.approx(delta)
     assert float(rows["r0.75-c12"]["speed-up (×)"]) == pytest.approx(speedup)
     metrics = parent.data.metrics
-    assert metrics["change/delta_recall_at_1_points/r0.75-c12"] == pytest.approx(delta)
-    assert metrics["change/speedup/r0.75-c12"] == pytest.approx(speedup) and "change/speedup/r1-c12" not in metrics
+    assert metrics["change/delta_recall_at_1_points/r0.75-c12"] == sr.rounded(delta)
+    assert metrics["change/speedup/r0.75-c12"] == sr.rounded(speedup) and "change/speedup/r1-c12" not in metrics
     note = parent.data.tags["mlflow.note.content"]
-    assert f"- **r0.75-c12**: Recall@1 {delta:.2f} points, {speedup:.2f}× step speed" in note
+    assert f"- **r0.75-c12**: Δ Recall@1 {sr._signed(delta, 2 if abs(delta) < 1 else 1)} points (one seed" in note
+    assert f"{speedup:.2f}× step speed" in note
 
     md = (out / "study.md").read_text()
     assert md.startswith("# Class-subsampling study sub") and "| point | r1-c12 | r0.75-c12 |" in md
@@ -533,4 +657,9 @@ def test_the_sampling_flag_sets_the_variants_and_turns_the_probe_on(monkeypatch,
     assert "grad cos" in [m.name for m in seen["measures"]]
     main(["study", "subsampling", str(DEMO), "--ratios", "1,0.1", "--probe-every", "3"])
     assert seen["variants"] is None and seen["cfg"].loss.classifier.probe_every == 3
+    # without --sampling or --probe-every the probe is on all the same, for the full-softmax loss alone
+    main(["study", "subsampling", str(DEMO), "train.log_every=5", "--ratios", "1,0.1", "--ui-url", "http://ui:8080"])
+    names = [m.name for m in seen["measures"]]
+    assert seen["cfg"].loss.classifier.probe_every == 5 and "full-softmax loss" in names and "grad cos" not in names
+    assert seen["ui_url"] == "http://ui:8080"
     capsys.readouterr()

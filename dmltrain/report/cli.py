@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlflow import MlflowClient
@@ -12,9 +12,10 @@ from mlflow import MlflowClient
 from dmltrain.errors import UserError
 from dmltrain.evaluate.plots import plot_curves, run_colors
 from dmltrain.fileio import write_text
-from dmltrain.report.compare import curves, metrics_table, write_csv
+from dmltrain.report.compare import curves, loss_figure, metrics_table, write_csv
 from dmltrain.report.pages import Links, render_html, render_markdown
-from dmltrain.report.runs import RunRecord, collect, get_experiment, resolve_tracking_uri, select_runs
+from dmltrain.report.runs import RunRecord, _find_run, collect, get_experiment, resolve_tracking_uri, select_runs
+from dmltrain.report.study import StudySection, study_parents, study_section
 from dmltrain.text import markdown_table, printable, safe_name
 from dmltrain.tracking.links import DEFAULT_UI
 
@@ -28,6 +29,8 @@ class Report:
     html: Path
     figures: dict[str, Path]
     csv: Path
+    studies: list[StudySection] = field(default_factory=list)
+    links: Links | None = None
 
 
 def build_report(
@@ -49,9 +52,11 @@ def build_report(
     records = collect(client, chosen, out_dir, progress=progress)
     colors = run_colors([r.name for r in records])
     figures = {}
-    loss, recall = curves(records, "loss"), curves(records, "recall")
+    which, loss_title = loss_figure(records)
+    loss, recall = curves(records, which), curves(records, "recall")
     if any(len(steps) > 1 for steps, _ in loss.values()):
-        p = plot_curves(loss, out_dir / "loss.png", "loss", "Training loss (the objective, per log window)", colors)
+        ylabel = "full-softmax loss" if which == "full_loss" else "loss"
+        p = plot_curves(loss, out_dir / "loss.png", ylabel, loss_title, colors)
         if p is not None:
             figures["loss"] = p
     if any(len(steps) > 1 for steps, _ in recall.values()):  # one evaluation is a value, not a curve
@@ -61,11 +66,14 @@ def build_report(
         if p is not None:
             figures["recall_at_1"] = p
     links = Links(ui_url, exp.experiment_id, records)
+    # a study parent among the runs asked for: its points' table, verdicts and files before the runs'
+    parents = study_parents([_find_run(client, exp, t) for t in runs]) if runs else []
+    studies = [s for p in parents if (s := study_section(client, p, records, out_dir, ui_url)) is not None]
     md, page, table = out_dir / "report.md", out_dir / "report.html", out_dir / "runs.csv"
-    write_text(md, render_markdown(exp.name, records, figures, out_dir, links, uri) + "\n")
-    write_text(page, render_html(exp.name, records, figures, out_dir, links, uri))
+    write_text(md, render_markdown(exp.name, records, figures, out_dir, links, uri, studies) + "\n")
+    write_text(page, render_html(exp.name, records, figures, out_dir, links, uri, studies))
     write_csv(table, records)
-    return Report(exp.name, exp.experiment_id, records, md, page, figures, table)
+    return Report(exp.name, exp.experiment_id, records, md, page, figures, table, studies, links)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,10 +99,18 @@ def run(args: argparse.Namespace) -> int:
     rep = build_report(
         args.experiment, tokens, args.out, args.tracking_uri, args.ui_url, args.max_runs, progress=not args.no_progress
     )
+    for study in rep.studies:  # the study's answer first: per point, not per run
+        print(f"study {printable(study.name)}:")
+        print(markdown_table(study.head, study.rows))
+        print("\n".join(f"  {line}" for line in study.verdicts) + "\n" if study.verdicts else "")
     table = metrics_table(rep.records, [""] * len(rep.records))
     print(markdown_table(table.head, table.rows))
     print(
         f"\nreport of {len(rep.records)} run{'s' * (len(rep.records) != 1)} from experiment {printable(rep.experiment)}:"
     )
     print(f"  {rep.markdown}\n  {rep.html}\n  {rep.csv}")
+    if rep.links is not None:
+        print(f"MLflow experiment: {rep.links.experiment()}")
+        for study in rep.studies:
+            print(f"MLflow study parent run {printable(study.name)}: {study.url}")
     return 0

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dmltrain.fileio import write_text
-from dmltrain.report.runs import LOSS_KEY, RECALL1_KEY, RunRecord, natural_key
+from dmltrain.report.runs import FULL_LOSS_KEY, LOSS_KEY, RECALL1_KEY, RunRecord, natural_key
 from dmltrain.text import MISSING, clip, csv_text, format_duration
 from dmltrain.tracking.names import BINARY_PREFIX, EVAL_PREFIX, IMAGES_PER_S, STEP_MS, eval_key, eval_name
 from dmltrain.tracking.queries import STEADY_STATE, best_point, steady_state
@@ -64,6 +64,10 @@ COMPARABLE = {
         "train.zero_stage",
     ),
 }
+STUDY_NOTE = (
+    "No value is bold: these are a study's runs, whose differences the study's table above weighs against the "
+    "spread of its seeds."
+)
 COMPARABLE_NOTE = (
     "Bold: the best value among the runs it can be compared with: evaluation metrics among runs evaluated on the "
     "same data, the loss among runs with the same losses and batches, speed among runs on the same cluster, model "
@@ -167,9 +171,31 @@ def best_recall(rec: RunRecord) -> tuple[float, int] | None:
     return value, step
 
 
+def loss_figure(records: list[RunRecord]) -> tuple[str, str]:
+    """Which loss the report's loss figure overlays and its title: the probe's full-softmax loss when every run
+    with a loss logged it (the same loss at every sample ratio), else the objective, said not comparable
+    across the runs' sample ratios when they differ (a softmax over fewer classes has a lower loss)."""
+    with_loss = [r for r in records if r.history.get(LOSS_KEY)]
+    if with_loss and all(len(r.history.get(FULL_LOSS_KEY, [])) > 1 for r in with_loss):
+        return "full_loss", "Full-softmax loss on the training batch (the probe: the same loss at every sample ratio)"
+    ratios = {_ratio(r.params.get("loss.classifier.sample_ratio", "1")) for r in with_loss}
+    title = "Training loss (the objective, per log window)"
+    if len(ratios) > 1:
+        title += "\nnot comparable across sample ratios: each is a softmax over the drawn classes only"
+    return "loss", title
+
+
+def _ratio(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def curves(records: list[RunRecord], which: str) -> dict[str, tuple[list[int], list[float]]]:
-    """Per run, ``(steps, values)`` of the loss or of Recall@1 (from the untrained model's at step 0, when evaluated)."""
-    key = LOSS_KEY if which == "loss" else RECALL1_KEY
+    """Per run, ``(steps, values)`` of the loss (``loss``), the probe's full-softmax loss (``full_loss``) or
+    of Recall@1 (from the untrained model's at step 0, when evaluated)."""
+    key = {"loss": LOSS_KEY, "full_loss": FULL_LOSS_KEY}.get(which, RECALL1_KEY)
     out = {}
     for rec in records:
         points = rec.history.get(key, [])
@@ -247,14 +273,15 @@ def runs_table(records: list[RunRecord], run_links: list[str]) -> Table:
     return _orient(records, labels, cells, run_links, set(), "", titles)
 
 
-def metrics_table(records: list[RunRecord], run_links: list[str]) -> Table:
-    """The metric columns, the best Recall@1 with its step, the best values marked (:func:`best_cells`)."""
+def metrics_table(records: list[RunRecord], run_links: list[str], mark_best: bool = True) -> Table:
+    """The metric columns, the best Recall@1 with its step, the best values marked (:func:`best_cells`) unless
+    ``mark_best`` is false (a study's runs, whose differences its own table weighs against their spread)."""
     cols = metric_columns(records)
     cells = []
     for r in records:
         b = best_recall(r)
         cells.append([*(format_value(c.value(r), c.speed) for c in cols), f"{b[0]:.4f} ({b[1]})" if b else MISSING])
-    bold = {(i, j) for j, rows in best_cells(records, cols).items() for i in rows}
+    bold = {(i, j) for j, rows in best_cells(records, cols).items() for i in rows} if mark_best else set()
     return _orient(records, [c.header for c in cols] + ["best recall@1 (step)"], cells, run_links, bold, "metric")
 
 

@@ -12,11 +12,13 @@ import base64
 import html
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from dmltrain.redact import redact_url
 from dmltrain.report.compare import (
     COMPARABLE_NOTE,
+    STUDY_NOTE,
     Table,
     differing_params,
     evaluations_table,
@@ -24,6 +26,7 @@ from dmltrain.report.compare import (
     runs_table,
 )
 from dmltrain.report.runs import RunRecord
+from dmltrain.report.study import StudySection
 from dmltrain.text import markdown_table, md_code, md_text, md_url
 from dmltrain.tracking.links import compare_url, experiment_url, run_url
 from dmltrain.tracking.names import STORAGE_DIR_TAG
@@ -80,8 +83,43 @@ def _md_table(t: Table) -> str:
     return markdown_table(t.head, t.rows, bold=bold, cell_links=t.links)
 
 
+def _study_markdown(study: StudySection, out_dir: Path) -> list[str]:
+    parts = [f"## Study {md_text(study.name)}", "", f"[The study's parent run in MLflow]({md_url(study.url)})"]
+    if "study.md" in study.files:
+        parts[-1] += f" · [study.md]({md_url(study.files['study.md'].relative_to(out_dir).as_posix())})"
+    parts += [""] + [f"- {md_text(line)}" for line in study.verdicts] + ([""] if study.verdicts else [])
+    parts += [markdown_table(study.head, study.rows), ""]
+    for name, path in study.files.items():
+        if name.endswith(".png"):
+            parts += [f"![{md_text(name)}]({md_url(path.relative_to(out_dir).as_posix())})", ""]
+    return parts
+
+
+def _study_html(study: StudySection) -> list[str]:
+    esc = html.escape
+    body = [
+        f"<h2>Study {esc(study.name)}</h2>",
+        f'<p class="meta"><a href="{esc(study.url)}">the study\'s parent run in MLflow</a></p>',
+    ]
+    if study.verdicts:
+        body.append("<ul>" + "".join(f"<li>{esc(line)}</li>" for line in study.verdicts) + "</ul>")
+    body.append(_html_table(Table(study.head, study.rows)))
+    body += [
+        f'<figure><img alt="{esc(n)}" src="{_data_uri(p)}"><figcaption>{esc(n)}</figcaption></figure>'
+        for n, p in study.files.items()
+        if n.endswith(".png")
+    ]
+    return body
+
+
 def render_markdown(
-    exp_name: str, records: list[RunRecord], figures: dict[str, Path], out_dir: Path, links: Links, uri: str
+    exp_name: str,
+    records: list[RunRecord],
+    figures: dict[str, Path],
+    out_dir: Path,
+    links: Links,
+    uri: str,
+    studies: Sequence[StudySection] = (),
 ) -> str:
     run_links = [links.run(r) for r in records]
     single = len(records) == 1
@@ -98,14 +136,16 @@ def render_markdown(
         # the description is Markdown, but anyone who can write to the store can write it: no raw HTML of theirs
         about = _inert_html(records[0].description).replace("\n### ", "\n#### ")  # under the page's headings
         parts += ["## What was trained", "", about, ""]
+    for study in studies:
+        parts += _study_markdown(study, out_dir)
     parts += ["## Runs", ""]
     note = _runs_note(records)
     if note:
         parts += [note, ""]
     parts += [_md_table(runs_table(records, run_links)), "", "## Final metrics", ""]
-    parts += [_md_table(metrics_table(records, run_links)), ""]
+    parts += [_md_table(metrics_table(records, run_links, mark_best=not studies)), ""]
     if not single:
-        parts += [f"*{COMPARABLE_NOTE}*", ""]
+        parts += [f"*{STUDY_NOTE if studies else COMPARABLE_NOTE}*", ""]
     if single:
         evals = evaluations_table(records[0])
         if evals.rows:
@@ -204,7 +244,13 @@ def markdown_to_html(text: str) -> str:
 
 
 def render_html(
-    exp_name: str, records: list[RunRecord], figures: dict[str, Path], out_dir: Path, links: Links, uri: str
+    exp_name: str,
+    records: list[RunRecord],
+    figures: dict[str, Path],
+    out_dir: Path,
+    links: Links,
+    uri: str,
+    studies: Sequence[StudySection] = (),
 ) -> str:
     esc = html.escape
     run_links = [links.run(r) for r in records]
@@ -218,6 +264,8 @@ def render_html(
     ]
     if single and records[0].description:
         body += ["<h2>What was trained</h2>", f'<div class="about">{markdown_to_html(records[0].description)}</div>']
+    for study in studies:
+        body += _study_html(study)
     body.append("<h2>Runs</h2>")
     note = _runs_note(records)
     if note:
@@ -225,10 +273,10 @@ def render_html(
     body += [
         _html_table(runs_table(records, run_links)),
         "<h2>Final metrics</h2>",
-        _html_table(metrics_table(records, run_links)),
+        _html_table(metrics_table(records, run_links, mark_best=not studies)),
     ]
     if not single:
-        body.append(f'<p class="meta">{esc(COMPARABLE_NOTE)}</p>')
+        body.append(f'<p class="meta">{esc(STUDY_NOTE if studies else COMPARABLE_NOTE)}</p>')
     if single:
         evals = evaluations_table(records[0])
         if evals.rows:

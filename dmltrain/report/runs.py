@@ -20,6 +20,7 @@ from dmltrain.tracking.names import (
     EVAL_PREFIX,
     IMAGES_PER_S,
     LOSS,
+    PROBE_FULL_LOSS,
     RUN_NAME_TAG,
     STEP_MS,
     eval_key,
@@ -27,6 +28,7 @@ from dmltrain.tracking.names import (
 from dmltrain.tracking.queries import child_runs, experiment_runs, find_run, history, leaf_runs
 
 LOSS_KEY = LOSS
+FULL_LOSS_KEY = PROBE_FULL_LOSS  # the probe's full-softmax loss: the same loss whatever the sample ratio
 RECALL1_KEY = eval_key("recall@1")
 SPEED_KEYS = (IMAGES_PER_S, STEP_MS)
 
@@ -185,7 +187,7 @@ def _collect_one(client, run, name: str, out_dir: Path) -> RunRecord:
         dict(data.metrics),
         dict(data.tags),
     )
-    for key in (LOSS_KEY, *SPEED_KEYS, *(k for k in rec.metrics if k.startswith(EVAL_PREFIX))):
+    for key in (LOSS_KEY, FULL_LOSS_KEY, *SPEED_KEYS, *(k for k in rec.metrics if k.startswith(EVAL_PREFIX))):
         if key in rec.metrics:
             rec.history[key] = history(client, info.run_id, key)
     try:

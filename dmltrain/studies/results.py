@@ -26,9 +26,9 @@ lost by the uniform draw at a ratio each other mode wins back, and a :class:`Mea
 **Files** (:func:`write_outputs`, each written atomically): ``study.md`` (the table with the points
 as columns, so that it fits a page and MLflow's Markdown view, its notes and figures), ``study.csv``
 (one row per point: every measure's mean and spread), ``study_runs.csv`` (one row per run),
-``tradeoff.png`` (the study's figure: the change of Recall@1, the speed-up, the memory factor and the
-wall time against the ratio, one line per class count; panels whose values do not vary are left out
-and said so), ``recall_vs_ratio.png`` (Recall@K against the ratio, the paper's Fig. 4, zero-based) and,
+``tradeoff.png`` (the study's figure: the change of Recall@1 with each point's verdict in its note, the speed-up,
+the memory factor, the time in training steps and the start-up against the ratio, one line per class count;
+panels whose values do not vary are left out and said so), ``recall_vs_ratio.png`` (Recall@K against the ratio, the paper's Fig. 4, zero-based) and,
 with two class counts or more, ``vs_classes.png`` (the same trade-off and the step time against the
 number of classes, one line per ratio), and ``<measure>.png`` for every curve measure (its history over
 the training steps, one line per point, the mean over the seeds). :func:`render` is the text the command prints,
@@ -54,6 +54,7 @@ from dmltrain.tracking.names import (
     CLASSIFIER_MB_TAG,
     CUDA_PEAK_MB,
     IMAGES_PER_S,
+    PROBE_FULL_LOSS,
     PROBE_GRAD_COS,
     PROBE_LOSS_GAP,
     PROBE_UNIFORM_LOSS_GAP,
@@ -69,7 +70,8 @@ from dmltrain.tracking.queries import STEADY_STATE
 class Measure:
     """A figure read of each run: ``source`` ``eval`` (the final evaluation's metric ``key``), ``metric``
     (an MLflow metric history, summarised by ``how``: ``steady``, ``max``, ``mean`` or ``last``), ``tag``
-    (an MLflow tag) or ``wall`` (the wall time of the run's training, kept as the tag ``key`` so that a
+    (an MLflow tag), ``timeline`` (part ``key`` of :func:`timeline`) or ``wall`` (the wall time of the run's
+    training, kept as the tag ``key`` so that a
     study run again reads the first training's, not the resumed no-op's). ``name`` heads its column; ``mlflow`` is its key
     among the parent run's metrics; ``digits`` its decimals in the tables; ``curve``: a ``metric`` whose history
     is also plotted against the step (``<mlflow>.png``, within ``ylim``)."""
@@ -110,7 +112,47 @@ def default_measures(ks: Sequence[int], gpu: bool = False) -> list[Measure]:
         Measure("active classes", "tag", ACTIVE_CLASSES_TAG, mlflow="active_classes", digits=0),
         Measure("active rows", "tag", ACTIVE_ROWS_TAG, mlflow="active_rows", digits=1),
         Measure("wall s", "wall", STUDY_WALL_TAG, mlflow="wall_s", digits=0),
+        *timeline_measures(),
     ]
+
+
+def timeline_measures() -> list[Measure]:
+    """The run's MLflow wall time in its parts (:func:`timeline`): start-up, time in training steps, the rest."""
+    return [
+        Measure("start-up s", "timeline", "startup", mlflow="startup_s", digits=0),
+        Measure("steps s", "timeline", "steps", mlflow="steps_s", digits=1),
+        Measure("eval and other s", "timeline", "other", mlflow="other_s", digits=0),
+    ]
+
+
+def timeline(
+    start_ms: float | None, end_ms: float | None, windows: Sequence[tuple[int, float, float]], accum: int = 1
+) -> dict[str, float]:
+    """Where a run's MLflow wall time went, from what it logged: ``windows`` are the ``(step, timestamp ms,
+    step ms)`` of each logged ``time/step_ms`` (the wall time per micro-batch of the steps since the previous
+    log point, evaluations and checkpoints left out; ``accum`` micro-batches a step). ``steps`` is the time in
+    training steps (Σ steps of a window × accum × its step ms), ``startup`` the time from the run's start to the
+    first window's first step (the first log's time less that window's steps: Ray's workers, the data, the
+    evaluation before training), ``other`` the rest of the wall time (evaluations, checkpoints, the models'
+    logging). NaN where the run logged no window or has no end (a step logged twice, by a resumed run, counts
+    once: its later value)."""
+    nan = float("nan")
+    by_step: dict[int, tuple[float, float]] = {}
+    for step, ts, ms in sorted(windows, key=lambda w: (w[0], w[1])):
+        if finite_number(ms):
+            by_step[int(step)] = (float(ts), float(ms))
+    if start_ms is None or not by_step:
+        return {"startup": nan, "steps": nan, "other": nan}
+    prev, steps_s, first = 0, 0.0, None
+    for step in sorted(by_step):
+        ts, ms = by_step[step]
+        seconds = (step - prev) * accum * ms / 1000
+        if first is None:
+            first = (ts - start_ms) / 1000 - seconds
+        steps_s += seconds
+        prev = step
+    other = nan if end_ms is None else (end_ms - start_ms) / 1000 - first - steps_s
+    return {"startup": first, "steps": steps_s, "other": other}
 
 
 def probe_measures() -> list[Measure]:
@@ -127,6 +169,22 @@ def probe_measures() -> list[Measure]:
         Measure("loss gap", "metric", PROBE_LOSS_GAP, "mean", "loss_gap", digits=2),
         Measure("uniform draw's loss gap", "metric", PROBE_UNIFORM_LOSS_GAP, "mean", "uniform_loss_gap", digits=2),
     ]
+
+
+def full_loss_measure() -> Measure:
+    """The loss that compares across ratios: the probe's full-softmax loss on the training batch (the last
+    logged and its history, ``full_loss.png``); the objective ``batch/loss`` is a softmax over the drawn classes
+    only, lower the fewer are drawn, and is not read."""
+    return Measure(
+        "full-softmax loss",
+        "metric",
+        PROBE_FULL_LOSS,
+        "last",
+        "full_loss",
+        digits=3,
+        curve=True,
+        about="the full softmax's loss on the training batch (the probe; the same loss at every ratio)",
+    )
 
 
 RELATIVES = (
@@ -277,6 +335,113 @@ def relative(point: Point, ref: Point | None, rel: Relative) -> Stat:
     return summarise(out)
 
 
+# -- the verdict on Recall@1 ----------------------------------------------------------------------------------
+#: the measure whose change against the reference the study's verdict is about
+VERDICT_OF = "recall@1"
+
+
+@dataclass(frozen=True)
+class PairedDelta:
+    """The change of a fraction (Recall@1) of a point against its reference, in points, seed by seed: ``deltas``
+    (100 × (point − reference) of each seed finished on both sides), ``reference`` (the reference's own value
+    over those seeds, so that a change reads against the level it is a change of). ``half`` is the half-width of
+    the 95 % Student-t interval of the mean (None with fewer than two seeds)."""
+
+    deltas: tuple[float, ...]
+    reference: Stat
+
+    @property
+    def n(self) -> int:
+        return len(self.deltas)
+
+    @property
+    def stat(self) -> Stat:
+        return summarise(self.deltas)
+
+    @property
+    def half(self) -> float | None:
+        s = self.stat
+        if s.n < 2 or s.sd is None:
+            return None
+        from scipy.stats import t  # a dependency already; imported here as it takes a while
+
+        return float(t.ppf(0.975, s.n - 1) * s.sd / math.sqrt(s.n))
+
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        h = self.half
+        return None if h is None else (self.stat.mean - h, self.stat.mean + h)
+
+    @property
+    def within_noise(self) -> bool | None:
+        """Whether the 95 % interval holds 0 (None without an interval: one seed)."""
+        iv = self.interval
+        return None if iv is None else iv[0] <= 0.0 <= iv[1]
+
+    def digits(self) -> int:
+        """1 decimal, 2 where the change and its interval are both under a point."""
+        return 2 if max(abs(self.stat.mean), self.half or 0.0) < 1 else 1
+
+    def change(self) -> str:
+        """The mean change and the interval's half-width, rounded: ``-2.1 ± 0.4 points`` (``-2.0 points``
+        with one seed)."""
+        d = self.digits()
+        mean = _signed(self.stat.mean, d)
+        return f"{mean} points" if self.half is None else f"{mean} ± {self.half:.{d}f} points"
+
+    def verdict(self) -> str:
+        """In words: ``within noise (-0.5 ± 1.2 points)`` when the interval holds 0, ``-2.1 ± 0.4 points``
+        when it does not, ``-2.0 points (one seed: no interval)``; :data:`~dmltrain.text.MISSING` without a pair."""
+        if not self.n:
+            return MISSING
+        if self.half is None:
+            return f"{self.change()} (one seed: no interval)"
+        return f"within noise ({self.change()})" if self.within_noise else self.change()
+
+    def sentence(self, ref_label: str) -> str:
+        """The verdict with what it rests on: ``within noise: -0.5 ± 1.2 points (95 % interval over 3 paired
+        seeds; r1-c100k at 0.8100)``, the reference's own Recall@1 over the same seeds last."""
+        if not self.n:
+            return MISSING
+        if self.half is None:
+            return f"{self.change()} (one seed: no interval; {ref_label} at {self.reference.text(4)})"
+        words = "within noise: " if self.within_noise else ""
+        return (
+            f"{words}{self.change()} (95 % interval over {self.n} paired seeds; "
+            f"{ref_label} at {self.reference.text(4)})"
+        )
+
+
+def _signed(x: float, digits: int) -> str:
+    """``+1.2``, ``-0.5``, and ``0.0`` rather than ``-0.0`` or ``+0.0``."""
+    text = f"{x:+.{digits}f}"
+    return text[1:] if float(text) == 0 else text
+
+
+def paired_delta(point: Point, ref: Point | None, name: str = VERDICT_OF) -> PairedDelta:
+    """Measure ``name`` of ``point`` against ``ref`` in points, paired by seed (see :class:`PairedDelta`)."""
+    if ref is None:
+        return PairedDelta((), NO_STAT)
+    theirs = {r.seed: r.values.get(name) for r in ref.finished}
+    deltas, refs = [], []
+    for r in point.finished:
+        a, b = r.values.get(name), theirs.get(r.seed)
+        if finite_number(a) and finite_number(b):
+            deltas.append(100 * (a - b))
+            refs.append(b)
+    return PairedDelta(tuple(deltas), summarise(refs))
+
+
+def verdicts(summary: StudySummary) -> list[tuple[Point, Point, PairedDelta]]:
+    """Every point but a reference with its reference and the change of Recall@1 (pairs or not)."""
+    out = []
+    for p in summary.points:
+        ref = reference_of(p, summary.points)
+        if ref is not None and ref is not p:
+            out.append((p, ref, paired_delta(p, ref)))
+    return out
+
+
 #: the variant whose Recall@1 loss the other variants' :func:`gap_closed` is measured against
 GAP_BASELINE = "uniform"
 
@@ -327,7 +492,11 @@ def notes(summary: StudySummary) -> list[str]:
     return [
         f"Relative figures compare each point with {_ref_text(summary)} at the same class count.",
         f"Values: {spread}. Speed: the {STEADY_STATE}; speed-up = the reference's step time / the point's.",
-        "Wall s: the whole run (start-up, evaluations and checkpoints included).",
+        "Δ recall@1, 95 % interval: the mean change in points of the seeds finished on both sides and the half-width "
+        "of its Student-t 95 % interval; 'within noise' when that interval holds 0.",
+        "Wall s: the whole run (start-up, evaluations and checkpoints included); its parts, of the MLflow run's time: "
+        "start-up s (to the first training step: workers, data, the evaluation before training), steps s (in "
+        "training steps, as time/step_ms logged them), eval and other s (evaluations, checkpoints, the models).",
     ]
 
 
@@ -345,6 +514,12 @@ def table(summary: StudySummary) -> tuple[list[str], list[list[str]]]:
     refs = [reference_of(p, pts) for p in pts]
     for rel in summary.relatives:
         rows.append([rel.name, *(relative(p, r, rel).text(2) for p, r in zip(pts, refs))])
+    rows.append(
+        [
+            "Δ recall@1, 95 % interval",
+            *(paired_delta(p, r).verdict() if r is not None and r is not p else MISSING for p, r in zip(pts, refs)),
+        ]
+    )
     gaps = [gap_closed(p, pts) for p in pts]
     if any(g.n for g in gaps):
         rows.append([f"R@1 gap to {GAP_BASELINE} closed (%)", *(g.text(0) for g in gaps)])
@@ -358,6 +533,7 @@ def point_rows(summary: StudySummary) -> tuple[list[str], list[list[Any]]]:
     head = ["point", "ratio", "classes", "variant", "runs", "status"]
     for name in [*(r.name for r in summary.relatives), "gap closed %", *(m.name for m in summary.measures)]:
         head += [name, f"{name} sd"]
+    head += ["Δ recall@1 95% low", "Δ recall@1 95% high", "verdict"]
     rows = []
     for p in summary.points:
         ref = reference_of(p, summary.points)
@@ -365,6 +541,9 @@ def point_rows(summary: StudySummary) -> tuple[list[str], list[list[Any]]]:
         figures = [*(relative(p, ref, r) for r in summary.relatives), gap_closed(p, summary.points)]
         for s in [*figures, *(stat(p, m.name) for m in summary.measures)]:
             row += [s.mean if s.n else None, s.sd]
+        pd = paired_delta(p, ref) if ref is not p else PairedDelta((), NO_STAT)
+        iv = pd.interval
+        row += [*(iv if iv else (None, None)), pd.verdict() if pd.n else None]
         rows.append(row)
     return head, rows
 
@@ -437,9 +616,26 @@ def _tradeoff_series(summary: StudySummary) -> list[_Series]:
         r = by["factor"]
         memory = _values_text("classifier memory", "classifier MB", 3, " MB")
         out.append(_Series(r.axis, rel_of(r), 1.0, True, "{:.2f}×", memory))
-    wall = _values_text("wall time", "wall s", 0, " s")
-    out.append(_Series("wall time per run (s)", lambda p: stat(p, "wall s"), None, True, "{:.0f}", wall))
+    # the wall time only in its parts: start-up would otherwise read as a gain of the ratio
+    steps = _values_text("time in training steps", "steps s", 1, " s")
+    out.append(_Series("time in training steps per run (s)", lambda p: stat(p, "steps s"), None, True, "{:.1f}", steps))
+    startup = _values_text("start-up", "start-up s", 0, " s")
+    out.append(_Series("start-up per run (s)", lambda p: stat(p, "start-up s"), None, True, "{:.0f}", startup))
     return out
+
+
+def wall_parts(point: Point) -> str | None:
+    """``run 97 s: start-up 60 s, training steps 15.2 s, evaluation and the rest 22 s`` (means over the seeds;
+    the total is the MLflow run's time, the sum of the parts); the study's wall time alone where the parts are
+    missing; None without either."""
+    a, b, c = (stat(point, n) for n in ("start-up s", "steps s", "eval and other s"))
+    if a.n and b.n and c.n:
+        return (
+            f"run {a.mean + b.mean + c.mean:.0f} s: start-up {a.mean:.0f} s, training steps {b.mean:.1f} s, "
+            f"evaluation and the rest {c.mean:.0f} s"
+        )
+    wall = stat(point, "wall s")
+    return f"{wall.mean:.0f} s per run" if wall.n else None
 
 
 def _shared(point: Point, points: Sequence[Point]) -> bool:
@@ -511,6 +707,11 @@ def plot_tradeoff(summary: StudySummary, path: Path) -> tuple[Path | None, list[
         summary, _tradeoff_series(summary), lambda p: p.ratio, _line_label(summary), _classes_name
     )
     note = "Not plotted, the same at every ratio:\n" + "\n".join(dropped) if dropped else ""
+    told = [f"{p.label}: {pd.verdict()}; {ref.label} at {pd.reference.text(4)}" for p, ref, pd in verdicts(summary)]
+    if any(pd.n for _, _, pd in verdicts(summary)):
+        note = "\n".join(
+            x for x in ("Δ Recall@1 against the reference, 95 % interval over paired seeds:", *told, note) if x
+        )
     if not panels:
         return None, dropped
     ref = _ref_text(summary)
@@ -644,14 +845,20 @@ def write_outputs(summary: StudySummary) -> dict[str, Path]:
         if m.curve and (curve := plot_curve(summary, m, out / f"{m.mlflow}.png")):
             figures[f"{m.mlflow}.png"] = curve
     head, rows = table(summary)
-    lines = [f"# Class-subsampling study {summary.name}", "", markdown_table(head, rows), ""]
+    lines = [f"# Class-subsampling study {summary.name}", ""]
+    told = [(p, ref, pd) for p, ref, pd in verdicts(summary) if pd.n]
+    if told:
+        lines += ["What each point loses against its reference:", ""]
+        lines += [f"- **{p.label}**: Δ Recall@1 {pd.sentence(ref.label)}" for p, ref, pd in told] + [""]
+    lines += [markdown_table(head, rows), ""]
     lines += [f"- {n}" for n in notes(summary)]
     if dropped:
         lines.append("- Not plotted (the same at every ratio): " + "; ".join(dropped) + ".")
     failed = [r for r in summary.runs if r.error]
     lines += [f"- {r.run_name} failed: {r.error}" for r in failed]
     described = {
-        "tradeoff.png": "the change of Recall@1, the speed-up, the memory factor and the wall time against the ratio",
+        "tradeoff.png": "the change of Recall@1 (each point's verdict in its note), the speed-up of a steady step, "
+        "the memory factor, the time in training steps and the start-up against the ratio, those that vary",
         "recall_vs_ratio.png": "Recall@K against the ratio",
         "vs_classes.png": "the trade-off and the step time against the number of classes",
         **{
@@ -679,19 +886,36 @@ def parent_metrics(summary: StudySummary) -> dict[str, float]:
     the reference; not for the reference itself) and ``value/<measure>/<point>``, so that MLflow's charts
     show one section per figure, the trade-off's first, with a chart per point."""
     out = {}
+    factors = [
+        relative(p, reference_of(p, summary.points), rel).mean
+        for rel in summary.relatives
+        if rel.kind == "factor"
+        for p in summary.points
+    ]
+    # a draw that keeps the whole classifier (its memory 1× everywhere) gets no chart of that constant
+    flat_memory = all(not finite_number(f) or abs(f - 1) < 1e-9 for f in factors)
     for p in summary.points:
         ref = reference_of(p, summary.points)
         for rel in summary.relatives if ref is not p else ():  # the reference against itself says nothing
             s = relative(p, ref, rel)
+            if rel.kind == "factor" and flat_memory:
+                continue
             if s.n:
-                out[f"{CHANGE_PREFIX}{rel.mlflow}/{p.label}"] = s.mean
+                out[f"{CHANGE_PREFIX}{rel.mlflow}/{p.label}"] = rounded(s.mean)
+        if ref is not None and ref is not p and (half := paired_delta(p, ref).half) is not None:
+            out[f"{CHANGE_PREFIX}delta_recall_at_1_ci95_half/{p.label}"] = rounded(half)
         if (g := gap_closed(p, summary.points)).n:
-            out[f"{CHANGE_PREFIX}gap_closed_percent/{p.label}"] = g.mean
+            out[f"{CHANGE_PREFIX}gap_closed_percent/{p.label}"] = rounded(g.mean)
         for m in summary.measures:
             s = stat(p, m.name)
             if s.n and m.mlflow:
-                out[f"{VALUE_PREFIX}{m.mlflow}/{p.label}"] = s.mean
+                out[f"{VALUE_PREFIX}{m.mlflow}/{p.label}"] = rounded(s.mean)
     return out
+
+
+def rounded(x: float, significant: int = 4) -> float:
+    """``x`` to ``significant`` digits, so that MLflow shows ``0.01``, not ``0.009999999999999998``."""
+    return float(f"{x:.{significant}g}") if finite_number(x) else x
 
 
 def describe_study(summary: StudySummary, config_line: str) -> str:
@@ -707,26 +931,24 @@ def describe_study(summary: StudySummary, config_line: str) -> str:
     refs, others = [], []
     for p in summary.points:
         ref = reference_of(p, summary.points)
-        wall, step = stat(p, "wall s"), stat(p, "step ms")
+        step = stat(p, "step ms")
         if not p.finished:
             others.append(f"- **{p.label}**: failed")
             continue
         if ref is p:  # the baseline: its own figures, not a change of 0 against itself
-            shown = [
-                f"{step.mean:.1f} ms per step" if step.n else None,
-                f"{wall.mean:.0f} s per run" if wall.n else None,
-            ]
+            shown = [f"{step.mean:.1f} ms per step" if step.n else None, wall_parts(p)]
             refs.append(f"- **{p.label}** (the reference): " + ", ".join(x for x in shown if x))
             continue
         by = {r.kind: relative(p, ref, r) for r in summary.relatives}
-        d, sp, mem = (by.get(k, NO_STAT) for k in ("delta_points", "speedup", "factor"))
+        sp, mem = (by.get(k, NO_STAT) for k in ("speedup", "factor"))
+        pd = paired_delta(p, ref)
         gap = gap_closed(p, summary.points)
         parts = [
-            f"Recall@1 {d.text(2)} points" if d.n else None,
+            f"Δ Recall@1 {pd.sentence(ref.label)}" if ref is not None and pd.n else None,
             f"{gap.text(0)}% of the {GAP_BASELINE} draw's Recall@1 gap closed" if gap.n else None,
             f"{sp.text(2)}× step speed" if sp.n else None,
             f"classifier memory {mem.text(2)}×" if mem.n else None,
-            f"{wall.mean:.0f} s per run" if wall.n else None,
+            wall_parts(p),
         ]
         others.append(f"- **{p.label}**: " + ", ".join(x for x in parts if x))
     lines += others + refs

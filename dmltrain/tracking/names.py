@@ -94,6 +94,9 @@ PROBE_PREFIX = CLASSIFIER_PREFIX + "probe/"
 PROBE_GRAD_COS = PROBE_PREFIX + "grad_cos"
 PROBE_LOSS_GAP = PROBE_PREFIX + "loss_gap"
 PROBE_UNIFORM_LOSS_GAP = PROBE_PREFIX + "uniform_loss_gap"
+# the full softmax's loss on the step's batch: the loss that means the same at every sample_ratio (batch/loss, a
+# softmax over the drawn classes only, is lower the fewer are drawn)
+PROBE_FULL_LOSS = PROBE_PREFIX + "full_loss"
 INSTANCE_PREFIX = "instance/"  # instance/<stat>: the instance loss's
 CLASSIFIER_LOSS = CLASSIFIER_PREFIX + "loss"
 INSTANCE_LOSS = INSTANCE_PREFIX + "loss"
