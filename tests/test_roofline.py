@@ -48,6 +48,7 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
     D, e = call.dim, 2 if call.precision == "bf16" else 4
     c = dict(launch.cfg.meta)
     BB, BC, BK, BD = c["BLOCK_B"], c["BLOCK_C"], c["BLOCK_K"], c.get("BLOCK_D")
+    D_PAD = 1 << (D - 1).bit_length()  # the atomic-free kernels' accumulators: D padded to a power of two
     n = dict(flops=0, exps=0, l2=0, atomic=0)
 
     def logits(b0: int, t0: int) -> None:  # _logits: the D loop of one tile
@@ -82,7 +83,7 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
                     n["flops"] += 2 * 2 * BB * BC * BD  # G·ŵ and Gᵀx
                     n["l2"] += (cols + rows) * d * e
                     n["atomic"] += (rows + cols) * d * 4
-    elif kernel == "_grad_x_kernel":
+    elif kernel == "_grad_x_kernel":  # the accumulator on chip, the partial written once by every program
         TB, S = grid
         tiles = math.ceil(nv / BC)
         per = math.ceil(tiles / S)
@@ -93,11 +94,12 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
                 for t in range(first, min(first + per, tiles)):
                     n["l2"] += rows * 8
                     logits(b * BB, t * BC)
-                    for d0 in range(0, D, BD):
-                        d = min(BD, D - d0)
-                        n["flops"] += 2 * BB * BC * BD
-                        n["l2"] += _rows(t * BC, BC, nv) * d * e + rows * d * 4 * (2 if t > first else 1)
-    elif kernel == "_grad_w_kernel":
+                    n["flops"] += 2 * BB * BC * D_PAD
+                    n["l2"] += _rows(t * BC, BC, nv) * D * e
+                n["l2"] += rows * D * 4
+    elif kernel == "_grad_w_kernel":  # the accumulator on chip, the rows' gradients written once into .grad
+        ws = 2 if call.weight_storage == "bf16" else 4
+        has_rows = call.active()[2]
         for t in range(grid[0]):
             if t * BC >= nv:
                 continue
@@ -106,11 +108,13 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
                 rows = _rows(b0, BB, N)
                 n["l2"] += rows * 8
                 logits(b0, t * BC)
-                for d0 in range(0, D, BD):
-                    d = min(BD, D - d0)
-                    n["flops"] += 2 * BB * BC * BD
-                    n["l2"] += rows * d * e + cols * d * 4 * (2 if b0 > 0 else 1)
-            n["l2"] += cols * 4  # the column sums, stored once
+                n["flops"] += 2 * BB * BC * D_PAD
+                n["l2"] += rows * D * e
+            n["l2"] += cols * 8 if has_rows else 0  # the row ids
+            if call.normalized:  # 1/‖w‖, the weight read, the gradient written
+                n["l2"] += cols * 4 + cols * D * 2 * ws
+            else:  # the weight's and the bias's gradients written
+                n["l2"] += cols * D * ws + cols * ws
     return n
 
 

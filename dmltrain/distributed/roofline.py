@@ -399,20 +399,19 @@ def plan(call: Call, gpu: GPU | None) -> list[Launch]:
                 small.hbm += 4 * N * (3 * launch.grid[1] + 8)
                 small.launches += _GLUE_FORWARD
                 continue
-            out.append(Launch(phase, "torch.zeros (h, red)", hbm=4 * Kc * (D + 1), chunk=i, launches=2))
             small.hbm += 32 * N
             small.launches += _GLUE_BACKWARD
-            if call.deterministic:
+            if call.deterministic:  # atomic-free: no scratch to zero, the rows' gradients written by _grad_w_kernel
                 launch = _grad_x(geo, i, geo.choose("grad_x", key, None), N, Kc, nv, e)
                 S = launch.grid[1]
-                out.append(Launch(phase, "torch.zeros (partials)", hbm=4 * S * N * D, chunk=i))
                 out.append(launch)
                 out.append(Launch(phase, "torch: grad_x += partial", hbm=12 * S * N * D, chunk=i, launches=S))
-                out.append(_grad_w(geo, i, geo.choose("grad_w", key, None), N, Kc, nv, e))
+                out.append(_grad_w(geo, i, geo.choose("grad_w", key, None), N, Kc, nv, e, ws, has_rows))
             else:
+                out.append(Launch(phase, "torch.zeros (h, red)", hbm=4 * Kc * (D + 1), chunk=i, launches=2))
                 cfg = geo.choose("grad", key, lambda c, Kc=Kc, nv=nv, i=i: _grad(geo, i, c, N, Kc, nv, e))
                 out.append(_grad(geo, i, cfg, N, Kc, nv, e))
-            out.append(_rows_out(geo, i, Kc, nv, ws, has_rows))
+                out.append(_rows_out(geo, i, Kc, nv, ws, has_rows))
     for x in out:
         if not x.triton:  # a torch op's global accesses are its HBM traffic
             x.l2 = x.hbm
@@ -499,19 +498,19 @@ def _grad(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Launc
 
 
 def _grad_x(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Launch:
-    """``_grad_x_kernel`` (deterministic): grid (sample tiles × class splits), each program read-modify-writing
-    its own fp32 partial of the embeddings' gradient on every class tile."""
+    """``_grad_x_kernel`` (atomic-free): grid (sample tiles × class splits), each program summing its split's
+    ``G·ŵ`` in a ``BLOCK_B × D`` accumulator on chip and writing its fp32 partial once."""
     sk, D = geo.sk, geo.call.dim
-    BB, BC, BK, BD = cfg["BLOCK_B"], cfg["BLOCK_C"], cfg["BLOCK_K"], cfg["BLOCK_D"]
+    BB, BC, BK = cfg["BLOCK_B"], cfg["BLOCK_C"], cfg["BLOCK_K"]
     TB, CT, n_tiles = math.ceil(N / BB), math.ceil(K / BC), math.ceil(nv / BC)
     S = sk.num_splits(TB, CT, geo.programs(cfg), max(1, sk.PARTIAL_BYTES // (4 * N * D)))
     per = math.ceil(n_tiles / S)
     counts = [max(0, min(per, n_tiles - s * per)) for s in range(S)]
     busy = sum(1 for c in counts if c)
-    flops = TB * n_tiles * 2 * BB * BC * (_pad(D, BK) + _pad(D, BD))
-    rmw = (2 * n_tiles - busy) * N * D * 4  # every tile stores the partial, all but a split's first read it
-    l2 = n_tiles * N * D * e + 2 * TB * nv * D * e + n_tiles * N * 8 + rmw
-    hbm = N * D * e + nv * D * e + 8 * N + busy * N * D * 4
+    flops = TB * n_tiles * 2 * BB * BC * (_pad(D, BK) + _pow2(D))
+    # x per class tile; ŵ per sample tile twice (logits, product); every program writes its partial once
+    l2 = n_tiles * N * D * e + 2 * TB * nv * D * e + n_tiles * N * 8 + S * N * D * 4
+    hbm = N * D * e + nv * D * e + 8 * N + S * N * D * 4
     launch = Launch(
         "backward",
         "_grad_x_kernel",
@@ -530,17 +529,22 @@ def _grad_x(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Lau
     return _product(geo, launch)
 
 
-def _grad_w(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Launch:
-    """``_grad_w_kernel`` (deterministic): grid (class tiles), each program summing its rows' scratch over every
-    sample tile in order, read-modify-writing it in global memory."""
+def _grad_w(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int, ws: int, rows: bool) -> Launch:
+    """``_grad_w_kernel`` (atomic-free): grid (class tiles), each program summing its rows' ``Gᵀx`` over every
+    sample tile in a ``BLOCK_C × D`` accumulator on chip, then writing the rows' gradients into ``.grad`` through
+    the normalisation's backward (what ``_rows_out_kernel`` read back from a scratch before)."""
     D = geo.call.dim
-    BB, BC, BK, BD = cfg["BLOCK_B"], cfg["BLOCK_C"], cfg["BLOCK_K"], cfg["BLOCK_D"]
+    BB, BC, BK = cfg["BLOCK_B"], cfg["BLOCK_C"], cfg["BLOCK_K"]
     TB, CT, n_tiles = math.ceil(N / BB), math.ceil(K / BC), math.ceil(nv / BC)
     tiles = TB * n_tiles
-    flops = tiles * 2 * BB * BC * (_pad(D, BK) + _pad(D, BD))
-    rmw = (2 * TB - 1) * nv * D * 4  # every sample tile stores the rows' scratch, all but the first read it
-    l2 = 2 * n_tiles * N * D * e + TB * nv * D * e + n_tiles * N * 8 + rmw + 4 * nv
-    hbm = N * D * e + nv * D * e + 8 * N + 4 * nv * (D + 1)
+    flops = tiles * 2 * BB * BC * (_pad(D, BK) + _pow2(D))
+    epilogue = 8 * nv if rows else 0  # the row ids
+    if geo.call.normalized:
+        epilogue += 4 * nv + nv * D * 2 * ws  # 1/‖w‖, the weight, the gradient written
+    else:  # softmax_ce: the weight's and the bias's gradients
+        epilogue += nv * D * ws + nv * ws
+    l2 = 2 * n_tiles * N * D * e + TB * nv * D * e + n_tiles * N * 8 + epilogue
+    hbm = N * D * e + nv * D * e + 8 * N + epilogue
     launch = Launch(
         "backward",
         "_grad_w_kernel",
@@ -797,7 +801,8 @@ def breakdown(summary: Summary) -> list[str]:
     elif call.deterministic:
         rmw = sum(x.l2 for x in launches if x.kernel in ("_grad_x_kernel", "_grad_w_kernel"))
         out.append(
-            f"deterministic backward: no atomics; its read-modify-writes and loads move {rmw / 1e9:.1f} GB through L2"
+            f"atomic-free backward: no atomics, accumulators on chip, each output written once; its loads and stores "
+            f"move {rmw / 1e9:.1f} GB through L2"
         )
     for kernel in ("_lse_kernel", "_grad_kernel", "_grad_x_kernel", "_grad_w_kernel"):
         ks = [x for x in launches if x.kernel == kernel]

@@ -360,14 +360,18 @@ def _grad_x_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
+    """This program's partial of the embeddings' gradient over its class split: a ``BLOCK_B × D_PAD`` fp32
+    accumulator in registers across every class tile of the split, written once (zeros for an empty split)."""
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     mask_b = offs_b < N
     tcol = tl.load(tcol_ptr + offs_b, mask=mask_b, other=-1)
     lse = tl.load(lse_ptr + offs_b, mask=mask_b, other=0.0)
     n_valid = _valid_columns(count_ptr, c0, K, HAS_COUNT)
-    out = part_ptr + (tl.program_id(1) * N + offs_b).to(tl.int64)[:, None] * D
+    offs_d = tl.arange(0, D_PAD)
+    md = offs_d[None, :] < D
+    acc = tl.zeros((BLOCK_B, D_PAD), dtype=tl.float32)
     t0, t1 = _split_range(n_valid, BLOCK_C)
     for t in range(t0, t1):
         offs_c = t * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -376,15 +380,10 @@ def _grad_x_kernel(
                     BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
         keep = mask_b[:, None] & mask_c[None, :] & (offs_c[None, :] != tcol[:, None])
         g, _ = _softmax_grad(z, lse, keep, coef_ptr, scale, NORMALIZED)
-        g = _operand(g, PREC)
-        wb = offs_c.to(tl.int64)[:, None] * D
-        for d0 in tl.range(0, D, BLOCK_D):  # this program's partial rows, read-modify-written in a fixed order
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            md = offs_d[None, :] < D
-            wv = tl.load(w_ptr + wb + offs_d[None, :], mask=mask_c[:, None] & md, other=0.0)
-            acc = tl.load(out + offs_d[None, :], mask=mask_b[:, None] & md & (t > t0), other=0.0)
-            acc = _mma(g, wv, acc, PREC)
-            tl.store(out + offs_d[None, :], acc, mask=mask_b[:, None] & md)
+        wv = tl.load(w_ptr + offs_c.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mask_c[:, None] & md, other=0.0)
+        acc = _mma(_operand(g, PREC), wv, acc, PREC)
+    out = part_ptr + (tl.program_id(1) * N + offs_b).to(tl.int64)[:, None] * D
+    tl.store(out + offs_d[None, :], acc, mask=mask_b[:, None] & md)
 
 
 @triton.jit
@@ -396,8 +395,11 @@ def _grad_w_kernel(
     count_ptr,
     lse_ptr,
     coef_ptr,
-    h_ptr,
-    red_ptr,
+    inv_ptr,
+    wt_ptr,
+    rows_ptr,
+    gw_ptr,
+    gb_ptr,
     N,
     K,
     c0,
@@ -406,37 +408,83 @@ def _grad_w_kernel(
     HAS_COUNT: tl.constexpr,
     NORMALIZED: tl.constexpr,
     PREC: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    WRITE_W: tl.constexpr,
+    WRITE_B: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
-    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    n_valid = _valid_columns(count_ptr, c0, K, HAS_COUNT)
-    mask_c = offs_c < n_valid
-    wb = offs_c.to(tl.int64)[:, None] * D
+    """The gradients of this program's ``BLOCK_C`` active rows, summed over every sample tile in order in a
+    ``BLOCK_C × D_PAD`` fp32 accumulator in registers, then, in the epilogue, through the normalisation's
+    backward (``g·inv − inv²·red·w``) straight into ``.grad`` (``wt_ptr`` is the weight) at the rows."""
+    offs_c, mask_c, r = _chunk_rows(rows_ptr, count_ptr, c0, K, HAS_ROWS, HAS_COUNT, BLOCK_C)
+    offs_d = tl.arange(0, D_PAD)
+    md = offs_d[None, :] < D
+    acc = tl.zeros((BLOCK_C, D_PAD), dtype=tl.float32)
     red = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    if tl.program_id(0) * BLOCK_C < n_valid:
+    if tl.program_id(0) * BLOCK_C < _valid_columns(count_ptr, c0, K, HAS_COUNT):
         for b0 in range(0, N, BLOCK_B):
             offs_b = b0 + tl.arange(0, BLOCK_B)
             mask_b = offs_b < N
             tcol = tl.load(tcol_ptr + offs_b, mask=mask_b, other=-1)
             lse = tl.load(lse_ptr + offs_b, mask=mask_b, other=0.0)
-            z = _logits(x_ptr, w_ptr, b_ptr, offs_b, mask_b, offs_c, mask_c, scale, D, NORMALIZED, PREC,
-                        BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
-            keep = mask_b[:, None] & mask_c[None, :] & (offs_c[None, :] != tcol[:, None])
-            g, r = _softmax_grad(z, lse, keep, coef_ptr, scale, NORMALIZED)
-            red += r
-            g = _operand(g, PREC)
-            xb = offs_b.to(tl.int64)[:, None] * D
-            for d0 in tl.range(0, D, BLOCK_D):  # this program's rows, read-modify-written in a fixed order
-                offs_d = d0 + tl.arange(0, BLOCK_D)
-                md = offs_d[None, :] < D
-                xv = tl.load(x_ptr + xb + offs_d[None, :], mask=mask_b[:, None] & md, other=0.0)
-                acc = tl.load(h_ptr + wb + offs_d[None, :], mask=mask_c[:, None] & md & (b0 > 0), other=0.0)
-                acc = _mma(tl.trans(g), xv, acc, PREC)
-                tl.store(h_ptr + wb + offs_d[None, :], acc, mask=mask_c[:, None] & md)
-    tl.store(red_ptr + offs_c, red, mask=mask_c)
+            # the transposed tile (classes × samples): the class side is the products' M, 64 rows for wgmma
+            if NORMALIZED:
+                zt = _logits(w_ptr, x_ptr, b_ptr, offs_c, mask_c, offs_b, mask_b, scale, D, True, PREC,
+                             BLOCK_C, BLOCK_B, BLOCK_K)  # fmt: skip
+            else:  # the bias per row of this tile (times 1.0: exact)
+                zt = _logits(w_ptr, x_ptr, b_ptr, offs_c, mask_c, offs_b, mask_b, 1.0, D, True, PREC,
+                             BLOCK_C, BLOCK_B, BLOCK_K) + tl.load(b_ptr + offs_c, mask=mask_c, other=0.0)[:, None]  # fmt: skip
+            keep = mask_c[:, None] & mask_b[None, :] & (offs_c[:, None] != tcol[None, :])
+            alpha = tl.load(coef_ptr)
+            off = tl.load(coef_ptr + 1)
+            gt = tl.where(keep, (tl.exp(zt - lse[None, :]) - off) * alpha, 0.0)
+            if NORMALIZED:
+                red += tl.sum(gt * zt, 1)
+                gt = gt * scale
+            else:
+                red += tl.sum(gt, 1)
+            if WRITE_W:
+                xv = tl.load(x_ptr + offs_b.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mask_b[:, None] & md,
+                             other=0.0)  # fmt: skip
+                acc = _mma(_operand(gt, PREC), xv, acc, PREC)
+    if WRITE_B:
+        gb = red
+        if ACCUMULATE:
+            gb += tl.load(gb_ptr + r, mask=mask_c, other=0.0).to(tl.float32)
+        tl.store(gb_ptr + r, gb.to(gb_ptr.dtype.element_ty), mask=mask_c)
+    if WRITE_W:
+        inv = tl.load(inv_ptr + offs_c, mask=mask_c, other=0.0) if NORMALIZED else red
+        if D_PAD >= 256:  # in quarters: a full-width weight tile beside the accumulator would spill
+            a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_C, 2, D_PAD // 2)), (0, 2, 1)))
+            a00, a01 = tl.split(tl.permute(tl.reshape(a0, (BLOCK_C, 2, D_PAD // 4)), (0, 2, 1)))
+            a10, a11 = tl.split(tl.permute(tl.reshape(a1, (BLOCK_C, 2, D_PAD // 4)), (0, 2, 1)))
+            _rows_store(a00, 0, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD // 4)
+            _rows_store(a01, D_PAD // 4, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD // 4)
+            _rows_store(a10, D_PAD // 2, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD // 4)
+            _rows_store(a11, 3 * D_PAD // 4, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE,
+                        D_PAD // 4)  # fmt: skip
+        else:
+            _rows_store(acc, 0, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD)
+
+
+@triton.jit
+def _rows_store(acc, d0, red, inv, r, mask_c, wt_ptr, gw_ptr, D: tl.constexpr, NORMALIZED: tl.constexpr,
+                ACCUMULATE: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
+    """Columns ``d0 … d0+WIDTH−1`` of the rows' gradients (``acc``) into ``.grad`` at rows ``r``: the
+    normalisation's backward ``acc·inv − inv²·red·w`` applied, added to what is there if ``ACCUMULATE``."""
+    offs_d = d0 + tl.arange(0, WIDTH)
+    m = mask_c[:, None] & (offs_d[None, :] < D)
+    dst = gw_ptr + r[:, None] * D + offs_d[None, :]
+    if NORMALIZED:
+        w = tl.load(wt_ptr + r[:, None] * D + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+        acc = acc * inv[:, None] - (inv * inv * red)[:, None] * w
+    if ACCUMULATE:
+        acc += tl.load(dst, mask=m, other=0.0).to(tl.float32)
+    tl.store(dst, acc.to(gw_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -514,12 +562,12 @@ _CONFIGS: dict[tuple[str, str], list[LaunchConfig]] = {
     ],
     ("grad", "tf32"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
     ("grad", "fp32"): [_cfg(4, 2, BLOCK_B=64, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
-    ("grad_x", "bf16"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=32, BLOCK_D=32)],
-    ("grad_x", "tf32"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
-    ("grad_x", "fp32"): [_cfg(4, 2, BLOCK_B=64, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
-    ("grad_w", "bf16"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=32, BLOCK_D=32)],
-    ("grad_w", "tf32"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
-    ("grad_w", "fp32"): [_cfg(4, 2, BLOCK_B=64, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
+    ("grad_x", "bf16"): [_cfg(8, 2, BLOCK_B=64, BLOCK_C=32, BLOCK_K=32)],
+    ("grad_x", "tf32"): [_cfg(8, 2, BLOCK_B=64, BLOCK_C=32, BLOCK_K=16)],
+    ("grad_x", "fp32"): [_cfg(4, 2, BLOCK_B=32, BLOCK_C=32, BLOCK_K=16)],
+    ("grad_w", "bf16"): [_cfg(8, 2, BLOCK_B=32, BLOCK_C=64, BLOCK_K=32)],
+    ("grad_w", "tf32"): [_cfg(8, 2, BLOCK_B=32, BLOCK_C=64, BLOCK_K=16)],
+    ("grad_w", "fp32"): [_cfg(4, 2, BLOCK_B=32, BLOCK_C=32, BLOCK_K=16)],
 }
 #: the log-sum-exp kernel with the logits' sum (``softmax_ce`` with label smoothing) keeps a third running
 #: row: with a 128 × 128 tile it spills on sm_80 (255 registers, 16-32 bytes of stack at every width, in the
@@ -537,7 +585,7 @@ _ROWS_OUT = _cfg(4, 2, BLOCK_R=16, BLOCK_D=64)
 
 def _interpreter_config(kind: str) -> LaunchConfig:
     meta = {"BLOCK_B": _SMALL, "BLOCK_C": _SMALL, "BLOCK_K": _SMALL}
-    if kind != "lse":
+    if kind == "grad":
         meta["BLOCK_D"] = _SMALL
     return LaunchConfig.of(1, 1, **meta)
 
@@ -581,7 +629,7 @@ def _choose(
     if INTERPRET or device.type != "cuda":
         return _interpreter_config(kind)
     candidates = _candidates(kind, precision, sum_logits)
-    if deterministic:
+    if deterministic or len(candidates) == 1:
         return candidates[0]
     return _tuner(device.index or 0).choose(
         kind, (*key, sum_logits), candidates, functools.partial(time_launch, launch)
@@ -727,8 +775,6 @@ def gradients(
     grad_x = torch.zeros(N, D, device=dev) if need_x else None
     for c0, c1 in _chunks(op, elt):
         ch = _Chunk(op, c0, c1, dtype)
-        h = torch.zeros(ch.K, D, device=dev) if need_w else None
-        red = torch.zeros(ch.K, device=dev) if need_w else None
         call = _GradCall(
             (x, ch.w, _or(ch.b, ch.w), ch.tcol, _or(op.count, ch.w), lse, coef),
             (N, ch.K, ch.c0, float(op.scale)),
@@ -740,15 +786,20 @@ def gradients(
                 part = call.split_x(_choose("grad_x", key, precision, dev, call.split_x, True))
                 for s in range(part.shape[0]):  # a fixed order
                     grad_x += part[s]
-            if need_w:
-                rows = functools.partial(call.rows, h=h, red=red)
-                call.rows(_choose("grad_w", key, precision, dev, rows, True), h, red)
+            if need_w:  # one candidate, never timed (a trial would write into .grad)
+                call.rows(_choose("grad_w", key, precision, dev, _untimed, True), op, ch, out)
         else:
+            h = torch.zeros(ch.K, D, device=dev) if need_w else None
+            red = torch.zeros(ch.K, device=dev) if need_w else None
             cfg = _choose("grad", key, precision, dev, functools.partial(call.fused_trial, need_x, need_w))
             call.fused(cfg, grad_x, h, red)
-        if need_w:
-            _rows_out(op, out, ch, h, red)
+            if need_w:
+                _rows_out(op, out, ch, h, red)
     return grad_x
+
+
+def _untimed(cfg: LaunchConfig) -> None:
+    raise AssertionError("a kernel with a single candidate is never timed")
 
 
 class _GradCall:
@@ -781,19 +832,24 @@ class _GradCall:
         splits = num_splits(
             triton.cdiv(self.N, cfg["BLOCK_B"]), triton.cdiv(self.K, cfg["BLOCK_C"]), _programs(cfg, x.device), most
         )
-        part = torch.zeros(splits, self.N, D, device=x.device)
+        part = torch.empty(splits, self.N, D, device=x.device)  # every program writes its whole partial
         with _device(x):
             _grad_x_kernel[(triton.cdiv(self.N, cfg["BLOCK_B"]), splits)](
-                *self.args, part, *self.tail, **self.common, **cfg.kwargs()
+                *self.args, part, *self.tail, **self.common, **cfg.kwargs(), D_PAD=triton.next_power_of_2(D)
             )
         return part
 
-    def rows(self, cfg: LaunchConfig, h: Tensor, red: Tensor) -> None:
-        """The deterministic rows' gradient scratch: each class tile summed over the samples by one program."""
-        with _device(h):
+    def rows(self, cfg: LaunchConfig, op: ShardOperands, ch: _Chunk, out: RowGradTarget) -> None:
+        """The chunk's rows' gradients into ``out`` at its rows: each class tile summed over the samples by one
+        program, which applies the normalisation's backward and writes (or adds) them once."""
+        w = op.weight
+        with _device(w):
             _grad_w_kernel[(triton.cdiv(self.K, cfg["BLOCK_C"]),)](
-                *self.args, h, red, *self.tail, **self.common, **cfg.kwargs()
-            )
+                *self.args, _or(ch.inv, w), w, _or(op.rows, w), _or(out.weight, w), _or(out.bias, w), *self.tail,
+                **self.common, HAS_ROWS=op.rows is not None, WRITE_W=out.weight is not None,
+                WRITE_B=out.bias is not None, ACCUMULATE=out.accumulate, **cfg.kwargs(),
+                D_PAD=triton.next_power_of_2(w.shape[1]),
+            )  # fmt: skip
 
 
 def _rows_out(op: ShardOperands, out: RowGradTarget, ch: _Chunk, h: Tensor, red: Tensor) -> None:
@@ -903,8 +959,9 @@ def _lse_variants(op_t: str, precision: str, flags: dict, tag: str) -> list[Kern
 def _grad_variants(op_t: str, precision: str, flags: dict, tag: str) -> list[KernelVariant]:
     head = "x_ptr w_ptr b_ptr tcol_ptr count_ptr lse_ptr coef_ptr"
     tail = "N K c0 scale D HAS_COUNT NORMALIZED"
-    det_x = _sig(f"{head} part_ptr {tail} PREC BLOCK_B BLOCK_C BLOCK_K BLOCK_D", _main_types(op_t, flags))
-    det_w = _sig(f"{head} h_ptr red_ptr {tail} PREC BLOCK_B BLOCK_C BLOCK_K BLOCK_D", _main_types(op_t, flags))
+    det_x = _sig(f"{head} part_ptr {tail} PREC BLOCK_B BLOCK_C BLOCK_K D_PAD", _main_types(op_t, flags))
+    det_w = _sig(f"{head} inv_ptr wt_ptr rows_ptr gw_ptr gb_ptr {tail} PREC HAS_ROWS WRITE_W WRITE_B ACCUMULATE "
+                 "BLOCK_B BLOCK_C BLOCK_K D_PAD", _main_types(op_t, flags))  # fmt: skip
     out = []
     for cfg in _CONFIGS[("grad", precision)]:
         for need_x, need_w in ((True, True), (True, False), (False, True)):
@@ -917,9 +974,23 @@ def _grad_variants(op_t: str, precision: str, flags: dict, tag: str) -> list[Ker
                 _variant(f"_grad_kernel {tag} x={need_x} w={need_w}", _grad_kernel, fused, consts, cfg, precision)
             )
     for cfg in _CONFIGS[("grad_x", precision)]:
-        out.append(_variant(f"_grad_x_kernel {tag}", _grad_x_kernel, det_x, flags, cfg, precision))
+        consts = {**flags, "D_PAD": triton.next_power_of_2(flags["D"])}
+        out.append(_variant(f"_grad_x_kernel {tag}", _grad_x_kernel, det_x, consts, cfg, precision))
+    writes = [(True, False)] if flags["NORMALIZED"] else [(True, True), (True, False), (False, True)]
     for cfg in _CONFIGS[("grad_w", precision)]:
-        out.append(_variant(f"_grad_w_kernel {tag}", _grad_w_kernel, det_w, flags, cfg, precision))
+        for w_t in ("fp32", "bf16"):
+            # the weight (``w_t``) stands in for the arguments a path does not use
+            types = {**det_w, "inv_ptr": "*fp32" if flags["NORMALIZED"] else f"*{w_t}", "wt_ptr": f"*{w_t}",
+                     "gw_ptr": f"*{w_t}", "gb_ptr": f"*{w_t}"}  # fmt: skip
+            for has_rows in (True,) if flags["HAS_COUNT"] else (False, True):  # a count comes with drawn rows
+                types["rows_ptr"] = "*i64" if has_rows else f"*{w_t}"
+                for write_w, write_b in writes:
+                    for acc in (False, True):
+                        consts = {**flags, "D_PAD": triton.next_power_of_2(flags["D"]), "HAS_ROWS": has_rows,
+                                  "WRITE_W": write_w, "WRITE_B": write_b, "ACCUMULATE": acc}  # fmt: skip
+                        name = (f"_grad_w_kernel {tag} {w_t} weight rows={has_rows} write_w={write_w} "
+                                f"write_b={write_b} accumulate={acc}")  # fmt: skip
+                        out.append(_variant(name, _grad_w_kernel, dict(types), consts, cfg, precision))
     return out
 
 
