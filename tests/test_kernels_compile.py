@@ -108,6 +108,14 @@ def test_every_kernel_compiles_for_a100_and_h100_within_its_contract(compiled):
     assert evaluation and all(r.stack == 0 and not variants[r.name].spills_allowed for r in evaluation)
 
 
+def test_the_classifier_kernels_use_no_atomics(compiled):
+    """No global reduction or atomic (``RED``/``ATOM`` in the SASS) in any classifier kernel: the backward's
+    accumulators are held on chip and each output written once, so its sums run in a fixed order."""
+    results, _ = compiled
+    used = [(r.name, r.arch, r.atomics) for r in results.values() if r.module == SOFTMAX and r.atomics]
+    assert not used, used
+
+
 def test_shared_memory_fits_each_architecture(compiled):
     """Every candidate config of every kernel fits both chips' shared memory, so neither ever has to go
     without one of them (a config that did not fit would be skipped at launch: next test)."""
