@@ -18,8 +18,8 @@ Assumptions (what the printed figures rest on):
   launches run one after another (one stream), so the step is their sum. What a kernel loses to latency,
   pipeline bubbles and instruction issue is not modelled: for today's launches the estimate is a floor.
 * HBM: each operand of a launch is read once (the programs running at once share the class tiles and the
-  batch through L2: the batch, at most ``B·D`` bf16, stays there); an fp32 scratch written by atomics is
-  fetched once and written back once. L2: every tile load and store of the programs, the re-reads included
+  batch through L2: the batch, at most ``B·D`` bf16, stays there); each output is written once (the
+  backward has no atomics and no gradient scratch). L2: every tile load and store of the programs, the re-reads included
   (the batch re-streamed for every class tile).
 * Atomics: Triton's ``tl.atomic_add`` of fp32 tiles, resolved in the L2 slices, at the GPU's assumed atomic
   rate, on top of the L2 loads (the same slices serve both).

@@ -9,7 +9,7 @@ ever live in registers.
 Operands. The gathered batch ``x`` (``N × D``, unit rows for the normalised kinds) and a per-step
 copy of the active rows in the product precision (bf16 by default), *normalised* for the
 normalised kinds, made by :func:`_copy_rows_kernel` one chunk of classes at a time (a chunk's copy
-and its gradient scratch stay within :data:`CHUNK_BYTES`); the kernels then read dense rows in
+stays within :data:`CHUNK_BYTES`); the kernels then read dense rows in
 half the bytes, and no separate row-norm pass or per-column factor is left in them. Logit of
 sample ``i`` and active column ``j``: ``s·(x_i·ŵ_j)``, or ``x_i·w_j + b_j`` for ``softmax_ce``.
 Each sample's own target column ``tcol[i]`` (−1 when this shard does not hold it) and the padding
@@ -69,7 +69,8 @@ from dmltrain.kernel_tuning import LaunchConfig, Tuner, time_launch
 
 PREC_CODE = {"fp32": 0, "tf32": 1, "bf16": 2}  # the kernels' PREC constexpr of each product precision
 _BF16_EMULATED = 3
-#: bytes of a chunk's row copy plus its fp32 gradient scratch (the transients stay well inside 1 GiB)
+#: bytes of a chunk's row copy counted with 4 more bytes a number, the fp32 gradient scratch the atomic backward
+#: had (kept so that the chunk sizes and tuning keys stay as they were; the transients stay well inside 1 GiB)
 CHUNK_BYTES = 384 * 2**20
 #: bytes of the backward's per-split embedding-gradient partials
 PARTIAL_BYTES = 256 * 2**20
@@ -569,7 +570,7 @@ def _or(t: Tensor | None, dummy: Tensor) -> Tensor:
 
 
 def _chunks(op: ShardOperands, elt: int):
-    """Column ranges whose copy (``elt`` bytes a number) and fp32 gradient scratch fit :data:`CHUNK_BYTES`."""
+    """Column ranges whose copy (``elt`` bytes a number, plus 4: see :data:`CHUNK_BYTES`) fits :data:`CHUNK_BYTES`."""
     K, D = (op.weight.shape[0] if op.rows is None else op.rows.numel()), op.weight.shape[1]
     quantum = _SMALL if INTERPRET else 128  # whole class tiles
     step = max(quantum, (CHUNK_BYTES // (D * (elt + 4))) // quantum * quantum)
