@@ -170,8 +170,8 @@ class ClassifierLoss(Section):
     )
     deterministic: bool = Field(
         False,
-        description="CUDA: bit-identical classifier gradients run to run (two backward kernels, one more product); "
-        "the default's single backward kernel adds with atomics, equal to fp32 rounding",
+        description="CUDA: fixed (untuned) kernel tiles, so classifier gradients are bit-identical run to run; the "
+        "backward is atomic-free either way, and only the forward's tuned tiles may differ between ranks and runs",
     )
     init_std: float | None = Field(
         None,

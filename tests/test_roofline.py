@@ -1,9 +1,8 @@
 """The roofline model of the fused classifier (dmltrain/distributed/roofline.py) against the code it models.
 
 * Counts: every product launch's FLOPs, exponentials, L2 bytes and atomic bytes equal a loop-by-loop count
-  over its programs, tiles and ``D`` chunks, transcribed from the kernels' loops (ragged sizes, a draw's
-  count, both backwards); the atomic bytes equal issue 37's ``4·B·C·D·(1/BLOCK_B + 1/BLOCK_C)`` (plus the
-  per-column sums), 49 / 393 / 492 GB at its three shapes.
+  over its programs and tiles, transcribed from the kernels' loops (ragged sizes, a draw's count, tuned and
+  fixed tiles); the backward moves no atomic bytes at issue 37's shapes (it was 49 / 393 / 492 GB).
 * Launches: the list the model makes equals the launches the real launcher makes, (a) under Triton's CPU
   interpreter at tiny shapes, kernels run (a spawned process: the interpreter must be on before Triton is
   imported), and (b) at the issue's shapes with the GPU's geometry, on meta tensors with the kernels
@@ -29,7 +28,7 @@ from dmltrain.distributed import roofline
 from dmltrain.distributed.roofline import GPUS, Call, plan
 
 REPO = Path(__file__).resolve().parents[1]
-KERNELS = ("_copy_rows_kernel", "_lse_kernel", "_grad_kernel", "_grad_x_kernel", "_grad_w_kernel", "_rows_out_kernel")
+KERNELS = ("_copy_rows_kernel", "_lse_kernel", "_grad_x_kernel", "_grad_w_kernel")
 
 
 def _model_launches(call: Call, gpu) -> list[tuple[str, list[int], dict[str, int]]]:
@@ -47,7 +46,8 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
     the kernels' loops run (masked entries load nothing; tl.dot computes whole tiles)."""
     D, e = call.dim, 2 if call.precision == "bf16" else 4
     c = dict(launch.cfg.meta)
-    BB, BC, BK, BD = c["BLOCK_B"], c["BLOCK_C"], c["BLOCK_K"], c.get("BLOCK_D")
+    BB, BC, BK = c["BLOCK_B"], c["BLOCK_C"], c["BLOCK_K"]
+    D_PAD = 1 << (D - 1).bit_length()  # the atomic-free kernels' accumulators: D padded to a power of two
     n = dict(flops=0, exps=0, l2=0, atomic=0)
 
     def logits(b0: int, t0: int) -> None:  # _logits: the D loop of one tile
@@ -68,21 +68,7 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
                     logits(b * BB, t * BC)
                     n["exps"] += BB  # the running sum's rescale
                 n["exps"] += BB  # the final log
-    elif kernel == "_grad_kernel":
-        for b in range(grid[0]):
-            for t in range(grid[1]):
-                if t * BC >= nv:
-                    continue
-                rows, cols = _rows(b * BB, BB, N), _rows(t * BC, BC, nv)
-                n["l2"] += rows * 8  # tcol, lse
-                logits(b * BB, t * BC)
-                n["atomic"] += cols * 4  # the column sums
-                for d0 in range(0, D, BD):
-                    d = min(BD, D - d0)
-                    n["flops"] += 2 * 2 * BB * BC * BD  # G·ŵ and Gᵀx
-                    n["l2"] += (cols + rows) * d * e
-                    n["atomic"] += (rows + cols) * d * 4
-    elif kernel == "_grad_x_kernel":
+    elif kernel == "_grad_x_kernel":  # the accumulator on chip, the partial written once by every program
         TB, S = grid
         tiles = math.ceil(nv / BC)
         per = math.ceil(tiles / S)
@@ -93,11 +79,12 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
                 for t in range(first, min(first + per, tiles)):
                     n["l2"] += rows * 8
                     logits(b * BB, t * BC)
-                    for d0 in range(0, D, BD):
-                        d = min(BD, D - d0)
-                        n["flops"] += 2 * BB * BC * BD
-                        n["l2"] += _rows(t * BC, BC, nv) * d * e + rows * d * 4 * (2 if t > first else 1)
-    elif kernel == "_grad_w_kernel":
+                    n["flops"] += 2 * BB * BC * D_PAD
+                    n["l2"] += _rows(t * BC, BC, nv) * D * e
+                n["l2"] += rows * D * 4
+    elif kernel == "_grad_w_kernel":  # the accumulator on chip, the rows' gradients written once into .grad
+        ws = 2 if call.weight_storage == "bf16" else 4
+        has_rows = call.active()[2]
         for t in range(grid[0]):
             if t * BC >= nv:
                 continue
@@ -106,11 +93,13 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
                 rows = _rows(b0, BB, N)
                 n["l2"] += rows * 8
                 logits(b0, t * BC)
-                for d0 in range(0, D, BD):
-                    d = min(BD, D - d0)
-                    n["flops"] += 2 * BB * BC * BD
-                    n["l2"] += rows * d * e + cols * d * 4 * (2 if b0 > 0 else 1)
-            n["l2"] += cols * 4  # the column sums, stored once
+                n["flops"] += 2 * BB * BC * D_PAD
+                n["l2"] += rows * D * e
+            n["l2"] += cols * 8 if has_rows else 0  # the row ids
+            if call.normalized:  # 1/‖w‖, the weight read, the gradient written
+                n["l2"] += cols * 4 + cols * D * 2 * ws
+            else:  # the weight's and the bias's gradients written
+                n["l2"] += cols * D * ws + cols * ws
     return n
 
 
@@ -122,13 +111,11 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
         Call(3000, 96, 257, precision="tf32"),
         Call(3000, 96, 257, kind="softmax_ce", smoothing=0.1, deterministic=True),
     ],
-    ids=["atomic", "deterministic", "tf32", "softmax_ce"],
+    ids=["tuned", "deterministic", "tf32", "softmax_ce"],
 )
 def test_counts_equal_a_loop_by_loop_count(call):
     launches = [x for x in plan(call, GPUS["h100"]) if x.programs]
-    assert {x.kernel for x in launches} == (
-        {"_lse_kernel", "_grad_x_kernel", "_grad_w_kernel"} if call.deterministic else {"_lse_kernel", "_grad_kernel"}
-    )
+    assert {x.kernel for x in launches} == {"_lse_kernel", "_grad_x_kernel", "_grad_w_kernel"}
     _, valid, _, count = call.active()
     assert count == (call.workers > 1)
     for x in launches:
@@ -140,19 +127,12 @@ def test_counts_equal_a_loop_by_loop_count(call):
         assert got["atomic"] == x.atomic, x.kernel
 
 
-def test_atomic_bytes_are_the_issue_formula_at_its_shapes():
-    """Issue 37's 49 / 393 / 492 GB of fp32 atomics at 4·B·C·D·(1/BLOCK_B + 1/BLOCK_C), with the tiles the model
-    takes (128 × 64), plus 4 bytes a column per sample tile for the column sums."""
-    for (C, D, B), issue_gb in zip(roofline.ISSUE_SHAPES, (49, 393, 492)):
-        grads = [x for x in plan(Call(C, D, B), GPUS["h100"]) if x.kernel == "_grad_kernel"]
-        formula = 0.0
-        for x in grads:
-            BB, BC = x.cfg["BLOCK_B"], x.cfg["BLOCK_C"]
-            K = x.grid[1] * BC  # every chunk a whole number of class tiles here
-            formula += 4 * B * K * D * (1 / BB + 1 / BC)
-            assert x.atomic == pytest.approx(4 * B * K * D * (1 / BB + 1 / BC) + 4 * x.grid[0] * K, rel=1e-12)
-        assert sum(x.grid[1] * x.cfg["BLOCK_C"] for x in grads) == C
-        assert round(formula / 1e9) == issue_gb
+def test_the_backward_moves_no_atomic_bytes_at_the_issue_shapes():
+    """Issue 37's 49 / 393 / 492 GB of fp32 atomics are gone: the atomic-free pair writes each output once."""
+    for C, D, B in roofline.ISSUE_SHAPES:
+        launches = plan(Call(C, D, B), GPUS["h100"])
+        assert {x.kernel for x in launches if x.programs} == {"_lse_kernel", "_grad_x_kernel", "_grad_w_kernel"}
+        assert sum(x.atomic for x in launches) == 0
 
 
 def test_occupancy_from_registers_and_shared_memory():
@@ -258,13 +238,13 @@ def test_launches_equal_the_launchers_at_gpu_shapes(monkeypatch, call):
 
     gpu = GPUS["h100"]
     model = [x for x in plan(call, gpu) if x.triton]
-    tuned = {kind: [x.cfg for x in model if x.kernel == f"_{kind}_kernel"] for kind in ("lse", "grad")}
+    tuned = {"lse": [x.cfg for x in model if x.kernel == "_lse_kernel"]}
     real_choose, asked = sk._choose, []
 
     def choose(kind, key, precision, device, launch, deterministic=False, sum_logits=False):
         asked.append(kind)
-        if deterministic:
-            return real_choose(kind, key, precision, torch.device("cuda", 0), launch, True, sum_logits)
+        if deterministic or kind != "lse":  # the backward's kernels have one candidate each: never tuned
+            return real_choose(kind, key, precision, torch.device("cuda", 0), launch, deterministic, sum_logits)
         return tuned[kind].pop(0)
 
     recorded = []
@@ -302,7 +282,7 @@ def test_launches_equal_the_launchers_at_gpu_shapes(monkeypatch, call):
     off = torch.empty((), device=meta) if call.sum_logits else None
     sk.gradients(op, saved, lse, torch.empty((), device=meta), off, True, target, call.precision, call.deterministic)
     assert recorded == [(x.kernel, list(x.grid), dict(x.cfg.meta)) for x in model]
-    assert set(asked) == ({"lse", "grad_x", "grad_w"} if call.deterministic else {"lse", "grad"})
+    assert set(asked) == {"lse", "grad_x", "grad_w"}
 
 
 # -- the command -------------------------------------------------------------------------------------------
@@ -314,7 +294,7 @@ def test_bench_model_prints_one_table(capsys):
     assert out.count("\nphase ") == 3 and "\nclasses " in out  # a table per shape, then one line each
     for (C, D, B), target in roofline.TARGETS.items():
         assert f"{C:,} classes, D={D}, B={B:,}" in out and f"target {target * 1e3:.0f} ms" in out
-    assert "fp32 atomics in the backward: 49.2 GB" in out
+    assert "atomic-free backward: no atomics" in out and "fp32 atomics in the backward" not in out
     args = "--model a100 --classes 20000 --dim 64 --batch 512 --sample-ratio 0.5 --workers 2 --deterministic"
     assert run(argparse.Namespace(bench="classifier", bench_args=args.split())) == 0
     out = capsys.readouterr().out

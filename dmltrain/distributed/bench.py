@@ -21,7 +21,7 @@ optimizer state; our forward + backward apart from the optimizer step; peers (fo
 backward only, one process, NormSoftmax logits at T = 0.05), each when installed, else a line
 saying it was skipped: Cut Cross-Entropy with its default gradient filter and exact
 (``filter_eps=None``), Liger's fused linear cross-entropy, naive torch bf16 and
-pytorch-metric-learning. ``--deterministic`` runs the two-kernel backward. Cut Cross-Entropy
+pytorch-metric-learning. ``--deterministic`` takes fixed, untuned tiles. Cut Cross-Entropy
 runs on CUDA only: on the CPU its lines say so. Every run is a
 :class:`~dmltrain.distributed.bench_job.ClassifierJob`, the schema ``make gpu-check`` shares.
 """
@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU: the classifier's logits budget (default 256, as the config)",
     )
     parser.add_argument(
-        "--deterministic", action="store_true", help="CUDA: the deterministic two-kernel backward (bit-identical)"
+        "--deterministic", action="store_true", help="CUDA: fixed, untuned tiles (bit-identical reruns)"
     )
     parser.add_argument(
         "--sampling",

@@ -18,8 +18,8 @@ Assumptions (what the printed figures rest on):
   launches run one after another (one stream), so the step is their sum. What a kernel loses to latency,
   pipeline bubbles and instruction issue is not modelled: for today's launches the estimate is a floor.
 * HBM: each operand of a launch is read once (the programs running at once share the class tiles and the
-  batch through L2: the batch, at most ``B·D`` bf16, stays there); an fp32 scratch written by atomics is
-  fetched once and written back once. L2: every tile load and store of the programs, the re-reads included
+  batch through L2: the batch, at most ``B·D`` bf16, stays there); each output is written once (the
+  backward has no atomics and no gradient scratch). L2: every tile load and store of the programs, the re-reads included
   (the batch re-streamed for every class tile).
 * Atomics: Triton's ``tl.atomic_add`` of fp32 tiles, resolved in the L2 slices, at the GPU's assumed atomic
   rate, on top of the L2 loads (the same slices serve both).
@@ -165,16 +165,8 @@ GPUS: dict[str, GPU] = {
 COMPILED: dict[tuple[str, str, int], tuple[int, int]] = {
     ("_lse_kernel", "128×128×16 w8 s3", 90): (128, 24576),
     ("_lse_kernel", "128×64×32 w8 s3", 90): (76, 36864),
-    ("_grad_kernel", "128×64×32×32 w8 s3", 90): (122, 69632),
-    ("_grad_kernel", "64×128×32×32 w8 s3", 90): (119, 86016),
-    ("_grad_x_kernel", "128×64×32×32 w8 s3", 90): (126, 36864),
-    ("_grad_w_kernel", "128×64×32×32 w8 s3", 90): (184, 49152),
     ("_lse_kernel", "128×128×16 w8 s3", 80): (158, 16384),
     ("_lse_kernel", "128×64×32 w8 s3", 80): (128, 24576),
-    ("_grad_kernel", "128×64×32×32 w8 s3", 80): (158, 57344),
-    ("_grad_kernel", "64×128×32×32 w8 s3", 80): (128, 57344),
-    ("_grad_x_kernel", "128×64×32×32 w8 s3", 80): (132, 40960),
-    ("_grad_w_kernel", "128×64×32×32 w8 s3", 80): (172, 40960),
 }
 
 #: issue 37's step targets on an H100 by (classes, D, batch): 2× the bf16 3-GEMM bound measured there or Cut
@@ -318,7 +310,6 @@ class _Geometry:
         self.quantum = sk._SMALL if gpu is None else 128
         small = {"BLOCK_R": sk._SMALL, "BLOCK_D": sk._SMALL}
         self.copy_meta = small if gpu is None else sk._COPY.kwargs()
-        self.rows_out_meta = small if gpu is None else sk._ROWS_OUT.kwargs()
         self._chosen: dict[tuple, Any] = {}
 
     def programs(self, cfg) -> int:
@@ -338,14 +329,14 @@ class _Geometry:
         return ctas_per_sm(self.gpu, rec[0], rec[1], cfg.num_warps), True
 
     def choose(self, kind: str, key: tuple, trial: Callable[[Any], Launch]):
-        """``softmax_kernels._choose``: the interpreter's tiles, the first candidate when deterministic, else the
-        candidate of least modelled time, kept per tuning key as the tuner keeps its choice."""
+        """``softmax_kernels._choose``: the interpreter's tiles, the first candidate when deterministic or when it is
+        the only one, else the candidate of least modelled time, kept per tuning key as the tuner keeps its choice."""
         sk, call = self.sk, self.call
         if self.gpu is None:
             return sk._interpreter_config(kind)
         sum_logits = call.sum_logits and kind == "lse"
         candidates = sk._candidates(kind, call.precision, sum_logits)
-        if call.deterministic:
+        if call.deterministic or len(candidates) == 1:
             return candidates[0]
         k = (kind, *key, sum_logits)
         if k not in self._chosen:
@@ -399,20 +390,14 @@ def plan(call: Call, gpu: GPU | None) -> list[Launch]:
                 small.hbm += 4 * N * (3 * launch.grid[1] + 8)
                 small.launches += _GLUE_FORWARD
                 continue
-            out.append(Launch(phase, "torch.zeros (h, red)", hbm=4 * Kc * (D + 1), chunk=i, launches=2))
             small.hbm += 32 * N
             small.launches += _GLUE_BACKWARD
-            if call.deterministic:
-                launch = _grad_x(geo, i, geo.choose("grad_x", key, None), N, Kc, nv, e)
-                S = launch.grid[1]
-                out.append(Launch(phase, "torch.zeros (partials)", hbm=4 * S * N * D, chunk=i))
-                out.append(launch)
-                out.append(Launch(phase, "torch: grad_x += partial", hbm=12 * S * N * D, chunk=i, launches=S))
-                out.append(_grad_w(geo, i, geo.choose("grad_w", key, None), N, Kc, nv, e))
-            else:
-                cfg = geo.choose("grad", key, lambda c, Kc=Kc, nv=nv, i=i: _grad(geo, i, c, N, Kc, nv, e))
-                out.append(_grad(geo, i, cfg, N, Kc, nv, e))
-            out.append(_rows_out(geo, i, Kc, nv, ws, has_rows))
+            # atomic-free: no scratch to zero, the rows' gradients written by _grad_w_kernel (one candidate each)
+            launch = _grad_x(geo, i, geo.choose("grad_x", key, None), N, Kc, nv, e)
+            S = launch.grid[1]
+            out.append(launch)
+            out.append(Launch(phase, "torch: grad_x += partial", hbm=12 * S * N * D, chunk=i, launches=S))
+            out.append(_grad_w(geo, i, geo.choose("grad_w", key, None), N, Kc, nv, e, ws, has_rows))
     for x in out:
         if not x.triton:  # a torch op's global accesses are its HBM traffic
             x.l2 = x.hbm
@@ -467,51 +452,20 @@ def _lse(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Launch
     return _product(geo, launch)
 
 
-def _grad(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Launch:
-    """``_grad_kernel``: grid (sample tiles × class tiles), one tile each: its logits again, then ``G·ŵ`` and
-    ``Gᵀx`` added to the embeddings' gradient and the rows' scratch ``h`` with fp32 atomics."""
-    D = geo.call.dim
-    BB, BC, BK, BD = cfg["BLOCK_B"], cfg["BLOCK_C"], cfg["BLOCK_K"], cfg["BLOCK_D"]
-    TB, CT, n_tiles = math.ceil(N / BB), math.ceil(K / BC), math.ceil(nv / BC)
-    tiles = TB * n_tiles
-    flops = tiles * 2 * BB * BC * (_pad(D, BK) + 2 * _pad(D, BD))
-    l2 = 2 * (n_tiles * N * D * e + TB * nv * D * e) + n_tiles * N * 8  # logits' operands, then ŵ and x again
-    atomic = n_tiles * N * D * 4 + TB * nv * (D + 1) * 4  # G·ŵ into grad_x per class tile; Gᵀx, Σ into h, red
-    hbm = N * D * e + nv * D * e + 8 * N + 8 * N * D + 8 * nv * (D + 1)  # operands; scratch fetched, written back
-    launch = Launch(
-        "backward",
-        "_grad_kernel",
-        (TB, CT),
-        cfg,
-        flops,
-        tiles * BB * BC,
-        hbm,
-        l2,
-        atomic,
-        programs=tiles,
-        work_max=1,
-        work_total=tiles,
-        chunk=i,
-    )
-    launch.extra["atomic_formula"] = 4 * N * nv * D * (1 / BB + 1 / BC)
-    launch.extra["x_l2"] = 2 * n_tiles * N * D * e
-    return _product(geo, launch)
-
-
 def _grad_x(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Launch:
-    """``_grad_x_kernel`` (deterministic): grid (sample tiles × class splits), each program read-modify-writing
-    its own fp32 partial of the embeddings' gradient on every class tile."""
+    """``_grad_x_kernel`` (atomic-free): grid (sample tiles × class splits), each program summing its split's
+    ``G·ŵ`` in a ``BLOCK_B × D`` accumulator on chip and writing its fp32 partial once."""
     sk, D = geo.sk, geo.call.dim
-    BB, BC, BK, BD = cfg["BLOCK_B"], cfg["BLOCK_C"], cfg["BLOCK_K"], cfg["BLOCK_D"]
+    BB, BC, BK = cfg["BLOCK_B"], cfg["BLOCK_C"], cfg["BLOCK_K"]
     TB, CT, n_tiles = math.ceil(N / BB), math.ceil(K / BC), math.ceil(nv / BC)
     S = sk.num_splits(TB, CT, geo.programs(cfg), max(1, sk.PARTIAL_BYTES // (4 * N * D)))
     per = math.ceil(n_tiles / S)
     counts = [max(0, min(per, n_tiles - s * per)) for s in range(S)]
     busy = sum(1 for c in counts if c)
-    flops = TB * n_tiles * 2 * BB * BC * (_pad(D, BK) + _pad(D, BD))
-    rmw = (2 * n_tiles - busy) * N * D * 4  # every tile stores the partial, all but a split's first read it
-    l2 = n_tiles * N * D * e + 2 * TB * nv * D * e + n_tiles * N * 8 + rmw
-    hbm = N * D * e + nv * D * e + 8 * N + busy * N * D * 4
+    flops = TB * n_tiles * 2 * BB * BC * (_pad(D, BK) + _pow2(D))
+    # x per class tile; ŵ per sample tile twice (logits, product); every program writes its partial once
+    l2 = n_tiles * N * D * e + 2 * TB * nv * D * e + n_tiles * N * 8 + S * N * D * 4
+    hbm = N * D * e + nv * D * e + 8 * N + S * N * D * 4
     launch = Launch(
         "backward",
         "_grad_x_kernel",
@@ -530,17 +484,22 @@ def _grad_x(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Lau
     return _product(geo, launch)
 
 
-def _grad_w(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Launch:
-    """``_grad_w_kernel`` (deterministic): grid (class tiles), each program summing its rows' scratch over every
-    sample tile in order, read-modify-writing it in global memory."""
+def _grad_w(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int, ws: int, rows: bool) -> Launch:
+    """``_grad_w_kernel`` (atomic-free): grid (class tiles), each program summing its rows' ``Gᵀx`` over every
+    sample tile in a ``BLOCK_C × D`` accumulator on chip, then writing the rows' gradients into ``.grad`` through
+    the normalisation's backward."""
     D = geo.call.dim
-    BB, BC, BK, BD = cfg["BLOCK_B"], cfg["BLOCK_C"], cfg["BLOCK_K"], cfg["BLOCK_D"]
+    BB, BC, BK = cfg["BLOCK_B"], cfg["BLOCK_C"], cfg["BLOCK_K"]
     TB, CT, n_tiles = math.ceil(N / BB), math.ceil(K / BC), math.ceil(nv / BC)
     tiles = TB * n_tiles
-    flops = tiles * 2 * BB * BC * (_pad(D, BK) + _pad(D, BD))
-    rmw = (2 * TB - 1) * nv * D * 4  # every sample tile stores the rows' scratch, all but the first read it
-    l2 = 2 * n_tiles * N * D * e + TB * nv * D * e + n_tiles * N * 8 + rmw + 4 * nv
-    hbm = N * D * e + nv * D * e + 8 * N + 4 * nv * (D + 1)
+    flops = tiles * 2 * BB * BC * (_pad(D, BK) + _pow2(D))
+    epilogue = 8 * nv if rows else 0  # the row ids
+    if geo.call.normalized:
+        epilogue += 4 * nv + nv * D * 2 * ws  # 1/‖w‖, the weight, the gradient written
+    else:  # softmax_ce: the weight's and the bias's gradients
+        epilogue += nv * D * ws + nv * ws
+    l2 = 2 * n_tiles * N * D * e + TB * nv * D * e + n_tiles * N * 8 + epilogue
+    hbm = N * D * e + nv * D * e + 8 * N + epilogue
     launch = Launch(
         "backward",
         "_grad_w_kernel",
@@ -557,18 +516,6 @@ def _grad_w(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Lau
     )
     launch.extra["x_l2"] = 2 * n_tiles * N * D * e
     return _product(geo, launch)
-
-
-def _rows_out(geo: _Geometry, i: int, K: int, nv: int, ws: int, rows: bool) -> Launch:
-    """``_rows_out_kernel``: the rows' gradient from ``h`` (and, normalised, the weight) into ``.grad``."""
-    D, meta, call = geo.call.dim, geo.rows_out_meta, geo.call
-    hbm = 4 * nv + (8 * nv if rows else 0)  # red, the row ids
-    if call.normalized:
-        hbm += 4 * nv + nv * D * (4 + ws + ws)  # 1/‖w‖; h, the weight, the gradient written
-    else:  # softmax_ce: the weight's and the bias's gradients
-        hbm += nv * D * (4 + ws) + nv * ws
-    cfg = LaunchConfig.of(1, 1, **meta) if geo.gpu is None else geo.sk._ROWS_OUT
-    return Launch("backward", "_rows_out_kernel", (math.ceil(K / meta["BLOCK_R"]),), cfg, hbm=hbm, l2=hbm, chunk=i)
 
 
 # -- the bounds beside it -------------------------------------------------------------------------------------
@@ -794,12 +741,13 @@ def breakdown(summary: Summary) -> list[str]:
             f"fp32 atomics in the backward: {atomic / 1e9:.1f} GB ({formula / 1e9:.1f} GB by 4·B·C·D·(1/BLOCK_B + "
             f"1/BLOCK_C)), {atomic / gpu.atomic_bytes_s * 1e3:.1f} ms at the assumed {gpu.atomic_bytes_s / 1e12:.1f} TB/s"
         )
-    elif call.deterministic:
+    else:
         rmw = sum(x.l2 for x in launches if x.kernel in ("_grad_x_kernel", "_grad_w_kernel"))
         out.append(
-            f"deterministic backward: no atomics; its read-modify-writes and loads move {rmw / 1e9:.1f} GB through L2"
+            f"atomic-free backward: no atomics, accumulators on chip, each output written once; its loads and stores "
+            f"move {rmw / 1e9:.1f} GB through L2"
         )
-    for kernel in ("_lse_kernel", "_grad_kernel", "_grad_x_kernel", "_grad_w_kernel"):
+    for kernel in ("_lse_kernel", "_grad_x_kernel", "_grad_w_kernel"):
         ks = [x for x in launches if x.kernel == kernel]
         if ks:
             flops, l2 = sum(x.flops for x in ks), sum(x.l2 for x in ks)
@@ -818,13 +766,13 @@ def breakdown(summary: Summary) -> list[str]:
             f"the gathered batch ({x_bytes / 2**20:.0f} MiB) passes half the L2 ({gpu.l2_bytes / 2**20:.0f} MiB): "
             "the HBM figures, which keep it there, are low"
         )
-    passes = [x for x in launches if x.kernel in ("_copy_rows_kernel", "torch.zeros (h, red)", "_rows_out_kernel")]
+    passes = [x for x in launches if x.kernel == "_copy_rows_kernel"]
     moved = sum(x.hbm for x in passes)
     out.append(
-        f"separate memory passes (the normalised copy made twice, h zeroed per chunk, _rows_out reading it back): "
+        f"separate memory passes (the normalised copy made twice; no gradient scratch since the atomic-free backward): "
         f"{moved / 1e9:.1f} GB = {moved / (C * D):.1f}·C·D bytes, {moved / gpu.hbm_bytes_s * 1e3:.2f} ms of HBM"
     )
-    for kernel in ("_lse_kernel", "_grad_kernel", "_grad_x_kernel", "_grad_w_kernel"):
+    for kernel in ("_lse_kernel", "_grad_x_kernel", "_grad_w_kernel"):
         ks = [x for x in launches if x.kernel == kernel]
         if ks:
             x = ks[0]
@@ -857,7 +805,7 @@ def report(call: Call, gpu: GPU) -> tuple[str, Summary]:
         f"roofline {gpu.name}: {call.kind}, {call.classes:,} classes, D={call.dim}, B={call.batch:,}, W={call.workers}, "
         f"R={call.sample_ratio:g} ({K:,} columns on rank 0{f', {valid:,} expected drawn' if count else ''}), "
         f"{call.precision} products, {call.weight_storage} weight, "
-        f"{'deterministic' if call.deterministic else 'atomic'} backward; {len(chunks)} chunk(s); nothing run",
+        f"atomic-free backward, {'fixed' if call.deterministic else 'tuned'} tiles; {len(chunks)} chunk(s); nothing run",
         _text_table(HEAD, table_rows(s.launches, gpu, call.precision)),
         *breakdown(s),
         f"3-GEMM bf16 bound (on paper, the bench's three GEMMs with the logits' bytes): {s.gemm * 1e3:.2f} ms",

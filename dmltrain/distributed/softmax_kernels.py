@@ -9,29 +9,28 @@ ever live in registers.
 Operands. The gathered batch ``x`` (``N × D``, unit rows for the normalised kinds) and a per-step
 copy of the active rows in the product precision (bf16 by default), *normalised* for the
 normalised kinds, made by :func:`_copy_rows_kernel` one chunk of classes at a time (a chunk's copy
-and its gradient scratch stay within :data:`CHUNK_BYTES`); the kernels then read dense rows in
+stays within :data:`CHUNK_BYTES`); the kernels then read dense rows in
 half the bytes, and no separate row-norm pass or per-column factor is left in them. Logit of
 sample ``i`` and active column ``j``: ``s·(x_i·ŵ_j)``, or ``x_i·w_j + b_j`` for ``softmax_ce``.
 Each sample's own target column ``tcol[i]`` (−1 when this shard does not hold it) and the padding
 columns past ``count`` are left out.
 
 Kernels (each product a tensor-core ``tl.dot`` with fp32 accumulation; ``D`` a compile-time
-constant, so the loops over it are unrolled and pipelined; no register tile is ``D`` wide):
+constant, padded to a power of two ``D_PAD`` for the backward's accumulators):
 
 * :func:`_lse_kernel` (forward, one product): grid (sample tiles × class splits); an online
   log-sum-exp over the split's class tiles, per-split partials reduced by torch.
-* :func:`_grad_kernel` (backward, the default: two more products, four in all): grid (sample
-  tiles × class tiles); recomputes its logit tile once, turns it into ``G = (exp(z − lse) −
-  off)·α``, then, one ``D`` chunk at a time, adds ``G·ŵ`` to the embeddings' gradient and ``Gᵀx``
-  to the rows' gradient scratch with fp32 atomics. The order of those additions varies from run
-  to run: results agree to fp32 rounding, not bit for bit.
-* ``deterministic``: :func:`_grad_x_kernel` (sample tiles × class splits; read-modify-writes its
-  own per-split partial, summed by torch in a fixed order) and :func:`_grad_w_kernel` (class
-  tiles, each summing over every sample tile in order): no atomics, bit-identical run to run, at
-  the price of recomputing the logits once more (five products).
-* :func:`_rows_out_kernel`: the rows' gradient from the scratch, through the normalisation's
-  backward ``∂L/∂w_j = (h_j − S_j ŵ_j)/‖w_j‖`` with ``h_j = s·Σ_i G_ij x_i`` and ``S_j = Σ_i G_ij
-  z_ij``, written (or added) straight into ``.grad`` at the active rows.
+* The backward, atomic-free (two kernels, two products each, five in all with the forward's): each
+  recomputes its logit tiles and turns them into ``G = (exp(z − lse) − off)·α``.
+  :func:`_grad_x_kernel` (grid: sample tiles × class splits) sums ``G·ŵ`` over its split's class
+  tiles in a ``BLOCK_B × D_PAD`` fp32 accumulator held in registers and writes its partial once;
+  torch sums the partials in a fixed order. :func:`_grad_w_kernel` (grid: class tiles) sums ``Gᵀx``
+  over every sample tile in a ``BLOCK_C × D_PAD`` accumulator in registers, then applies the
+  normalisation's backward ``∂L/∂w_j = (h_j − S_j ŵ_j)/‖w_j‖`` (``h_j = s·Σ_i G_ij x_i``, ``S_j =
+  Σ_i G_ij z_ij``) and writes (or adds) the rows' gradients straight into ``.grad`` at the active
+  rows, the bias's from ``Σ_i G_ij``. No atomics, no scratch in global memory, every sum in a fixed
+  order set by the tiles: with the same tiles (``deterministic`` fixes them; otherwise the forward's
+  are tuned) a rerun gives the same bits on the same GPU model.
 
 Precision (``precision``): ``fp32`` (IEEE products), ``tf32``, or ``bf16`` (operands stored in
 bf16, products and accumulation in fp32); the probabilities are rounded like the operands for the
@@ -70,9 +69,10 @@ from dmltrain.kernel_tuning import LaunchConfig, Tuner, time_launch
 
 PREC_CODE = {"fp32": 0, "tf32": 1, "bf16": 2}  # the kernels' PREC constexpr of each product precision
 _BF16_EMULATED = 3
-#: bytes of a chunk's row copy plus its fp32 gradient scratch (the transients stay well inside 1 GiB)
+#: bytes of a chunk's row copy counted with 4 more bytes a number, the fp32 gradient scratch the atomic backward
+#: had (kept so that the chunk sizes and tuning keys stay as they were; the transients stay well inside 1 GiB)
 CHUNK_BYTES = 384 * 2**20
-#: bytes of the deterministic path's per-split embedding-gradient partials
+#: bytes of the backward's per-split embedding-gradient partials
 PARTIAL_BYTES = 256 * 2**20
 NORM_EPS = 1e-12
 _SMALL = 16  # interpreter tiles
@@ -283,63 +283,6 @@ def _lse_kernel(
 
 
 @triton.jit
-def _grad_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    tcol_ptr,
-    count_ptr,
-    lse_ptr,
-    coef_ptr,
-    gx_ptr,
-    h_ptr,
-    red_ptr,
-    N,
-    K,
-    c0,
-    scale,
-    D: tl.constexpr,
-    HAS_COUNT: tl.constexpr,
-    NORMALIZED: tl.constexpr,
-    NEED_X: tl.constexpr,
-    NEED_W: tl.constexpr,
-    PREC: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    n_valid = _valid_columns(count_ptr, c0, K, HAS_COUNT)
-    if tl.program_id(1) * BLOCK_C < n_valid:
-        offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-        mask_b = offs_b < N
-        mask_c = offs_c < n_valid
-        tcol = tl.load(tcol_ptr + offs_b, mask=mask_b, other=-1)
-        lse = tl.load(lse_ptr + offs_b, mask=mask_b, other=0.0)
-        z = _logits(x_ptr, w_ptr, b_ptr, offs_b, mask_b, offs_c, mask_c, scale, D, NORMALIZED, PREC,
-                    BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
-        keep = mask_b[:, None] & mask_c[None, :] & (offs_c[None, :] != tcol[:, None])
-        g, red = _softmax_grad(z, lse, keep, coef_ptr, scale, NORMALIZED)
-        if NEED_W:
-            tl.atomic_add(red_ptr + offs_c, red, mask=mask_c, sem="relaxed")
-        g = _operand(g, PREC)
-        xb = offs_b.to(tl.int64)[:, None] * D
-        wb = offs_c.to(tl.int64)[:, None] * D
-        for d0 in tl.range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            md = offs_d[None, :] < D
-            if NEED_X:
-                wv = tl.load(w_ptr + wb + offs_d[None, :], mask=mask_c[:, None] & md, other=0.0)
-                gx = _mma(g, wv, tl.zeros((BLOCK_B, BLOCK_D), dtype=tl.float32), PREC)
-                tl.atomic_add(gx_ptr + xb + offs_d[None, :], gx, mask=mask_b[:, None] & md, sem="relaxed")
-            if NEED_W:
-                xv = tl.load(x_ptr + xb + offs_d[None, :], mask=mask_b[:, None] & md, other=0.0)
-                gw = _mma(tl.trans(g), xv, tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32), PREC)
-                tl.atomic_add(h_ptr + wb + offs_d[None, :], gw, mask=mask_c[:, None] & md, sem="relaxed")
-
-
-@triton.jit
 def _grad_x_kernel(
     x_ptr,
     w_ptr,
@@ -360,14 +303,18 @@ def _grad_x_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
+    """This program's partial of the embeddings' gradient over its class split: a ``BLOCK_B × D_PAD`` fp32
+    accumulator in registers across every class tile of the split, written once (zeros for an empty split)."""
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     mask_b = offs_b < N
     tcol = tl.load(tcol_ptr + offs_b, mask=mask_b, other=-1)
     lse = tl.load(lse_ptr + offs_b, mask=mask_b, other=0.0)
     n_valid = _valid_columns(count_ptr, c0, K, HAS_COUNT)
-    out = part_ptr + (tl.program_id(1) * N + offs_b).to(tl.int64)[:, None] * D
+    offs_d = tl.arange(0, D_PAD)
+    md = offs_d[None, :] < D
+    acc = tl.zeros((BLOCK_B, D_PAD), dtype=tl.float32)
     t0, t1 = _split_range(n_valid, BLOCK_C)
     for t in range(t0, t1):
         offs_c = t * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -376,15 +323,10 @@ def _grad_x_kernel(
                     BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
         keep = mask_b[:, None] & mask_c[None, :] & (offs_c[None, :] != tcol[:, None])
         g, _ = _softmax_grad(z, lse, keep, coef_ptr, scale, NORMALIZED)
-        g = _operand(g, PREC)
-        wb = offs_c.to(tl.int64)[:, None] * D
-        for d0 in tl.range(0, D, BLOCK_D):  # this program's partial rows, read-modify-written in a fixed order
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            md = offs_d[None, :] < D
-            wv = tl.load(w_ptr + wb + offs_d[None, :], mask=mask_c[:, None] & md, other=0.0)
-            acc = tl.load(out + offs_d[None, :], mask=mask_b[:, None] & md & (t > t0), other=0.0)
-            acc = _mma(g, wv, acc, PREC)
-            tl.store(out + offs_d[None, :], acc, mask=mask_b[:, None] & md)
+        wv = tl.load(w_ptr + offs_c.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mask_c[:, None] & md, other=0.0)
+        acc = _mma(_operand(g, PREC), wv, acc, PREC)
+    out = part_ptr + (tl.program_id(1) * N + offs_b).to(tl.int64)[:, None] * D
+    tl.store(out + offs_d[None, :], acc, mask=mask_b[:, None] & md)
 
 
 @triton.jit
@@ -396,8 +338,11 @@ def _grad_w_kernel(
     count_ptr,
     lse_ptr,
     coef_ptr,
-    h_ptr,
-    red_ptr,
+    inv_ptr,
+    wt_ptr,
+    rows_ptr,
+    gw_ptr,
+    gb_ptr,
     N,
     K,
     c0,
@@ -406,85 +351,83 @@ def _grad_w_kernel(
     HAS_COUNT: tl.constexpr,
     NORMALIZED: tl.constexpr,
     PREC: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    WRITE_W: tl.constexpr,
+    WRITE_B: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
-    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    n_valid = _valid_columns(count_ptr, c0, K, HAS_COUNT)
-    mask_c = offs_c < n_valid
-    wb = offs_c.to(tl.int64)[:, None] * D
+    """The gradients of this program's ``BLOCK_C`` active rows, summed over every sample tile in order in a
+    ``BLOCK_C × D_PAD`` fp32 accumulator in registers, then, in the epilogue, through the normalisation's
+    backward (``g·inv − inv²·red·w``) straight into ``.grad`` (``wt_ptr`` is the weight) at the rows."""
+    offs_c, mask_c, r = _chunk_rows(rows_ptr, count_ptr, c0, K, HAS_ROWS, HAS_COUNT, BLOCK_C)
+    offs_d = tl.arange(0, D_PAD)
+    md = offs_d[None, :] < D
+    acc = tl.zeros((BLOCK_C, D_PAD), dtype=tl.float32)
     red = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    if tl.program_id(0) * BLOCK_C < n_valid:
+    if tl.program_id(0) * BLOCK_C < _valid_columns(count_ptr, c0, K, HAS_COUNT):
         for b0 in range(0, N, BLOCK_B):
             offs_b = b0 + tl.arange(0, BLOCK_B)
             mask_b = offs_b < N
             tcol = tl.load(tcol_ptr + offs_b, mask=mask_b, other=-1)
             lse = tl.load(lse_ptr + offs_b, mask=mask_b, other=0.0)
-            z = _logits(x_ptr, w_ptr, b_ptr, offs_b, mask_b, offs_c, mask_c, scale, D, NORMALIZED, PREC,
-                        BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
-            keep = mask_b[:, None] & mask_c[None, :] & (offs_c[None, :] != tcol[:, None])
-            g, r = _softmax_grad(z, lse, keep, coef_ptr, scale, NORMALIZED)
-            red += r
-            g = _operand(g, PREC)
-            xb = offs_b.to(tl.int64)[:, None] * D
-            for d0 in tl.range(0, D, BLOCK_D):  # this program's rows, read-modify-written in a fixed order
-                offs_d = d0 + tl.arange(0, BLOCK_D)
-                md = offs_d[None, :] < D
-                xv = tl.load(x_ptr + xb + offs_d[None, :], mask=mask_b[:, None] & md, other=0.0)
-                acc = tl.load(h_ptr + wb + offs_d[None, :], mask=mask_c[:, None] & md & (b0 > 0), other=0.0)
-                acc = _mma(tl.trans(g), xv, acc, PREC)
-                tl.store(h_ptr + wb + offs_d[None, :], acc, mask=mask_c[:, None] & md)
-    tl.store(red_ptr + offs_c, red, mask=mask_c)
-
-
-@triton.jit
-def _rows_out_kernel(
-    h_ptr,
-    red_ptr,
-    inv_ptr,
-    w_ptr,
-    rows_ptr,
-    count_ptr,
-    gw_ptr,
-    gb_ptr,
-    c0,
-    K,
-    D: tl.constexpr,
-    HAS_ROWS: tl.constexpr,
-    HAS_COUNT: tl.constexpr,
-    NORMALIZED: tl.constexpr,
-    WRITE_W: tl.constexpr,
-    WRITE_B: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Rows' gradients from the scratch (``h``, ``red``) into ``.grad`` at the active rows."""
-    offs, mask, r = _chunk_rows(rows_ptr, count_ptr, c0, K, HAS_ROWS, HAS_COUNT, BLOCK_R)
-    red = tl.load(red_ptr + offs, mask=mask, other=0.0)
+            # the transposed tile (classes × samples): the class side is the products' M, 64 rows for wgmma
+            if NORMALIZED:
+                zt = _logits(w_ptr, x_ptr, b_ptr, offs_c, mask_c, offs_b, mask_b, scale, D, True, PREC,
+                             BLOCK_C, BLOCK_B, BLOCK_K)  # fmt: skip
+            else:  # the bias per row of this tile (times 1.0: exact)
+                zt = _logits(w_ptr, x_ptr, b_ptr, offs_c, mask_c, offs_b, mask_b, 1.0, D, True, PREC,
+                             BLOCK_C, BLOCK_B, BLOCK_K) + tl.load(b_ptr + offs_c, mask=mask_c, other=0.0)[:, None]  # fmt: skip
+            keep = mask_c[:, None] & mask_b[None, :] & (offs_c[:, None] != tcol[None, :])
+            alpha = tl.load(coef_ptr)
+            off = tl.load(coef_ptr + 1)
+            gt = tl.where(keep, (tl.exp(zt - lse[None, :]) - off) * alpha, 0.0)
+            if NORMALIZED:
+                red += tl.sum(gt * zt, 1)
+                gt = gt * scale
+            else:
+                red += tl.sum(gt, 1)
+            if WRITE_W:
+                xv = tl.load(x_ptr + offs_b.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mask_b[:, None] & md,
+                             other=0.0)  # fmt: skip
+                acc = _mma(_operand(gt, PREC), xv, acc, PREC)
     if WRITE_B:
         gb = red
         if ACCUMULATE:
-            gb += tl.load(gb_ptr + r, mask=mask, other=0.0).to(tl.float32)
-        tl.store(gb_ptr + r, gb.to(gb_ptr.dtype.element_ty), mask=mask)
+            gb += tl.load(gb_ptr + r, mask=mask_c, other=0.0).to(tl.float32)
+        tl.store(gb_ptr + r, gb.to(gb_ptr.dtype.element_ty), mask=mask_c)
     if WRITE_W:
-        if NORMALIZED:
-            inv = tl.load(inv_ptr + offs, mask=mask, other=0.0)
-            corr = inv * inv * red
-        src = h_ptr + offs.to(tl.int64)[:, None] * D
-        dst = gw_ptr + r[:, None] * D
-        for d0 in tl.range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            m = mask[:, None] & (offs_d[None, :] < D)
-            g = tl.load(src + offs_d[None, :], mask=m, other=0.0)
-            if NORMALIZED:
-                w = tl.load(w_ptr + r[:, None] * D + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
-                g = g * inv[:, None] - corr[:, None] * w
-            if ACCUMULATE:
-                g += tl.load(dst + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
-            tl.store(dst + offs_d[None, :], g.to(gw_ptr.dtype.element_ty), mask=m)
+        inv = tl.load(inv_ptr + offs_c, mask=mask_c, other=0.0) if NORMALIZED else red
+        if D_PAD >= 256:  # in quarters: a full-width weight tile beside the accumulator would spill
+            a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_C, 2, D_PAD // 2)), (0, 2, 1)))
+            a00, a01 = tl.split(tl.permute(tl.reshape(a0, (BLOCK_C, 2, D_PAD // 4)), (0, 2, 1)))
+            a10, a11 = tl.split(tl.permute(tl.reshape(a1, (BLOCK_C, 2, D_PAD // 4)), (0, 2, 1)))
+            _rows_store(a00, 0, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD // 4)
+            _rows_store(a01, D_PAD // 4, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD // 4)
+            _rows_store(a10, D_PAD // 2, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD // 4)
+            _rows_store(a11, 3 * D_PAD // 4, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE,
+                        D_PAD // 4)  # fmt: skip
+        else:
+            _rows_store(acc, 0, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD)
+
+
+@triton.jit
+def _rows_store(acc, d0, red, inv, r, mask_c, wt_ptr, gw_ptr, D: tl.constexpr, NORMALIZED: tl.constexpr,
+                ACCUMULATE: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
+    """Columns ``d0 … d0+WIDTH−1`` of the rows' gradients (``acc``) into ``.grad`` at rows ``r``: the
+    normalisation's backward ``acc·inv − inv²·red·w`` applied, added to what is there if ``ACCUMULATE``."""
+    offs_d = d0 + tl.arange(0, WIDTH)
+    m = mask_c[:, None] & (offs_d[None, :] < D)
+    dst = gw_ptr + r[:, None] * D + offs_d[None, :]
+    if NORMALIZED:
+        w = tl.load(wt_ptr + r[:, None] * D + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+        acc = acc * inv[:, None] - (inv * inv * red)[:, None] * w
+    if ACCUMULATE:
+        acc += tl.load(dst, mask=m, other=0.0).to(tl.float32)
+    tl.store(dst, acc.to(gw_ptr.dtype.element_ty), mask=m)
 
 
 #: the kernels run under the CPU interpreter (Triton decided so when they were defined, from TRITON_INTERPRET)
@@ -508,18 +451,12 @@ _CONFIGS: dict[tuple[str, str], list[LaunchConfig]] = {
     ],
     ("lse", "tf32"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=128, BLOCK_K=16)],
     ("lse", "fp32"): [_cfg(4, 2, BLOCK_B=64, BLOCK_C=64, BLOCK_K=16)],
-    ("grad", "bf16"): [
-        _cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=32, BLOCK_D=32),
-        _cfg(8, 3, BLOCK_B=64, BLOCK_C=128, BLOCK_K=32, BLOCK_D=32),
-    ],
-    ("grad", "tf32"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
-    ("grad", "fp32"): [_cfg(4, 2, BLOCK_B=64, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
-    ("grad_x", "bf16"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=32, BLOCK_D=32)],
-    ("grad_x", "tf32"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
-    ("grad_x", "fp32"): [_cfg(4, 2, BLOCK_B=64, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
-    ("grad_w", "bf16"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=32, BLOCK_D=32)],
-    ("grad_w", "tf32"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
-    ("grad_w", "fp32"): [_cfg(4, 2, BLOCK_B=64, BLOCK_C=64, BLOCK_K=16, BLOCK_D=16)],
+    ("grad_x", "bf16"): [_cfg(8, 2, BLOCK_B=64, BLOCK_C=32, BLOCK_K=32)],
+    ("grad_x", "tf32"): [_cfg(8, 2, BLOCK_B=64, BLOCK_C=32, BLOCK_K=16)],
+    ("grad_x", "fp32"): [_cfg(4, 2, BLOCK_B=32, BLOCK_C=32, BLOCK_K=16)],
+    ("grad_w", "bf16"): [_cfg(8, 2, BLOCK_B=32, BLOCK_C=64, BLOCK_K=32)],
+    ("grad_w", "tf32"): [_cfg(8, 2, BLOCK_B=16, BLOCK_C=64, BLOCK_K=16)],
+    ("grad_w", "fp32"): [_cfg(4, 2, BLOCK_B=32, BLOCK_C=32, BLOCK_K=16)],
 }
 #: the log-sum-exp kernel with the logits' sum (``softmax_ce`` with label smoothing) keeps a third running
 #: row: with a 128 × 128 tile it spills on sm_80 (255 registers, 16-32 bytes of stack at every width, in the
@@ -530,16 +467,10 @@ _SUM_CONFIGS: dict[str, list[LaunchConfig]] = {
     "fp32": _CONFIGS[("lse", "fp32")],
 }
 _COPY = _cfg(4, 2, BLOCK_R=32, BLOCK_D=128)
-# 16 × 64, not 16 × 128: the wider tile spilled two words inside its D loop on sm_80 (bf16 weight, D = 512) in the
-# binaries a launch builds
-_ROWS_OUT = _cfg(4, 2, BLOCK_R=16, BLOCK_D=64)
 
 
 def _interpreter_config(kind: str) -> LaunchConfig:
-    meta = {"BLOCK_B": _SMALL, "BLOCK_C": _SMALL, "BLOCK_K": _SMALL}
-    if kind != "lse":
-        meta["BLOCK_D"] = _SMALL
-    return LaunchConfig.of(1, 1, **meta)
+    return LaunchConfig.of(1, 1, BLOCK_B=_SMALL, BLOCK_C=_SMALL, BLOCK_K=_SMALL)
 
 
 def _device(t: Tensor):
@@ -581,7 +512,7 @@ def _choose(
     if INTERPRET or device.type != "cuda":
         return _interpreter_config(kind)
     candidates = _candidates(kind, precision, sum_logits)
-    if deterministic:
+    if deterministic or len(candidates) == 1:
         return candidates[0]
     return _tuner(device.index or 0).choose(
         kind, (*key, sum_logits), candidates, functools.partial(time_launch, launch)
@@ -639,7 +570,7 @@ def _or(t: Tensor | None, dummy: Tensor) -> Tensor:
 
 
 def _chunks(op: ShardOperands, elt: int):
-    """Column ranges whose copy (``elt`` bytes a number) and fp32 gradient scratch fit :data:`CHUNK_BYTES`."""
+    """Column ranges whose copy (``elt`` bytes a number, plus 4: see :data:`CHUNK_BYTES`) fits :data:`CHUNK_BYTES`."""
     K, D = (op.weight.shape[0] if op.rows is None else op.rows.numel()), op.weight.shape[1]
     quantum = _SMALL if INTERPRET else 128  # whole class tiles
     step = max(quantum, (CHUNK_BYTES // (D * (elt + 4))) // quantum * quantum)
@@ -727,28 +658,23 @@ def gradients(
     grad_x = torch.zeros(N, D, device=dev) if need_x else None
     for c0, c1 in _chunks(op, elt):
         ch = _Chunk(op, c0, c1, dtype)
-        h = torch.zeros(ch.K, D, device=dev) if need_w else None
-        red = torch.zeros(ch.K, device=dev) if need_w else None
         call = _GradCall(
             (x, ch.w, _or(ch.b, ch.w), ch.tcol, _or(op.count, ch.w), lse, coef),
             (N, ch.K, ch.c0, float(op.scale)),
             dict(D=D, HAS_COUNT=op.count is not None, NORMALIZED=op.normalized, PREC=prec),
         )
         key = _key(op, ch.K, precision)
-        if deterministic:
-            if need_x:
-                part = call.split_x(_choose("grad_x", key, precision, dev, call.split_x, True))
-                for s in range(part.shape[0]):  # a fixed order
-                    grad_x += part[s]
-            if need_w:
-                rows = functools.partial(call.rows, h=h, red=red)
-                call.rows(_choose("grad_w", key, precision, dev, rows, True), h, red)
-        else:
-            cfg = _choose("grad", key, precision, dev, functools.partial(call.fused_trial, need_x, need_w))
-            call.fused(cfg, grad_x, h, red)
-        if need_w:
-            _rows_out(op, out, ch, h, red)
+        if need_x:
+            part = call.split_x(_choose("grad_x", key, precision, dev, call.split_x, deterministic))
+            for s in range(part.shape[0]):  # a fixed order
+                grad_x += part[s]
+        if need_w:  # one candidate, never timed (a trial would write into .grad)
+            call.rows(_choose("grad_w", key, precision, dev, _untimed, deterministic), op, ch, out)
     return grad_x
+
+
+def _untimed(cfg: LaunchConfig) -> None:
+    raise AssertionError("a kernel with a single candidate is never timed")
 
 
 class _GradCall:
@@ -758,54 +684,31 @@ class _GradCall:
         self.args, self.tail, self.common = args, tail, common
         self.N, self.K = tail[0], tail[1]
 
-    def fused(self, cfg: LaunchConfig, gx: Tensor | None, h: Tensor | None, red: Tensor | None) -> None:
-        """One kernel, both gradients, atomics (``gx``, ``h``, ``red`` zeroed before)."""
-        dummy = self.args[1]
-        with _device(dummy):
-            _grad_kernel[(triton.cdiv(self.N, cfg["BLOCK_B"]), triton.cdiv(self.K, cfg["BLOCK_C"]))](
-                *self.args, _or(gx, dummy), _or(h, dummy), _or(red, dummy), *self.tail, **self.common,
-                NEED_X=gx is not None, NEED_W=h is not None, **cfg.kwargs(),
-            )  # fmt: skip
-
-    def fused_trial(self, need_x: bool, need_w: bool, cfg: LaunchConfig) -> None:
-        """:meth:`fused` on scratch outputs (for timing)."""
-        x, D = self.args[0], self.args[0].shape[1]
-        gx = torch.zeros(self.N, D, device=x.device) if need_x else None
-        h = torch.zeros(self.K, D, device=x.device) if need_w else None
-        self.fused(cfg, gx, h, None if h is None else torch.zeros(self.K, device=x.device))
-
     def split_x(self, cfg: LaunchConfig) -> Tensor:
-        """The deterministic embeddings' gradient: one partial per class split, each written by one program."""
+        """The embeddings' gradient: one partial per class split, each written once by one program."""
         x, D = self.args[0], self.args[0].shape[1]
         most = max(1, PARTIAL_BYTES // (4 * self.N * D))
         splits = num_splits(
             triton.cdiv(self.N, cfg["BLOCK_B"]), triton.cdiv(self.K, cfg["BLOCK_C"]), _programs(cfg, x.device), most
         )
-        part = torch.zeros(splits, self.N, D, device=x.device)
+        part = torch.empty(splits, self.N, D, device=x.device)  # every program writes its whole partial
         with _device(x):
             _grad_x_kernel[(triton.cdiv(self.N, cfg["BLOCK_B"]), splits)](
-                *self.args, part, *self.tail, **self.common, **cfg.kwargs()
+                *self.args, part, *self.tail, **self.common, **cfg.kwargs(), D_PAD=triton.next_power_of_2(D)
             )
         return part
 
-    def rows(self, cfg: LaunchConfig, h: Tensor, red: Tensor) -> None:
-        """The deterministic rows' gradient scratch: each class tile summed over the samples by one program."""
-        with _device(h):
+    def rows(self, cfg: LaunchConfig, op: ShardOperands, ch: _Chunk, out: RowGradTarget) -> None:
+        """The chunk's rows' gradients into ``out`` at its rows: each class tile summed over the samples by one
+        program, which applies the normalisation's backward and writes (or adds) them once."""
+        w = op.weight
+        with _device(w):
             _grad_w_kernel[(triton.cdiv(self.K, cfg["BLOCK_C"]),)](
-                *self.args, h, red, *self.tail, **self.common, **cfg.kwargs()
-            )
-
-
-def _rows_out(op: ShardOperands, out: RowGradTarget, ch: _Chunk, h: Tensor, red: Tensor) -> None:
-    w = op.weight
-    meta = {"BLOCK_R": _SMALL, "BLOCK_D": _SMALL} if INTERPRET else _ROWS_OUT.kwargs()
-    with _device(w):
-        _rows_out_kernel[(triton.cdiv(ch.K, meta["BLOCK_R"]),)](
-            h, red, _or(ch.inv, h), w, _or(op.rows, h), _or(op.count, h), _or(out.weight, h), _or(out.bias, h),
-            ch.c0, ch.K, D=w.shape[1], HAS_ROWS=op.rows is not None, HAS_COUNT=op.count is not None,
-            NORMALIZED=op.normalized, WRITE_W=out.weight is not None, WRITE_B=out.bias is not None,
-            ACCUMULATE=out.accumulate, **meta,
-        )  # fmt: skip
+                *self.args, _or(ch.inv, w), w, _or(op.rows, w), _or(out.weight, w), _or(out.bias, w), *self.tail,
+                **self.common, HAS_ROWS=op.rows is not None, WRITE_W=out.weight is not None,
+                WRITE_B=out.bias is not None, ACCUMULATE=out.accumulate, **cfg.kwargs(),
+                D_PAD=triton.next_power_of_2(w.shape[1]),
+            )  # fmt: skip
 
 
 # -- the offline compile contract ---------------------------------------------------------------------
@@ -852,37 +755,27 @@ def _variants_at(D: int) -> list[KernelVariant]:
                 for has_rows in (False, True):
                     for has_count in (False, True) if has_rows else (False,):  # a count comes with drawn rows
                         out.append(_copy_variant(w_t, op_t, D, normalized, has_rows, has_count))
-    for w_t in ("fp32", "bf16"):
-        for normalized in (True, False):
-            writes = [(True, False)] if normalized else [(True, True), (True, False), (False, True)]
-            for has_rows in (False, True):
-                for has_count in (False, True) if has_rows else (False,):  # a count comes with drawn rows
-                    for write_w, write_b in writes:
-                        for acc in (False, True):
-                            flags = dict(HAS_ROWS=has_rows, HAS_COUNT=has_count, NORMALIZED=normalized,
-                                         WRITE_W=write_w, WRITE_B=write_b, ACCUMULATE=acc)  # fmt: skip
-                            out.append(_rows_out_variant(w_t, D, flags))
     return out
 
 
-def _main_types(op_t: str, flags: dict, need_x: bool = True, need_w: bool = True) -> dict[str, str]:
+def _main_types(op_t: str, flags: dict) -> dict[str, str]:
     """The argument types of the product kernels as the launchers pass them: an argument a path does not use
     gets a stand-in tensor (the chunk's rows, in the operand type ``op_t``), whose type is part of the
     binary Triton compiles."""
-    fp32_or_dummy = {True: "*fp32", False: f"*{op_t}"}
     return {
-        "x_ptr": f"*{op_t}", "w_ptr": f"*{op_t}", "b_ptr": fp32_or_dummy[not flags["NORMALIZED"]], "tcol_ptr": "*i32",
-        "count_ptr": "*i64" if flags["HAS_COUNT"] else f"*{op_t}", "lse_ptr": "*fp32", "coef_ptr": "*fp32",
-        "out_ptr": "*fp32", "gx_ptr": fp32_or_dummy[need_x], "h_ptr": fp32_or_dummy[need_w],
-        "red_ptr": fp32_or_dummy[need_w], "part_ptr": "*fp32", "N": "i32", "K": "i32", "c0": "i32", "scale": "fp32",
+        "x_ptr": f"*{op_t}", "w_ptr": f"*{op_t}", "b_ptr": f"*{op_t}" if flags["NORMALIZED"] else "*fp32",
+        "tcol_ptr": "*i32", "count_ptr": "*i64" if flags["HAS_COUNT"] else f"*{op_t}", "lse_ptr": "*fp32",
+        "coef_ptr": "*fp32", "out_ptr": "*fp32", "part_ptr": "*fp32", "N": "i32", "K": "i32", "c0": "i32",
+        "scale": "fp32",
     }  # fmt: skip
 
 
 def _variant(name: str, fn, sig: dict, consts: dict, cfg: LaunchConfig, precision: str) -> KernelVariant:
     tensor_cores = ("wgmma.mma_async",) if precision != "fp32" else ()
-    # what costs registers: the bias and count paths, the logits' sum, both gradients at once, a wide D (fp32 IEEE
-    # products may spill: no variant of theirs is singled out)
-    costly = (not consts["NORMALIZED"], consts["HAS_COUNT"], consts.get("SUM_LOGITS"), consts.get("NEED_X") and consts.get("NEED_W"))  # fmt: skip
+    # what costs registers: the bias and count paths, the logits' sum, the rows' gradients added to .grad in an fp32
+    # weight's type, a wide D (fp32 IEEE products may spill: no variant of theirs is singled out)
+    costly = (not consts["NORMALIZED"], consts["HAS_COUNT"], consts.get("SUM_LOGITS"), consts.get("ACCUMULATE"),
+              consts.get("WRITE_W") and sig.get("gw_ptr") == "*fp32")  # fmt: skip
     return KernelVariant(f"{name} {_tiles(cfg)}", fn, sig, {**consts, **dict(cfg.meta)}, cfg.num_warps,
                          cfg.num_stages, spills_allowed=precision == "fp32", config=_tiles(cfg),
                          ptx_has=("cp.async",), hopper_ptx_has=tensor_cores, aligned_ints=("c0",),
@@ -903,23 +796,28 @@ def _lse_variants(op_t: str, precision: str, flags: dict, tag: str) -> list[Kern
 def _grad_variants(op_t: str, precision: str, flags: dict, tag: str) -> list[KernelVariant]:
     head = "x_ptr w_ptr b_ptr tcol_ptr count_ptr lse_ptr coef_ptr"
     tail = "N K c0 scale D HAS_COUNT NORMALIZED"
-    det_x = _sig(f"{head} part_ptr {tail} PREC BLOCK_B BLOCK_C BLOCK_K BLOCK_D", _main_types(op_t, flags))
-    det_w = _sig(f"{head} h_ptr red_ptr {tail} PREC BLOCK_B BLOCK_C BLOCK_K BLOCK_D", _main_types(op_t, flags))
+    det_x = _sig(f"{head} part_ptr {tail} PREC BLOCK_B BLOCK_C BLOCK_K D_PAD", _main_types(op_t, flags))
+    det_w = _sig(f"{head} inv_ptr wt_ptr rows_ptr gw_ptr gb_ptr {tail} PREC HAS_ROWS WRITE_W WRITE_B ACCUMULATE "
+                 "BLOCK_B BLOCK_C BLOCK_K D_PAD", _main_types(op_t, flags))  # fmt: skip
     out = []
-    for cfg in _CONFIGS[("grad", precision)]:
-        for need_x, need_w in ((True, True), (True, False), (False, True)):
-            types = _main_types(op_t, flags, need_x, need_w)
-            fused = _sig(
-                f"{head} gx_ptr h_ptr red_ptr {tail} NEED_X NEED_W PREC BLOCK_B BLOCK_C BLOCK_K BLOCK_D", types
-            )
-            consts = {**flags, "NEED_X": need_x, "NEED_W": need_w}
-            out.append(
-                _variant(f"_grad_kernel {tag} x={need_x} w={need_w}", _grad_kernel, fused, consts, cfg, precision)
-            )
     for cfg in _CONFIGS[("grad_x", precision)]:
-        out.append(_variant(f"_grad_x_kernel {tag}", _grad_x_kernel, det_x, flags, cfg, precision))
+        consts = {**flags, "D_PAD": triton.next_power_of_2(flags["D"])}
+        out.append(_variant(f"_grad_x_kernel {tag}", _grad_x_kernel, det_x, consts, cfg, precision))
+    writes = [(True, False)] if flags["NORMALIZED"] else [(True, True), (True, False), (False, True)]
     for cfg in _CONFIGS[("grad_w", precision)]:
-        out.append(_variant(f"_grad_w_kernel {tag}", _grad_w_kernel, det_w, flags, cfg, precision))
+        for w_t in ("fp32", "bf16"):
+            # the weight (``w_t``) stands in for the arguments a path does not use
+            types = {**det_w, "inv_ptr": "*fp32" if flags["NORMALIZED"] else f"*{w_t}", "wt_ptr": f"*{w_t}",
+                     "gw_ptr": f"*{w_t}", "gb_ptr": f"*{w_t}"}  # fmt: skip
+            for has_rows in (True,) if flags["HAS_COUNT"] else (False, True):  # a count comes with drawn rows
+                types["rows_ptr"] = "*i64" if has_rows else f"*{w_t}"
+                for write_w, write_b in writes:
+                    for acc in (False, True):
+                        consts = {**flags, "D_PAD": triton.next_power_of_2(flags["D"]), "HAS_ROWS": has_rows,
+                                  "WRITE_W": write_w, "WRITE_B": write_b, "ACCUMULATE": acc}  # fmt: skip
+                        name = (f"_grad_w_kernel {tag} {w_t} weight rows={has_rows} write_w={write_w} "
+                                f"write_b={write_b} accumulate={acc}")  # fmt: skip
+                        out.append(_variant(name, _grad_w_kernel, dict(types), consts, cfg, precision))
     return out
 
 
@@ -937,21 +835,6 @@ def _copy_variant(w_t: str, op_t: str, D: int, normalized: bool, has_rows: bool,
     name = f"_copy_rows_kernel D={D} {w_t} to {op_t} normalized={normalized} rows={has_rows} count={has_count}"
     return KernelVariant(name, _copy_rows_kernel, sig, consts, _COPY.num_warps, _COPY.num_stages, config=_tiles(_COPY),
                          aligned_ints=("c0",))  # fmt: skip
-
-
-def _rows_out_variant(w_t: str, D: int, flags: dict[str, bool]) -> KernelVariant:
-    """The rows' gradients into ``.grad`` (``w_t``, the weight's type); the fp32 scratch stands in for the
-    arguments a path does not use."""
-    dummy = {True: f"*{w_t}", False: "*fp32"}
-    types = {"h_ptr": "*fp32", "red_ptr": "*fp32", "inv_ptr": "*fp32", "w_ptr": f"*{w_t}",
-             "rows_ptr": "*i64" if flags["HAS_ROWS"] else "*fp32", "count_ptr": "*i64" if flags["HAS_COUNT"] else "*fp32",
-             "gw_ptr": dummy[flags["WRITE_W"]], "gb_ptr": dummy[flags["WRITE_B"]], "c0": "i32", "K": "i32"}  # fmt: skip
-    sig = _sig("h_ptr red_ptr inv_ptr w_ptr rows_ptr count_ptr gw_ptr gb_ptr c0 K D HAS_ROWS HAS_COUNT NORMALIZED "
-               "WRITE_W WRITE_B ACCUMULATE BLOCK_R BLOCK_D", types)  # fmt: skip
-    consts = dict(D=D, **flags, **dict(_ROWS_OUT.meta))
-    name = f"_rows_out_kernel D={D} {w_t} " + " ".join(f"{k.lower()}={v}" for k, v in flags.items())
-    return KernelVariant(name, _rows_out_kernel, sig, consts, _ROWS_OUT.num_warps, _ROWS_OUT.num_stages,
-                         config=_tiles(_ROWS_OUT), aligned_ints=("c0",))  # fmt: skip
 
 
 def _tiles(cfg: LaunchConfig) -> str:
