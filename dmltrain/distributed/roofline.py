@@ -396,7 +396,10 @@ def plan(call: Call, gpu: GPU | None) -> list[Launch]:
             launch = _grad_x(geo, i, geo.choose("grad_x", key, None), N, Kc, nv, e)
             S = launch.grid[1]
             out.append(launch)
-            out.append(Launch(phase, "torch: grad_x += partial", hbm=12 * S * N * D, chunk=i, launches=S))
+            # partials.sum(0) reads them once and writes a sum, which grad_x += reads with grad_x and writes back;
+            # a single partial is added as it is
+            sums = (12 * N * D, 1) if S == 1 else (4 * S * N * D + 16 * N * D, 2)
+            out.append(Launch(phase, "torch: grad_x += partials.sum(0)", hbm=sums[0], chunk=i, launches=sums[1]))
             out.append(_grad_w(geo, i, geo.choose("grad_w", key, None), N, Kc, nv, e, ws, has_rows))
     for x in out:
         if not x.triton:  # a torch op's global accesses are its HBM traffic

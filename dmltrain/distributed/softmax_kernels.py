@@ -666,8 +666,9 @@ def gradients(
         key = _key(op, ch.K, precision)
         if need_x:
             part = call.split_x(_choose("grad_x", key, precision, dev, call.split_x, deterministic))
-            for s in range(part.shape[0]):  # a fixed order
-                grad_x += part[s]
+            # one reduction launch over the splits (not one add each: 272 at 10^6 x 512, B = 1,024); torch's sum
+            # uses no atomics, so its order is fixed for a given shape on CPU and CUDA
+            grad_x += part[0] if part.shape[0] == 1 else part.sum(0)
         if need_w:  # one candidate, never timed (a trial would write into .grad)
             call.rows(_choose("grad_w", key, precision, dev, _untimed, deterministic), op, ch, out)
     return grad_x
