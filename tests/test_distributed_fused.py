@@ -182,6 +182,9 @@ def _kernel_checks(device):
         (31, 24, 50, True, None, False, "fp32", False, True),
         (20, 24, 40, True, 13, True, "bf16", False, True),  # padding after the 13 drawn rows
         (9, 24, 40, True, 18, False, "tf32", True, False),  # the count ends inside the second chunk
+        # widths whose rows' epilogue goes in quarters (D_PAD >= 256), one of them ragged (D_PAD 512 for 260)
+        (12, 260, 20, True, None, True, "fp32", True, True),
+        (10, 256, 24, False, None, False, "bf16", False, True),
     ]
     g = torch.Generator().manual_seed(5)
     out = {}
@@ -219,7 +222,7 @@ def _kernel_checks(device):
             target = RowGradTarget(None, RowSet(op.rows, cnt), gw, gb, accumulate)
             coef = (torch.tensor(alpha, device=device), torch.tensor(off, device=device))
             gx = sk.gradients(op, None, dev(lse), *coef, need_x, target, precision, deterministic=det)
-            tag = f"case {i} {'deterministic' if det else 'atomic'}"
+            tag = f"case {i} {'deterministic' if det else 'tuned'}"
             if need_x:
                 out[f"{tag} grad x"] = (precision, rel_err(gx.cpu(), ref["grad x"]))
             else:
