@@ -116,6 +116,28 @@ def test_the_classifier_kernels_use_no_atomics(compiled):
     assert not used, used
 
 
+def test_the_roofline_models_occupancy_from_these_binaries(compiled, request):
+    """The roofline model's recorded backward binaries (``roofline.COMPILED``, by width) are what this Triton
+    compiles today for the widths the covering set holds: a kernel change that moves its registers or shared
+    memory must re-record them (``python -m dmltrain.kernel_compile --all --kernel NAME``)."""
+    if request.node.callspec.params["compiled"] != "pinned":
+        pytest.skip("recorded with the pinned Triton")
+    from dmltrain.distributed.roofline import COMPILED
+
+    results, _ = compiled
+    rest = {
+        "_grad_x_kernel": "",
+        "_grad_w_kernel": "fp32 weight rows=False write_w=True write_b=False accumulate=False ",
+    }
+    checked = []
+    for (kernel, tiles, arch, D), (regs, shared) in COMPILED.items():
+        got = results.get((f"{kernel} D={D} bf16 normalized {rest.get(kernel, '')}{tiles}", arch))
+        if kernel in rest and got is not None:
+            checked.append((kernel, D, arch, (got.registers, got.shared), (regs, shared)))
+    assert checked, "no recorded binary is in the covering set: the names drifted"
+    assert all(got == want for *_, got, want in checked), checked
+
+
 def test_shared_memory_fits_each_architecture(compiled):
     """Every candidate config of every kernel fits both chips' shared memory, so neither ever has to go
     without one of them (a config that did not fit would be skipped at launch: next test)."""

@@ -158,15 +158,30 @@ GPUS: dict[str, GPU] = {
     ),
 }
 
-#: (registers per thread, shared bytes per CTA) of the product kernels' binaries by (kernel, tiles) and compute
-#: capability, for the normalised kinds with bf16 products, as ``python -m dmltrain.kernel_compile --kernel
-#: 'D=512 bf16 normalized'`` reports them (recorded at commit 9a83ee9 with Triton 3.8; D = 128 and 256 gave the
-#: same CTAs per SM). Absent: the launcher's assumption, marked in the table.
-COMPILED: dict[tuple[str, str, int], tuple[int, int]] = {
-    ("_lse_kernel", "128×128×16 w8 s3", 90): (128, 24576),
-    ("_lse_kernel", "128×64×32 w8 s3", 90): (76, 36864),
-    ("_lse_kernel", "128×128×16 w8 s3", 80): (158, 16384),
-    ("_lse_kernel", "128×64×32 w8 s3", 80): (128, 24576),
+#: (registers per thread, shared bytes per CTA) of the product kernels' binaries by (kernel, tiles, compute
+#: capability, D), for the normalised kinds with bf16 products (the backward's with an fp32 weight, every row, no
+#: bias, not accumulating), as ``python -m dmltrain.kernel_compile --all --kernel '<variant name>'`` reports them;
+#: D None: any width. The log-sum-exp kernel's were recorded at commit 9a83ee9 at D = 512 (128 and 256 gave the
+#: same CTAs per SM); the atomic-free backward's at its first commit ac028d6+ (Triton 3.8), where the accumulator
+#: held across the loop makes the width decide the registers and shared memory. Absent: the launcher's assumption,
+#: marked in the table.
+COMPILED: dict[tuple[str, str, int, int | None], tuple[int, int]] = {
+    ("_lse_kernel", "128×128×16 w8 s3", 90, None): (128, 24576),
+    ("_lse_kernel", "128×64×32 w8 s3", 90, None): (76, 36864),
+    ("_lse_kernel", "128×128×16 w8 s3", 80, None): (158, 16384),
+    ("_lse_kernel", "128×64×32 w8 s3", 80, None): (128, 24576),
+    ("_grad_x_kernel", "64×32×32 w8 s2", 90, 128): (96, 32768),
+    ("_grad_x_kernel", "64×32×32 w8 s2", 90, 256): (128, 65536),
+    ("_grad_x_kernel", "64×32×32 w8 s2", 90, 512): (216, 131072),
+    ("_grad_x_kernel", "64×32×32 w8 s2", 80, 128): (99, 16384),
+    ("_grad_x_kernel", "64×32×32 w8 s2", 80, 256): (128, 20480),
+    ("_grad_x_kernel", "64×32×32 w8 s2", 80, 512): (253, 36864),
+    ("_grad_w_kernel", "32×64×32 w8 s2", 90, 128): (102, 32768),
+    ("_grad_w_kernel", "32×64×32 w8 s2", 90, 256): (125, 65536),
+    ("_grad_w_kernel", "32×64×32 w8 s2", 90, 512): (219, 65536),
+    ("_grad_w_kernel", "32×64×32 w8 s2", 80, 128): (118, 32768),
+    ("_grad_w_kernel", "32×64×32 w8 s2", 80, 256): (160, 20480),
+    ("_grad_w_kernel", "32×64×32 w8 s2", 80, 512): (230, 36864),
 }
 
 #: issue 37's step targets on an H100 by (classes, D, batch): 2× the bf16 3-GEMM bound measured there or Cut
@@ -323,7 +338,8 @@ class _Geometry:
         """(CTAs per SM, from a recorded compile?)."""
         if self.gpu is None:
             return 1, False
-        rec = COMPILED.get((kernel, self.sk._tiles(cfg), self.gpu.arch)) if self.call.normalized else None
+        key = (kernel, self.sk._tiles(cfg), self.gpu.arch)
+        rec = COMPILED.get((*key, self.call.dim), COMPILED.get((*key, None))) if self.call.normalized else None
         if rec is None or self.call.precision != "bf16":
             return max(1, 8 // cfg.num_warps), False
         return ctas_per_sm(self.gpu, rec[0], rec[1], cfg.num_warps), True
