@@ -250,10 +250,11 @@ def test_an_elastic_run_loses_a_node_grows_back_and_saves_the_step_a_preempted_n
     # the preempted node asked for a checkpoint at the step after its notice: the run resumed from that very step
     assert preempted.startswith(f"3 -> 2 workers at step {HOLD_AT}: resumed from step {HOLD_AT},"), preempted
     assert ", 0 steps replayed," in preempted
-    # Ray's own lines (its token notice, "Connecting to existing Ray cluster") are in the run's log, not the terminal
+    # Ray's own lines are in the run's log, not the terminal: "Connecting to existing Ray cluster" at every join, its
+    # token notice only at the first ray.init of a process (earlier tests in this one may have made it), if at all
     log = (run_dir / "driver.log").read_text()
-    for line in ("Connecting to existing Ray cluster", "Token authentication is enabled"):
-        assert line in log and line not in terminal, line
+    assert "Connecting to existing Ray cluster" in log and "Connecting to existing Ray cluster" not in terminal
+    assert "Token authentication is enabled" not in terminal
     assert "workers: 3 -> 2 workers at step" in terminal and "workers: 3 -> 2 workers at step" in log
     logged = {m.step: m.timestamp / 1000 for m in losses}
     print(
