@@ -82,6 +82,7 @@ from dmltrain.tracking.names import STEP_MS, STUDY_POINT_TAG, STUDY_REPEAT_TAG
 from dmltrain.tracking.queries import history, steady_state
 from dmltrain.tracking.run import RunHandle
 from shards.build.synthetic import build_synthetic_shards
+from shards.config import MAX_SYNTHETIC_CLASSES, MAX_SYNTHETIC_IMAGES
 from shards.manifest import Manifest
 from shards.storage.location import is_url, location_of
 
@@ -150,6 +151,24 @@ def synthetic_shards_dir(cfg, classes: int) -> Path:
     return base.parent / f"{base.name}-{classes}c"
 
 
+def check_synthetic_sizes(classes: list[int], per_class: int) -> None:
+    """Refuse, before any shard is built, a class count no synthetic set can have: more than
+    :data:`~shards.config.MAX_SYNTHETIC_CLASSES`, or ``classes x data.synthetic.per_class`` images per split beyond
+    :data:`~shards.config.MAX_SYNTHETIC_IMAGES` (the one line names the ``per_class`` that fits: 10^6 classes
+    take 2 images each)."""
+    for n in classes:
+        if n > MAX_SYNTHETIC_CLASSES:
+            raise UserError(
+                f"--classes: {n:,} classes is more than the {MAX_SYNTHETIC_CLASSES:,} a synthetic set may have"
+            )
+        if n * per_class > MAX_SYNTHETIC_IMAGES:
+            raise UserError(
+                f"--classes: {n:,} classes x data.synthetic.per_class={per_class} = {n * per_class:,} images per split, "
+                f"more than the {MAX_SYNTHETIC_IMAGES:,} a synthetic set may have; set data.synthetic.per_class="
+                f"{max(1, MAX_SYNTHETIC_IMAGES // n)} or fewer classes"
+            )
+
+
 def prepare_shards(cfg, classes: list[int] | None, progress: bool = True) -> dict[int, str]:
     """Class count -> shard directory, building missing synthetic shards once (``--classes``)."""
     s = cfg.data.synthetic
@@ -170,6 +189,7 @@ def prepare_shards(cfg, classes: list[int] | None, progress: bool = True) -> dic
             f"--classes: synthetic shards for other class counts are built beside data.shards on local disk; "
             f"{cfg.data.shards} is a URL"
         )
+    check_synthetic_sizes(classes, s.per_class)
     out = {}
     for n in classes:
         d = synthetic_shards_dir(cfg, n)

@@ -832,3 +832,30 @@ def test_deterministic_kernels_take_fixed_tiles_whatever_each_rank_and_run_tuned
     for prefer, t in [(0, ranks[0]), (1, ranks[1]), (1, later_run)]:
         assert choices(t, prefer, True) == fixed
     assert not timed, "deterministic tiles are never timed"
+
+
+@pytest.mark.parametrize(("name", "states"), [("sgd", 1), ("adamw", 2)])
+def test_the_classifier_memory_a_run_logs_is_what_its_tensors_hold(name, states):
+    """``memory_bytes`` (the run's ``classifier_mb`` tag, the study's memory factor) counts the rows and the
+    optimizer state actually allocated after a step, at both ratios: C x D fp32 rows plus ``states`` buffers of the
+    same size (momentum; Adam's two moments) plus any smaller state; a subsampled step draws fewer rows but holds
+    them all, so the factor is measured as 1, not assumed."""
+    from dmltrain.distributed import ClassifierHead
+
+    C, D = 400, 16
+    held = {}
+    for ratio in (1.0, 0.1):
+        head = ClassifierHead(ShardedClassifier(C, D, "cosface", sample_ratio=ratio, seed=1), name, lr=0.1)
+        before = head.memory_bytes()  # the row-sparse optimizers allocate their state for every row up front
+        x, y = _batch(C, D, B=32)
+        head(x.requires_grad_(True), y, step=0, sizes=[32]).backward()
+        head.step()
+        scalars = sum(
+            v.numel() * v.element_size()
+            for st in head.optimizer.state.values()
+            for v in st.values()
+            if hasattr(v, "numel") and v.numel() < C * D
+        )
+        held[ratio] = head.memory_bytes()
+        assert held[ratio] == C * D * 4 * (1 + states) + scalars == before
+    assert held[1.0] == held[0.1]

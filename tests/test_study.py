@@ -104,6 +104,22 @@ def test_no_progress_builds_shards_without_bars(tmp_path, capfd):
     assert "%|" in capfd.readouterr().err  # the bars this test looks for, where they are asked for
 
 
+def test_a_class_count_no_synthetic_set_can_hold_is_refused_before_anything_is_built(tmp_path):
+    """10^6 classes fit at 2 images a class (2·10^6 per split); at 5 the study names the per_class that fits, in one
+    line, before it builds the smaller counts' shards."""
+    cfg = load_config(DEMO, [f"data.shards={tmp_path / 'syn'}", "data.synthetic.per_class=5"])
+    with pytest.raises(UserError) as e:
+        st.prepare_shards(cfg, [1000, 1_000_000], progress=False)
+    assert str(e.value) == (
+        "--classes: 1,000,000 classes x data.synthetic.per_class=5 = 5,000,000 images per split, more than the "
+        "2,000,000 a synthetic set may have; set data.synthetic.per_class=2 or fewer classes"
+    )
+    assert list(tmp_path.iterdir()) == []  # nothing built for the 1,000 classes either
+    st.check_synthetic_sizes([1000, 1_000_000], 2)  # the sweep to 10^6 on synthetic data
+    with pytest.raises(UserError, match=r"^--classes: 2,000,000 classes is more than the 1,000,000"):
+        st.check_synthetic_sizes([2_000_000], 1)
+
+
 def test_cli_refuses_a_study_without_a_classifier_or_classes_of_a_real_dataset(tmp_path, capsys, monkeypatch):
     rc = main(["study", "subsampling", str(DEMO), "loss.classifier=null", "--ratios", "1,0.1"])
     assert rc == 2 and capsys.readouterr().err.strip() == (
