@@ -14,7 +14,7 @@ from dmltrain.evaluate.plots import plot_curves, run_colors
 from dmltrain.fileio import write_text
 from dmltrain.report.compare import curves, loss_figure, metrics_table, write_csv
 from dmltrain.report.pages import Links, render_html, render_markdown
-from dmltrain.report.runs import RunRecord, _find_run, collect, get_experiment, resolve_tracking_uri, select_runs
+from dmltrain.report.runs import RunRecord, collect, get_experiment, named_run, resolve_tracking_uri, select_runs
 from dmltrain.report.study import StudySection, study_parents, study_section
 from dmltrain.text import markdown_table, printable, safe_name
 from dmltrain.tracking.links import DEFAULT_UI
@@ -67,7 +67,7 @@ def build_report(
             figures["recall_at_1"] = p
     links = Links(ui_url, exp.experiment_id, records)
     # a study parent among the runs asked for: its points' table, verdicts and files before the runs'
-    parents = study_parents([_find_run(client, exp, t) for t in runs]) if runs else []
+    parents = study_parents([named_run(client, exp, t) for t in runs]) if runs else []
     studies = [s for p in parents if (s := study_section(client, p, records, out_dir, ui_url)) is not None]
     md, page, table = out_dir / "report.md", out_dir / "report.html", out_dir / "runs.csv"
     write_text(md, render_markdown(exp.name, records, figures, out_dir, links, uri, studies) + "\n")

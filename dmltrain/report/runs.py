@@ -99,7 +99,8 @@ def get_experiment(client, name: str, uri: str):
     return exp
 
 
-def _find_run(client, exp, token: str):
+def named_run(client, exp, token: str):
+    """The run ``token`` (an id or a run name) names in ``exp``; a token naming none is refused in one line."""
     run = find_run(client, exp.experiment_id, token)
     if run is None:
         raise UserError(f"--runs {token}: no run with this id or name in experiment {exp.name}", exit_code=1)
@@ -109,7 +110,7 @@ def _find_run(client, exp, token: str):
 def select_runs(client, exp, tokens: list[str] | None = None, max_runs: int = 100) -> list:
     """The runs to compare, oldest first: the given ones (or all of the experiment), parents replaced by their children."""
     if tokens:
-        chosen = [_find_run(client, exp, t) for t in tokens]
+        chosen = [named_run(client, exp, t) for t in tokens]
         out, seen = [], set()
         while chosen:
             run = chosen.pop(0)
