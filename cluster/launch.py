@@ -168,29 +168,17 @@ def prepare_data(cfg: Config, progress: bool = True) -> None:
 
     shards_dir = location_of(cfg.data)  # a local folder or a URL
     if cfg.data.synthetic is not None and shards_dir.size("manifest.json") is None:
-        from shards.build.synthetic import build_synthetic_shards
+        from shards.build.synthetic import build_from_config
 
         s = cfg.data.synthetic
-        extra = f", families of {s.family_size} at spread {s.family_spread}" if s.family_size > 1 else ""
+        extra = f", {s.test_classes} test classes" if s.test_classes is not None else ""
+        extra += f", families of {s.family_size} at spread {s.family_spread}" if s.family_size > 1 else ""
         extra += f", {s.label_noise * 100:g}% {s.label_noise_mode} label noise" if s.label_noise else ""
         print(
             f"building synthetic shards in {shards_dir} ({s.classes} classes x {s.per_class} images, {s.image_size}px{extra})",
             file=sys.stderr,
         )
-        build_synthetic_shards(
-            shards_dir,
-            classes=s.classes,
-            per_class=s.per_class,
-            image_size=s.image_size,
-            seed=s.seed,
-            shard_size=s.shard_size,
-            overwrite=False,
-            progress=progress,
-            family_size=s.family_size,
-            family_spread=s.family_spread,
-            label_noise=s.label_noise,
-            label_noise_mode=s.label_noise_mode,
-        )
+        build_from_config(shards_dir, s, progress=progress)
     manifest = Manifest.load(shards_dir)
     if cfg.data.synthetic is not None:
         from shards.build.synthetic import check_built_as

@@ -81,7 +81,7 @@ from dmltrain.tracking.description import loss_line
 from dmltrain.tracking.names import STEP_MS, STUDY_POINT_TAG, STUDY_REPEAT_TAG
 from dmltrain.tracking.queries import history, steady_state
 from dmltrain.tracking.run import RunHandle
-from shards.build.synthetic import build_synthetic_shards
+from shards.build.synthetic import build_from_config
 from shards.config import MAX_SYNTHETIC_CLASSES, MAX_SYNTHETIC_IMAGES
 from shards.manifest import Manifest
 from shards.storage.location import is_url, location_of
@@ -195,23 +195,11 @@ def prepare_shards(cfg, classes: list[int] | None, progress: bool = True) -> dic
         d = synthetic_shards_dir(cfg, n)
         if not (d / "manifest.json").exists():
             print(
-                f"building synthetic shards for {n} classes in {d} ({n} x {s.per_class} images, {s.image_size}px)",
+                f"building synthetic shards for {n} classes in {d} ({n} x {s.per_class} images, {s.image_size}px"
+                + (f", {s.test_classes} test classes)" if s.test_classes is not None else ")"),
                 file=sys.stderr,
             )
-            build_synthetic_shards(
-                d,
-                classes=n,
-                per_class=s.per_class,
-                image_size=s.image_size,
-                seed=s.seed,
-                shard_size=s.shard_size,
-                overwrite=False,
-                progress=progress,
-                family_size=s.family_size,
-                family_spread=s.family_spread,
-                label_noise=s.label_noise,
-                label_noise_mode=s.label_noise_mode,
-            )
+            build_from_config(d, s, classes=n, progress=progress)
         split = Manifest.load(d).split(cfg.data.train_split)
         if split.num_classes != n or split.num_images != n * s.per_class:
             raise UserError(

@@ -83,8 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--workers", type=int, default=None, help="image-checking processes (default: CPU count, at most 8)")
     b.add_argument("--seed", type=int, default=0, help="seed of the class order (and of the synthetic images)")
-    b.add_argument("--classes", type=int, help="synthetic: train classes (as many disjoint test classes)")
+    b.add_argument("--classes", type=int, help="synthetic: train classes (disjoint test classes: --test-classes)")
     b.add_argument("--per-class", type=int, help="synthetic: images per class")
+    b.add_argument(
+        "--test-classes",
+        type=int,
+        help="synthetic: test classes (default: as many as --classes; fewer: a cheaper evaluation)",
+    )
     b.add_argument("--image-size", type=int, default=64, help="synthetic: image side in pixels (default 64)")
     b.add_argument(
         "--family-size",
@@ -123,6 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 SYNTHETIC_ONLY = (
     ("--classes", "classes"),
     ("--per-class", "per_class"),
+    ("--test-classes", "test_classes"),
     ("--family-size", "family_size"),
     ("--family-spread", "family_spread"),
     ("--label-noise", "label_noise"),
@@ -166,6 +172,7 @@ def _build(args: argparse.Namespace) -> int:
             label_noise=0.0 if args.label_noise is None else args.label_noise,
             label_noise_mode=args.label_noise_mode or "uniform",
             exclude=args.exclude,
+            test_classes=args.test_classes,
         )
     else:
         if not args.root:

@@ -68,8 +68,18 @@ def synthetic_problem(
     return None
 
 
-def synthetic_size_problem(classes: int, per_class: int) -> tuple[str, str] | None:
-    """``("per_class", message)`` when ``classes x per_class`` is more than :data:`MAX_SYNTHETIC_IMAGES`, else None."""
+def synthetic_size_problem(classes: int, per_class: int, test_classes: int | None = None) -> tuple[str, str] | None:
+    """``(option, message)`` when a split would hold more than :data:`MAX_SYNTHETIC_IMAGES` images, or
+    ``test_classes`` (None: as many as ``classes``) is not 2 to :data:`MAX_SYNTHETIC_CLASSES`; else None."""
+    if test_classes is not None:
+        if not 2 <= test_classes <= MAX_SYNTHETIC_CLASSES:
+            return "test_classes", f"must be 2 to {MAX_SYNTHETIC_CLASSES:,} classes, got {test_classes:,}"
+        if test_classes * per_class > MAX_SYNTHETIC_IMAGES:
+            return (
+                "test_classes",
+                f"{test_classes:,} test classes x {per_class:,} images = {test_classes * per_class:,} images, more "
+                f"than the {MAX_SYNTHETIC_IMAGES:,} a synthetic split may have",
+            )
     if classes * per_class > MAX_SYNTHETIC_IMAGES:
         return (
             "per_class",
@@ -83,9 +93,15 @@ class SyntheticData(Section):
     """Procedurally generated shards, built on first use when ``data.shards`` is missing."""
 
     classes: int = Field(
-        200, ge=2, le=MAX_SYNTHETIC_CLASSES, description="train classes; as many disjoint test classes"
+        200, ge=2, le=MAX_SYNTHETIC_CLASSES, description="train classes (the test classes are others: test_classes)"
     )
     per_class: int = Field(10, ge=1, le=MAX_SYNTHETIC_IMAGES, description="images per class")
+    test_classes: int | None = Field(
+        None,
+        description="test classes (none: as many as train classes); fewer keep the evaluation of a large "
+        "label space affordable (retrieval over the test split grows with its square), the same for every "
+        "class count of a study",
+    )
     image_size: int = Field(32, ge=8, le=MAX_IMAGE_SIDE)
     seed: int = 0
     shard_size: int = Field(2000, ge=1, description="samples per shard")
@@ -112,7 +128,7 @@ class SyntheticData(Section):
     def _check(self) -> SyntheticData:
         problem = synthetic_problem(
             self.classes, self.family_size, self.family_spread, self.label_noise, self.label_noise_mode
-        ) or synthetic_size_problem(self.classes, self.per_class)
+        ) or synthetic_size_problem(self.classes, self.per_class, self.test_classes)
         if problem is not None:
             raise ValueError(f"data.synthetic.{problem[0]}: {problem[1]}")
         return self

@@ -354,3 +354,59 @@ def test_a_synthetic_sets_size_is_bounded_where_it_is_given(tmp_path, capsys):
         in err
     )
     assert not (tmp_path / "s").exists()
+
+
+def test_fewer_test_classes_keep_the_train_split_and_its_families(tmp_path, capsys):
+    """``--test-classes 3`` beside 5 train classes in families of 2: the train split is the build without it
+    (byte-identical shards), the test split holds classes 5-7 in their own families (5-6, 7), each image its
+    class's, and the manifest records the count; ``data.synthetic.test_classes`` builds the same shards, asking
+    for another count over them is refused in one line, and a count below 2 or beyond the image bound is one
+    line before anything is written."""
+    from cluster.launch import prepare_data
+    from dmltrain.cli import main
+    from dmltrain.config import load_config
+    from dmltrain.errors import ConfigError
+    from shards.config import MAX_SYNTHETIC_CLASSES, MAX_SYNTHETIC_IMAGES
+
+    fam = Families(5, 2, test_classes=3)
+    assert [fam.family(c) for c in range(8)] == [0, 0, 1, 1, 2, 3, 3, 4]
+    assert fam.members(6) == range(5, 7) and fam.members(7) == range(7, 8) and fam.members(4) == range(4, 5)
+    common = dict(image_size=16, seed=1, shard_size=4, workers=1, progress=False, family_size=2)
+    build_synthetic_shards(tmp_path / "all", 5, 2, **common)
+    build_synthetic_shards(tmp_path / "few", 5, 2, **common, test_classes=3)
+    a, b = Manifest.load(tmp_path / "all"), Manifest.load(tmp_path / "few")
+    assert [s.sha256 for s in a.split("train").shards] == [s.sha256 for s in b.split("train").shards]
+    test = b.split("test")
+    assert test.num_classes == 3 and test.num_images == 6 and test.families == [3, 3, 4]
+    assert b.data["options"]["synthetic"]["test_classes"] == 3 and "test_classes" not in a.data["options"]["synthetic"]
+    seen = set()
+    for meta, jpg in _samples(tmp_path / "few", "test"):
+        c, i = int(meta["path"].split("/")[1]), int(meta["path"][-8:-4])
+        assert meta["label"] == c - 5 and jpg == render_jpeg((1, c, i, 16, fam.members(c).start, 0.5))[0]
+        seen.add(c)
+    assert seen == {5, 6, 7}
+
+    keys = "classes: 5, per_class: 2, image_size: 16, seed: 1, shard_size: 4, family_size: 2, test_classes: 3"
+    prepare_data(load_config(None, [f"data.shards={tmp_path / 'cfg'}", f"data.synthetic={{{keys}}}"]))
+    c = Manifest.load(tmp_path / "cfg")
+    assert c.data["options"] == b.data["options"]
+    assert [s.sha256 for s in c.split("test").shards] == [s.sha256 for s in test.shards]
+    other = load_config(
+        None, [f"data.shards={tmp_path / 'few'}", f"data.synthetic={{{keys}}}", "data.synthetic.test_classes=4"]
+    )
+    with pytest.raises(UserError) as err:
+        prepare_data(other)
+    assert "\n" not in str(err.value) and "test_classes=3 (asked: 4)" in str(err.value), str(err.value)
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.synthetic={}", "data.synthetic.test_classes=1"])
+    assert "\n" not in str(err.value) and "data.synthetic.test_classes: must be 2 to" in str(err.value)
+    capsys.readouterr()
+    build = ["shards", "build", "--layout", "synthetic", "--out", str(tmp_path / "bad"), "--quiet", "--classes", "4"]
+    assert main([*build, "--per-class", "1", "--test-classes", "1"]) == 2
+    assert "--test-classes: must be 2 to" in capsys.readouterr().err
+    per_class = MAX_SYNTHETIC_IMAGES // MAX_SYNTHETIC_CLASSES + 1
+    assert main([*build, "--per-class", str(per_class), "--test-classes", str(MAX_SYNTHETIC_CLASSES)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--test-classes:" in err and f"test classes x {per_class} images" in err, err
+    assert not (tmp_path / "bad").exists()

@@ -164,11 +164,17 @@ def sibling_parts(seed: int, class_index: int, family_base: int, spread: float) 
 
 @dataclass(frozen=True)
 class Families:
-    """How ``classes`` train classes (``0..C-1``) and as many test classes (``C..2C-1``) group into families of
-    ``size``: consecutive classes of a split, the last family of each split smaller when ``size`` does not divide C."""
+    """How ``classes`` train classes (``0..C-1``) and ``test_classes`` test classes (``C..C+T-1``; None: as many
+    as train) group into families of ``size``: consecutive classes of a split, the last family of each split
+    smaller when ``size`` does not divide the split's classes."""
 
     classes: int
     size: int = 1
+    test_classes: int | None = None
+
+    @property
+    def tests(self) -> int:
+        return self.classes if self.test_classes is None else self.test_classes
 
     @property
     def per_split(self) -> int:
@@ -182,9 +188,9 @@ class Families:
 
     def members(self, class_index: int) -> range:
         """The classes of ``class_index``'s family, itself included."""
-        first = 0 if class_index < self.classes else self.classes
+        first, n = (0, self.classes) if class_index < self.classes else (self.classes, self.tests)
         start = first + (class_index - first) // self.size * self.size
-        return range(start, min(start + self.size, first + self.classes))
+        return range(start, min(start + self.size, first + n))
 
 
 def object_parts(seed: int, class_index: int, family_base: int | None = None, spread: float = 0.0) -> tuple[Part, ...]:
@@ -309,15 +315,16 @@ def synthetic_layout(
     family_spread: float = 0.5,
     label_noise: float = 0.0,
     label_noise_mode: str = "uniform",
+    test_classes: int | None = None,
 ) -> tuple[Layout, dict[str, list[Job]]]:
-    """The layout (train classes ``0..C-1``, test ``C..2C-1``, their families, the noisy train labels) and each
-    entry's render job."""
-    families = Families(classes, family_size)
+    """The layout (train classes ``0..C-1``, test ``C..C+T-1`` with T = ``test_classes`` or C, their families,
+    the noisy train labels) and each entry's render job."""
+    families = Families(classes, family_size, test_classes)
     wrong = noisy_labels(seed, families, per_class, label_noise, label_noise_mode) if label_noise > 0 else None
     splits, jobs = {}, {}
-    for split, first in (("train", 0), ("test", classes)):
+    for split, first, n in (("train", 0, classes), ("test", classes, families.tests)):
         entries, js = [], []
-        for c in range(first, first + classes):
+        for c in range(first, first + n):
             base = families.members(c).start if family_size > 1 else None
             for i in range(per_class):
                 rel = f"synthetic/{c:06d}/{i:04d}.jpg"
@@ -327,7 +334,7 @@ def synthetic_layout(
                     entries.append(Entry(rel, str(wrong.get(c * per_class + i, c)), rel, clean_class_id=str(c)))
                 js.append((seed, c, i, image_size, base, float(family_spread) if base is not None else 0.0))
         splits[split], jobs[split] = entries, js
-    by_class = {str(c): families.family(c) for c in range(2 * classes)} if family_size > 1 else None
+    by_class = {str(c): families.family(c) for c in range(classes + families.tests)} if family_size > 1 else None
     return Layout("synthetic", "synthetic", splits, families=by_class), jobs
 
 
@@ -350,6 +357,12 @@ def check_built_as(manifest: Manifest, s: SyntheticData) -> None:
     recorded = manifest.data.get("options", {}).get("synthetic")
     if manifest.layout != "synthetic" or not isinstance(recorded, dict):
         return
+    if s.test_classes is not None and recorded.get("test_classes", recorded.get("classes")) != s.test_classes:
+        raise UserError(
+            f"data.synthetic: {manifest.root} holds synthetic shards built with test_classes="
+            f"{recorded.get('test_classes', recorded.get('classes'))} (asked: {s.test_classes}); shards are built only "
+            "when missing: remove the folder or point data.shards elsewhere"
+        )
     asked = s.model_dump(include={"family_size", "family_spread", "label_noise", "label_noise_mode"})
     built = {"family_size": 1, "label_noise": 0.0} | {k: recorded[k] for k in asked if k in recorded}
     want, have = family_options(**asked), family_options(**{**asked, **built})
@@ -363,6 +376,28 @@ def check_built_as(manifest: Manifest, s: SyntheticData) -> None:
             f"data.synthetic: {manifest.root} holds synthetic shards built with {differ}; shards are built only when "
             "missing: remove the folder or point data.shards elsewhere"
         )
+
+
+def build_from_config(
+    out_dir: str | os.PathLike[str], s: SyntheticData, *, classes: int | None = None, progress: bool = True
+):
+    """Build the shards ``data.synthetic`` describes in ``out_dir`` (``classes``: another train class count, as
+    a study's ``--classes`` asks; the test classes stay ``s.test_classes``); see :func:`build_synthetic_shards`."""
+    return build_synthetic_shards(
+        out_dir,
+        classes=s.classes if classes is None else classes,
+        per_class=s.per_class,
+        image_size=s.image_size,
+        seed=s.seed,
+        shard_size=s.shard_size,
+        overwrite=False,
+        progress=progress,
+        family_size=s.family_size,
+        family_spread=s.family_spread,
+        label_noise=s.label_noise,
+        label_noise_mode=s.label_noise_mode,
+        test_classes=s.test_classes,
+    )
 
 
 def build_synthetic_shards(
@@ -383,8 +418,10 @@ def build_synthetic_shards(
     label_noise: float = 0.0,
     label_noise_mode: str = "uniform",
     exclude: str | os.PathLike[str] | None = None,
+    test_classes: int | None = None,
 ):
-    """Write synthetic train and test shards (``classes`` disjoint classes each, ``per_class`` images per class),
+    """Write synthetic train and test shards (``classes`` train classes and ``test_classes`` disjoint test
+    classes, as many when None; ``per_class`` images per class),
     in families of ``family_size`` classes ``family_spread`` apart, with ``label_noise`` of the train labels wrong,
     without the images whose paths ``exclude`` lists (:mod:`shards.build.exclude`).
 
@@ -398,10 +435,12 @@ def build_synthetic_shards(
     if image_size > MAX_IMAGE_SIDE:
         raise UserError(f"--image-size: at most {MAX_IMAGE_SIDE} pixels, got {image_size}")
     problem = synthetic_problem(classes, family_size, family_spread, label_noise, label_noise_mode)
-    problem = problem or synthetic_size_problem(classes, per_class)
+    problem = problem or synthetic_size_problem(classes, per_class, test_classes)
     if problem is not None:
         raise UserError(f"--{problem[0].replace('_', '-')}: {problem[1]}")
     options = {"classes": classes, "per_class": per_class, "image_size": image_size, "seed": seed}
+    if test_classes is not None and test_classes != classes:  # builds without it hold as many test classes
+        options["test_classes"] = test_classes
     options.update(family_options(family_size, family_spread, label_noise, label_noise_mode))
     layout, jobs = synthetic_layout(
         classes,
@@ -412,6 +451,7 @@ def build_synthetic_shards(
         family_spread=family_spread,
         label_noise=label_noise,
         label_noise_mode=label_noise_mode,
+        test_classes=test_classes,
     )
     if label_noise > 0:
         options["relabelled"] = sum(e.clean_class_id != e.class_id for e in layout.splits["train"])
