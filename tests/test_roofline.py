@@ -380,6 +380,36 @@ def test_the_split_count_follows_the_binarys_occupancy(monkeypatch, gpu):
     assert len(splits["_lse_kernel"]) > 1 and len(splits["_grad_x_kernel"]) > 1, splits
 
 
+@pytest.mark.cuda
+def test_the_launcher_reads_its_binary_on_the_gpu():
+    """On a GPU, with its Triton: the log-sum-exp binary's registers and shared memory are read off the compiled
+    kernel (not the one-CTA fallback), the registers the driver reports are the cubin's (what the offline compiles
+    record), the launcher counts SMs × the CTAs per SM they allow, and that binary runs."""
+    from dmltrain import kernel_compile as kc
+    from dmltrain.distributed import softmax_kernels as sk
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    N, K, D = 256, 4096, 128
+    x = torch.nn.functional.normalize(torch.randn(N, D, device=dev), dim=1).bfloat16()
+    w = torch.nn.functional.normalize(torch.randn(K, D, device=dev), dim=1).bfloat16()
+    tcol = torch.full((N,), -1, dtype=torch.int32, device=dev)
+    cfg = sk._CONFIGS[("lse", "bf16")][0]
+    args = [x, w, w, tcol, w, torch.float32, N, K, 0, 8.0]
+    kwargs = dict(D=D, HAS_COUNT=False, NORMALIZED=True, SUM_LOGITS=False, PREC=sk.PREC_CODE["bf16"], **cfg.kwargs())
+    compiled = sk._lse_kernel.warmup(*args, grid=(1,), **kwargs)
+    used = resources(compiled)
+    assert used is not None and used[0] > 0, "Triton no longer tells the binary's registers: splits for one CTA/SM"
+    if kc.tools_missing() is None:
+        assert used[0] == kc.resource_usage(compiled.asm["cubin"], compiled.metadata.name)[0]
+    ctas = occupancy(sk._sm_limits(dev.index), used, cfg.num_warps)
+    assert sk._programs(sk._lse_kernel, cfg, args, kwargs, dev) == sk._sms(dev.index) * ctas
+    print(f"\n_lse_kernel {sk._tiles(cfg)} D={D}: {used[0]} registers, {used[1]:,} B shared, {ctas} CTA/SM")
+    args[5] = out = torch.empty(1, 3, N, device=dev)
+    sk._lse_kernel[(N // cfg["BLOCK_B"], 1)](*args, **kwargs)
+    z = 8.0 * (x.float() @ w.float().T)
+    assert torch.allclose(out[0, 0], torch.logsumexp(z, 1), atol=0.05)
+
+
 # -- the command -------------------------------------------------------------------------------------------
 def test_bench_model_prints_one_table(capsys):
     from dmltrain.bench import bench_parser, run
