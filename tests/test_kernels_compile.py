@@ -30,6 +30,8 @@ from dmltrain import kernel_compile as kc
 SOFTMAX = "dmltrain.distributed.softmax_kernels"
 #: the GPU machine's Triton, beside site-packages (the Makefile's TRITON_SIDE)
 DEVICE_TRITON = Path(sys.prefix) / "triton-3.6.0"
+#: Triton's cache folder of each ``compiled`` fixture, by its param: a later compile of a variant it holds is a hit
+_CACHES: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module", params=["pinned", "device"])
@@ -45,7 +47,7 @@ def compiled(request, tmp_path_factory):
     variants = {m: kc.module_variants(m) for m in kc.KERNEL_MODULES}
     jobs = [(m, v.name, a) for m in kc.KERNEL_MODULES for a in archs for v in kc.covering(variants[m].values())]
     t0 = time.perf_counter()
-    cache = str(tmp_path_factory.mktemp("triton-cache"))
+    cache = _CACHES[request.param] = str(tmp_path_factory.mktemp("triton-cache"))
     results = kc.compile_many(jobs, workers=2, cache_dir=cache, triton_dir=triton_dir)
     by_name = {n: v for vs in variants.values() for n, v in vs.items()}
     cpu = sum(r.cpu_seconds for r in results)
@@ -56,6 +58,61 @@ def compiled(request, tmp_path_factory):
     if triton_dir:
         assert {r.triton for r in results} == {"3.6.0"}, "the side Triton was not the one that compiled"
     return {(r.name, r.arch): r for r in results}, by_name
+
+
+#: the launcher's reading of a binary (``softmax_kernels._programs``) on an offline compile: Triton's ``warmup`` as the
+#: launcher calls it, and the ``CompiledKernel`` it returns, with the load that sets its registers (``_init_handles``,
+#: which needs a GPU) standing in with the cubin's own count
+_READ_BINARY = r"""
+import inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import JITFunction
+from dmltrain import kernel_compile as kc
+from dmltrain.kernel_occupancy import resources
+
+grid = inspect.signature(JITFunction.warmup).parameters["grid"]
+assert grid.kind is inspect.Parameter.KEYWORD_ONLY, grid
+variant = kc.module_variants("dmltrain.distributed.softmax_kernels")[sys.argv[1]]
+target = GPUTarget("cuda", 90, 32)
+src, options = kc.launch_source(variant, target)
+compiled = triton.compile(src, target=target, options=options)
+assert getattr(compiled, "n_regs", None) is None, "registers known before the binary is loaded"
+assert "self.n_regs" in inspect.getsource(type(compiled)._init_handles), "the load no longer sets n_regs"
+regs, _ = kc.resource_usage(compiled.asm["cubin"], compiled.metadata.name)
+compiled._init_handles = lambda: setattr(compiled, "n_regs", regs)
+print("READ " + json.dumps([triton.__version__, resources(compiled), [regs, compiled.metadata.shared]]))
+"""
+
+
+def test_the_launcher_reads_each_tritons_binary(compiled, request):
+    """The split count's registers and shared memory (``kernel_occupancy.resources``) read off a ``CompiledKernel`` of
+    Triton 3.8 and of the GPU machine's 3.6 alike: the embedding-gradient kernel at D = 128 for sm_90 compiled as a
+    launch builds it, its registers learnt at load (as on a GPU), its shared memory from its metadata; with the
+    pinned Triton, the roofline's recorded binary (two CTAs per SM on an H100). In the ``compiled`` fixture's Triton
+    cache: the covering set usually holds the variant already."""
+    import json
+    import os
+    import subprocess
+
+    from dmltrain.distributed import roofline
+    from dmltrain.kernel_occupancy import occupancy
+
+    which = request.node.callspec.params["compiled"]
+    side = [str(DEVICE_TRITON)] if which == "device" else []
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([*side, repo]), TRITON_CACHE_DIR=_CACHES[which])
+    name = "_grad_x_kernel D=128 bf16 normalized 64×32×32 w8 s2"
+    proc = subprocess.run([sys.executable, "-c", _READ_BINARY, name], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    version, used, want = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("READ "))[5:])
+    assert version == ("3.6.0" if side else __import__("triton").__version__)
+    assert used == want and used[1] > 0
+    if not side:
+        assert tuple(used) == roofline.COMPILED[("_grad_x_kernel", "64×32×32 w8 s2", 90, 128)]
+        assert occupancy(roofline.GPUS["h100"].sm, tuple(used), 8) == 2
 
 
 def test_variant_lists_name_every_argument():

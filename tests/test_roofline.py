@@ -6,8 +6,10 @@
 * Launches: the list the model makes equals the launches the real launcher makes, (a) under Triton's CPU
   interpreter at tiny shapes, kernels run (a spawned process: the interpreter must be on before Triton is
   imported), and (b) at the issue's shapes with the GPU's geometry, on meta tensors with the kernels
-  recorded and not run (the tuner's choice handed over from the model: nothing here can time a kernel); the
-  launcher's ``_programs`` and ``_choose`` for the deterministic path are called for real.
+  recorded and not run (the tuner's choice handed over from the model: nothing here can time a kernel; each
+  kernel's binary, whose registers and shared memory set the split counts, one of the model's recorded compiles);
+  the launcher's ``_programs`` and ``_choose`` for the deterministic path are called for real.
+* Splits: the launcher's class splits follow the CTAs per SM its binary's registers and shared memory allow.
 * The command prints its table and exits 0.
 """
 
@@ -26,6 +28,8 @@ import torch
 
 from dmltrain.distributed import roofline
 from dmltrain.distributed.roofline import GPUS, Call, plan
+from dmltrain.kernel_occupancy import SMLimits, ctas_per_sm, device_limits, occupancy, resources
+from dmltrain.kernel_tuning import LaunchConfig
 
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = ("_copy_rows_kernel", "_lse_kernel", "_grad_x_kernel", "_grad_w_kernel")
@@ -136,12 +140,42 @@ def test_the_backward_moves_no_atomic_bytes_at_the_issue_shapes():
 
 
 def test_occupancy_from_registers_and_shared_memory():
-    h100, a100 = GPUS["h100"], GPUS["a100"]
-    assert roofline.ctas_per_sm(h100, 128, 24576, 8) == 2  # 128 registers: 16 warps' worth
-    assert roofline.ctas_per_sm(h100, 76, 36864, 8) == 3  # 80 allocated: 25 warps
-    assert roofline.ctas_per_sm(h100, 184, 49152, 8) == 1
-    assert roofline.ctas_per_sm(h100, 32, 100 * 1024, 4) == 2  # by shared memory
-    assert roofline.ctas_per_sm(a100, 158, 16384, 8) == 1
+    h100, a100 = GPUS["h100"].sm, GPUS["a100"].sm
+    assert ctas_per_sm(h100, 128, 24576, 8) == 2  # 128 registers: 16 warps' worth
+    assert ctas_per_sm(h100, 76, 36864, 8) == 3  # 80 allocated: 25 warps
+    assert ctas_per_sm(h100, 184, 49152, 8) == 1
+    assert ctas_per_sm(h100, 32, 100 * 1024, 4) == 2  # by shared memory
+    assert ctas_per_sm(a100, 158, 16384, 8) == 1
+    assert ctas_per_sm(a100, 32, 200 * 1024, 4) == 0  # beyond the SM: the launch fails, the waves count one
+    assert occupancy(a100, (32, 200 * 1024), 4) == 1 and occupancy(h100, None, 8) == 1
+    assert occupancy(h100, (76, 36864), 8) == 3
+
+
+class _Binary:
+    """A Triton ``CompiledKernel`` as the launcher reads it (3.6 and 3.8): the shared memory in its metadata, the
+    registers known once the binary is loaded (``_init_handles``)."""
+
+    def __init__(self, used: tuple[int, int] | None) -> None:
+        self.used = used
+        self.metadata = argparse.Namespace(shared=used[1] if used else 0)
+
+    def _init_handles(self) -> None:
+        if self.used is not None:
+            self.n_regs = self.used[0]
+
+
+def test_resources_read_a_compiled_kernel_as_both_tritons_build_it():
+    assert resources(_Binary((96, 32768))) == (96, 32768)  # loaded on the spot
+    future = argparse.Namespace(result=lambda: _Binary((102, 0)))
+    assert resources(future) == (102, 0)  # an asynchronous compile's
+    assert resources(_Binary(None)) is None  # a Triton that names them otherwise: one CTA per SM
+    assert resources(argparse.Namespace(n_regs=40)) is None
+    props = argparse.Namespace(shared_memory_per_multiprocessor=233472, regs_per_multiprocessor=65536,
+                               max_threads_per_multi_processor=2048, major=9, minor=0)  # fmt: skip
+    assert device_limits(props) == GPUS["h100"].sm
+    del props.regs_per_multiprocessor
+    props.major, props.minor = 8, 6
+    assert device_limits(props) == SMLimits(233472, 65536, 2048, 16)
 
 
 # -- launches ----------------------------------------------------------------------------------------------
@@ -219,53 +253,56 @@ def test_launches_equal_the_interpreters(monkeypatch):
         assert got == want, call
 
 
-@pytest.mark.parametrize(
-    "call",
-    [
-        *(Call(C, D, B) for C, D, B in roofline.ISSUE_SHAPES),
-        Call(10**6, 512, 8192, deterministic=True),
-        Call(3 * 10**6, 256, 4096, workers=3, sample_ratio=0.1, kind="softmax_ce", smoothing=0.1),
-    ],
-    ids=["issue-1", "issue-2", "issue-3", "deterministic", "subsampled-ce"],
-)
-def test_launches_equal_the_launchers_at_gpu_shapes(monkeypatch, call):
-    """The real ``partials`` and ``gradients`` on meta tensors with the kernels recorded, not run: the same launches,
-    grids and tiles as the model's at the GPU's geometry (the tuner's choice, which only a GPU can time, handed
-    over from the model; the deterministic path's fixed choice asked of the launcher's own ``_choose``)."""
+def _launch_on_meta(monkeypatch, call: Call, gpu, binary, choose_lse=None) -> tuple[list, list, list]:
+    """The real ``partials`` and ``gradients`` of ``call`` on meta tensors at ``gpu``'s geometry, the kernels recorded
+    and not run: (launches as (kernel, grid, tiles), the kinds asked of ``_choose``, the binaries asked for as
+    (kernel, tiles)). ``binary(kernel, cfg)`` stands for the ``CompiledKernel`` Triton's ``warmup`` returns;
+    ``choose_lse(cfg_default)`` the tuner's choice of the log-sum-exp tiles (None: the launcher's ``_choose``)."""
     from dmltrain.distributed import softmax_kernels as sk
     from dmltrain.distributed.row_sparse import RowGradTarget, RowSet
     from dmltrain.distributed.sharded_softmax import ShardOperands
 
-    gpu = GPUS["h100"]
-    model = [x for x in plan(call, gpu) if x.triton]
-    tuned = {"lse": [x.cfg for x in model if x.kernel == "_lse_kernel"]}
-    real_choose, asked = sk._choose, []
+    real_choose, asked, recorded, binaries = sk._choose, [], [], []
 
     def choose(kind, key, precision, device, launch, deterministic=False, sum_logits=False):
         asked.append(kind)
-        if deterministic or kind != "lse":  # the backward's kernels have one candidate each: never tuned
+        if deterministic or kind != "lse" or choose_lse is None:  # the backward's kernels: one candidate each
             return real_choose(kind, key, precision, torch.device("cuda", 0), launch, deterministic, sum_logits)
-        return tuned[kind].pop(0)
-
-    recorded = []
+        return choose_lse()
 
     class Recorder:
         def __init__(self, name):
             self.name = name
+            out = {"_lse_kernel": "out_ptr", "_grad_x_kernel": "part_ptr"}.get(name)
+            self.out = getattr(sk, name).arg_names.index(out) if out else None
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 recorded.append((self.name, list(grid), {k: v for k, v in kwargs.items() if k.startswith("BLOCK_")}))
+                if self.out is not None:  # the binary asked for is the one launched: the same arguments
+                    name, _, warm_args, warm_kwargs = binaries[-1] if binaries else (None, None, (), {})
+                    same = name == self.name and warm_kwargs == kwargs and len(warm_args) == len(args)
+                    if not (same and all(a is b for i, (a, b) in enumerate(zip(args, warm_args)) if i != self.out)):
+                        binaries.append((self.name, "launched without its binary", args, kwargs))
 
             return launch
+
+        def warmup(self, *args, grid, **kwargs):
+            meta = {k: v for k, v in kwargs.items() if k.startswith("BLOCK_")}
+            cfg = LaunchConfig.of(kwargs["num_warps"], kwargs["num_stages"], **meta)
+            assert args[self.out] is torch.float32  # the output, not yet allocated: its dtype stands in
+            binaries.append((self.name, sk._tiles(cfg), args, kwargs))
+            return binary(self.name, cfg)
 
     for name in KERNELS:
         monkeypatch.setattr(sk, name, Recorder(name))
     monkeypatch.setattr(sk, "INTERPRET", False)
     monkeypatch.setattr(sk, "_choose", choose)
     monkeypatch.setattr(sk, "_sms", lambda index: gpu.sms)
+    monkeypatch.setattr(sk, "_sm_limits", lambda index: gpu.sm)
     real_programs = sk._programs
-    monkeypatch.setattr(sk, "_programs", lambda cfg, device: real_programs(cfg, torch.device("cuda", 0)))
+    # the device is the last argument: a CUDA device's geometry for the meta tensors
+    monkeypatch.setattr(sk, "_programs", lambda *args: real_programs(*args[:-1], torch.device("cuda", 0)))
 
     K, valid, has_rows, has_count = call.active()
     meta = torch.device("meta")
@@ -281,8 +318,96 @@ def test_launches_equal_the_launchers_at_gpu_shapes(monkeypatch, call):
                            False)  # fmt: skip
     off = torch.empty((), device=meta) if call.sum_logits else None
     sk.gradients(op, saved, lse, torch.empty((), device=meta), off, True, target, call.precision, call.deterministic)
+    return recorded, asked, [(name, tiles) for name, tiles, *_ in binaries]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        *(Call(C, D, B) for C, D, B in roofline.ISSUE_SHAPES),
+        Call(10**6, 512, 8192, deterministic=True),
+        Call(3 * 10**6, 256, 4096, workers=3, sample_ratio=0.1, kind="softmax_ce", smoothing=0.1),
+    ],
+    ids=["issue-1", "issue-2", "issue-3", "deterministic", "subsampled-ce"],
+)
+def test_launches_equal_the_launchers_at_gpu_shapes(monkeypatch, call):
+    """The real ``partials`` and ``gradients`` on meta tensors with the kernels recorded, not run: the same launches,
+    grids and tiles as the model's at the GPU's geometry (the tuner's choice, which only a GPU can time, handed
+    over from the model; the deterministic path's fixed choice asked of the launcher's own ``_choose``; each
+    binary's registers and shared memory the model's recorded compile of it, or unknown where none is)."""
+    from dmltrain.distributed import softmax_kernels as sk
+
+    gpu = GPUS["h100"]
+    model = [x for x in plan(call, gpu) if x.triton]
+    tuned = [x.cfg for x in model if x.kernel == "_lse_kernel"]
+
+    def binary(kernel, cfg):
+        return _Binary(roofline.recorded(kernel, sk._tiles(cfg), gpu.arch, call))
+
+    recorded, asked, binaries = _launch_on_meta(monkeypatch, call, gpu, binary, lambda: tuned.pop(0))
     assert recorded == [(x.kernel, list(x.grid), dict(x.cfg.meta)) for x in model]
     assert set(asked) == {"lse", "grad_x", "grad_w"}
+    split = [x for x in model if x.kernel in ("_lse_kernel", "_grad_x_kernel")]
+    assert binaries == [(x.kernel, sk._tiles(x.cfg)) for x in split]  # one binary asked for per split launch
+    assert any(x.occupancy > 1 for x in split) == (call.precision == "bf16" and call.normalized)
+
+
+@pytest.mark.parametrize("gpu", ["h100", "a100"])
+def test_the_split_count_follows_the_binarys_occupancy(monkeypatch, gpu):
+    """The log-sum-exp and embedding-gradient kernels' class splits fill whole waves of SMs × the CTAs per SM their
+    binary's registers and shared memory allow (1, 2, 3 at 8 warps: 216, 128, 76 registers), not one CTA per SM."""
+    from dmltrain.distributed import softmax_kernels as sk
+
+    gpu = GPUS[gpu]
+    call = Call(300_000, 128, 2048, deterministic=True)  # one chunk of every class
+    N, K = call.batch, call.classes
+    splits: dict[str, set[int]] = {}
+    for regs, ctas in ((216, 1), (128, 2), (76, 3)):
+        assert ctas_per_sm(gpu.sm, regs, 16384, 8) == ctas
+        recorded, _, binaries = _launch_on_meta(monkeypatch, call, gpu, lambda kernel, cfg, r=regs: _Binary((r, 16384)))
+        monkeypatch.undo()
+        split = [
+            (kernel, grid, tiles) for kernel, grid, tiles in recorded if kernel in ("_lse_kernel", "_grad_x_kernel")
+        ]
+        assert [kernel for kernel, *_ in split] == ["_lse_kernel", "_grad_x_kernel"]
+        for kernel, grid, tiles in split:
+            most = sk.PARTIAL_BYTES // (4 * N * call.dim) if kernel == "_grad_x_kernel" else None
+            want = sk.num_splits(-(-N // tiles["BLOCK_B"]), -(-K // tiles["BLOCK_C"]), gpu.sms * ctas, most)
+            assert grid[1] == want, (kernel, regs, grid)
+            splits.setdefault(kernel, set()).add(grid[1])
+        assert [kernel for kernel, _ in binaries] == ["_lse_kernel", "_grad_x_kernel"]  # each launch's own binary
+    # at this shape the count differs with the occupancy: sized for one CTA per SM, the launches would fail it
+    assert len(splits["_lse_kernel"]) > 1 and len(splits["_grad_x_kernel"]) > 1, splits
+
+
+@pytest.mark.cuda
+def test_the_launcher_reads_its_binary_on_the_gpu():
+    """On a GPU, with its Triton: the log-sum-exp binary's registers and shared memory are read off the compiled
+    kernel (not the one-CTA fallback), the registers the driver reports are the cubin's (what the offline compiles
+    record), the launcher counts SMs × the CTAs per SM they allow, and that binary runs."""
+    from dmltrain import kernel_compile as kc
+    from dmltrain.distributed import softmax_kernels as sk
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    N, K, D = 256, 4096, 128
+    x = torch.nn.functional.normalize(torch.randn(N, D, device=dev), dim=1).bfloat16()
+    w = torch.nn.functional.normalize(torch.randn(K, D, device=dev), dim=1).bfloat16()
+    tcol = torch.full((N,), -1, dtype=torch.int32, device=dev)
+    cfg = sk._CONFIGS[("lse", "bf16")][0]
+    args = [x, w, w, tcol, w, torch.float32, N, K, 0, 8.0]
+    kwargs = dict(D=D, HAS_COUNT=False, NORMALIZED=True, SUM_LOGITS=False, PREC=sk.PREC_CODE["bf16"], **cfg.kwargs())
+    compiled = sk._lse_kernel.warmup(*args, grid=(1,), **kwargs)
+    used = resources(compiled)
+    assert used is not None and used[0] > 0, "Triton no longer tells the binary's registers: splits for one CTA/SM"
+    if kc.tools_missing() is None:
+        assert used[0] == kc.resource_usage(compiled.asm["cubin"], compiled.metadata.name)[0]
+    ctas = occupancy(sk._sm_limits(dev.index), used, cfg.num_warps)
+    assert sk._programs(sk._lse_kernel, cfg, args, kwargs, dev) == sk._sms(dev.index) * ctas
+    print(f"\n_lse_kernel {sk._tiles(cfg)} D={D}: {used[0]} registers, {used[1]:,} B shared, {ctas} CTA/SM")
+    args[5] = out = torch.empty(1, 3, N, device=dev)
+    sk._lse_kernel[(N // cfg["BLOCK_B"], 1)](*args, **kwargs)
+    z = 8.0 * (x.float() @ w.float().T)
+    assert torch.allclose(out[0, 0], torch.logsumexp(z, 1), atol=0.05)
 
 
 # -- the command -------------------------------------------------------------------------------------------

@@ -25,8 +25,9 @@ Assumptions (what the printed figures rest on):
   rate, on top of the L2 loads (the same slices serve both).
 * Waves: a product kernel's programs fill ``SMs × CTAs per SM`` slots, each slot running at its share of
   the SM's peak; a launch takes ``⌈programs / slots⌉`` rounds of its longest program. CTAs per SM are the
-  compiled binaries' (:data:`COMPILED`, registers and shared memory of an offline compile), else the
-  launcher's own assumption (one 8-warp CTA per SM) where no compile is recorded.
+  compiled binaries' (:data:`COMPILED`, registers and shared memory of an offline compile) through
+  :func:`~dmltrain.kernel_occupancy.occupancy`, the function the launcher sizes its class splits with from the
+  binary it launches; one CTA per SM where no compile is recorded, as the launcher where Triton does not tell.
 * Not counted: the classifier's torch work on ``O(B·D)`` data around the two calls (targets, the combine,
   the target pairs' autograd), the non-exponential elementwise work of the softmax (assumed hidden under
   the products), the optimizer's row update (the targets are forward + backward).
@@ -46,6 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dmltrain.kernel_occupancy import SMLimits, occupancy
 from dmltrain.kernel_tuning import LaunchConfig
 
 #: a launch's fixed cost on the GPU beyond its bounds (the gap between back-to-back kernels of one stream)
@@ -74,6 +76,11 @@ class GPU:
     regs_per_sm: int = 65536
     max_threads_per_sm: int = 2048
     max_ctas_per_sm: int = 32
+
+    @property
+    def sm(self) -> SMLimits:
+        """One SM's limits, for :func:`~dmltrain.kernel_occupancy.ctas_per_sm`."""
+        return SMLimits(self.smem_per_sm, self.regs_per_sm, self.max_threads_per_sm, self.max_ctas_per_sm)
 
 
 def _gpu(
@@ -163,8 +170,8 @@ GPUS: dict[str, GPU] = {
 #: bias, not accumulating), as ``python -m dmltrain.kernel_compile --all --kernel '<variant name>'`` reports them;
 #: D None: any width. The log-sum-exp kernel's were recorded at commit 9a83ee9 at D = 512 (128 and 256 gave the
 #: same CTAs per SM); the atomic-free backward's at its first commit ac028d6+ (Triton 3.8), where the accumulator
-#: held across the loop makes the width decide the registers and shared memory. Absent: the launcher's assumption,
-#: marked in the table.
+#: held across the loop makes the width decide the registers and shared memory. Absent: one CTA per SM (the launcher's
+#: fallback where Triton does not tell), marked in the table.
 COMPILED: dict[tuple[str, str, int, int | None], tuple[int, int]] = {
     ("_lse_kernel", "128×128×16 w8 s3", 90, None): (128, 24576),
     ("_lse_kernel", "128×64×32 w8 s3", 90, None): (76, 36864),
@@ -194,13 +201,12 @@ TARGETS: dict[tuple[int, int, int], float] = {
 ISSUE_SHAPES = tuple(TARGETS)
 
 
-def ctas_per_sm(gpu: GPU, regs: int, shared: int, warps: int) -> int:
-    """CTAs of ``warps`` warps one SM holds at ``regs`` registers a thread and ``shared`` bytes a CTA
-    (registers allocated 256 a warp, shared memory with the 1 KiB a CTA the driver reserves)."""
-    warp_regs = math.ceil(regs * 32 / 256) * 256
-    by_regs = (gpu.regs_per_sm // warp_regs) // warps
-    by_smem = gpu.smem_per_sm // (shared + 1024)
-    return max(0, min(by_regs, by_smem, gpu.max_threads_per_sm // (32 * warps), gpu.max_ctas_per_sm))
+def recorded(kernel: str, tiles: str, arch: int, call: Call) -> tuple[int, int] | None:
+    """(registers a thread, shared bytes a CTA) of ``kernel``'s binary at ``tiles`` (``softmax_kernels._tiles``) on
+    ``sm_{arch}`` for ``call``, as :data:`COMPILED` records it: bf16 products, normalised kinds; None otherwise."""
+    if call.precision != "bf16" or not call.normalized:
+        return None
+    return COMPILED.get((kernel, tiles, arch, call.dim), COMPILED.get((kernel, tiles, arch, None)))
 
 
 # -- the call -------------------------------------------------------------------------------------------
@@ -269,9 +275,8 @@ class Launch:
     work_total: int = 0
     chunk: int = 0
     launches: int = 1
-    occupancy: int = 0  # CTAs per SM used for the waves
+    occupancy: int = 0  # CTAs per SM: the launcher's split count and the waves
     occupancy_compiled: bool = False
-    assumed_slots: int = 0  # the launcher's programs at once (_programs)
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -287,8 +292,7 @@ class Cost:
     exp: float
     hbm: float
     l2: float  # L2 loads and stores plus atomics
-    wave_eff: float  # with the occupancy used
-    wave_eff_assumed: float  # with the launcher's own programs at once
+    wave_eff: float  # the share of the slots the grid keeps busy, at the launch's occupancy
     time: float  # the largest bound (every bound overlapped) and the launch gap
     serial: float  # compute, exponentials and memory one after another (the memory levels still overlapped)
 
@@ -301,17 +305,13 @@ def _wave_eff(programs: int, work_max: int, work_total: int, slots: int) -> floa
 
 def cost(launch: Launch, gpu: GPU, precision: str = "bf16") -> Cost:
     """The bounds' times of ``launch`` on ``gpu`` (products at ``precision``'s peak)."""
-    slots = gpu.sms * max(1, launch.occupancy)
-    eff = _wave_eff(launch.programs, launch.work_max, launch.work_total, slots)
-    eff_assumed = _wave_eff(launch.programs, launch.work_max, launch.work_total, launch.assumed_slots or slots)
+    eff = _wave_eff(launch.programs, launch.work_max, launch.work_total, gpu.sms * max(1, launch.occupancy))
     compute = launch.flops / gpu.tensor_flops[precision] / eff
     exp = launch.exps / gpu.exp_per_s / eff
     hbm = launch.hbm / gpu.hbm_bytes_s
     l2 = launch.l2 / gpu.l2_bytes_s + launch.atomic / gpu.atomic_bytes_s
     gap = launch.launches * LAUNCH_GAP_S
-    return Cost(
-        compute, exp, hbm, l2, eff, eff_assumed, max(compute, exp, hbm, l2) + gap, compute + exp + max(hbm, l2) + gap
-    )
+    return Cost(compute, exp, hbm, l2, eff, max(compute, exp, hbm, l2) + gap, compute + exp + max(hbm, l2) + gap)
 
 
 class _Geometry:
@@ -327,22 +327,20 @@ class _Geometry:
         self.copy_meta = small if gpu is None else sk._COPY.kwargs()
         self._chosen: dict[tuple, Any] = {}
 
-    def programs(self, cfg) -> int:
-        """``softmax_kernels._programs``: the programs the launcher assumes run at once (the tests call that one
-        with a GPU's SM count and compare)."""
+    def programs(self, kernel: str, cfg) -> int:
+        """``softmax_kernels._programs``: the programs that run at once, SMs × :meth:`occupancy` (two under the
+        interpreter); the tests hand the launcher the recorded binaries and compare."""
         if self.gpu is None:
             return 2
-        return self.gpu.sms * max(1, 8 // cfg.num_warps)
+        return self.gpu.sms * self.occupancy(kernel, cfg)[0]
 
     def occupancy(self, kernel: str, cfg) -> tuple[int, bool]:
-        """(CTAs per SM, from a recorded compile?)."""
+        """(CTAs per SM of ``kernel`` at ``cfg``, from a recorded compile?): the launcher's function of the binary's
+        registers and shared memory, one CTA per SM where none is recorded."""
         if self.gpu is None:
             return 1, False
-        key = (kernel, self.sk._tiles(cfg), self.gpu.arch)
-        rec = COMPILED.get((*key, self.call.dim), COMPILED.get((*key, None))) if self.call.normalized else None
-        if rec is None or self.call.precision != "bf16":
-            return max(1, 8 // cfg.num_warps), False
-        return ctas_per_sm(self.gpu, rec[0], rec[1], cfg.num_warps), True
+        used = recorded(kernel, self.sk._tiles(cfg), self.gpu.arch, self.call)
+        return occupancy(self.gpu.sm, used, cfg.num_warps), used is not None
 
     def choose(self, kind: str, key: tuple, trial: Callable[[Any], Launch]):
         """``softmax_kernels._choose``: the interpreter's tiles, the first candidate when deterministic or when it is
@@ -424,8 +422,7 @@ def plan(call: Call, gpu: GPU | None) -> list[Launch]:
 
 
 def _product(geo: _Geometry, launch: Launch) -> Launch:
-    occ, compiled = geo.occupancy(launch.kernel, launch.cfg)
-    launch.occupancy, launch.occupancy_compiled, launch.assumed_slots = occ, compiled, geo.programs(launch.cfg)
+    launch.occupancy, launch.occupancy_compiled = geo.occupancy(launch.kernel, launch.cfg)
     return launch
 
 
@@ -445,7 +442,7 @@ def _lse(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Launch
     sk, D = geo.sk, geo.call.dim
     BB, BC, BK = cfg["BLOCK_B"], cfg["BLOCK_C"], cfg["BLOCK_K"]
     TB = math.ceil(N / BB)
-    S = sk.num_splits(TB, math.ceil(K / BC), geo.programs(cfg))
+    S = sk.num_splits(TB, math.ceil(K / BC), geo.programs("_lse_kernel", cfg))
     n_tiles = math.ceil(nv / BC)
     per = math.ceil(n_tiles / S)
     busy = sum(1 for s in range(S) if s * per < n_tiles)
@@ -477,7 +474,7 @@ def _grad_x(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Lau
     sk, D = geo.sk, geo.call.dim
     BB, BC, BK = cfg["BLOCK_B"], cfg["BLOCK_C"], cfg["BLOCK_K"]
     TB, CT, n_tiles = math.ceil(N / BB), math.ceil(K / BC), math.ceil(nv / BC)
-    S = sk.num_splits(TB, CT, geo.programs(cfg), max(1, sk.PARTIAL_BYTES // (4 * N * D)))
+    S = sk.num_splits(TB, CT, geo.programs("_grad_x_kernel", cfg), max(1, sk.PARTIAL_BYTES // (4 * N * D)))
     per = math.ceil(n_tiles / S)
     counts = [max(0, min(per, n_tiles - s * per)) for s in range(S)]
     busy = sum(1 for c in counts if c)
@@ -582,7 +579,6 @@ def cce_plan(call: Call, filtered: bool = False) -> list[Launch]:
         work_max=1,
         work_total=tiles,
         occupancy=1,
-        assumed_slots=0,
     )
     dot = Launch("forward", "cce indexed dot (targets)", hbm=4 * N * D + 4 * N, l2=4 * N * D + 4 * N)
     b = _CCE_BACKWARD
@@ -668,8 +664,8 @@ def _tiles(cfg: Any) -> str:
 
 
 def table_rows(launches: Sequence[Launch], gpu: GPU, precision: str) -> list[list[str]]:
-    """One row per (phase, kernel): launches, first grid, tiles, CTAs per SM (``*``: the launcher's assumption),
-    wave efficiency (assumed → with that occupancy), TFLOP, G exponentials, GB of HBM, L2 and atomics, and the
+    """One row per (phase, kernel): launches, first grid, tiles, CTAs per SM (``*``: no compile recorded, one
+    assumed), wave efficiency at that occupancy, TFLOP, G exponentials, GB of HBM, L2 and atomics, and the
     ms of each bound and of the launches."""
     rows = []
     for group in _grouped(launches):
@@ -685,7 +681,7 @@ def table_rows(launches: Sequence[Launch], gpu: GPU, precision: str) -> list[lis
         grids = {x.grid for x in group}
         grid = "×".join(map(str, first.grid)) + ("…" if len(grids) > 1 else "") if first.grid else "-"
         occ = f"{first.occupancy}{'' if first.occupancy_compiled else '*'}" if first.programs else "-"
-        waves = f"{eff('wave_eff_assumed'):.0%}→{eff('wave_eff'):.0%}" if first.programs else "-"
+        waves = f"{eff('wave_eff'):.0%}" if first.programs else "-"
         s = {k: sum(getattr(c, k) for c in costs) for k in ("compute", "exp", "hbm", "l2", "time")}
         rows.append(
             [
@@ -796,11 +792,11 @@ def breakdown(summary: Summary) -> list[str]:
         if ks:
             x = ks[0]
             c = cost(x, gpu, call.precision)
-            how = "compiled" if x.occupancy_compiled else "no compile recorded: the launcher's assumption"
+            how = "from the compiled binary" if x.occupancy_compiled else "no compile recorded: one assumed"
+            split = f"{x.grid[1]} class split{'s' if x.grid[1] > 1 else ''} for " if len(x.grid) > 1 else ""
             out.append(
-                f"{kernel} splits: the launcher assumes {x.assumed_slots} programs at once (1 CTA/SM of "
-                f"{x.cfg.num_warps} warps); {x.occupancy} CTA/SM ({how}): wave efficiency {c.wave_eff_assumed:.0%} "
-                f"as assumed, {c.wave_eff:.0%} with it (first chunk)"
+                f"{kernel}: {split}{x.occupancy} CTA/SM of {x.cfg.num_warps} warps ({how}), "
+                f"{gpu.sms * x.occupancy} programs at once: wave efficiency {c.wave_eff:.0%} (first chunk)"
             )
     return out
 

@@ -30,7 +30,8 @@ constant, padded to a power of two ``D_PAD`` for the backward's accumulators):
   Σ_i G_ij z_ij``) and writes (or adds) the rows' gradients straight into ``.grad`` at the active
   rows, the bias's from ``Σ_i G_ij``. No atomics, no scratch in global memory, every sum in a fixed
   order set by the tiles: with the same tiles (``deterministic`` fixes them; otherwise the forward's
-  are tuned) a rerun gives the same bits on the same GPU model.
+  are tuned) a rerun gives the same bits on the same GPU model with the same Triton (the split counts follow the
+  binaries' registers and shared memory).
 
 Precision (``precision``): ``fp32`` (IEEE products), ``tf32``, or ``bf16`` (operands stored in
 bf16, products and accumulation in fp32); the probabilities are rounded like the operands for the
@@ -41,10 +42,13 @@ fp32, which is what the tensor cores compute.
 Launch geometry: on CUDA each kernel's tiles are chosen per shape key (``D``, the batch's and the
 class count's powers of two, precision, kind, padding) by timing its candidates once, the choice
 kept across ranks and runs (:class:`~dmltrain.kernel_tuning.Tuner`); the class splits follow from
-the chosen sample tile so that the grid fills whole waves of the GPU. ``deterministic`` takes each
+the chosen sample tile so that the grid fills whole waves of ``SMs × CTAs per SM``, the CTAs per SM of
+the binary launched from its registers and shared memory (:mod:`~dmltrain.kernel_occupancy`; one where
+Triton does not tell them). ``deterministic`` takes each
 kernel's first candidate instead, untuned: the tiles set the order of the sums, and a tuned choice may
 differ between ranks tuning at once and between runs, fixed ones are the same on every rank and in
-every run, so a rerun gives the same bits (on the same GPU model). Every candidate fits the shared
+every run, so a rerun gives the same bits (on the same GPU model and Triton version, which fix the
+binaries and so the split counts). Every candidate fits the shared
 memory of an A100 (sm_80) and an H100 (sm_90): :func:`compile_variants` lists them for the offline
 compile tests.
 """
@@ -55,6 +59,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -65,6 +70,7 @@ from torch import Tensor
 from dmltrain.distributed.row_sparse import RowGradTarget
 from dmltrain.distributed.shard_operands import ShardOperands
 from dmltrain.kernel_compile import KernelVariant
+from dmltrain.kernel_occupancy import SMLimits, device_limits, occupancy, resources
 from dmltrain.kernel_tuning import LaunchConfig, Tuner, time_launch
 
 PREC_CODE = {"fp32": 0, "tf32": 1, "bf16": 2}  # the kernels' PREC constexpr of each product precision
@@ -487,6 +493,11 @@ def _sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _sm_limits(device_index: int) -> SMLimits:
+    return device_limits(torch.cuda.get_device_properties(device_index))
+
+
 def _candidates(kind: str, precision: str, sum_logits: bool = False) -> list[LaunchConfig]:
     """The tile configs a launch of ``kind`` may take (:data:`_SUM_CONFIGS` for the log-sum-exp kernel with
     the logits' sum)."""
@@ -532,11 +543,19 @@ def num_splits(sample_tiles: int, class_tiles: int, programs: int, most: int | N
     return best
 
 
-def _programs(cfg: LaunchConfig, device: torch.device) -> int:
-    """Programs the GPU runs at once for ``cfg`` (all of an SM's registers per 8 warps at 255 each)."""
+def _programs(kernel, cfg: LaunchConfig, args: Sequence[Any], kwargs: dict[str, Any], device: torch.device) -> int:
+    """Programs the GPU runs at once for a launch of ``kernel`` with ``args`` and ``kwargs`` (``cfg``'s among them):
+    SMs × the CTAs per SM of the binary that launch runs (its registers and shared memory; one where Triton does not
+    tell them). Two under the interpreter.
+
+    The binary is Triton's for those arguments (``warmup`` compiles it if need be and caches it for the launch), so
+    the split count is a function of the shape, the GPU model and the Triton version, as the kernel's bits are: an
+    output the launch will allocate may be passed as its dtype (a stand-in tensor, aligned as a fresh one is)."""
     if INTERPRET or device.type != "cuda":
         return 2
-    return _sms(device.index or 0) * max(1, 8 // cfg.num_warps)
+    index = device.index or 0
+    used = resources(kernel.warmup(*args, grid=(1,), **kwargs))
+    return _sms(index) * occupancy(_sm_limits(index), used, cfg.num_warps)
 
 
 # -- the chunks -------------------------------------------------------------------------------------
@@ -615,16 +634,15 @@ def partials(
         ch = _Chunk(op, c0, c1, dtype)
         count = _or(op.count, ch.w)
 
-        def launch(cfg: LaunchConfig, out: Tensor | None = None, ch: _Chunk = ch, count: Tensor = count) -> Tensor:
-            splits = num_splits(triton.cdiv(N, cfg["BLOCK_B"]), triton.cdiv(ch.K, cfg["BLOCK_C"]), _programs(cfg, dev))
-            if out is None:
-                out = torch.empty(splits, 3, N, device=dev)
+        def launch(cfg: LaunchConfig, ch: _Chunk = ch, count: Tensor = count) -> Tensor:
+            args = [x, ch.w, _or(ch.b, ch.w), ch.tcol, count, torch.float32, N, ch.K, ch.c0, float(op.scale)]
+            kwargs = dict(D=D, HAS_COUNT=op.count is not None, NORMALIZED=op.normalized, SUM_LOGITS=sum_logits,
+                          PREC=prec, **cfg.kwargs())  # fmt: skip
             with _device(x):
-                _lse_kernel[(triton.cdiv(N, cfg["BLOCK_B"]), splits)](
-                    x, ch.w, _or(ch.b, ch.w), ch.tcol, count, out, N, ch.K, ch.c0, float(op.scale), D=D,
-                    HAS_COUNT=op.count is not None, NORMALIZED=op.normalized, SUM_LOGITS=sum_logits, PREC=prec,
-                    **cfg.kwargs(),
-                )  # fmt: skip
+                programs = _programs(_lse_kernel, cfg, args, kwargs, dev)
+                splits = num_splits(triton.cdiv(N, cfg["BLOCK_B"]), triton.cdiv(ch.K, cfg["BLOCK_C"]), programs)
+                args[5] = out = torch.empty(splits, 3, N, device=dev)
+                _lse_kernel[(triton.cdiv(N, cfg["BLOCK_B"]), splits)](*args, **kwargs)
             return out
 
         part = launch(_choose("lse", _key(op, ch.K, precision), precision, dev, launch, deterministic, sum_logits))
@@ -689,14 +707,14 @@ class _GradCall:
         """The embeddings' gradient: one partial per class split, each written once by one program."""
         x, D = self.args[0], self.args[0].shape[1]
         most = max(1, PARTIAL_BYTES // (4 * self.N * D))
-        splits = num_splits(
-            triton.cdiv(self.N, cfg["BLOCK_B"]), triton.cdiv(self.K, cfg["BLOCK_C"]), _programs(cfg, x.device), most
-        )
-        part = torch.empty(splits, self.N, D, device=x.device)  # every program writes its whole partial
+        kwargs = {**self.common, **cfg.kwargs(), "D_PAD": triton.next_power_of_2(D)}
         with _device(x):
-            _grad_x_kernel[(triton.cdiv(self.N, cfg["BLOCK_B"]), splits)](
-                *self.args, part, *self.tail, **self.common, **cfg.kwargs(), D_PAD=triton.next_power_of_2(D)
+            programs = _programs(_grad_x_kernel, cfg, (*self.args, torch.float32, *self.tail), kwargs, x.device)
+            splits = num_splits(
+                triton.cdiv(self.N, cfg["BLOCK_B"]), triton.cdiv(self.K, cfg["BLOCK_C"]), programs, most
             )
+            part = torch.empty(splits, self.N, D, device=x.device)  # every program writes its whole partial
+            _grad_x_kernel[(triton.cdiv(self.N, cfg["BLOCK_B"]), splits)](*self.args, part, *self.tail, **kwargs)
         return part
 
     def rows(self, cfg: LaunchConfig, op: ShardOperands, ch: _Chunk, out: RowGradTarget) -> None:
