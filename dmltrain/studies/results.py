@@ -879,43 +879,54 @@ def write_outputs(summary: StudySummary) -> dict[str, Path]:
 
 
 CHANGE_PREFIX, VALUE_PREFIX = "change/", "value/"  # MLflow sorts sections by name: the trade-off first
+#: a relative's value at the reference itself, where it anchors its chart's line (no change, 1×)
+IDENTITY = {"delta_points": 0.0, "speedup": 1.0, "factor": 1.0}
 
 
-def parent_metrics(summary: StudySummary) -> dict[str, float]:
-    """The parent run's metrics, every point's mean of each figure: ``change/<relative>/<point>`` (against
-    the reference; not for the reference itself) and ``value/<measure>/<point>``, so that MLflow's charts
-    show one section per figure, the trade-off's first, with a chart per point."""
-    out = {}
-    factors = [
-        relative(p, reference_of(p, summary.points), rel).mean
-        for rel in summary.relatives
-        if rel.kind == "factor"
-        for p in summary.points
-    ]
-    # a draw that keeps the whole classifier (its memory 1× everywhere) gets no chart of that constant
-    flat_memory = all(not finite_number(f) or abs(f - 1) < 1e-9 for f in factors)
-    for p in summary.points:
+def parent_metrics(summary: StudySummary) -> dict[str, dict[int, float]]:
+    """The parent run's metrics: one per quantity, its value at each point logged at the point's index in
+    ``summary.points`` as the step (the order of the ``study.points`` param), so that MLflow's charts show one
+    chart per quantity across the points, not one single-bar chart per point. ``change/<relative>`` against
+    the reference (at the reference itself its identity: Δ 0, 1×, so that the line starts there),
+    ``change/delta_recall_at_1_ci95_half`` and ``change/gap_closed_percent`` where they exist, and
+    ``value/<measure>``: each point's mean over its seeds, :func:`rounded`. A quantity whose values are the
+    same at every point (a memory factor of 1 where the draw keeps the whole classifier) is left out: a
+    chart of a constant says nothing the description does not."""
+    series: dict[str, dict[int, float]] = {}
+
+    def put(key: str, step: int, value: float) -> None:
+        if finite_number(value):
+            series.setdefault(key, {})[step] = rounded(value)
+
+    for i, p in enumerate(summary.points):
         ref = reference_of(p, summary.points)
-        for rel in summary.relatives if ref is not p else ():  # the reference against itself says nothing
-            s = relative(p, ref, rel)
-            if rel.kind == "factor" and flat_memory:
-                continue
-            if s.n:
-                out[f"{CHANGE_PREFIX}{rel.mlflow}/{p.label}"] = rounded(s.mean)
+        for rel in summary.relatives:
+            if ref is p:
+                put(f"{CHANGE_PREFIX}{rel.mlflow}", i, IDENTITY.get(rel.kind, float("nan")))
+            elif (s := relative(p, ref, rel)).n:
+                put(f"{CHANGE_PREFIX}{rel.mlflow}", i, s.mean)
         if ref is not None and ref is not p and (half := paired_delta(p, ref).half) is not None:
-            out[f"{CHANGE_PREFIX}delta_recall_at_1_ci95_half/{p.label}"] = rounded(half)
+            put(f"{CHANGE_PREFIX}delta_recall_at_1_ci95_half", i, half)
         if (g := gap_closed(p, summary.points)).n:
-            out[f"{CHANGE_PREFIX}gap_closed_percent/{p.label}"] = rounded(g.mean)
+            put(f"{CHANGE_PREFIX}gap_closed_percent", i, g.mean)
         for m in summary.measures:
-            s = stat(p, m.name)
-            if s.n and m.mlflow:
-                out[f"{VALUE_PREFIX}{m.mlflow}/{p.label}"] = rounded(s.mean)
-    return out
+            if m.mlflow and (s := stat(p, m.name)).n:
+                put(f"{VALUE_PREFIX}{m.mlflow}", i, s.mean)
+    return {k: v for k, v in series.items() if len(v) < 2 or len(set(v.values())) > 1}
+
+
+def chart_steps(summary: StudySummary) -> str:
+    """What the steps of the parent's charts are: ``step 0 r1-c500 (reference), step 1 r0.1-c500``."""
+    return ", ".join(
+        f"{i} {p.label}" + (" (reference)" if reference_of(p, summary.points) is p else "")
+        for i, p in enumerate(summary.points)
+    )
 
 
 def rounded(x: float, significant: int = 4) -> float:
-    """``x`` to ``significant`` digits, so that MLflow shows ``0.01``, not ``0.009999999999999998``."""
-    return float(f"{x:.{significant}g}") if finite_number(x) else x
+    """``x`` to ``significant`` digits, so that MLflow shows ``0.01``, not ``0.009999999999999998`` (and ``0``, not
+    ``-0``)."""
+    return float(f"{x:.{significant}g}") + 0.0 if finite_number(x) else x
 
 
 def describe_study(summary: StudySummary, config_line: str) -> str:
@@ -953,6 +964,11 @@ def describe_study(summary: StudySummary, config_line: str) -> str:
         others.append(f"- **{p.label}**: " + ", ".join(x for x in parts if x))
     lines += others + refs
     lines += ["", "### Setup", "", config_line, "", *(f"- {n}" for n in notes(summary))]
+    if parent_metrics(summary):
+        lines.append(
+            "- This run's charts: one per quantity (change/ against the reference, value/ each point's mean), "
+            f"the points along the x axis, step = point: {chart_steps(summary)}."
+        )
     return "\n".join(lines)
 
 
