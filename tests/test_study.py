@@ -266,6 +266,36 @@ def test_the_parent_run_charts_each_quantity_across_the_points(tmp_path):
     assert "step = point: 0 r1-c100 (reference), 1 r0.1-c100, 2 r1-c1k (reference), 3 r0.1-c1k." in text
 
 
+def test_the_figures_label_a_small_change_with_its_digits_and_draw_the_full_loss_from_zero(tmp_path, monkeypatch):
+    from dmltrain.evaluate import plots
+
+    # a change of 0.15 points reads +0.15, not +0.1 (nor 0.02 as +0.0); the verdict's decimals
+    assert [sr.delta_label(x) for x in (0.15, 0.02, 0.004, -0.0, -2.14, 3.0)] == [
+        "+0.15",
+        "+0.02",
+        "0.00",
+        "0.00",
+        "-2.1",
+        "+3.0",
+    ]
+    summary = _fake_study(tmp_path)
+    series = sr._tradeoff_series(summary)
+    assert series[0].ylabel.startswith("Δ Recall@1") and series[0].values(0.15) == "+0.15"
+    # the full-softmax loss of an untrained-scale model, 6.2146 -> 6.2046: drawn from 0 under its chance level
+    for p in summary.points:
+        for r in p.finished:
+            r.curves = {"full-softmax loss": [(s, 6.2146 - 0.001 * s) for s in (0, 5, 10)]}
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or Path(path))
+    sr.plot_curve(summary, sr.full_loss_measure(), tmp_path / "full_loss.png")
+    ax = figures[0].axes[0]
+    assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] > math.log(1000)
+    assert [t.get_text() for t in ax.get_legend().get_texts()][-2:] == [
+        "ln C = 4.61: a uniform softmax over 100 classes",
+        "ln C = 6.91: a uniform softmax over 1,000 classes",
+    ]
+
+
 def _paired(ref_r1: list[float], point_r1: list[float]):
     ref = sr.Point(1.0, 100, "/s", "r1-c100", repeats=[])
     pt = sr.Point(0.1, 100, "/s", "r0.1-c100", repeats=[])

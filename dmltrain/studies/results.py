@@ -85,6 +85,8 @@ class Measure:
     curve: bool = False  # a metric whose history is kept and plotted against the step
     ylim: tuple[float, float] | None = None  # the curve's y range (None: matplotlib's)
     about: str = ""  # what the curve shows, in words (its plot's title)
+    zero: bool = False  # the curve's y axis from 0 (a loss: its small changes would fill the plot)
+    chance: bool = False  # a softmax loss over the classes: its chance level, ln C, drawn at each class count
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,8 @@ def full_loss_measure() -> Measure:
         digits=3,
         curve=True,
         about="the full softmax's loss on the training batch (the probe; the same loss at every ratio)",
+        zero=True,
+        chance=True,
     )
 
 
@@ -573,6 +577,12 @@ def _varies(values: Sequence[float], rel_tol: float = 1e-3) -> bool:
     return bool(vals) and max(vals) - min(vals) > rel_tol * max(1e-12, max(abs(v) for v in vals))
 
 
+def delta_label(points: float) -> str:
+    """A change of Recall@1 in points as a figure labels it, with the verdict's decimals (2 under a point):
+    ``+0.15``, ``-2.1``, ``0.00`` (never ``+0.0`` for a change that is not 0)."""
+    return _signed(points, 2 if abs(points) < 1 else 1)
+
+
 @dataclass(frozen=True)
 class _Series:
     """What a panel plots for a point: (mean, spread), and how the panel reads (reference line, zero-based)."""
@@ -581,7 +591,7 @@ class _Series:
     of: Callable[[Point], Stat]
     baseline: float | None
     zero: bool
-    values: str
+    values: str | Callable[[float], str]
     dropped: Callable[[list[Point]], str]  # the note when it does not vary
 
 
@@ -608,7 +618,7 @@ def _tradeoff_series(summary: StudySummary) -> list[_Series]:
 
     if "delta_points" in by:
         r = by["delta_points"]
-        out.append(_Series(r.axis, rel_of(r), 0.0, False, "{:+.1f}", lambda d: "Recall@1: no change"))
+        out.append(_Series(r.axis, rel_of(r), 0.0, False, delta_label, lambda d: "Recall@1: no change"))
     if "speedup" in by:
         r = by["speedup"]
         out.append(_Series(r.axis, rel_of(r), 1.0, True, "{:.2f}×", _values_text("step time", "step ms", 1, " ms")))
@@ -814,6 +824,7 @@ def plot_curve(summary: StudySummary, measure: Measure, path: Path) -> Path | No
     if not data:
         return None
     reps = max(len(p.repeats) for p in summary.points)
+    counts = sorted({p.classes for p in summary.points if p.label in data})
     return plot_curves(
         data,
         path,
@@ -821,7 +832,15 @@ def plot_curve(summary: StudySummary, measure: Measure, path: Path) -> Path | No
         f"{measure.about or measure.name}\nover training" + (f", the mean over {reps} seeds" if reps > 1 else ""),
         run_colors(list(data)),
         ylim=measure.ylim,
+        zero=measure.zero,
+        levels=chance_levels(counts) if measure.chance else None,
     )
+
+
+def chance_levels(classes: Sequence[int]) -> dict[str, float]:
+    """The loss of a softmax that gives every class the same probability, ln C, per class count: where a
+    softmax loss starts (an untrained model) and what it falls from."""
+    return {f"ln C = {math.log(n):.2f}: a uniform softmax over {n:,} classes": math.log(n) for n in classes if n > 1}
 
 
 # -- files, MLflow and the terminal ---------------------------------------------------------------------------
