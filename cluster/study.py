@@ -380,6 +380,7 @@ def _train_repeat(
     progress: bool,
     index: str,
     measures: list[Measure],
+    ui_url: str | None = None,
 ) -> Repeat:
     """Train one run of ``point`` and read its ``measures``; a failure is recorded on ``repeat``, never
     raised (a user error, which would fail every run alike, is)."""
@@ -387,7 +388,9 @@ def _train_repeat(
     what = f"{point.label} seed {repeat.seed}"
     print(f"{index} {what}: started (run {repeat.run_name})", file=sys.stderr, flush=True)
     try:
-        summary = train(pcfg, progress=progress, config_name=repeat.run_name, parent_run_id=parent_run_id)
+        summary = train(
+            pcfg, progress=progress, config_name=repeat.run_name, parent_run_id=parent_run_id, ui_url=ui_url
+        )
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 — one failed run does not end the study
@@ -506,12 +509,21 @@ def run_study(
     try:
         if parallel == 1:
             for i, (p, r) in enumerate(runs):
-                _train_repeat(cfg, p, r, runs_root, parent.run_id, live, f"[{i + 1}/{len(runs)}]", measures)
+                _train_repeat(cfg, p, r, runs_root, parent.run_id, live, f"[{i + 1}/{len(runs)}]", measures, ui_url)
         else:
             with ThreadPoolExecutor(max_workers=parallel) as pool:
                 futures = [
                     pool.submit(
-                        _train_repeat, cfg, p, r, runs_root, parent.run_id, False, f"[{i + 1}/{len(runs)}]", measures
+                        _train_repeat,
+                        cfg,
+                        p,
+                        r,
+                        runs_root,
+                        parent.run_id,
+                        False,
+                        f"[{i + 1}/{len(runs)}]",
+                        measures,
+                        ui_url,
                     )
                     for i, (p, r) in enumerate(runs)
                 ]
