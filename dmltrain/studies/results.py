@@ -908,7 +908,7 @@ def parent_metrics(summary: StudySummary) -> dict[str, dict[int, float]]:
     chart per quantity across the points, not one single-bar chart per point. ``change/<relative>`` against
     the reference (at the reference itself its identity: Δ 0, 1×, so that the line starts there),
     ``change/delta_recall_at_1_ci95_half`` and ``change/gap_closed_percent`` where they exist, and
-    ``value/<measure>``: each point's mean over its seeds, :func:`rounded`. A quantity whose values are the
+    ``value/<measure>``: each point's mean over its seeds, :func:`rounded` (the wall time only in its parts). A quantity whose values are the
     same at every point (a memory factor of 1 where the draw keeps the whole classifier) is left out: a
     chart of a constant says nothing the description does not."""
     series: dict[str, dict[int, float]] = {}
@@ -928,8 +928,8 @@ def parent_metrics(summary: StudySummary) -> dict[str, dict[int, float]]:
             put(f"{CHANGE_PREFIX}delta_recall_at_1_ci95_half", i, half)
         if (g := gap_closed(p, summary.points)).n:
             put(f"{CHANGE_PREFIX}gap_closed_percent", i, g.mean)
-        for m in summary.measures:
-            if m.mlflow and (s := stat(p, m.name)).n:
+        for m in summary.measures:  # the wall time only in its parts, as the figure: start-up is not the ratio's gain
+            if m.mlflow and m.source != "wall" and (s := stat(p, m.name)).n:
                 put(f"{VALUE_PREFIX}{m.mlflow}", i, s.mean)
     return {k: v for k, v in series.items() if len(v) < 2 or len(set(v.values())) > 1}
 
