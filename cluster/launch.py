@@ -62,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "or without RUN the latest run of this config in its output folder",
     )
     parser.add_argument("--no-progress", action="store_true", help="no live progress line")
+    parser.add_argument(
+        "--ui-url",
+        help="MLflow UI base URL of the printed run link (default: the tracking server's, or mlflow ui's "
+        "http://127.0.0.1:5000)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
             config_name=Path(args.config).stem,
             config_path=args.config,
             resume=resume,
+            ui_url=args.ui_url,
         )
     finally:
         if main_thread:
@@ -478,11 +484,14 @@ def train(
     parent_run_id: str | None = None,
     config_path: str | None = None,
     resume: str | None = None,
+    ui_url: str | None = None,
 ) -> TrainSummary:
     """Run one training to completion (or failure) and summarise it.
 
     ``resume``: None trains as configured (a ``train.run_name`` that exists is resumed); a run
     name resumes that run; "" resumes the latest run of ``config_path`` in the output folder.
+    ``ui_url``: the MLflow UI the summary's run link points into (default: the tracking server's, or
+    ``mlflow ui``'s).
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -589,5 +598,14 @@ def train(
             training(run_dir, False)
     ckpt = result.checkpoint.path if result is not None and result.checkpoint is not None else None
     return TrainSummary(
-        run_name, error is None, run_id, uri, ckpt, storage_dir, summary, error, time.time() - started, tracked.url()
+        run_name,
+        error is None,
+        run_id,
+        uri,
+        ckpt,
+        storage_dir,
+        summary,
+        error,
+        time.time() - started,
+        tracked.url(ui=ui_url),
     )

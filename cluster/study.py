@@ -20,9 +20,9 @@ study has it), seed by seed: the change of Recall@1 in points, the speed-up of a
 classifier memory as a factor, with their spread over the seeds, and the wall time of a run
 (:mod:`dmltrain.studies.results`, which holds the points, the table, the plots and what the parent run
 shows). Everything hangs under one MLflow parent run: the runs are its children (named with their
-point first: ``r0.1-c100k-s1-<study>``), the table, the CSVs and the plots its artifacts, every
-figure of every point one of its metrics, and its description says per point what it loses and
-gains. A run that fails is reported in the table and the others go on. Running the study again with
+point first: ``r0.1-c100k-s1-<study>``), the table, the CSVs and the plots its artifacts, each
+figure one of its metrics with the points along its steps (one chart per figure), and its description says
+per point what it loses and gains. A run that fails is reported in the table and the others go on. Running the study again with
 the same ``--name`` finds the runs already trained (they are resumed and end at once) and trains the
 rest.
 
@@ -368,6 +368,7 @@ def _train_repeat(
     progress: bool,
     index: str,
     measures: list[Measure],
+    ui_url: str | None = None,
 ) -> Repeat:
     """Train one run of ``point`` and read its ``measures``; a failure is recorded on ``repeat``, never
     raised (a user error, which would fail every run alike, is)."""
@@ -375,7 +376,9 @@ def _train_repeat(
     what = f"{point.label} seed {repeat.seed}"
     print(f"{index} {what}: started (run {repeat.run_name})", file=sys.stderr, flush=True)
     try:
-        summary = train(pcfg, progress=progress, config_name=repeat.run_name, parent_run_id=parent_run_id)
+        summary = train(
+            pcfg, progress=progress, config_name=repeat.run_name, parent_run_id=parent_run_id, ui_url=ui_url
+        )
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 — one failed run does not end the study
@@ -494,12 +497,21 @@ def run_study(
     try:
         if parallel == 1:
             for i, (p, r) in enumerate(runs):
-                _train_repeat(cfg, p, r, runs_root, parent.run_id, live, f"[{i + 1}/{len(runs)}]", measures)
+                _train_repeat(cfg, p, r, runs_root, parent.run_id, live, f"[{i + 1}/{len(runs)}]", measures, ui_url)
         else:
             with ThreadPoolExecutor(max_workers=parallel) as pool:
                 futures = [
                     pool.submit(
-                        _train_repeat, cfg, p, r, runs_root, parent.run_id, False, f"[{i + 1}/{len(runs)}]", measures
+                        _train_repeat,
+                        cfg,
+                        p,
+                        r,
+                        runs_root,
+                        parent.run_id,
+                        False,
+                        f"[{i + 1}/{len(runs)}]",
+                        measures,
+                        ui_url,
                     )
                     for i, (p, r) in enumerate(runs)
                 ]
@@ -515,10 +527,21 @@ def run_study(
     summary.files = write_outputs(summary)
     for path in summary.files.values():
         parent.log_artifact(path, "study")
-    parent.log_metrics(parent_metrics(summary))
+    log_parent_metrics(parent, summary)
     parent.set_description(describe_study(summary, _config_line(cfg)))
     parent.finish("FINISHED" if summary.ok else "FAILED")
     return summary
+
+
+def log_parent_metrics(parent: RunHandle, summary: StudySummary) -> None:
+    """:func:`~dmltrain.studies.results.parent_metrics` into the parent run: each quantity one metric, its
+    value at point ``i`` logged at step ``i``, so that MLflow draws one chart per quantity across the points."""
+    by_step: dict[int, dict[str, float]] = {}
+    for key, values in parent_metrics(summary).items():
+        for step, value in values.items():
+            by_step.setdefault(step, {})[key] = value
+    for step, values in sorted(by_step.items()):
+        parent.log_metrics(values, step)
 
 
 def _config_line(cfg) -> str:

@@ -192,6 +192,32 @@ def test_the_summary_lists_only_models_that_were_written(tmp_path):
     assert "open MLflow: mlflow ui --backend-store-uri sqlite:///x.db" in on.render()
 
 
+def test_train_prints_its_run_link_into_the_ui_given_by_ui_url(tmp_path, monkeypatch, capsys):
+    """``dmltrain train --ui-url`` reaches the printed link: the run's page in that UI, in MLflow's
+    model-training view; without it the link is mlflow ui's, as before."""
+    from cluster import launch
+    from cluster.launch import TrainSummary
+    from dmltrain.tracking.run import RunHandle
+
+    handle = RunHandle.open(f"sqlite:///{tmp_path / 'mlflow.db'}", "exp", "r", {})
+    seen = {}
+
+    def train(cfg, **kw):  # the command's wiring, down to the link train() prints (its Ray part is not run)
+        seen.update(kw)
+        url = handle.url(ui=kw["ui_url"])
+        return TrainSummary("r", True, handle.run_id, handle.uri, None, str(tmp_path), {"step": 1}, mlflow_url=url)
+
+    monkeypatch.setattr(launch, "train", train)
+    out = tmp_path / "o"
+    assert main(["train", "configs/demo.yaml", f"train.output_dir={out}", "--ui-url", "http://ui.example:8080/"]) == 0
+    printed = capsys.readouterr().out
+    exp = handle.experiment_id
+    link = f"http://ui.example:8080/#/experiments/{exp}/runs/{handle.run_id}?workflowType=machine_learning"
+    assert seen["ui_url"] == "http://ui.example:8080/" and f"  MLflow: {link}\n" in printed
+    assert main(["train", "configs/demo.yaml", f"train.output_dir={out}"]) == 0
+    assert seen["ui_url"] is None and "  MLflow: http://127.0.0.1:5000/#/experiments/" in capsys.readouterr().out
+
+
 # -- run records: a crashed driver is found and its run closed or resumed --------------------------------
 def _record(tmp_path: Path, name: str, **over):
     from cluster.run_records import RunRecord

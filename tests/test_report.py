@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import math
 import re
 from pathlib import Path
 
@@ -162,7 +163,7 @@ def test_final_metrics_best_only_among_comparable_runs(full_report):
         "map@r",
         "binary/recall@1",
         "untrained recall@1",
-        "loss (last)",
+        "loss (last, drawn classes only)",
         "images/s",
         "best recall@1 (step)",
     ]
@@ -174,7 +175,7 @@ def test_final_metrics_best_only_among_comparable_runs(full_report):
     assert cells["untrained recall@1"] == [f"**{v:.4f}**" if v == max(initial) else f"{v:.4f}" for v in initial]
     # the loss of solo (half the classes, plus ICE) is not comparable with the trials': only they compete
     losses = [RUNS[n][2][-1] for n in names]
-    assert cells["loss (last)"] == [f"**{losses[0]:.4f}**", f"{losses[1]:.4f}", f"{losses[2]:.4f}"]
+    assert cells["loss (last, drawn classes only)"] == [f"**{losses[0]:.4f}**", f"{losses[1]:.4f}", f"{losses[2]:.4f}"]
     # speed: the median of the windows after the first, the same aggregation as the study's
     assert cells["images/s"] == [f"**{STEADY['trial-a']:,.1f}**", f"{STEADY['trial-b']:,.1f}", f"{STEADY['solo']:,.1f}"]
     for n, cell in zip(names, cells["best recall@1 (step)"]):
@@ -208,11 +209,11 @@ def test_comparable_groups_and_many_runs_as_rows():
     assert comparable_groups(recs, "eval") == [[0, 1, 2], [3, 4, 5, 6, 7]]
     assert comparable_groups(recs, "loss") == [[0, 1], [2], [3, 4, 5, 6, 7]]
     cols = metric_columns(recs)
-    assert [c.header for c in cols] == ["recall@1", "loss (last)"]
+    assert [c.header for c in cols] == ["recall@1", "loss (last, drawn classes only)"]
     # recall@1: 0.7 is the best on shards a, the five equal runs on b all are; loss: run 2 has no peer
     assert best_cells(recs, cols) == {0: {2, 3, 4, 5, 6, 7}, 1: {0, 3, 4, 5, 6, 7}}
     t = metrics_table(recs, [f"u{i}" for i in range(8)])  # eight runs: one row each
-    assert t.head == ["run", "recall@1", "loss (last)", "best recall@1 (step)"] and len(t.rows) == 8
+    assert t.head == ["run", "recall@1", "loss (last, drawn classes only)", "best recall@1 (step)"] and len(t.rows) == 8
     assert (2, 1) in t.bold and (2, 2) not in t.bold and t.links[(7, 0)] == "u7"
 
 
@@ -408,16 +409,42 @@ def test_a_study_parent_gets_its_points_table_verdicts_and_files(tmp_path, capsy
             run = client.create_run(exp, run_name=f"{label}-s{seed}-sub", tags=tags)
             rid = run.info.run_id
             client.log_param(rid, "loss.classifier.sample_ratio", label[1:].split("-")[0])
+            client.log_param(rid, "data.synthetic.classes", "500")
             client.log_metric(rid, "eval/recall_at_1", r1, step=10)
+            for step in (0, 5, 10):  # an untrained-scale model: the full-softmax loss barely below ln 500 = 6.2146
+                client.log_metric(rid, "softmax/probe/full_loss", 6.2146 - 0.001 * step, step=step)
+                client.log_metric(rid, "batch/loss", 6.2146 - 0.001 * step - (label != "r1-c500") * 2.3, step=step)
             for step, ms in ((1, 999.0), (2, step_ms), (3, step_ms + seed)):
                 client.log_metric(rid, "time/step_ms", ms, step=step)
             client.set_terminated(rid)
     client.set_terminated(pid)
 
-    rc = main(["report", "--experiment", "st", "--runs", "sub", "--tracking-uri", uri, "--out", str(tmp_path / "rep"),
-               "--ui-url", "http://ui.example:8080", "--no-progress"])  # fmt: skip
+    from dmltrain.report import cli as report_cli
+
+    drawn = {}
+
+    def plot_curves(data, path, ylabel, title, colors, **kw):  # the real figure, its arguments kept
+        drawn[Path(path).name] = kw
+        return real_plot_curves(data, path, ylabel, title, colors, **kw)
+
+    real_plot_curves, report_cli.plot_curves = report_cli.plot_curves, plot_curves
+    try:
+        rc = main(["report", "--experiment", "st", "--runs", "sub", "--tracking-uri", uri, "--out", str(tmp_path / "rep"),
+                   "--ui-url", "http://ui.example:8080", "--no-progress"])  # fmt: skip
+    finally:
+        report_cli.plot_curves = real_plot_curves
     printed = capsys.readouterr().out
     assert rc == 0
+    # what the report is of: the study's points and seeds, not "4 runs"
+    assert "report of study sub: 2 points × 2 seeds (4 runs) from experiment st:" in printed
+    # the full-softmax loss from 0 with its chance level (a drop of 0.01 on 6.21 does not fill the figure); the
+    # objective labelled as over the drawn classes only, beside the loss that compares
+    assert drawn["loss.png"] == {
+        "zero": True,
+        "levels": {"ln C = 6.21: a uniform softmax over 500 classes": math.log(500)},
+    }
+    assert "| loss (last, drawn classes only) | 6.2046 | 6.2046 | 3.9046 | 3.9046 |" in printed
+    assert "| full-softmax loss (last) | 6.2046 | 6.2046 | 6.2046 | 6.2046 |" in printed
     # per point: mean ± s.d. of the seeds, the paired Δ and its verdict; the steady step time (first window left out)
     assert "| point | r1-c500 | r0.1-c500 |" in printed
     assert "| Δ recall@1, 95 % interval | — | within noise (+0.1 ± 1.3 points) |" in printed  # 12.706·0.1414/√2
@@ -437,6 +464,7 @@ def test_a_study_parent_gets_its_points_table_verdicts_and_files(tmp_path, capsy
     )
     assert f"/runs/{pid}?workflowType=machine_learning" in links[1]
     md = (tmp_path / "rep" / "report.md").read_text()
+    assert md.startswith("# Experiment `st`: study sub: 2 points × 2 seeds (4 runs)\n")
     assert md.index("## Study sub") < md.index("## Runs")
     # 0.0120 against 0.0100 is one seed's luck: no run's value is bold, the study's table weighs it
     metrics_part = md[md.index("## Final metrics") :]
@@ -446,4 +474,5 @@ def test_a_study_parent_gets_its_points_table_verdicts_and_files(tmp_path, capsy
     assert (tmp_path / "rep" / "study" / "sub" / "tradeoff.png").read_bytes() == PNG + b"fake"
     assert not (tmp_path / "rep" / "study" / "sub" / "study.csv").exists()
     page = (tmp_path / "rep" / "report.html").read_text()
+    assert "<h1>Experiment <code>st</code>: study sub: 2 points × 2 seeds (4 runs)</h1>" in page
     assert "<h2>Study sub</h2>" in page and "within noise (+0.1 ± 1.3 points)" in page

@@ -210,12 +210,14 @@ def test_the_trade_off_against_ratio_1_seed_by_seed(tmp_path):
     assert cells["Δ recall@1 (points)"][3] == f"{-4 / 3:.2f} ± {statistics.stdev([-1, -2, -1]):.2f}"
     assert cells["speed-up (×)"][3] == f"{(4 + 4 + 410 / 110) / 3:.2f} ± {statistics.stdev([4, 4, 410 / 110]):.2f}"
     assert cells["wall s"][1] == "35 ± 5" and cells["recall@1"][0] == "0.8100 ± 0.0141"
+    # the parent's metrics: one per quantity, point i at step i (a reference at its identity: Δ 0, 1×), rounded;
+    # the quantities that are the same at every point (memory 1×, 2 MB, recall@10 0.95) are left out
     metrics = sr.parent_metrics(summary)
-    assert metrics["change/delta_recall_at_1_points/r0.1-c100"] == pytest.approx(-2.5)
-    assert metrics["change/speedup/r0.1-c100"] == pytest.approx(2.25)
-    assert metrics["value/recall_at_1/r1-c100"] == pytest.approx(0.81) and not any(
-        "change/" in k and "r1-" in k for k in metrics
-    )
+    assert metrics["change/delta_recall_at_1_points"] == {0: 0.0, 1: -2.5, 2: 0.0, 3: -1.333}
+    assert metrics["change/speedup"] == {0: 1.0, 1: 2.25, 2: 1.0, 3: 3.909}  # (4 + 4 + 410 / 110) / 3
+    assert metrics["value/recall_at_1"] == {0: 0.81, 1: 0.8233, 2: 0.71, 3: 0.6967}
+    assert not {"change/memory_factor", "value/classifier_mb", "value/recall_at_10"} & set(metrics)
+    assert all(k.count("/") == 1 for k in metrics)  # no chart per point
     text = sr.describe_study(summary, "Each run: ...")
     # seeds 0 and 1 pair: Δ -2, -3; the 95 % t interval's half-width t(0.975, 1) · s.d. / √2 = 12.706 · 0.5 = 6.35
     assert (
@@ -232,6 +234,65 @@ def test_the_trade_off_against_ratio_1_seed_by_seed(tmp_path):
         p.repeats[0].status = "finished"
     variants[2].repeats[0].status = "failed"
     assert reference_of(variants[3], variants) is variants[0] and reference_of(variants[1], variants) is variants[0]
+
+
+def test_the_parent_run_charts_each_quantity_across_the_points(tmp_path):
+    """What MLflow draws of the parent: one metric per quantity, point i at step i, rounded; no constant."""
+    from mlflow import MlflowClient
+
+    from dmltrain.tracking.run import RunHandle
+
+    summary = _fake_study(tmp_path)
+    for r in summary.points[1].repeats:  # floats as arithmetic leaves them (0.009999999999999998)
+        r.values["recall@1"] = 0.79 + 0.009999999999999998 * (r.seed == 2)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    parent = RunHandle.open(uri, "st", "s", {}, owner="the study")
+    st.log_parent_metrics(parent, summary)
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(parent.run_id)
+    assert set(run.data.metrics) == {
+        "change/delta_recall_at_1_points",
+        "change/delta_recall_at_1_ci95_half",
+        "change/speedup",
+        "value/recall_at_1",
+        "value/step_ms",
+    }  # not value/wall_s: the wall time goes in its parts (start-up, steps), which these fake runs lack
+    history = {m.step: m.value for m in client.get_metric_history(parent.run_id, "value/recall_at_1")}
+    assert history == {0: 0.81, 1: 0.7933, 2: 0.71, 3: 0.6967}  # (0.79 + 0.79 + 0.8) / 3, 4 digits
+    delta = {m.step: m.value for m in client.get_metric_history(parent.run_id, "change/delta_recall_at_1_points")}
+    assert delta == {0: 0.0, 1: -2.0, 2: 0.0, 3: -1.333}  # seeds 0, 1 pair at 100 classes: -1, -3 points
+    text = sr.describe_study(summary, "")
+    assert "step = point: 0 r1-c100 (reference), 1 r0.1-c100, 2 r1-c1k (reference), 3 r0.1-c1k." in text
+
+
+def test_the_figures_label_a_small_change_with_its_digits_and_draw_the_full_loss_from_zero(tmp_path, monkeypatch):
+    from dmltrain.evaluate import plots
+
+    # a change of 0.15 points reads +0.15, not +0.1 (nor 0.02 as +0.0); the verdict's decimals
+    assert [sr.delta_label(x) for x in (0.15, 0.02, 0.004, -0.0, -2.14, 3.0)] == [
+        "+0.15",
+        "+0.02",
+        "0.00",
+        "0.00",
+        "-2.1",
+        "+3.0",
+    ]
+    summary = _fake_study(tmp_path)
+    series = sr._tradeoff_series(summary)
+    assert series[0].ylabel.startswith("Δ Recall@1") and series[0].values(0.15) == "+0.15"
+    # the full-softmax loss of an untrained-scale model, 6.2146 -> 6.2046: drawn from 0 under its chance level
+    for p in summary.points:
+        for r in p.finished:
+            r.curves = {"full-softmax loss": [(s, 6.2146 - 0.001 * s) for s in (0, 5, 10)]}
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or Path(path))
+    sr.plot_curve(summary, sr.full_loss_measure(), tmp_path / "full_loss.png")
+    ax = figures[0].axes[0]
+    assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] > math.log(1000)
+    assert [t.get_text() for t in ax.get_legend().get_texts()][-2:] == [
+        "ln C = 4.61: a uniform softmax over 100 classes",
+        "ln C = 6.91: a uniform softmax over 1,000 classes",
+    ]
 
 
 def _paired(ref_r1: list[float], point_r1: list[float]):
@@ -356,7 +417,8 @@ def test_outputs_of_a_study(tmp_path):
     assert [r["point"] for r in rows] == ["r1-c100", "r0.1-c100", "r1-c1k", "r0.1-c1k"]
     assert rows[3]["verdict"] == "within noise (-1.3 ± 1.4 points)" and float(rows[3]["Δ recall@1 95% high"]) > 0
     metrics = sr.parent_metrics(summary)
-    assert metrics["change/delta_recall_at_1_ci95_half/r0.1-c100"] == 6.353  # 12.706 · 0.7071 / √2, 4 digits
+    # 12.706 · 0.7071 / √2 at r0.1-c100; 4.303 · 0.5774 / √3 at r0.1-c1k, 4 digits; none at a reference
+    assert metrics["change/delta_recall_at_1_ci95_half"] == {1: 6.353, 3: 1.434}
     assert not any("memory_factor" in k for k in metrics)  # 1× everywhere: no chart of a constant
     assert float(rows[1]["Δ recall@1 (points)"]) == pytest.approx(-2.5) and rows[0]["runs"] == "2"
     runs = list(csv.DictReader(files["study_runs.csv"].open()))
@@ -562,9 +624,12 @@ def test_two_point_study_writes_its_table_and_plots_under_one_parent_run(study, 
     rows = {r["point"]: r for r in csv.DictReader((out / "study.csv").open())}
     assert float(rows["r0.75-c12"]["Δ recall@1 (points)"]) == pytest.approx(delta)
     assert float(rows["r0.75-c12"]["speed-up (×)"]) == pytest.approx(speedup)
-    metrics = parent.data.metrics
-    assert metrics["change/delta_recall_at_1_points/r0.75-c12"] == sr.rounded(delta)
-    assert metrics["change/speedup/r0.75-c12"] == sr.rounded(speedup) and "change/speedup/r1-c12" not in metrics
+
+    def chart(key):  # a quantity's values along the points (point i at step i)
+        return {m.step: m.value for m in client.get_metric_history(parent.info.run_id, key)}
+
+    assert chart("change/delta_recall_at_1_points") == ({0: 0.0, 1: sr.rounded(delta)} if sr.rounded(delta) else {})
+    assert chart("change/speedup") == ({0: 1.0, 1: sr.rounded(speedup)} if sr.rounded(speedup) != 1 else {})
     note = parent.data.tags["mlflow.note.content"]
     assert f"- **r0.75-c12**: Δ Recall@1 {sr._signed(delta, 2 if abs(delta) < 1 else 1)} points (one seed" in note
     assert f"{speedup:.2f}× step speed" in note
@@ -643,7 +708,7 @@ def test_sampling_modes_share_one_full_softmax_and_say_what_share_of_the_gap_the
     ]
     assert cells["grad cos"] == ["0.500 ± 0.000"] * 3
     assert cells["loss gap"] == ["-1.75 ± 0.35"] * 3 and cells["uniform draw's loss gap"][2] == "-2.50 ± 0.00"
-    assert sr.parent_metrics(summary)["change/gap_closed_percent/hard-r0.1-c100"] == pytest.approx(70.0)
+    assert sr.parent_metrics(summary)["change/gap_closed_percent"] == {2: 70.0}
     assert "70 ± 14% of the uniform draw's Recall@1 gap closed" in sr.describe_study(summary, "")
     files = sr.write_outputs(summary)
     assert files["grad_cos.png"].read_bytes()[:8] == PNG and files["tradeoff.png"].read_bytes()[:8] == PNG

@@ -98,6 +98,9 @@ def test_log_model_is_an_mlflow3_logged_model_linked_to_its_evaluation(store, ca
     exp_id = client.get_experiment_by_name("models").experiment_id
     logged = {m.model_id: m for m in client.search_logged_models([exp_id])}
     assert set(logged) == {ids[-1]}  # one per kind: the earlier bests are gone
+    # ... and so are their files (MLflow's delete keeps them until `mlflow gc`): one model's folder remains
+    models = Path(client.get_experiment(exp_id).artifact_location.removeprefix("file://")) / "models"
+    assert sorted(p.name for p in models.iterdir()) == [ids[-1]] and (models / ids[-1] / "artifacts").is_dir()
     m = logged[ids[-1]]
     assert (m.name, m.source_run_id, m.status, m.params["optim.lr"], m.tags["step"]) == (
         "best_model",
@@ -120,6 +123,36 @@ def test_log_model_is_an_mlflow3_logged_model_linked_to_its_evaluation(store, ca
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x))
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_replaced_models_files_are_removed_only_where_the_store_put_them(tmp_path):
+    from types import SimpleNamespace
+
+    from dmltrain.tracking.run import remove_model_files
+
+    def model(root, model_id, location=None):
+        folder = Path(root) / "models" / model_id / "artifacts"
+        if location is None:
+            folder.mkdir(parents=True)
+            (folder / "model.pt2").write_bytes(b"x")
+        return SimpleNamespace(model_id=model_id, artifact_location=str(location or folder))
+
+    exp = tmp_path / "exp"
+    m = model(exp, "m-0a1b")
+    assert remove_model_files(m, str(exp)) and not (exp / "models" / "m-0a1b").exists()
+    m = model(exp, "m-0a1c")  # a store whose locations are file: URIs
+    m.artifact_location = Path(m.artifact_location).as_uri()
+    assert remove_model_files(m, exp.as_uri()) and not (exp / "models" / "m-0a1c").exists()
+    # a location that is not <experiment>/models/<id>/artifacts, an id that is not MLflow's, a link: kept
+    other = model(tmp_path / "other", "m-0a1d")
+    assert not remove_model_files(other, str(exp)) and Path(other.artifact_location).is_dir()
+    odd = model(exp, "m-0a1e")
+    odd.model_id = "m-0a1e/../m-0a1e"
+    assert not remove_model_files(odd, str(exp)) and (exp / "models" / "m-0a1e" / "artifacts" / "model.pt2").exists()
+    victim = model(tmp_path / "victim", "m-0a1f")
+    (exp / "models" / "m-0a1f").symlink_to(tmp_path / "victim" / "models" / "m-0a1f")
+    linked = SimpleNamespace(model_id="m-0a1f", artifact_location=str(exp / "models" / "m-0a1f" / "artifacts"))
+    assert not remove_model_files(linked, str(exp)) and (Path(victim.artifact_location) / "model.pt2").exists()
 
 
 def test_a_run_describes_itself_and_names_its_data(store, tmp_path):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,11 +183,16 @@ def plot_curves(
     title: str,
     colors: Mapping[str, Any],
     ylim: tuple[float, float] | None = None,
+    *,
+    zero: bool = False,
+    levels: Mapping[str, float] | None = None,
 ) -> Path | None:
     """Each run's ``(steps, values)`` overlaid against the step in one PNG; None (and no file) when ``data`` is empty.
 
     Points are marked on curves of at most 30 points; beyond 4 runs the legend moves beside the axes.
-    ``ylim``: a fixed y range (e.g. 0 to 1 for a cosine), else matplotlib's.
+    ``ylim``: a fixed y range (e.g. 0 to 1 for a cosine), else matplotlib's; ``zero``: the y axis starts at 0
+    (values that are all positive: a loss, whose small changes would otherwise fill the figure); ``levels``:
+    dashed horizontal lines, each labelled in the legend (a loss's chance level).
     """
     if not data:
         return None
@@ -204,10 +209,15 @@ def plot_curves(
             marker="o" if len(steps) <= 30 else None,
             markersize=3,
         )
+    for i, (label, y) in enumerate((levels or {}).items()):
+        ax.axhline(y, color="0.35", linestyle=("--", ":", "-.")[i % 3], linewidth=0.9, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     if ylim is not None:
         ax.set_ylim(*ylim)
+    elif zero and all(v >= 0 for _, ys in data.values() for v in ys if v == v):
+        top = max([v for _, ys in data.values() for v in ys if v == v] + list((levels or {}).values()) + [0.0])
+        ax.set_ylim(0, top * 1.1 or 1.0)  # room above the highest curve or level, and for the legend
     ax.set_title(title)
     ax.grid(alpha=0.3)
     if len(data) <= 4:
@@ -225,7 +235,8 @@ class Panel:
     ``errors``: per line, the half-height of an error bar at each point (a spread; NaN for none);
     ``baseline``: a dashed horizontal line the values are read against (0 for a change, 1 for a
     factor), always within the y range; ``zero``: the y axis starts at 0 (or ends there, for negative
-    values); ``values``: each point's value written beside it, in this format (e.g. ``"{:+.1f}"``).
+    values); ``values``: each point's value written beside it, in this format (e.g. ``"{:.2f}×"``) or by this
+    function (a change whose decimals depend on its size).
     """
 
     ylabel: str
@@ -235,7 +246,7 @@ class Panel:
     errors: dict[str, Sequence[float]] | None = None
     baseline: float | None = None
     zero: bool = False
-    values: str | None = None
+    values: str | Callable[[float], str] | None = None
 
 
 def _log_x(ax: Any, values: Sequence[float]) -> None:
@@ -262,7 +273,7 @@ def _draw_panel(ax: Any, panel: Panel, colors: Mapping[str, Any]) -> None:
                 if panel.baseline is not None and abs(y - panel.baseline) < 1e-9:
                     continue  # the reference itself: its value is the line's
                 ax.annotate(
-                    panel.values.format(y),
+                    panel.values(y) if callable(panel.values) else panel.values.format(y),
                     (x, y),
                     textcoords="offset points",
                     xytext=(5, 5),

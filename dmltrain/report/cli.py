@@ -12,8 +12,8 @@ from mlflow import MlflowClient
 from dmltrain.errors import UserError
 from dmltrain.evaluate.plots import plot_curves, run_colors
 from dmltrain.fileio import write_text
-from dmltrain.report.compare import curves, loss_figure, metrics_table, write_csv
-from dmltrain.report.pages import Links, render_html, render_markdown
+from dmltrain.report.compare import curves, loss_figure, loss_levels, metrics_table, write_csv
+from dmltrain.report.pages import Links, heading, render_html, render_markdown
 from dmltrain.report.runs import RunRecord, collect, get_experiment, named_run, resolve_tracking_uri, select_runs
 from dmltrain.report.study import StudySection, study_parents, study_section
 from dmltrain.text import markdown_table, printable, safe_name
@@ -55,8 +55,10 @@ def build_report(
     which, loss_title = loss_figure(records)
     loss, recall = curves(records, which), curves(records, "recall")
     if any(len(steps) > 1 for steps, _ in loss.values()):
-        ylabel = "full-softmax loss" if which == "full_loss" else "loss"
-        p = plot_curves(loss, out_dir / "loss.png", ylabel, loss_title, colors)
+        full = which == "full_loss"
+        ylabel = "full-softmax loss" if full else "loss"
+        levels = loss_levels(records) if full else None
+        p = plot_curves(loss, out_dir / "loss.png", ylabel, loss_title, colors, zero=full, levels=levels)
         if p is not None:
             figures["loss"] = p
     if any(len(steps) > 1 for steps, _ in recall.values()):  # one evaluation is a value, not a curve
@@ -105,9 +107,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(f"  {line}" for line in study.verdicts) + "\n" if study.verdicts else "")
     table = metrics_table(rep.records, [""] * len(rep.records))
     print(markdown_table(table.head, table.rows))
-    print(
-        f"\nreport of {len(rep.records)} run{'s' * (len(rep.records) != 1)} from experiment {printable(rep.experiment)}:"
-    )
+    print(f"\nreport of {printable(heading(rep.records, rep.studies))} from experiment {printable(rep.experiment)}:")
     print(f"  {rep.markdown}\n  {rep.html}\n  {rep.csv}")
     if rep.links is not None:
         print(f"MLflow experiment: {rep.links.experiment()}")

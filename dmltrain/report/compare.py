@@ -26,6 +26,7 @@ from pathlib import Path
 
 from dmltrain.fileio import write_text
 from dmltrain.report.runs import FULL_LOSS_KEY, LOSS_KEY, RECALL1_KEY, RunRecord, natural_key
+from dmltrain.studies.results import chance_levels
 from dmltrain.text import MISSING, clip, csv_text, format_duration
 from dmltrain.tracking.names import BINARY_PREFIX, EVAL_PREFIX, IMAGES_PER_S, STEP_MS, eval_key, eval_name
 from dmltrain.tracking.queries import STEADY_STATE, best_point, steady_state
@@ -124,7 +125,13 @@ def metric_columns(records: list[RunRecord], everything: bool = False) -> list[C
     if any(untrained_recall(r) is not None for r in records):
         cols.append(Column("untrained recall@1", "eval", "max", untrained_recall))
     if any(LOSS_KEY in r.metrics for r in records):
-        cols.append(Column("loss (last)", "loss", "min", _metric(LOSS_KEY)))
+        # the objective is a softmax over the drawn classes: lower the fewer are drawn, so say so where ratios differ
+        differ = len({_ratio(r.params.get("loss.classifier.sample_ratio", "1")) for r in records}) > 1
+        cols.append(
+            Column("loss (last, drawn classes only)" if differ else "loss (last)", "loss", "min", _metric(LOSS_KEY))
+        )
+    if any(FULL_LOSS_KEY in r.metrics for r in records):
+        cols.append(Column("full-softmax loss (last)", "loss", "min", _metric(FULL_LOSS_KEY)))
     for key, header, better in ((IMAGES_PER_S, "images/s", "max"), (STEP_MS, "step ms", "min")):
         if any(r.history.get(key) for r in records):
             cols.append(Column(header, "speed", better, _steady(key), speed=True))
@@ -173,8 +180,10 @@ def best_recall(rec: RunRecord) -> tuple[float, int] | None:
 
 def loss_figure(records: list[RunRecord]) -> tuple[str, str]:
     """Which loss the report's loss figure overlays and its title: the probe's full-softmax loss when every run
-    with a loss logged it (the same loss at every sample ratio), else the objective, said not comparable
-    across the runs' sample ratios when they differ (a softmax over fewer classes has a lower loss)."""
+    with a loss logged it (the same loss at every sample ratio; drawn from 0, with its chance levels
+    :func:`loss_levels`, so that a change of 0.01 on 6.2 does not fill the figure), else the objective, said
+    not comparable across the runs' sample ratios when they differ (a softmax over fewer classes has a lower
+    loss)."""
     with_loss = [r for r in records if r.history.get(LOSS_KEY)]
     if with_loss and all(len(r.history.get(FULL_LOSS_KEY, [])) > 1 for r in with_loss):
         return "full_loss", "Full-softmax loss on the training batch (the probe: the same loss at every sample ratio)"
@@ -183,6 +192,16 @@ def loss_figure(records: list[RunRecord]) -> tuple[str, str]:
     if len(ratios) > 1:
         title += "\nnot comparable across sample ratios: each is a softmax over the drawn classes only"
     return "loss", title
+
+
+def loss_levels(records: list[RunRecord]) -> dict[str, float]:
+    """The chance levels (ln C) of the full-softmax loss figure: one per class count of the runs, when every run
+    with the loss says its count (``data.synthetic.classes``); none otherwise."""
+    counts = {r.params.get("data.synthetic.classes") for r in records if r.history.get(FULL_LOSS_KEY)}
+    try:
+        return chance_levels(sorted(int(c) for c in counts)) if counts and None not in counts else {}
+    except ValueError:
+        return {}
 
 
 def _ratio(text: str) -> float | str:

@@ -112,6 +112,15 @@ def _study_html(study: StudySection) -> list[str]:
     return body
 
 
+def heading(records: list[RunRecord], studies: Sequence[StudySection] = ()) -> str:
+    """What the report is of: ``run <name>``, ``4 runs``, or for the runs of studies ``study sub: 2 points × 2
+    seeds (4 runs)`` (a study's runs are its points' seeds, not runs to rank)."""
+    if studies:
+        n = len(records)
+        return "; ".join(s.what() for s in studies) + f" ({n} run{'s' * (n != 1)})"
+    return f"run {records[0].name}" if len(records) == 1 else f"{len(records)} runs"
+
+
 def render_markdown(
     exp_name: str,
     records: list[RunRecord],
@@ -124,8 +133,7 @@ def render_markdown(
     run_links = [links.run(r) for r in records]
     single = len(records) == 1
     parts = [
-        f"# Experiment {md_code(exp_name)}: "
-        + (f"run {md_text(records[0].name)}" if single else f"{len(records)} runs"),
+        f"# Experiment {md_code(exp_name)}: {md_text(heading(records, studies))}",
         "",
         f"Tracking store {md_code(redact_url(uri))} · [experiment in MLflow]({md_url(links.experiment())})"
         + ("" if single else f" · [compare in MLflow]({md_url(links.compare())})")
@@ -255,7 +263,7 @@ def render_html(
     esc = html.escape
     run_links = [links.run(r) for r in records]
     single = len(records) == 1
-    title = f"run {records[0].name}" if single else f"{len(records)} runs"
+    title = heading(records, studies)
     body = [
         f"<h1>Experiment <code>{esc(exp_name)}</code>: {esc(title)}</h1>",
         f'<p class="meta">Tracking store <code>{esc(redact_url(uri))}</code> · <a href="{esc(links.experiment())}">experiment in MLflow</a>'

@@ -46,6 +46,15 @@ class StudySection:
     rows: list[list[str]]
     verdicts: list[str]
     files: dict[str, Path] = field(default_factory=dict)
+    points: int = 0
+    seeds: int = 0
+
+    def what(self) -> str:
+        """``study sub: 2 points × 2 seeds``: what a report of it holds, as its heading says."""
+        return (
+            f"study {self.name}: {self.points} point{'s' * (self.points != 1)} × {self.seeds} "
+            f"seed{'s' * (self.seeds != 1)}"
+        )
 
 
 def parse_label(label: str) -> tuple[str, float, int] | None:
@@ -100,7 +109,8 @@ def study_section(client, parent, records: list[RunRecord], out_dir: Path, ui: s
     said = [f"{p.label}: Δ Recall@1 {pd.sentence(ref.label)}" for p, ref, pd in verdicts(summary) if pd.n]
     files = _download_study_files(client, parent.info.run_id, out_dir / "study" / safe_name(name, "study"))
     url = run_url(ui, parent.info.experiment_id, parent.info.run_id)
-    return StudySection(name, url, head, rows, said, files)
+    seeds = len({r.seed for p in points for r in p.repeats})
+    return StudySection(name, url, head, rows, said, files, len(points), seeds)
 
 
 def _download_study_files(client, run_id: str, dest: Path) -> dict[str, Path]:

@@ -85,6 +85,8 @@ class Measure:
     curve: bool = False  # a metric whose history is kept and plotted against the step
     ylim: tuple[float, float] | None = None  # the curve's y range (None: matplotlib's)
     about: str = ""  # what the curve shows, in words (its plot's title)
+    zero: bool = False  # the curve's y axis from 0 (a loss: its small changes would fill the plot)
+    chance: bool = False  # a softmax loss over the classes: its chance level, ln C, drawn at each class count
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,8 @@ def full_loss_measure() -> Measure:
         digits=3,
         curve=True,
         about="the full softmax's loss on the training batch (the probe; the same loss at every ratio)",
+        zero=True,
+        chance=True,
     )
 
 
@@ -573,6 +577,12 @@ def _varies(values: Sequence[float], rel_tol: float = 1e-3) -> bool:
     return bool(vals) and max(vals) - min(vals) > rel_tol * max(1e-12, max(abs(v) for v in vals))
 
 
+def delta_label(points: float) -> str:
+    """A change of Recall@1 in points as a figure labels it, with the verdict's decimals (2 under a point):
+    ``+0.15``, ``-2.1``, ``0.00`` (never ``+0.0`` for a change that is not 0)."""
+    return _signed(points, 2 if abs(points) < 1 else 1)
+
+
 @dataclass(frozen=True)
 class _Series:
     """What a panel plots for a point: (mean, spread), and how the panel reads (reference line, zero-based)."""
@@ -581,7 +591,7 @@ class _Series:
     of: Callable[[Point], Stat]
     baseline: float | None
     zero: bool
-    values: str
+    values: str | Callable[[float], str]
     dropped: Callable[[list[Point]], str]  # the note when it does not vary
 
 
@@ -608,7 +618,7 @@ def _tradeoff_series(summary: StudySummary) -> list[_Series]:
 
     if "delta_points" in by:
         r = by["delta_points"]
-        out.append(_Series(r.axis, rel_of(r), 0.0, False, "{:+.1f}", lambda d: "Recall@1: no change"))
+        out.append(_Series(r.axis, rel_of(r), 0.0, False, delta_label, lambda d: "Recall@1: no change"))
     if "speedup" in by:
         r = by["speedup"]
         out.append(_Series(r.axis, rel_of(r), 1.0, True, "{:.2f}×", _values_text("step time", "step ms", 1, " ms")))
@@ -814,6 +824,7 @@ def plot_curve(summary: StudySummary, measure: Measure, path: Path) -> Path | No
     if not data:
         return None
     reps = max(len(p.repeats) for p in summary.points)
+    counts = sorted({p.classes for p in summary.points if p.label in data})
     return plot_curves(
         data,
         path,
@@ -821,7 +832,15 @@ def plot_curve(summary: StudySummary, measure: Measure, path: Path) -> Path | No
         f"{measure.about or measure.name}\nover training" + (f", the mean over {reps} seeds" if reps > 1 else ""),
         run_colors(list(data)),
         ylim=measure.ylim,
+        zero=measure.zero,
+        levels=chance_levels(counts) if measure.chance else None,
     )
+
+
+def chance_levels(classes: Sequence[int]) -> dict[str, float]:
+    """The loss of a softmax that gives every class the same probability, ln C, per class count: where a
+    softmax loss starts (an untrained model) and what it falls from."""
+    return {f"ln C = {math.log(n):.2f}: a uniform softmax over {n:,} classes": math.log(n) for n in classes if n > 1}
 
 
 # -- files, MLflow and the terminal ---------------------------------------------------------------------------
@@ -879,43 +898,54 @@ def write_outputs(summary: StudySummary) -> dict[str, Path]:
 
 
 CHANGE_PREFIX, VALUE_PREFIX = "change/", "value/"  # MLflow sorts sections by name: the trade-off first
+#: a relative's value at the reference itself, where it anchors its chart's line (no change, 1×)
+IDENTITY = {"delta_points": 0.0, "speedup": 1.0, "factor": 1.0}
 
 
-def parent_metrics(summary: StudySummary) -> dict[str, float]:
-    """The parent run's metrics, every point's mean of each figure: ``change/<relative>/<point>`` (against
-    the reference; not for the reference itself) and ``value/<measure>/<point>``, so that MLflow's charts
-    show one section per figure, the trade-off's first, with a chart per point."""
-    out = {}
-    factors = [
-        relative(p, reference_of(p, summary.points), rel).mean
-        for rel in summary.relatives
-        if rel.kind == "factor"
-        for p in summary.points
-    ]
-    # a draw that keeps the whole classifier (its memory 1× everywhere) gets no chart of that constant
-    flat_memory = all(not finite_number(f) or abs(f - 1) < 1e-9 for f in factors)
-    for p in summary.points:
+def parent_metrics(summary: StudySummary) -> dict[str, dict[int, float]]:
+    """The parent run's metrics: one per quantity, its value at each point logged at the point's index in
+    ``summary.points`` as the step (the order of the ``study.points`` param), so that MLflow's charts show one
+    chart per quantity across the points, not one single-bar chart per point. ``change/<relative>`` against
+    the reference (at the reference itself its identity: Δ 0, 1×, so that the line starts there),
+    ``change/delta_recall_at_1_ci95_half`` and ``change/gap_closed_percent`` where they exist, and
+    ``value/<measure>``: each point's mean over its seeds, :func:`rounded` (the wall time only in its parts). A quantity whose values are the
+    same at every point (a memory factor of 1 where the draw keeps the whole classifier) is left out: a
+    chart of a constant says nothing the description does not."""
+    series: dict[str, dict[int, float]] = {}
+
+    def put(key: str, step: int, value: float) -> None:
+        if finite_number(value):
+            series.setdefault(key, {})[step] = rounded(value)
+
+    for i, p in enumerate(summary.points):
         ref = reference_of(p, summary.points)
-        for rel in summary.relatives if ref is not p else ():  # the reference against itself says nothing
-            s = relative(p, ref, rel)
-            if rel.kind == "factor" and flat_memory:
-                continue
-            if s.n:
-                out[f"{CHANGE_PREFIX}{rel.mlflow}/{p.label}"] = rounded(s.mean)
+        for rel in summary.relatives:
+            if ref is p:
+                put(f"{CHANGE_PREFIX}{rel.mlflow}", i, IDENTITY.get(rel.kind, float("nan")))
+            elif (s := relative(p, ref, rel)).n:
+                put(f"{CHANGE_PREFIX}{rel.mlflow}", i, s.mean)
         if ref is not None and ref is not p and (half := paired_delta(p, ref).half) is not None:
-            out[f"{CHANGE_PREFIX}delta_recall_at_1_ci95_half/{p.label}"] = rounded(half)
+            put(f"{CHANGE_PREFIX}delta_recall_at_1_ci95_half", i, half)
         if (g := gap_closed(p, summary.points)).n:
-            out[f"{CHANGE_PREFIX}gap_closed_percent/{p.label}"] = rounded(g.mean)
-        for m in summary.measures:
-            s = stat(p, m.name)
-            if s.n and m.mlflow:
-                out[f"{VALUE_PREFIX}{m.mlflow}/{p.label}"] = rounded(s.mean)
-    return out
+            put(f"{CHANGE_PREFIX}gap_closed_percent", i, g.mean)
+        for m in summary.measures:  # the wall time only in its parts, as the figure: start-up is not the ratio's gain
+            if m.mlflow and m.source != "wall" and (s := stat(p, m.name)).n:
+                put(f"{VALUE_PREFIX}{m.mlflow}", i, s.mean)
+    return {k: v for k, v in series.items() if len(v) < 2 or len(set(v.values())) > 1}
+
+
+def chart_steps(summary: StudySummary) -> str:
+    """What the steps of the parent's charts are: ``step 0 r1-c500 (reference), step 1 r0.1-c500``."""
+    return ", ".join(
+        f"{i} {p.label}" + (" (reference)" if reference_of(p, summary.points) is p else "")
+        for i, p in enumerate(summary.points)
+    )
 
 
 def rounded(x: float, significant: int = 4) -> float:
-    """``x`` to ``significant`` digits, so that MLflow shows ``0.01``, not ``0.009999999999999998``."""
-    return float(f"{x:.{significant}g}") if finite_number(x) else x
+    """``x`` to ``significant`` digits, so that MLflow shows ``0.01``, not ``0.009999999999999998`` (and ``0``, not
+    ``-0``)."""
+    return float(f"{x:.{significant}g}") + 0.0 if finite_number(x) else x
 
 
 def describe_study(summary: StudySummary, config_line: str) -> str:
@@ -953,6 +983,11 @@ def describe_study(summary: StudySummary, config_line: str) -> str:
         others.append(f"- **{p.label}**: " + ", ".join(x for x in parts if x))
     lines += others + refs
     lines += ["", "### Setup", "", config_line, "", *(f"- {n}" for n in notes(summary))]
+    if parent_metrics(summary):
+        lines.append(
+            "- This run's charts: one per quantity (change/ against the reference, value/ each point's mean), "
+            f"the points along the x axis, step = point: {chart_steps(summary)}."
+        )
     return "\n".join(lines)
 
 

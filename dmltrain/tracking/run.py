@@ -15,7 +15,7 @@ the handle is off for the rest of the process. A model that cannot be logged to 
 Besides metrics, params and artifacts a run carries its description (MLflow's note,
 :meth:`RunHandle.set_description`, written by :mod:`dmltrain.tracking.description`), its datasets
 (:meth:`RunHandle.log_inputs`, from :mod:`dmltrain.tracking.datasets`) and one logged model per
-kind (``model``, ``best_model``: a new one replaces the run's earlier one of that name).
+kind (``model``, ``best_model``: a new one replaces the run's earlier one of that name, whose files are removed).
 
 What a handle writes as text (params, tags, text artifacts) and every warning it prints is redacted first
 (:mod:`dmltrain.redact`): no URL's password and no storage option outside the allow-list reaches MLflow.
@@ -27,6 +27,8 @@ import contextlib
 import importlib.metadata
 import numbers
 import os
+import re
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -37,10 +39,13 @@ import mlflow
 import mlflow.pytorch
 import numpy as np
 from mlflow import MlflowClient
-from mlflow.entities import DatasetInput, LoggedModelOutput, LoggedModelStatus, Metric, Param, RunTag
+from mlflow.entities import DatasetInput, LoggedModel, LoggedModelOutput, LoggedModelStatus, Metric, Param, RunTag
 from mlflow.entities.run import Run
 from mlflow.exceptions import MlflowException
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+from mlflow.utils.file_utils import local_file_uri_to_path
+from mlflow.utils.uri import append_to_uri_path, is_local_uri
 from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, _validate_param_name
 
 from dmltrain.redact import redact, redact_url
@@ -334,10 +339,10 @@ class RunHandle:
         the evaluation first), so the Models view shows those beside it and
         ``mlflow.search_logged_models`` ranks it by them; the run's other metrics at that step (time,
         memory) are not linked. The run keeps one logged model per name: the earlier ones (the previous
-        best) are deleted once this one is logged. The model is saved as ``pt2`` (``torch.export``:
-        loads with torch alone and runs no pickled code), traced on ``input_example`` (a batch of at
-        least 2, so the batch size stays free); it must be an ``nn.Module`` holding its full weights,
-        in eval mode, on the CPU. Returns the model id, or None when tracking is off or the model could
+        best) are deleted once this one is logged, and their files removed (:func:`remove_model_files`).
+        The model is saved as ``pt2`` (``torch.export``: loads with torch alone and runs no pickled code),
+        traced on ``input_example`` (a batch of at least 2, so the batch size stays free); it must be an
+        ``nn.Module`` holding its full weights, in eval mode, on the CPU. Returns the model id, or None when tracking is off or the model could
         not be logged (one warning, then model logging is off; metrics and files go on).
         """
         if self._client is None or not self._models:
@@ -368,9 +373,12 @@ class RunHandle:
                 [run.info.experiment_id],
                 filter_string=f"source_run_id = '{self.run_id}' AND name = '{name}'",
             )
-            for m in earlier:
-                if m.model_id != model_id:
+            replaced = [m for m in earlier if m.model_id != model_id]
+            if replaced:
+                root = client.get_experiment(run.info.experiment_id).artifact_location
+                for m in replaced:
                     client.delete_logged_model(m.model_id)
+                    remove_model_files(m, root)
             return model_id
         except Exception as e:  # noqa: BLE001 — the model files are logged apart from this
             self._models = False
@@ -415,6 +423,35 @@ class RunHandle:
         if self._monitor is not None:
             self._monitor.finish()
             self._monitor = None
+
+
+_MODEL_ID = re.compile(r"^m-[0-9a-f]+$")  # MLflow's logged-model ids
+
+
+def remove_model_files(model: LoggedModel, experiment_location: str) -> bool:
+    """Remove the files of a replaced (deleted) logged model, which MLflow's delete keeps until ``mlflow gc``: a
+    run replacing its ``best_model`` at every improvement would otherwise keep every earlier one on disk. Only the
+    model's own folder where the store puts it, ``<experiment artifacts>/models/<model id>``, is removed, on a
+    local disk without following a link (a location elsewhere, a link in its place, an id that is not MLflow's:
+    nothing is), or through the artifact store's own delete for a remote one. Returns whether files were
+    removed; a failure is not raised (the model is deleted in MLflow either way)."""
+    if not _MODEL_ID.match(model.model_id) or not experiment_location:
+        return False
+    expected = append_to_uri_path(experiment_location, "models", model.model_id, "artifacts")
+    if model.artifact_location.rstrip("/") != expected.rstrip("/"):
+        return False
+    try:
+        if is_local_uri(experiment_location, is_tracking_or_registry_uri=False):
+            models = Path(local_file_uri_to_path(experiment_location)) / "models"
+            folder = models / model.model_id
+            if models.is_symlink() or folder.is_symlink() or not folder.is_dir():
+                return False
+            shutil.rmtree(folder)  # removes links inside it, never what they point to
+        else:
+            get_artifact_repository(model.artifact_location).delete_artifacts()
+        return True
+    except Exception:  # noqa: BLE001 — disk space, not correctness: the model is deleted in MLflow
+        return False
 
 
 def _link_evaluation(client: MlflowClient, run: Run, model_id: str, step: int) -> None:
