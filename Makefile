@@ -17,6 +17,12 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 0
 SHELL  := /bin/bash
 .SHELLFLAGS := -o pipefail -c
+# Bytecode is written on first import, whatever the environment says: with PYTHONDONTWRITEBYTECODE set (as in the
+# shells the fresh-clone rehearsals ran from) and pip's --no-compile below, no .pyc ever existed, so each of the
+# suite's many Python processes (Ray's actors and workers, `dmltrain` subprocesses) compiled torch, Ray,
+# DeepSpeed and MLflow from source again: about 18 s of CPU per training worker on the 2-core machine. Measured
+# there from an empty bytecode cache: test_async_eval.py + test_study.py 291 s without it, 141 s with it.
+unexport PYTHONDONTWRITEBYTECODE
 # pip warns once per absent mirror folder; keep its real messages only.
 QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 
@@ -34,7 +40,7 @@ setup: $(STAMP)
 	@$(MAKE) --no-print-directory -j4 $(SIDE_STAMPS)
 
 # Re-installs when the dependency list or the torch pair changes. --no-compile: byte-compiling all of torch, Ray and
-# the CUDA wheels takes time that imports repay only for the modules they load (they compile those themselves).
+# the CUDA wheels takes time that imports repay only for the modules they load (they compile those themselves, once: see above).
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "installing dmltrain and its dependencies into $(VENV) (first time: a few minutes)"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from sklearn.metrics import normalized_mutual_info_score
 
 from dmltrain.evaluate.kmeans import torch_kmeans
 
@@ -100,6 +99,8 @@ def kmeans_assignments(
 
 def nmi_score(labels: np.ndarray, assignments: np.ndarray) -> float:
     """scikit-learn's normalized mutual information of two labelings (arithmetic mean normalization)."""
+    # imported here: scikit-learn is about a second of every training worker's start-up, needed only with eval.nmi
+    from sklearn.metrics import normalized_mutual_info_score
 
     return float(normalized_mutual_info_score(np.asarray(labels), np.asarray(assignments)))
 

@@ -25,7 +25,6 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, MaxNLocator, NullLocator
-from sklearn.manifold import TSNE
 from threadpoolctl import threadpool_limits
 
 from dmltrain.fileio import atomic_path
@@ -152,6 +151,8 @@ def plot_embedding_map(
         perplexity = float(min(30.0, (len(idx) - 1) / 3))
         # One thread: scikit-learn's OpenMP loops spin-wait, and on a busy machine (training
         # workers beside it) a 2-thread t-SNE ran 30× slower than a 1-thread one.
+        from sklearn.manifold import TSNE  # here: scikit-learn is about a second of a training worker's start-up
+
         with threadpool_limits(1):
             xy = TSNE(n_components=2, init="pca", perplexity=perplexity, random_state=seed).fit_transform(x)
         title = f"t-SNE of {len(idx)} embeddings, {len(np.unique(y))} classes"

@@ -28,7 +28,7 @@ import torch
 
 from dmltrain.config import Config
 from dmltrain.distributed.process_group import broadcast_buffers, broadcast_object
-from dmltrain.evaluate import evaluate_model, plot_embedding_map, plot_recall_at_k
+from dmltrain.evaluate import evaluate_model
 from dmltrain.tracking.description import describe_results, with_results
 from dmltrain.tracking.names import (
     BEST_MODEL,
@@ -148,6 +148,9 @@ def log_evaluation(
         logger.set_description(with_results(logger.description(), results))
     if not cfg.eval.plots or embeddings is None:
         return
+    # imported here: matplotlib is part of every training worker's start-up otherwise, with or without eval.plots
+    from dmltrain.evaluate import plot_embedding_map, plot_recall_at_k
+
     emb, labels = embeddings.get("query", next(iter(embeddings.values())))
     with tempfile.TemporaryDirectory() as tmp:
         curve = plot_recall_at_k({f"{phase} step {step}": metrics}, Path(tmp) / f"recall_at_k-step{step:07d}.png")
