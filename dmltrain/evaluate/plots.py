@@ -214,10 +214,11 @@ def plot_curves(
         ax.axhline(y, color="0.35", linestyle=("--", ":", "-.")[i % 3], linewidth=0.9, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
+    values = [v for _, ys in data.values() for v in ys if v == v]  # NaN (a skipped point) left out
     if ylim is not None:
         ax.set_ylim(*ylim)
-    elif zero and all(v >= 0 for _, ys in data.values() for v in ys if v == v):
-        top = max([v for _, ys in data.values() for v in ys if v == v] + list((levels or {}).values()) + [0.0])
+    elif zero and all(v >= 0 for v in values):
+        top = max([*values, *(levels or {}).values(), 0.0])
         ax.set_ylim(0, top * 1.1 or 1.0)  # room above the highest curve or level, and for the legend
     ax.set_title(title)
     ax.grid(alpha=0.3)
