@@ -171,7 +171,8 @@ def _kernel_reference(x, w, rows, count, bias, tcol, scale, lse, off, alpha, pre
 
 def _kernel_checks(device):
     """The backend's two functions alone on shapes that cut tiles and chunks unevenly (16-wide tiles
-    and 16-column chunks under the interpreter), both backward paths, padding past a drawn count."""
+    and 16-column chunks under the interpreter), the fused backward (tuned and deterministic) and, for bf16, the
+    staged one in several stages a chunk, padding past a drawn count."""
     from dmltrain.distributed import softmax_kernels as sk
     from dmltrain.distributed.row_sparse import RowGradTarget, RowSet
     from dmltrain.distributed.shard_operands import ShardOperands
@@ -185,10 +186,13 @@ def _kernel_checks(device):
         # widths whose rows' epilogue goes in quarters (D_PAD >= 256), one of them ragged (D_PAD 512 for 260)
         (12, 260, 20, True, None, True, "fp32", True, True),
         (10, 256, 24, False, None, False, "bf16", False, True),
+        # the staged backward's paths: the bias kind with a count, added to .grad; drawn rows without embeddings
+        (19, 40, 37, True, 20, False, "bf16", True, True),
+        (18, 48, 45, True, None, True, "bf16", True, False),
     ]
     g = torch.Generator().manual_seed(5)
     out = {}
-    chunk_bytes = sk.CHUNK_BYTES
+    chunk_bytes, stage_bytes, staged_min = sk.CHUNK_BYTES, sk.STAGE_BYTES, sk.STAGED_MIN_DIM
     for i, (N, Dk, n_local, sub, count, normalized, precision, accumulate, need_x) in enumerate(cases):
         x = torch.randn(N, Dk, generator=g)
         if normalized:
@@ -215,14 +219,21 @@ def _kernel_checks(device):
         out[f"case {i} max"] = (precision, rel_err(max_p.cpu(), ref["max"]))
         out[f"case {i} sum"] = (precision, rel_err(sum_p.cpu(), ref["sum"]))
         results = {}
-        for det in (False, True):
+        # the staged backward (bf16): 48-column chunks in 16-column stages, so that a chunk holds several stages
+        for det, staged in (
+            ((False, False), (True, False), (False, True)) if precision == "bf16" else ((False, False), (True, False))
+        ):
+            sk.STAGED_MIN_DIM = 0 if staged else 10**9
+            if staged:
+                sk.CHUNK_BYTES, sk.STAGE_BYTES = Dk * 6 * 48, (2 * N + 4 * Dk) * 16
             base = torch.randn(n_local, Dk, generator=g) if accumulate else torch.full_like(w, float("nan"))
             gw = base.clone().to(device)
             gb = None if bias is None else (0.5 if accumulate else float("nan")) + torch.zeros(n_local, device=device)
             target = RowGradTarget(None, RowSet(op.rows, cnt), gw, gb, accumulate)
             coef = (torch.tensor(alpha, device=device), torch.tensor(off, device=device))
             gx = sk.gradients(op, None, dev(lse), *coef, need_x, target, precision, deterministic=det)
-            tag = f"case {i} {'deterministic' if det else 'tuned'}"
+            sk.CHUNK_BYTES, sk.STAGE_BYTES, sk.STAGED_MIN_DIM = Dk * 8 * 16, stage_bytes, staged_min
+            tag = f"case {i} {'staged' if staged else 'deterministic' if det else 'tuned'}"
             if need_x:
                 out[f"{tag} grad x"] = (precision, rel_err(gx.cpu(), ref["grad x"]))
             else:
@@ -237,9 +248,11 @@ def _kernel_checks(device):
             if bias is not None:
                 gbc = gb.cpu() - (0.5 if accumulate else 0)
                 out[f"{tag} grad b"] = (precision, rel_err(gbc[active], ref["grad b"]))
-            results[det] = (gx, gw)
+            results[det, staged] = (gx, gw)
         if need_x:
-            out[f"case {i} the two paths agree"] = (precision, rel_err(results[False][0].cpu(), results[True][0].cpu()))
+            for other in results.keys() - {(False, False)}:
+                agree = rel_err(results[other][0].cpu(), results[False, False][0].cpu())
+                out[f"case {i} {'staged' if other[1] else 'deterministic'} agrees with tuned"] = (precision, agree)
     sk.CHUNK_BYTES = chunk_bytes
     return out
 

@@ -32,7 +32,7 @@ from dmltrain.kernel_occupancy import SMLimits, ctas_per_sm, device_limits, occu
 from dmltrain.kernel_tuning import LaunchConfig
 
 REPO = Path(__file__).resolve().parents[1]
-KERNELS = ("_copy_rows_kernel", "_lse_kernel", "_grad_x_kernel", "_grad_w_kernel")
+KERNELS = ("_copy_rows_kernel", "_lse_kernel", "_grad_x_kernel", "_grad_w_kernel", "_probs_kernel", "_rows_grad_kernel")
 
 
 def _model_launches(call: Call, gpu) -> list[tuple[str, list[int], dict[str, int]]]:
@@ -86,6 +86,15 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
                     n["flops"] += 2 * BB * BC * D_PAD
                     n["l2"] += _rows(t * BC, BC, nv) * D * e
                 n["l2"] += rows * D * 4
+    elif kernel == "_probs_kernel":  # one tile a program, computed whole; G and the column sums stored
+        TB, CT = grid
+        k = launch.extra["columns"]
+        for b in range(TB):
+            rows = _rows(b * BB, BB, N)
+            for t in range(CT):
+                n["l2"] += rows * 8  # tcol and lse
+                logits(b * BB, t * BC)
+                n["l2"] += rows * _rows(t * BC, BC, k) * e + _rows(t * BC, BC, k) * 4
     elif kernel == "_grad_w_kernel":  # the accumulator on chip, the rows' gradients written once into .grad
         ws = 2 if call.weight_storage == "bf16" else 4
         has_rows = call.active()[2]
@@ -114,12 +123,18 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
         Call(5000, 72, 130, workers=2, sample_ratio=0.5, deterministic=True),
         Call(3000, 96, 257, precision="tf32"),
         Call(3000, 96, 257, kind="softmax_ce", smoothing=0.1, deterministic=True),
+        Call(5000, 264, 300, workers=2, sample_ratio=0.5),  # the staged backward: bf16 at D >= 256
     ],
-    ids=["tuned", "deterministic", "tf32", "softmax_ce"],
+    ids=["tuned", "deterministic", "tf32", "softmax_ce", "staged"],
 )
 def test_counts_equal_a_loop_by_loop_count(call):
+    from dmltrain.distributed import softmax_kernels as sk
+
     launches = [x for x in plan(call, GPUS["h100"]) if x.programs]
-    assert {x.kernel for x in launches} == {"_lse_kernel", "_grad_x_kernel", "_grad_w_kernel"}
+    backward = (
+        ("_probs_kernel",) if sk.staged_backward(call.dim, call.precision) else ("_grad_x_kernel", "_grad_w_kernel")
+    )
+    assert {x.kernel for x in launches} == {"_lse_kernel", *backward}
     _, valid, _, count = call.active()
     assert count == (call.workers > 1)
     for x in launches:
@@ -132,11 +147,15 @@ def test_counts_equal_a_loop_by_loop_count(call):
 
 
 def test_the_backward_moves_no_atomic_bytes_at_the_issue_shapes():
-    """Issue 37's 49 / 393 / 492 GB of fp32 atomics are gone: the atomic-free pair writes each output once."""
+    """Issue 37's 49 / 393 / 492 GB of fp32 atomics are gone: the staged backward (D = 512) and the atomic-free pair
+    (D = 128) write each output once."""
+    kernels = []
     for C, D, B in roofline.ISSUE_SHAPES:
         launches = plan(Call(C, D, B), GPUS["h100"])
-        assert {x.kernel for x in launches if x.programs} == {"_lse_kernel", "_grad_x_kernel", "_grad_w_kernel"}
+        kernels.append({x.kernel for x in launches if x.programs})
         assert sum(x.atomic for x in launches) == 0
+    staged, fused = {"_lse_kernel", "_probs_kernel"}, {"_lse_kernel", "_grad_x_kernel", "_grad_w_kernel"}
+    assert kernels == [staged, staged, fused]
 
 
 def test_occupancy_from_registers_and_shared_memory():
@@ -179,11 +198,21 @@ def test_resources_read_a_compiled_kernel_as_both_tritons_build_it():
 
 
 # -- launches ----------------------------------------------------------------------------------------------
-#: (call, chunk bytes) of the interpreter run: both backwards, normalised and not, a draw's count, chunks of 16 columns
-#: (16-wide tiles), two of them past the count (the paths without one: the GPU-shape test below)
+#: (call, softmax_kernels settings) of the interpreter run: both backwards, normalised and not, a draw's count, chunks
+#: of 16 columns (16-wide tiles), two of them past the count (the paths without one: the GPU-shape test below); the
+#: staged backward in 48-column chunks of three 16-column stages
+_FUSED = {"CHUNK_BYTES": 1536, "STAGED_MIN_DIM": 10**9}
 INTERPRETER_CASES = [
-    (Call(100, 16, 17, workers=2, sample_ratio=0.5, precision="bf16", kind="cosface", deterministic=True), 1536),
-    (Call(100, 16, 17, workers=2, sample_ratio=0.5, precision="fp32", kind="softmax_ce", smoothing=0.1), 1536),
+    (Call(100, 16, 17, workers=2, sample_ratio=0.5, precision="bf16", kind="cosface", deterministic=True), _FUSED),
+    (Call(100, 16, 17, workers=2, sample_ratio=0.5, precision="fp32", kind="softmax_ce", smoothing=0.1), _FUSED),
+    (
+        Call(200, 16, 17, precision="bf16", kind="softmax_ce", smoothing=0.1),
+        {"CHUNK_BYTES": 16 * 6 * 48, "STAGED_MIN_DIM": 0, "STAGE_BYTES": (2 * 17 + 4 * 16) * 16},
+    ),
+    (
+        Call(100, 16, 17, workers=2, sample_ratio=0.5, precision="bf16", kind="arcface"),
+        {"CHUNK_BYTES": 16 * 6 * 48, "STAGED_MIN_DIM": 0, "STAGE_BYTES": (2 * 17 + 4 * 16) * 16},
+    ),
 ]
 
 _CHILD = r"""
@@ -206,9 +235,10 @@ class Recorder:
 for name in json.loads(sys.argv[1]):
     setattr(sk, name, Recorder(name, getattr(sk, name)))
 out = []
-for fields, chunk_bytes in json.loads(sys.argv[2]):
+for fields, settings in json.loads(sys.argv[2]):
     call = Call(**fields)
-    sk.CHUNK_BYTES = chunk_bytes
+    for name, value in {"STAGE_BYTES": sk.STAGE_BYTES, **settings}.items():
+        setattr(sk, name, value)
     K, valid, has_rows, has_count = call.active()
     g = torch.Generator().manual_seed(0)
     n_local = -(-call.classes // call.workers)
@@ -234,7 +264,7 @@ print("LAUNCHES " + json.dumps(out))
 
 def test_launches_equal_the_interpreters(monkeypatch):
     """The model's launches (kernel, grid, tiles) are the ones the launcher makes under Triton's CPU interpreter."""
-    cases = [(vars(call), chunk) for call, chunk in INTERPRETER_CASES]
+    cases = [(vars(call), settings) for call, settings in INTERPRETER_CASES]
     env = {
         **os.environ,
         "TRITON_INTERPRET": "1",
@@ -246,11 +276,17 @@ def test_launches_equal_the_interpreters(monkeypatch):
     recorded = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("LAUNCHES "))[9:])
     from dmltrain.distributed import softmax_kernels as sk
 
-    for (call, chunk), got in zip(INTERPRETER_CASES, recorded):
-        monkeypatch.setattr(sk, "CHUNK_BYTES", chunk)
+    assert len(recorded) == len(INTERPRETER_CASES)
+    for (call, settings), got in zip(INTERPRETER_CASES, recorded):
+        for name, value in settings.items():
+            monkeypatch.setattr(sk, name, value)
         want = [list(x) for x in _model_launches(call, None)]
         assert len({x.chunk for x in plan(call, None)}) > 1, "the case should make several chunks"
+        if "STAGE_BYTES" in settings:  # several stages in a chunk
+            stages = [x.chunk for x in plan(call, None) if x.kernel == "_probs_kernel"]
+            assert max(map(stages.count, stages)) >= 3
         assert got == want, call
+        monkeypatch.undo()
 
 
 def _launch_on_meta(monkeypatch, call: Call, gpu, binary, choose_lse=None) -> tuple[list, list, list]:
@@ -346,7 +382,8 @@ def test_launches_equal_the_launchers_at_gpu_shapes(monkeypatch, call):
 
     recorded, asked, binaries = _launch_on_meta(monkeypatch, call, gpu, binary, lambda: tuned.pop(0))
     assert recorded == [(x.kernel, list(x.grid), dict(x.cfg.meta)) for x in model]
-    assert set(asked) == {"lse", "grad_x", "grad_w"}
+    staged = sk.staged_backward(call.dim, call.precision)
+    assert set(asked) == ({"lse", "probs"} if staged else {"lse", "grad_x", "grad_w"})
     split = [x for x in model if x.kernel in ("_lse_kernel", "_grad_x_kernel")]
     assert binaries == [(x.kernel, sk._tiles(x.cfg)) for x in split]  # one binary asked for per split launch
     assert any(x.occupancy > 1 for x in split) == (call.precision == "bf16" and call.normalized)

@@ -52,6 +52,12 @@ from dmltrain.kernel_tuning import LaunchConfig
 
 #: a launch's fixed cost on the GPU beyond its bounds (the gap between back-to-back kernels of one stream)
 LAUNCH_GAP_S = 2e-6
+#: cuBLAS's bf16 GEMMs at this share of the tensor peak: issue 37's 3-GEMM time measured on an H100 at (10⁶, 512,
+#: B = 1,024), 4.5 ms, against the same three GEMMs' bound on paper (:func:`gemm_bound`), 3.23 ms
+CUBLAS_SHARE = 0.72
+#: cuBLAS's output tile on Hopper and Ampere for these shapes, assumed for its L2 loads (each operand tile re-read
+#: once per output tile along the other side)
+CUBLAS_TILE = (128, 256)
 #: small torch launches per chunk on O(B) data (the chunk's target columns, the forward's reductions of the
 #: per-split partials), counted at LAUNCH_GAP_S each; read off softmax_kernels.partials / gradients
 _GLUE_FORWARD, _GLUE_BACKWARD = 16, 6
@@ -189,6 +195,10 @@ COMPILED: dict[tuple[str, str, int, int | None], tuple[int, int]] = {
     ("_grad_w_kernel", "32×64×32 w8 s2", 80, 128): (118, 32768),
     ("_grad_w_kernel", "32×64×32 w8 s2", 80, 256): (160, 20480),
     ("_grad_w_kernel", "32×64×32 w8 s2", 80, 512): (230, 36864),
+    # the staged backward's, recorded at D = 512 (Triton 3.8): storing G costs the registers the log-sum-exp kernel's
+    # running statistics do not
+    ("_probs_kernel", "128×128×16 w8 s3", 90, None): (209, 32768),
+    ("_probs_kernel", "128×128×16 w8 s3", 80, None): (220, 32768),
 }
 
 #: issue 37's step targets on an H100 by (classes, D, batch): 2× the bf16 3-GEMM bound measured there or Cut
@@ -277,6 +287,7 @@ class Launch:
     launches: int = 1
     occupancy: int = 0  # CTAs per SM: the launcher's split count and the waves
     occupancy_compiled: bool = False
+    rate: float = 1.0  # the share of the tensor peak its products run at (cuBLAS's measured, Triton's at the peak)
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -306,7 +317,7 @@ def _wave_eff(programs: int, work_max: int, work_total: int, slots: int) -> floa
 def cost(launch: Launch, gpu: GPU, precision: str = "bf16") -> Cost:
     """The bounds' times of ``launch`` on ``gpu`` (products at ``precision``'s peak)."""
     eff = _wave_eff(launch.programs, launch.work_max, launch.work_total, gpu.sms * max(1, launch.occupancy))
-    compute = launch.flops / gpu.tensor_flops[precision] / eff
+    compute = launch.flops / (gpu.tensor_flops[precision] * launch.rate) / eff
     exp = launch.exps / gpu.exp_per_s / eff
     hbm = launch.hbm / gpu.hbm_bytes_s
     l2 = launch.l2 / gpu.l2_bytes_s + launch.atomic / gpu.atomic_bytes_s
@@ -325,6 +336,8 @@ class _Geometry:
         self.quantum = sk._SMALL if gpu is None else 128
         small = {"BLOCK_R": sk._SMALL, "BLOCK_D": sk._SMALL}
         self.copy_meta = small if gpu is None else sk._COPY.kwargs()
+        self.rows_meta = small if gpu is None else sk._ROWS.kwargs()
+        self.rows_cfg = LaunchConfig.of(1, 1, **small) if gpu is None else sk._ROWS
         self._chosen: dict[tuple, Any] = {}
 
     def programs(self, kernel: str, cfg) -> int:
@@ -372,9 +385,15 @@ def _pad(n: int, block: int) -> int:
     return math.ceil(n / block) * block
 
 
-def plan(call: Call, gpu: GPU | None) -> list[Launch]:
+def plan(call: Call, gpu: GPU | None, staged: bool | None = None) -> list[Launch]:
     """The launches of one forward and one backward of ``call`` on ``gpu`` (None: under Triton's CPU interpreter,
-    where the launcher takes fixed 16-wide tiles; the tests compare that list with the launches it makes)."""
+    where the launcher takes fixed 16-wide tiles; the tests compare that list with the launches it makes).
+    ``staged``: the backward the launcher picks (None, :func:`~dmltrain.distributed.softmax_kernels.staged_backward`),
+    or the staged one (True, bf16 only) or the fused atomic-free pair (False) in its place, for comparison."""
+    if staged is None:
+        from dmltrain.distributed.softmax_kernels import staged_backward
+
+        staged = staged_backward(call.dim, call.precision)
     geo = _Geometry(gpu, call)
     N, D = call.batch, call.dim
     e = 2 if call.precision == "bf16" else 4  # operand bytes
@@ -406,6 +425,10 @@ def plan(call: Call, gpu: GPU | None) -> list[Launch]:
                 continue
             small.hbm += 32 * N
             small.launches += _GLUE_BACKWARD
+            if staged:
+                cfg = geo.choose("probs", key, None)
+                out += _staged(geo, i, cfg, N, Kc, nv, e, ws, has_rows)
+                continue
             # atomic-free: no scratch to zero, the rows' gradients written by _grad_w_kernel (one candidate each)
             launch = _grad_x(geo, i, geo.choose("grad_x", key, None), N, Kc, nv, e)
             S = launch.grid[1]
@@ -534,6 +557,79 @@ def _grad_w(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int, ws: in
     return _product(geo, launch)
 
 
+def _staged(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int, ws: int, rows: bool) -> list[Launch]:
+    """The staged backward of one chunk (``softmax_kernels._GradCall.staged``), stage by stage: ``_probs_kernel``
+    writing ``G`` and its column sums, cuBLAS's ``grad_x += G·Ŵ`` and ``h = Gᵀ·x``, ``_rows_grad_kernel`` writing the
+    rows' gradients. ``G`` is written to HBM; the GEMMs and the epilogue read it and ``h`` back from L2 while the
+    stage fits :data:`~dmltrain.distributed.softmax_kernels.STAGE_BYTES`, from HBM past it."""
+    sk, D, call = geo.sk, geo.call.dim, geo.call
+    step = min(K, sk.stage_columns(N, D, geo.gpu is None))
+    BB, BC, BK = cfg["BLOCK_B"], cfg["BLOCK_C"], cfg["BLOCK_K"]
+    TB = math.ceil(N / BB)
+    rmeta = geo.rows_meta
+    out = []
+    for s0 in range(0, K, step):
+        k, v = min(step, K - s0), max(0, min(step, nv - s0))
+        CT = math.ceil(k / BC)
+        g_bytes, h_bytes, red_bytes = N * k * e, k * D * 4, TB * k * 4
+        resident = g_bytes + h_bytes <= sk.STAGE_BYTES
+        # every program computes its whole tile (masked loads give zeros); x and the valid rows are loaded per tile
+        flops = TB * CT * 2 * BB * BC * _pad(D, BK)
+        l2 = CT * N * (D * e + 8) + TB * v * D * e + g_bytes + red_bytes
+        probs = Launch(
+            "backward", "_probs_kernel", (TB, CT), cfg, flops, TB * CT * BB * BC,
+            N * D * e + v * D * e + 8 * N + g_bytes + red_bytes, l2,
+            programs=TB * CT, work_max=1, work_total=TB * CT, chunk=i,
+        )  # fmt: skip
+        probs.extra["x_l2"] = CT * N * D * e
+        probs.extra["columns"] = k
+        out.append(_product(geo, probs))
+        g_hbm = 0 if resident else g_bytes
+        tm, tn = CUBLAS_TILE
+        tiles_x = math.ceil(N / tm) * math.ceil(D / tn)
+        out.append(
+            Launch(
+                "backward",
+                "cuBLAS: grad_x += G·Ŵ",
+                flops=2 * N * k * D,
+                hbm=g_hbm + k * D * e + 8 * N * D,
+                l2=tiles_x * (tm + tn) * k * e + 8 * N * D,
+                chunk=i,
+                rate=CUBLAS_SHARE,
+            )  # fmt: skip
+        )
+        tiles_h = math.ceil(k / tm) * math.ceil(D / tn)
+        out.append(
+            Launch(
+                "backward",
+                "cuBLAS: h = Gᵀ·x",
+                flops=2 * k * N * D,
+                hbm=g_hbm + N * D * e + (0 if resident else h_bytes),
+                l2=tiles_h * (tm + tn) * N * e + h_bytes,
+                chunk=i,
+                rate=CUBLAS_SHARE,
+            )  # fmt: skip
+        )
+        epilogue = 8 * v if rows else 0  # the row ids
+        if call.normalized:
+            epilogue += 4 * v + v * D * 2 * ws  # 1/‖w‖, the weight, the gradient written
+        else:  # softmax_ce: the weight's and the bias's gradients
+            epilogue += v * D * ws + v * ws
+        back = TB * v * 4 + v * D * 4  # the column sums' partials and h, valid columns only
+        out.append(
+            Launch(
+                "backward",
+                "_rows_grad_kernel",
+                (math.ceil(k / rmeta["BLOCK_R"]),),
+                geo.rows_cfg,
+                hbm=epilogue + (0 if resident else back),
+                l2=epilogue + back,
+                chunk=i,
+            )  # fmt: skip
+        )
+    return out
+
+
 # -- the bounds beside it -------------------------------------------------------------------------------------
 def gemm_bound(call: Call, gpu: GPU) -> float:
     """The bench's bf16 3-GEMM bound on paper: ``B×D`` by ``D×K`` for the logits, then the two backward products,
@@ -629,6 +725,8 @@ class Summary:
     cce: float
     cce_filtered: float
     target: float | None
+    other_backward: float | None  # the backward the launcher does not pick at this shape (staged or fused), on paper
+    staged: bool
 
     @property
     def step(self) -> float:
@@ -644,7 +742,11 @@ def summarize(call: Call, gpu: GPU) -> Summary:
     at_target = call.workers == 1 and call.sample_ratio == 1
     target = TARGETS.get((call.classes, call.dim, call.batch)) if at_target else None
     serial = _sum_time(launches, gpu, p, serial=True)
-    return Summary(call, gpu, launches, fwd, bwd, serial, gemm_bound(call, gpu), cce, cce_f, target)
+    from dmltrain.distributed.softmax_kernels import staged_backward
+
+    staged = staged_backward(call.dim, p)
+    other = _sum_time(plan(call, gpu, not staged), gpu, p, "backward") if p == "bf16" else None
+    return Summary(call, gpu, launches, fwd, bwd, serial, gemm_bound(call, gpu), cce, cce_f, target, other, staged)
 
 
 def _grouped(launches: Sequence[Launch]) -> list[list[Launch]]:
@@ -746,6 +848,8 @@ def _text_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def breakdown(summary: Summary) -> list[str]:
     """The issue's costs, largest first in its list, as this model counts them at this shape."""
+    from dmltrain.distributed import softmax_kernels as sk
+
     call, gpu, launches = summary.call, summary.gpu, summary.launches
     C, D = call.active()[1], call.dim
     out = []
@@ -756,13 +860,28 @@ def breakdown(summary: Summary) -> list[str]:
             f"fp32 atomics in the backward: {atomic / 1e9:.1f} GB ({formula / 1e9:.1f} GB by 4·B·C·D·(1/BLOCK_B + "
             f"1/BLOCK_C)), {atomic / gpu.atomic_bytes_s * 1e3:.1f} ms at the assumed {gpu.atomic_bytes_s / 1e12:.1f} TB/s"
         )
+    elif summary.staged:
+        probs = [x for x in launches if x.kernel == "_probs_kernel"]
+        gemms = [x for x in launches if x.kernel.startswith("cuBLAS")]
+        g = sum(x.extra["columns"] for x in probs) * call.batch * 2
+        out.append(
+            f"staged backward: no atomics; G written once ({g / 1e9:.1f} GB in bf16, {len(probs)} stages of up to "
+            f"{max(x.extra['columns'] for x in probs):,} columns) and read back from L2 by two cuBLAS GEMMs "
+            f"({sum(x.flops for x in gemms) / 1e12:.1f} TFLOP at the assumed {CUBLAS_SHARE:.0%} of the peak)"
+        )
     else:
         rmw = sum(x.l2 for x in launches if x.kernel in ("_grad_x_kernel", "_grad_w_kernel"))
         out.append(
             f"atomic-free backward: no atomics, accumulators on chip, each output written once; its loads and stores "
             f"move {rmw / 1e9:.1f} GB through L2"
         )
-    for kernel in ("_lse_kernel", "_grad_x_kernel", "_grad_w_kernel"):
+    if summary.other_backward is not None:
+        this, that = ("staged", "fused atomic-free pair") if summary.staged else ("fused atomic-free pair", "staged")
+        out.append(
+            f"backward on paper: the {this} {summary.backward * 1e3:.2f} ms, the {that} {summary.other_backward * 1e3:.2f} "
+            f"ms (the launcher stages bf16 backwards from D = {sk.STAGED_MIN_DIM})"
+        )
+    for kernel in ("_lse_kernel", "_probs_kernel", "_grad_x_kernel", "_grad_w_kernel"):
         ks = [x for x in launches if x.kernel == kernel]
         if ks:
             flops, l2 = sum(x.flops for x in ks), sum(x.l2 for x in ks)
@@ -787,13 +906,14 @@ def breakdown(summary: Summary) -> list[str]:
         f"separate memory passes (the normalised copy made twice; no gradient scratch since the atomic-free backward): "
         f"{moved / 1e9:.1f} GB = {moved / (C * D):.1f}·C·D bytes, {moved / gpu.hbm_bytes_s * 1e3:.2f} ms of HBM"
     )
-    for kernel in ("_lse_kernel", "_grad_x_kernel", "_grad_w_kernel"):
+    for kernel in ("_lse_kernel", "_probs_kernel", "_grad_x_kernel", "_grad_w_kernel"):
         ks = [x for x in launches if x.kernel == kernel]
         if ks:
             x = ks[0]
             c = cost(x, gpu, call.precision)
             how = "from the compiled binary" if x.occupancy_compiled else "no compile recorded: one assumed"
-            split = f"{x.grid[1]} class split{'s' if x.grid[1] > 1 else ''} for " if len(x.grid) > 1 else ""
+            unit = "class tile" if kernel == "_probs_kernel" else "class split"
+            split = f"{x.grid[1]} {unit}{'s' if x.grid[1] > 1 else ''} for " if len(x.grid) > 1 else ""
             out.append(
                 f"{kernel}: {split}{x.occupancy} CTA/SM of {x.cfg.num_warps} warps ({how}), "
                 f"{gpu.sms * x.occupancy} programs at once: wave efficiency {c.wave_eff:.0%} (first chunk)"
@@ -820,7 +940,8 @@ def report(call: Call, gpu: GPU) -> tuple[str, Summary]:
         f"roofline {gpu.name}: {call.kind}, {call.classes:,} classes, D={call.dim}, B={call.batch:,}, W={call.workers}, "
         f"R={call.sample_ratio:g} ({K:,} columns on rank 0{f', {valid:,} expected drawn' if count else ''}), "
         f"{call.precision} products, {call.weight_storage} weight, "
-        f"atomic-free backward, {'fixed' if call.deterministic else 'tuned'} tiles; {len(chunks)} chunk(s); nothing run",
+        f"{'staged' if s.staged else 'atomic-free'} backward, {'fixed' if call.deterministic else 'tuned'} tiles; "
+        f"{len(chunks)} chunk(s); nothing run",
         _text_table(HEAD, table_rows(s.launches, gpu, call.precision)),
         *breakdown(s),
         f"3-GEMM bf16 bound (on paper, the bench's three GEMMs with the logits' bytes): {s.gemm * 1e3:.2f} ms",

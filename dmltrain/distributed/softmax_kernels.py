@@ -33,6 +33,14 @@ constant, padded to a power of two ``D_PAD`` for the backward's accumulators):
   are tuned) a rerun gives the same bits on the same GPU model with the same Triton (the split counts follow the
   binaries' registers and shared memory).
 
+* The staged backward (bf16 products at ``D ≥`` :data:`STAGED_MIN_DIM`, :func:`staged_backward`), per stage of
+  :func:`stage_columns` classes: :func:`_probs_kernel` (grid: sample tiles × class tiles; one product) writes the
+  stage's ``G·s`` in bf16 and per-sample-tile column sums; cuBLAS computes ``grad_x += G·Ŵ`` and ``h = Gᵀx`` with
+  fp32 accumulation and result; :func:`_rows_grad_kernel` adds the column sums in order and writes
+  ``(h_j − S_j ŵ_j)/‖w_j‖`` (or ``h_j`` and the bias's ``S_j``) into ``.grad`` at the rows. Four products, two of
+  them dense GEMMs, at the price of ``G`` written and read twice, in L2 while a stage fits :data:`STAGE_BYTES`.
+  Deterministic as well: cuBLAS gives the same bits for the same shapes on the same GPU.
+
 Precision (``precision``): ``fp32`` (IEEE products), ``tf32``, or ``bf16`` (operands stored in
 bf16, products and accumulation in fp32); the probabilities are rounded like the operands for the
 gradient products. Under ``TRITON_INTERPRET=1`` (read when this module is imported) the kernels run
@@ -436,6 +444,94 @@ def _rows_store(acc, d0, red, inv, r, mask_c, wt_ptr, gw_ptr, D: tl.constexpr, N
     tl.store(dst, acc.to(gw_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _probs_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    tcol_ptr,
+    count_ptr,
+    lse_ptr,
+    coef_ptr,
+    g_ptr,
+    red_ptr,
+    N,
+    K,
+    c0,
+    s0,
+    scale,
+    D: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
+    NORMALIZED: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The staged backward's one product: the ``BLOCK_B × BLOCK_C`` tile of ``G·s`` (``G`` for ``softmax_ce``) of
+    the ``K`` columns starting at ``s0`` in the chunk at ``c0`` (``w_ptr``/``b_ptr`` start at column ``s0``), in the
+    operands' precision into ``g_ptr`` (``N × K``, zeros at targets and padding), and this sample tile's column
+    sums (``Σ_i G_ij z_ij``, or ``Σ_i G_ij``) into row ``program_id(0)`` of ``red_ptr``."""
+    offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_b = offs_b < N
+    mask_c = offs_c < _valid_columns(count_ptr, c0 + s0, K, HAS_COUNT)
+    tcol = tl.load(tcol_ptr + offs_b, mask=mask_b, other=-1)
+    lse = tl.load(lse_ptr + offs_b, mask=mask_b, other=0.0)
+    z = _logits(x_ptr, w_ptr, b_ptr, offs_b, mask_b, offs_c, mask_c, scale, D, NORMALIZED, PREC,
+                BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
+    keep = mask_b[:, None] & mask_c[None, :] & (s0 + offs_c[None, :] != tcol[:, None])
+    g, red = _softmax_grad(z, lse, keep, coef_ptr, scale, NORMALIZED)
+    in_k = offs_c < K
+    dst = g_ptr + offs_b.to(tl.int64)[:, None] * K + offs_c[None, :]
+    tl.store(dst, _operand(g, PREC).to(g_ptr.dtype.element_ty), mask=mask_b[:, None] & in_k[None, :])
+    tl.store(red_ptr + tl.program_id(0) * K + offs_c, red, mask=in_k)
+
+
+@triton.jit(do_not_specialize=["n_parts"])  # the sample tiles, 1 to hundreds: one binary for all
+def _rows_grad_kernel(
+    h_ptr,
+    red_ptr,
+    inv_ptr,
+    wt_ptr,
+    rows_ptr,
+    count_ptr,
+    gw_ptr,
+    gb_ptr,
+    c0,
+    K,
+    n_parts,
+    D: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
+    NORMALIZED: tl.constexpr,
+    WRITE_W: tl.constexpr,
+    WRITE_B: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The staged backward's epilogue for active columns ``c0 … c0+K−1``: their column sums (the ``n_parts`` rows of
+    ``red_ptr`` added in order) and ``h`` (``K × D`` fp32, ``s·Gᵀx``) through the normalisation's backward into
+    ``.grad`` at their rows, the bias's gradient from the sums; columns past the count are left alone."""
+    offs, mask, r = _chunk_rows(rows_ptr, count_ptr, c0, K, HAS_ROWS, HAS_COUNT, BLOCK_R)
+    red = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for p in range(0, n_parts):
+        red += tl.load(red_ptr + p * K + offs, mask=mask, other=0.0)
+    if WRITE_B:
+        gb = red
+        if ACCUMULATE:
+            gb += tl.load(gb_ptr + r, mask=mask, other=0.0).to(tl.float32)
+        tl.store(gb_ptr + r, gb.to(gb_ptr.dtype.element_ty), mask=mask)
+    if WRITE_W:
+        inv = tl.load(inv_ptr + offs, mask=mask, other=0.0) if NORMALIZED else red
+        for d0 in tl.static_range(0, D, BLOCK_D):  # unrolled: a loop here spilled a pointer on sm_80
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            h = tl.load(h_ptr + offs.to(tl.int64)[:, None] * D + offs_d[None, :],
+                        mask=mask[:, None] & (offs_d[None, :] < D), other=0.0)  # fmt: skip
+            _rows_store(h, d0, red, inv, r, mask, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, BLOCK_D)
+
+
 #: the kernels run under the CPU interpreter (Triton decided so when they were defined, from TRITON_INTERPRET)
 INTERPRET = not isinstance(_lse_kernel, triton.runtime.JITFunction)
 
@@ -463,6 +559,8 @@ _CONFIGS: dict[tuple[str, str], list[LaunchConfig]] = {
     ("grad_w", "bf16"): [_cfg(8, 2, BLOCK_B=32, BLOCK_C=64, BLOCK_K=32)],
     ("grad_w", "tf32"): [_cfg(8, 2, BLOCK_B=16, BLOCK_C=64, BLOCK_K=16)],
     ("grad_w", "fp32"): [_cfg(4, 2, BLOCK_B=32, BLOCK_C=32, BLOCK_K=16)],
+    # the staged backward (bf16 only): the log-sum-exp kernel's tile, storing G instead of reducing it
+    ("probs", "bf16"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=128, BLOCK_K=16)],
 }
 #: the log-sum-exp kernel with the logits' sum (``softmax_ce`` with label smoothing) keeps a third running
 #: row: with a 128 × 128 tile it spills on sm_80 (255 registers, 16-32 bytes of stack at every width, in the
@@ -674,6 +772,7 @@ def gradients(
     coef = torch.stack([alpha.float(), torch.zeros((), device=dev) if off is None else off.float()])
     lse = lse.float().contiguous()
     grad_x = torch.zeros(N, D, device=dev) if need_x else None
+    staged = staged_backward(D, precision)
     for c0, c1 in _chunks(op, elt):
         ch = _Chunk(op, c0, c1, dtype)
         call = _GradCall(
@@ -682,6 +781,9 @@ def gradients(
             dict(D=D, HAS_COUNT=op.count is not None, NORMALIZED=op.normalized, PREC=prec),
         )
         key = _key(op, ch.K, precision)
+        if staged:  # one candidate, never timed (the epilogue writes into .grad)
+            call.staged(_choose("probs", key, precision, dev, _untimed, deterministic), op, ch, out, grad_x)
+            continue
         if need_x:
             part = call.split_x(_choose("grad_x", key, precision, dev, call.split_x, deterministic))
             # one reduction launch over the splits (not one add each: 272 at 10^6 x 512, B = 1,024); torch's sum
@@ -729,6 +831,92 @@ class _GradCall:
                 D_PAD=triton.next_power_of_2(w.shape[1]),
             )  # fmt: skip
 
+    def staged(self, cfg: LaunchConfig, op: ShardOperands, ch: _Chunk, out: RowGradTarget | None,
+               grad_x: Tensor | None) -> None:  # fmt: skip
+        """The staged backward of the chunk, :func:`stage_columns` columns at a time: ``G`` by
+        :func:`_probs_kernel`, ``grad_x += G·Ŵ`` and ``h = Gᵀ·x`` by cuBLAS (fp32 accumulation and result), and
+        :func:`_rows_grad_kernel` writing the rows' gradients."""
+        x, w, b, tcol, count, lse, coef = self.args
+        N, K, c0, scale = self.tail
+        D, dev = x.shape[1], x.device
+        write_w = out is not None and out.weight is not None
+        write_b = out is not None and out.bias is not None
+        step = min(K, stage_columns(N, D, INTERPRET))
+        TB = triton.cdiv(N, cfg["BLOCK_B"])
+        g_buf = torch.empty(N * step, device=dev, dtype=w.dtype)
+        red = torch.empty(TB * step, device=dev)
+        rows_meta = _rows_meta()
+        weight = op.weight
+        for s0 in range(0, K, step):
+            k = min(step, K - s0)
+            g = g_buf[: N * k].view(N, k)
+            with _device(x):
+                _probs_kernel[(TB, triton.cdiv(k, cfg["BLOCK_C"]))](
+                    x, w[s0:], b[s0:], tcol, count, lse, coef, g, red, N, k, c0, s0, scale, **self.common,
+                    **cfg.kwargs(),
+                )  # fmt: skip
+            ws = w[s0 : s0 + k]
+            if grad_x is not None:
+                _gemm(g, ws, grad_x)
+            if write_w or write_b:
+                h = _gemm(g.t(), x) if write_w else red
+                with _device(weight):
+                    _rows_grad_kernel[(triton.cdiv(k, rows_meta["BLOCK_R"]),)](
+                        h, red, _or(ch.inv, w)[s0:], weight, _or(op.rows, weight), count, _or(out.weight, weight),
+                        _or(out.bias, weight), c0 + s0, k, TB, D=D, HAS_ROWS=op.rows is not None,
+                        HAS_COUNT=op.count is not None, NORMALIZED=op.normalized, WRITE_W=write_w, WRITE_B=write_b,
+                        ACCUMULATE=out.accumulate, **rows_meta,
+                    )  # fmt: skip
+
+
+#: the staged backward's epilogue tiles (a memory pass, like the row copy)
+_ROWS = _cfg(4, 2, BLOCK_R=32, BLOCK_D=128)
+#: embedding widths from which a bf16 backward is staged (:func:`staged_backward`)
+STAGED_MIN_DIM = 256
+#: a stage's ``G`` (``N × columns``, bf16) and ``h`` (``columns × D``, fp32) together: within this many bytes the two
+#: GEMMs and the epilogue read them back from L2 (50 MB on an H100, 40 MB on an A100) rather than HBM
+STAGE_BYTES = 24 * 2**20
+#: the fewest columns a stage takes on a GPU, however large the batch: fewer leave cuBLAS a short inner dimension
+#: for ``G·Ŵ`` and the embeddings' gradient read and written once more per stage
+STAGE_MIN_COLUMNS = 1024
+
+
+def staged_backward(D: int, precision: str) -> bool:
+    """Whether :func:`gradients` stages ``G`` (bf16 products at ``D ≥`` :data:`STAGED_MIN_DIM`) rather than running the
+    fused atomic-free pair. Staged, each product of the backward is a dense GEMM, at cuBLAS's rate, and the price is
+    ``G`` written and read twice (``6·N·C`` bytes, mostly in L2): ``D`` FLOPs per byte of ``G``, so it pays at wide
+    embeddings, while at ``D = 128`` the fused pair (no ``G`` in memory) wins. Both are deterministic."""
+    return precision == "bf16" and D >= STAGED_MIN_DIM
+
+
+def stage_columns(N: int, D: int, interpret: bool) -> int:
+    """Columns of one stage of the staged backward: ``G`` and ``h`` within :data:`STAGE_BYTES`, whole class tiles, at
+    least :data:`STAGE_MIN_COLUMNS` on a GPU (one tile under the interpreter)."""
+    q = _SMALL if interpret else 128
+    fit = STAGE_BYTES // (2 * N + 4 * D) // q * q
+    return max(q if interpret else STAGE_MIN_COLUMNS, fit)
+
+
+def _rows_meta() -> dict[str, int]:
+    if INTERPRET:
+        return {"BLOCK_R": _SMALL, "BLOCK_D": _SMALL}
+    return _ROWS.kwargs()
+
+
+def _gemm(a: Tensor, b: Tensor, acc: Tensor | None = None) -> Tensor:
+    """``a @ b`` with fp32 accumulation and an fp32 result, added into ``acc`` in place when given: cuBLAS with bf16
+    operands on CUDA (``out_dtype``), elsewhere an fp32 product (the interpreter's operands: bf16 values, exact in
+    fp32)."""
+    if a.device.type == "cuda" and a.dtype != torch.float32:
+        if acc is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    r = a.float() @ b.float()
+    if acc is None:
+        return r
+    acc += r
+    return acc
+
 
 # -- the offline compile contract ---------------------------------------------------------------------
 #: D is a compile-time constant: every embedding width compiles its own binary (the loops over it unrolled),
@@ -768,6 +956,8 @@ def _variants_at(D: int) -> list[KernelVariant]:
                 tag = f"D={D} {precision} {'normalized' if normalized else 'bias'}{' count' if has_count else ''}"
                 out += _lse_variants(op_t, precision, flags, tag)
                 out += _grad_variants(op_t, precision, flags, tag)
+                if staged_backward(D, precision):
+                    out += _staged_variants(op_t, precision, flags, tag)
     for w_t in ("fp32", "bf16"):
         for op_t in ("bf16", "fp32"):
             for normalized in (True, False):
@@ -837,6 +1027,36 @@ def _grad_variants(op_t: str, precision: str, flags: dict, tag: str) -> list[Ker
                         name = (f"_grad_w_kernel {tag} {w_t} weight rows={has_rows} write_w={write_w} "
                                 f"write_b={write_b} accumulate={acc}")  # fmt: skip
                         out.append(_variant(name, _grad_w_kernel, dict(types), consts, cfg, precision))
+    return out
+
+
+def _staged_variants(op_t: str, precision: str, flags: dict, tag: str) -> list[KernelVariant]:
+    """The staged backward's two kernels as :meth:`_GradCall.staged` launches them (``G`` in the operands' type; the
+    epilogue's stand-ins the weight, as in the fused pair)."""
+    sig = _sig("x_ptr w_ptr b_ptr tcol_ptr count_ptr lse_ptr coef_ptr g_ptr red_ptr N K c0 s0 scale D HAS_COUNT "
+               "NORMALIZED PREC BLOCK_B BLOCK_C BLOCK_K", {**_main_types(op_t, flags), "g_ptr": f"*{op_t}",
+                                                          "red_ptr": "*fp32", "s0": "i32"})  # fmt: skip
+    # s0, a stage's first column, is a multiple of the stage (whole class tiles) even where N and K are ragged
+    out = [dataclasses.replace(_variant(f"_probs_kernel {tag}", _probs_kernel, sig, flags, cfg, precision),
+                               aligned_ints=("c0", "s0")) for cfg in _candidates("probs", precision)]  # fmt: skip
+    writes = [(True, False)] if flags["NORMALIZED"] else [(True, True), (True, False), (False, True)]
+    for w_t in ("fp32", "bf16"):
+        types = {"h_ptr": "*fp32", "red_ptr": "*fp32", "inv_ptr": "*fp32" if flags["NORMALIZED"] else f"*{op_t}",
+                 "wt_ptr": f"*{w_t}", "count_ptr": "*i64" if flags["HAS_COUNT"] else f"*{op_t}", "gw_ptr": f"*{w_t}",
+                 "gb_ptr": f"*{w_t}", "c0": "i32", "K": "i32", "n_parts": "i32"}  # fmt: skip
+        for has_rows in (True,) if flags["HAS_COUNT"] else (False, True):
+            types["rows_ptr"] = "*i64" if has_rows else f"*{w_t}"
+            for write_w, write_b in writes:
+                for acc in (False, True):
+                    sig = _sig("h_ptr red_ptr inv_ptr wt_ptr rows_ptr count_ptr gw_ptr gb_ptr c0 K n_parts D HAS_ROWS "
+                               "HAS_COUNT NORMALIZED WRITE_W WRITE_B ACCUMULATE BLOCK_R BLOCK_D", types)  # fmt: skip
+                    consts = dict(D=flags["D"], HAS_ROWS=has_rows, HAS_COUNT=flags["HAS_COUNT"],
+                                  NORMALIZED=flags["NORMALIZED"], WRITE_W=write_w, WRITE_B=write_b, ACCUMULATE=acc,
+                                  **dict(_ROWS.meta))  # fmt: skip
+                    name = (f"_rows_grad_kernel {tag} {w_t} weight rows={has_rows} write_w={write_w} "
+                            f"write_b={write_b} accumulate={acc}")  # fmt: skip
+                    out.append(KernelVariant(name, _rows_grad_kernel, sig, consts, _ROWS.num_warps, _ROWS.num_stages,
+                                             config=_tiles(_ROWS), aligned_ints=("c0",)))  # fmt: skip
     return out
 
 
