@@ -253,7 +253,32 @@ def _kernel_checks(device):
             for other in results.keys() - {(False, False)}:
                 agree = rel_err(results[other][0].cpu(), results[False, False][0].cpu())
                 out[f"case {i} {'staged' if other[1] else 'deterministic'} agrees with tuned"] = (precision, agree)
+        out.update(_kept_copies_check(sk, op, i, precision, dev(lse), cnt, device))
     sk.CHUNK_BYTES = chunk_bytes
+    return out
+
+
+def _kept_copies_check(sk, op, i, precision, lse, cnt, device):
+    """The forward's row copies kept for the backward give the bits the backward's own copies do, in every chunk;
+    after the weight changed in place they are not used (the backward copies the new weight)."""
+    from dmltrain.distributed.row_sparse import RowGradTarget, RowSet
+
+    def backward(saved):
+        gw = torch.zeros_like(op.weight)
+        gb = None if op.bias is None else torch.zeros_like(op.bias)
+        coef = (torch.tensor(0.5, device=device), torch.tensor(0.01, device=device))
+        gx = sk.gradients(op, saved, lse, *coef, True, RowGradTarget(None, RowSet(op.rows, cnt), gw, gb, False),
+                          precision)  # fmt: skip
+        return [t for t in (gx, gw, gb) if t is not None]
+
+    _, _, _, kept = sk.partials(op, True, precision, keep_copies=True)
+    out = {f"case {i} kept copies": ("exact", float(kept is None))}
+    same = all(torch.equal(a, b) for a, b in zip(backward(kept), backward(None)))
+    out[f"case {i} kept copies give the same bits"] = ("exact", float(not same))
+    with torch.no_grad():
+        op.weight.mul_(1.5)
+    same = all(torch.equal(a, b) for a, b in zip(backward(kept), backward(None)))
+    out[f"case {i} a weight changed since the forward is copied again"] = ("exact", float(not same))
     return out
 
 

@@ -252,7 +252,7 @@ for fields, settings in json.loads(sys.argv[2]):
     tcol = torch.randint(-1, valid, (call.batch,), generator=g)
     op = ShardOperands(x, w, b, rows, count, tcol, 8.0, call.normalized)
     rec.clear()
-    lse, _, _, saved = sk.partials(op, call.sum_logits, call.precision, call.deterministic)
+    lse, _, _, saved = sk.partials(op, call.sum_logits, call.precision, call.deterministic, keep_copies=True)
     target = RowGradTarget(None, RowSet(rows, count), torch.zeros_like(w), None if b is None else torch.zeros_like(b), False)
     off = torch.tensor(0.01) if call.sum_logits else None
     sk.gradients(op, saved, torch.logaddexp(lse, torch.zeros(())), torch.tensor(0.05), off, True, target,
@@ -349,7 +349,7 @@ def _launch_on_meta(monkeypatch, call: Call, gpu, binary, choose_lse=None) -> tu
     count = torch.empty((), dtype=torch.int64, device=meta) if has_count else None
     op = ShardOperands(torch.empty(call.batch, call.dim, device=meta), w, b, rows, count,
                        torch.empty(call.batch, dtype=torch.int64, device=meta), 8.0, call.normalized)  # fmt: skip
-    lse, _, _, saved = sk.partials(op, call.sum_logits, call.precision, call.deterministic)
+    lse, _, _, saved = sk.partials(op, call.sum_logits, call.precision, call.deterministic, keep_copies=True)
     target = RowGradTarget(None, RowSet(rows, count), torch.empty_like(w), None if b is None else torch.empty_like(b),
                            False)  # fmt: skip
     off = torch.empty((), device=meta) if call.sum_logits else None

@@ -399,6 +399,7 @@ def plan(call: Call, gpu: GPU | None, staged: bool | None = None) -> list[Launch
     e = 2 if call.precision == "bf16" else 4  # operand bytes
     ws = 2 if call.weight_storage == "bf16" else 4
     K, valid, has_rows, has_count = call.active()
+    keep = geo.sk.keeps_copies(K, D, e)
     out: list[Launch] = []
     for phase in ("forward", "backward"):
         # the small torch ops: the batch cast to the product dtype, the embeddings' gradient zeroed, per chunk
@@ -415,7 +416,8 @@ def plan(call: Call, gpu: GPU | None, staged: bool | None = None) -> list[Launch
             Kc = c1 - c0
             nv = max(0, min(Kc, valid - c0)) if has_count else Kc
             key = (D, _pow2(N), _pow2(max(Kc, 1)), call.precision, call.normalized, has_count)
-            out.append(_copy(phase, i, geo, Kc, nv, e, ws, has_rows, has_count))
+            if phase == "forward" or not keep:  # the backward reuses the forward's copies when they are kept
+                out.append(_copy(phase, i, geo, Kc, nv, e, ws, has_rows, has_count))
             if phase == "forward":
                 cfg = geo.choose("lse", key, lambda c, Kc=Kc, nv=nv, i=i: _lse(geo, i, c, N, Kc, nv, e))
                 launch = _lse(geo, i, cfg, N, Kc, nv, e)
@@ -902,8 +904,10 @@ def breakdown(summary: Summary) -> list[str]:
         )
     passes = [x for x in launches if x.kernel == "_copy_rows_kernel"]
     moved = sum(x.hbm for x in passes)
+    twice = any(x.phase == "backward" for x in passes)
+    how = "made twice" if twice else f"made once, kept for the backward within {sk.KEEP_COPY_BYTES / 2**30:g} GiB"
     out.append(
-        f"separate memory passes (the normalised copy made twice; no gradient scratch since the atomic-free backward): "
+        f"separate memory passes (the normalised copy {how}; no gradient scratch since the atomic-free backward): "
         f"{moved / 1e9:.1f} GB = {moved / (C * D):.1f}·C·D bytes, {moved / gpu.hbm_bytes_s * 1e3:.2f} ms of HBM"
     )
     for kernel in ("_lse_kernel", "_probs_kernel", "_grad_x_kernel", "_grad_w_kernel"):

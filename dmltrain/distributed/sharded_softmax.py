@@ -460,7 +460,9 @@ class _ShardedSoftmax(torch.autograd.Function):
             )
             eps = plan.smoothing
             if plan.fused:
-                lse_nt, mx, sz, saved = softmax_kernels.partials(op, bool(eps), plan.precision, plan.deterministic)
+                lse_nt, mx, sz, saved = softmax_kernels.partials(
+                    op, bool(eps), plan.precision, plan.deterministic, keep_copies=any(ctx.needs_input_grad[:3])
+                )
                 lse_nt, mx = lse_nt.to(x.dtype), mx.to(x.dtype)
                 sz = None if sz is None else sz.to(x.dtype)
             else:
