@@ -117,23 +117,23 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
 
 
 @pytest.mark.parametrize(
-    "call",
+    "call, staged",
     [
-        Call(5000, 200, 300, workers=2, sample_ratio=0.5),  # ragged D and batch, a draw with a count
-        Call(5000, 72, 130, workers=2, sample_ratio=0.5, deterministic=True),
-        Call(3000, 96, 257, precision="tf32"),
-        Call(3000, 96, 257, kind="softmax_ce", smoothing=0.1, deterministic=True),
-        Call(5000, 264, 300, workers=2, sample_ratio=0.5),  # the staged backward: bf16 at D >= 256
+        (Call(5000, 200, 300, workers=2, sample_ratio=0.5), False),  # ragged D and batch, a draw with a count
+        (Call(5000, 72, 130, workers=2, sample_ratio=0.5, deterministic=True), False),
+        (Call(3000, 96, 257, precision="tf32"), True),  # tf32 is never staged
+        (Call(3000, 96, 257, kind="softmax_ce", smoothing=0.1, deterministic=True), False),
+        (Call(5000, 264, 300, workers=2, sample_ratio=0.5), True),  # the staged backward: bf16
+        (Call(3000, 96, 257, kind="softmax_ce", smoothing=0.1, deterministic=True), True),
     ],
-    ids=["tuned", "deterministic", "tf32", "softmax_ce", "staged"],
+    ids=["tuned", "deterministic", "tf32", "softmax_ce", "staged", "staged-softmax_ce"],
 )
-def test_counts_equal_a_loop_by_loop_count(call):
+def test_counts_equal_a_loop_by_loop_count(monkeypatch, call, staged):
     from dmltrain.distributed import softmax_kernels as sk
 
+    monkeypatch.setattr(sk, "STAGE_BF16", staged)
     launches = [x for x in plan(call, GPUS["h100"]) if x.programs]
-    backward = (
-        ("_probs_kernel",) if sk.staged_backward(call.dim, call.precision) else ("_grad_x_kernel", "_grad_w_kernel")
-    )
+    backward = ("_probs_kernel",) if sk.staged_backward(call.precision) else ("_grad_x_kernel", "_grad_w_kernel")
     assert {x.kernel for x in launches} == {"_lse_kernel", *backward}
     _, valid, _, count = call.active()
     assert count == (call.workers > 1)
@@ -147,15 +147,14 @@ def test_counts_equal_a_loop_by_loop_count(call):
 
 
 def test_the_backward_moves_no_atomic_bytes_at_the_issue_shapes():
-    """Issue 37's 49 / 393 / 492 GB of fp32 atomics are gone: the staged backward (D = 512) and the atomic-free pair
-    (D = 128) write each output once."""
-    kernels = []
+    """Issue 37's 49 / 393 / 492 GB of fp32 atomics are gone: the staged backward and the atomic-free pair write each
+    output once."""
     for C, D, B in roofline.ISSUE_SHAPES:
-        launches = plan(Call(C, D, B), GPUS["h100"])
-        kernels.append({x.kernel for x in launches if x.programs})
-        assert sum(x.atomic for x in launches) == 0
-    staged, fused = {"_lse_kernel", "_probs_kernel"}, {"_lse_kernel", "_grad_x_kernel", "_grad_w_kernel"}
-    assert kernels == [staged, staged, fused]
+        for staged in (True, False):
+            launches = plan(Call(C, D, B), GPUS["h100"], staged)
+            backward = {"_probs_kernel"} if staged else {"_grad_x_kernel", "_grad_w_kernel"}
+            assert {x.kernel for x in launches if x.programs} == {"_lse_kernel", *backward}
+            assert sum(x.atomic for x in launches) == 0
 
 
 def test_occupancy_from_registers_and_shared_memory():
@@ -201,17 +200,17 @@ def test_resources_read_a_compiled_kernel_as_both_tritons_build_it():
 #: (call, softmax_kernels settings) of the interpreter run: both backwards, normalised and not, a draw's count, chunks
 #: of 16 columns (16-wide tiles), two of them past the count (the paths without one: the GPU-shape test below); the
 #: staged backward in 48-column chunks of three 16-column stages
-_FUSED = {"CHUNK_BYTES": 1536, "STAGED_MIN_DIM": 10**9}
+_FUSED = {"CHUNK_BYTES": 1536, "STAGE_BF16": False}
 INTERPRETER_CASES = [
     (Call(100, 16, 17, workers=2, sample_ratio=0.5, precision="bf16", kind="cosface", deterministic=True), _FUSED),
     (Call(100, 16, 17, workers=2, sample_ratio=0.5, precision="fp32", kind="softmax_ce", smoothing=0.1), _FUSED),
     (
         Call(200, 16, 17, precision="bf16", kind="softmax_ce", smoothing=0.1),
-        {"CHUNK_BYTES": 16 * 6 * 48, "STAGED_MIN_DIM": 0, "STAGE_BYTES": (2 * 17 + 4 * 16) * 16},
+        {"CHUNK_BYTES": 16 * 6 * 48, "STAGE_BF16": True, "STAGE_BYTES": (2 * 17 + 4 * 16) * 16},
     ),
     (
         Call(100, 16, 17, workers=2, sample_ratio=0.5, precision="bf16", kind="arcface"),
-        {"CHUNK_BYTES": 16 * 6 * 48, "STAGED_MIN_DIM": 0, "STAGE_BYTES": (2 * 17 + 4 * 16) * 16},
+        {"CHUNK_BYTES": 16 * 6 * 48, "STAGE_BF16": True, "STAGE_BYTES": (2 * 17 + 4 * 16) * 16},
     ),
 ]
 
@@ -358,15 +357,27 @@ def _launch_on_meta(monkeypatch, call: Call, gpu, binary, choose_lse=None) -> tu
 
 
 @pytest.mark.parametrize(
-    "call",
+    "call, staged",
     [
-        *(Call(C, D, B) for C, D, B in roofline.ISSUE_SHAPES),
-        Call(10**6, 512, 8192, deterministic=True),
-        Call(3 * 10**6, 256, 4096, workers=3, sample_ratio=0.1, kind="softmax_ce", smoothing=0.1),
+        *((Call(C, D, B), True) for C, D, B in roofline.ISSUE_SHAPES),
+        (Call(10**6, 512, 8192, deterministic=True), True),
+        (Call(3 * 10**6, 256, 4096, workers=3, sample_ratio=0.1, kind="softmax_ce", smoothing=0.1), True),
+        *((Call(C, D, B), False) for C, D, B in roofline.ISSUE_SHAPES),
+        (Call(3 * 10**6, 256, 4096, workers=3, sample_ratio=0.1, kind="softmax_ce", smoothing=0.1), False),
     ],
-    ids=["issue-1", "issue-2", "issue-3", "deterministic", "subsampled-ce"],
+    ids=[
+        "issue-1",
+        "issue-2",
+        "issue-3",
+        "deterministic",
+        "subsampled-ce",
+        "fused-1",
+        "fused-2",
+        "fused-3",
+        "fused-subsampled-ce",
+    ],
 )
-def test_launches_equal_the_launchers_at_gpu_shapes(monkeypatch, call):
+def test_launches_equal_the_launchers_at_gpu_shapes(monkeypatch, call, staged):
     """The real ``partials`` and ``gradients`` on meta tensors with the kernels recorded, not run: the same launches,
     grids and tiles as the model's at the GPU's geometry (the tuner's choice, which only a GPU can time, handed
     over from the model; the deterministic path's fixed choice asked of the launcher's own ``_choose``; each
@@ -374,6 +385,7 @@ def test_launches_equal_the_launchers_at_gpu_shapes(monkeypatch, call):
     from dmltrain.distributed import softmax_kernels as sk
 
     gpu = GPUS["h100"]
+    monkeypatch.setattr(sk, "STAGE_BF16", staged)
     model = [x for x in plan(call, gpu) if x.triton]
     tuned = [x.cfg for x in model if x.kernel == "_lse_kernel"]
 
@@ -382,7 +394,6 @@ def test_launches_equal_the_launchers_at_gpu_shapes(monkeypatch, call):
 
     recorded, asked, binaries = _launch_on_meta(monkeypatch, call, gpu, binary, lambda: tuned.pop(0))
     assert recorded == [(x.kernel, list(x.grid), dict(x.cfg.meta)) for x in model]
-    staged = sk.staged_backward(call.dim, call.precision)
     assert set(asked) == ({"lse", "probs"} if staged else {"lse", "grad_x", "grad_w"})
     split = [x for x in model if x.kernel in ("_lse_kernel", "_grad_x_kernel")]
     assert binaries == [(x.kernel, sk._tiles(x.cfg)) for x in split]  # one binary asked for per split launch
@@ -401,6 +412,7 @@ def test_the_split_count_follows_the_binarys_occupancy(monkeypatch, gpu):
     splits: dict[str, set[int]] = {}
     for regs, ctas in ((216, 1), (128, 2), (76, 3)):
         assert ctas_per_sm(gpu.sm, regs, 16384, 8) == ctas
+        monkeypatch.setattr(sk, "STAGE_BF16", False)  # the fused pair's embedding-gradient kernel
         recorded, _, binaries = _launch_on_meta(monkeypatch, call, gpu, lambda kernel, cfg, r=regs: _Binary((r, 16384)))
         monkeypatch.undo()
         split = [
@@ -456,11 +468,12 @@ def test_bench_model_prints_one_table(capsys):
     assert out.count("\nphase ") == 3 and "\nclasses " in out  # a table per shape, then one line each
     for (C, D, B), target in roofline.TARGETS.items():
         assert f"{C:,} classes, D={D}, B={B:,}" in out and f"target {target * 1e3:.0f} ms" in out
-    assert "atomic-free backward: no atomics" in out and "fp32 atomics in the backward" not in out
+    assert "staged backward: no atomics" in out and "fp32 atomics in the backward" not in out
+    assert out.count("backward on paper: the staged") == 3  # and the fused pair beside it
     args = "--model a100 --classes 20000 --dim 64 --batch 512 --sample-ratio 0.5 --workers 2 --deterministic"
     assert run(argparse.Namespace(bench="classifier", bench_args=args.split())) == 0
     out = capsys.readouterr().out
-    assert out.count("\nphase ") == 1 and "no target at this shape" in out and "_grad_w_kernel" in out
+    assert out.count("\nphase ") == 1 and "no target at this shape" in out and "_rows_grad_kernel" in out
     with pytest.raises(Exception, match="--shapes goes with --model"):
         run(argparse.Namespace(bench="classifier", bench_args=["--shapes", "issue"]))
     assert "--model" in bench_parser("classifier").format_help()

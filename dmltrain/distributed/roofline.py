@@ -393,7 +393,7 @@ def plan(call: Call, gpu: GPU | None, staged: bool | None = None) -> list[Launch
     if staged is None:
         from dmltrain.distributed.softmax_kernels import staged_backward
 
-        staged = staged_backward(call.dim, call.precision)
+        staged = staged_backward(call.precision)
     geo = _Geometry(gpu, call)
     N, D = call.batch, call.dim
     e = 2 if call.precision == "bf16" else 4  # operand bytes
@@ -441,7 +441,7 @@ def plan(call: Call, gpu: GPU | None, staged: bool | None = None) -> list[Launch
             out.append(Launch(phase, "torch: grad_x += partials.sum(0)", hbm=sums[0], chunk=i, launches=sums[1]))
             out.append(_grad_w(geo, i, geo.choose("grad_w", key, None), N, Kc, nv, e, ws, has_rows))
     for x in out:
-        if not x.triton:  # a torch op's global accesses are its HBM traffic
+        if not x.triton and not x.l2:  # a torch op's global accesses are its HBM traffic (cuBLAS's tiles say their own)
             x.l2 = x.hbm
     return out
 
@@ -456,7 +456,7 @@ def _copy(phase: str, i: int, geo: _Geometry, K: int, nv: int, e: int, ws: int, 
     D, meta = geo.call.dim, geo.copy_meta
     read = nv * D * ws + (8 * nv if rows else 0) + (8 if count else 0)
     side = 4 * nv if geo.call.normalized else nv * (ws + 4)  # 1/‖w‖ written, or the bias read and written
-    hbm = read + nv * D * e + side
+    hbm = read + K * D * e + side  # the rows past a draw's count written as zeros
     again = nv * D * ws if geo.call.normalized else 0  # the norm pass, then the copy pass: again from L2
     cfg = LaunchConfig.of(1, 1, **meta) if geo.gpu is None else geo.sk._COPY
     return Launch(phase, "_copy_rows_kernel", (math.ceil(K / meta["BLOCK_R"]),), cfg, hbm=hbm, l2=hbm + again, chunk=i)
@@ -563,7 +563,7 @@ def _staged(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int, ws: in
     """The staged backward of one chunk (``softmax_kernels._GradCall.staged``), stage by stage: ``_probs_kernel``
     writing ``G`` and its column sums, cuBLAS's ``grad_x += G·Ŵ`` and ``h = Gᵀ·x``, ``_rows_grad_kernel`` writing the
     rows' gradients. ``G`` is written to HBM; the GEMMs and the epilogue read it and ``h`` back from L2 while the
-    stage fits :data:`~dmltrain.distributed.softmax_kernels.STAGE_BYTES`, from HBM past it."""
+    stage's ``G`` and ``h`` fit half the L2, from HBM past it."""
     sk, D, call = geo.sk, geo.call.dim, geo.call
     step = min(K, sk.stage_columns(N, D, geo.gpu is None))
     BB, BC, BK = cfg["BLOCK_B"], cfg["BLOCK_C"], cfg["BLOCK_K"]
@@ -574,7 +574,7 @@ def _staged(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int, ws: in
         k, v = min(step, K - s0), max(0, min(step, nv - s0))
         CT = math.ceil(k / BC)
         g_bytes, h_bytes, red_bytes = N * k * e, k * D * 4, TB * k * 4
-        resident = g_bytes + h_bytes <= sk.STAGE_BYTES
+        resident = geo.gpu is None or g_bytes + h_bytes <= geo.gpu.l2_bytes / 2
         # every program computes its whole tile (masked loads give zeros); x and the valid rows are loaded per tile
         flops = TB * CT * 2 * BB * BC * _pad(D, BK)
         l2 = CT * N * (D * e + 8) + TB * v * D * e + g_bytes + red_bytes
@@ -585,9 +585,10 @@ def _staged(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int, ws: in
         )  # fmt: skip
         probs.extra["x_l2"] = CT * N * D * e
         probs.extra["columns"] = k
+        probs.extra["resident"] = float(resident)
         out.append(_product(geo, probs))
         g_hbm = 0 if resident else g_bytes
-        tm, tn = CUBLAS_TILE
+        tm, tn = CUBLAS_TILE[0], min(CUBLAS_TILE[1], D)  # a narrow D: the tile as wide as D
         tiles_x = math.ceil(N / tm) * math.ceil(D / tn)
         out.append(
             Launch(
@@ -746,7 +747,7 @@ def summarize(call: Call, gpu: GPU) -> Summary:
     serial = _sum_time(launches, gpu, p, serial=True)
     from dmltrain.distributed.softmax_kernels import staged_backward
 
-    staged = staged_backward(call.dim, p)
+    staged = staged_backward(p)
     other = _sum_time(plan(call, gpu, not staged), gpu, p, "backward") if p == "bf16" else None
     return Summary(call, gpu, launches, fwd, bwd, serial, gemm_bound(call, gpu), cce, cce_f, target, other, staged)
 
@@ -868,7 +869,9 @@ def breakdown(summary: Summary) -> list[str]:
         g = sum(x.extra["columns"] for x in probs) * call.batch * 2
         out.append(
             f"staged backward: no atomics; G written once ({g / 1e9:.1f} GB in bf16, {len(probs)} stages of up to "
-            f"{max(x.extra['columns'] for x in probs):,} columns) and read back from L2 by two cuBLAS GEMMs "
+            f"{max(x.extra['columns'] for x in probs):,} columns) and read back "
+            f"{'from L2' if all(x.extra['resident'] for x in probs) else 'from HBM (a stage passes half the L2)'} by "
+            "two cuBLAS GEMMs "
             f"({sum(x.flops for x in gemms) / 1e12:.1f} TFLOP at the assumed {CUBLAS_SHARE:.0%} of the peak)"
         )
     else:
@@ -881,7 +884,7 @@ def breakdown(summary: Summary) -> list[str]:
         this, that = ("staged", "fused atomic-free pair") if summary.staged else ("fused atomic-free pair", "staged")
         out.append(
             f"backward on paper: the {this} {summary.backward * 1e3:.2f} ms, the {that} {summary.other_backward * 1e3:.2f} "
-            f"ms (the launcher stages bf16 backwards from D = {sk.STAGED_MIN_DIM})"
+            f"ms (the launcher {'stages' if sk.STAGE_BF16 else 'does not stage'} bf16 backwards)"
         )
     for kernel in ("_lse_kernel", "_probs_kernel", "_grad_x_kernel", "_grad_w_kernel"):
         ks = [x for x in launches if x.kernel == kernel]

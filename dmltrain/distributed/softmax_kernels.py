@@ -33,12 +33,12 @@ constant, padded to a power of two ``D_PAD`` for the backward's accumulators):
   are tuned) a rerun gives the same bits on the same GPU model with the same Triton (the split counts follow the
   binaries' registers and shared memory).
 
-* The staged backward (bf16 products at ``D ≥`` :data:`STAGED_MIN_DIM`, :func:`staged_backward`), per stage of
+* The staged backward (bf16 products: :func:`staged_backward`; fp32 and tf32 take the fused pair), per stage of
   :func:`stage_columns` classes: :func:`_probs_kernel` (grid: sample tiles × class tiles; one product) writes the
   stage's ``G·s`` in bf16 and per-sample-tile column sums; cuBLAS computes ``grad_x += G·Ŵ`` and ``h = Gᵀx`` with
   fp32 accumulation and result; :func:`_rows_grad_kernel` adds the column sums in order and writes
   ``(h_j − S_j ŵ_j)/‖w_j‖`` (or ``h_j`` and the bias's ``S_j``) into ``.grad`` at the rows. Four products, two of
-  them dense GEMMs, at the price of ``G`` written and read twice, in L2 while a stage fits :data:`STAGE_BYTES`.
+  them dense GEMMs, at the price of ``G`` written and read twice (``6·N·C`` bytes, ``D`` multiply-adds a byte).
   Deterministic as well: cuBLAS gives the same bits for the same shapes on the same GPU.
 
 Precision (``precision``): ``fp32`` (IEEE products), ``tf32``, or ``bf16`` (operands stored in
@@ -223,8 +223,10 @@ def _copy_rows_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Active columns ``c0 … c0+K−1``: their rows (normalised, with ``1/‖w‖``) or rows and biases, dense."""
+    """Active columns ``c0 … c0+K−1``: their rows (normalised, with ``1/‖w‖``) or rows and biases, dense; the rows of
+    columns past a draw's count are zeros (the staged backward's GEMMs multiply them by ``G``'s zeros)."""
     offs, mask, r = _chunk_rows(rows_ptr, count_ptr, c0, K, HAS_ROWS, HAS_COUNT, BLOCK_R)
+    in_k = offs < K
     src = w_ptr + r[:, None] * D
     dst = out_ptr + offs.to(tl.int64)[:, None] * D
     if NORMALIZED:
@@ -245,7 +247,7 @@ def _copy_rows_kernel(
         v = tl.load(src + offs_d[None, :], mask=m, other=0.0).to(tl.float32) * inv[:, None]
         if TO_BF16:  # round to nearest even explicitly: Triton's interpreter would truncate
             v = _round_bf16(v)
-        tl.store(dst + offs_d[None, :], v.to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + offs_d[None, :], v.to(out_ptr.dtype.element_ty), mask=in_k[:, None] & (offs_d[None, :] < D))
 
 
 @triton.jit
@@ -802,7 +804,7 @@ def gradients(
     coef = torch.stack([alpha.float(), torch.zeros((), device=dev) if off is None else off.float()])
     lse = lse.float().contiguous()
     grad_x = torch.zeros(N, D, device=dev) if need_x else None
-    staged = staged_backward(D, precision)
+    staged = staged_backward(precision)
     # the forward's copies, unless the weight (or bias) changed in place since
     kept = saved.chunks if isinstance(saved, KeptCopies) and saved.versions == _versions(op) else None
     for i, (c0, c1) in enumerate(_chunks(op, elt)):
@@ -903,22 +905,24 @@ class _GradCall:
 
 #: the staged backward's epilogue tiles (a memory pass, like the row copy)
 _ROWS = _cfg(4, 2, BLOCK_R=32, BLOCK_D=128)
-#: embedding widths from which a bf16 backward is staged (:func:`staged_backward`)
-STAGED_MIN_DIM = 256
-#: a stage's ``G`` (``N × columns``, bf16) and ``h`` (``columns × D``, fp32) together: within this many bytes the two
-#: GEMMs and the epilogue read them back from L2 (50 MB on an H100, 40 MB on an A100) rather than HBM
-STAGE_BYTES = 24 * 2**20
+#: bf16 backwards are staged (:func:`staged_backward`); off, they take the fused atomic-free pair as fp32 and tf32 do
+STAGE_BF16 = True
+#: a stage's ``G`` (``N × columns``, bf16) and ``h`` (``columns × D``, fp32) together, transient: few stages (launches
+#: and their host cost), while the memory stays small beside the classifier's; ``G`` then goes through HBM, which
+#: does not bound the GEMMs (each byte of it carries ``D`` multiply-adds)
+STAGE_BYTES = 256 * 2**20
 #: the fewest columns a stage takes on a GPU, however large the batch: fewer leave cuBLAS a short inner dimension
 #: for ``G·Ŵ`` and the embeddings' gradient read and written once more per stage
 STAGE_MIN_COLUMNS = 1024
 
 
-def staged_backward(D: int, precision: str) -> bool:
-    """Whether :func:`gradients` stages ``G`` (bf16 products at ``D ≥`` :data:`STAGED_MIN_DIM`) rather than running the
-    fused atomic-free pair. Staged, each product of the backward is a dense GEMM, at cuBLAS's rate, and the price is
-    ``G`` written and read twice (``6·N·C`` bytes, mostly in L2): ``D`` FLOPs per byte of ``G``, so it pays at wide
-    embeddings, while at ``D = 128`` the fused pair (no ``G`` in memory) wins. Both are deterministic."""
-    return precision == "bf16" and D >= STAGED_MIN_DIM
+def staged_backward(precision: str) -> bool:
+    """Whether :func:`gradients` stages ``G`` (bf16 products, while :data:`STAGE_BF16`) rather than running the fused
+    atomic-free pair. Staged, two of the backward's products are dense GEMMs at cuBLAS's rate, and the price is ``G``
+    written and read twice (``6·N·C`` bytes, ``D`` multiply-adds a byte of it): on paper it wins at every width the
+    roofline was asked about (``D`` = 64 to 512; ``bench classifier --model`` prints both). Both are deterministic.
+    fp32 and tf32 stay fused: cuBLAS would need the global TF32 switch, and they are the reference precisions."""
+    return precision == "bf16" and STAGE_BF16
 
 
 def stage_columns(N: int, D: int, interpret: bool) -> int:
@@ -988,7 +992,7 @@ def _variants_at(D: int) -> list[KernelVariant]:
                 tag = f"D={D} {precision} {'normalized' if normalized else 'bias'}{' count' if has_count else ''}"
                 out += _lse_variants(op_t, precision, flags, tag)
                 out += _grad_variants(op_t, precision, flags, tag)
-                if staged_backward(D, precision):
+                if precision == "bf16":  # the staged backward's precision
                     out += _staged_variants(op_t, precision, flags, tag)
     for w_t in ("fp32", "bf16"):
         for op_t in ("bf16", "fp32"):
