@@ -240,7 +240,7 @@ def _kernel_cases(device):
         ):
             sk.STAGE_BF16 = staged
             if staged:
-                sk.CHUNK_BYTES, sk.STAGE_BYTES = Dk * 6 * 48, (2 * N + 4 * Dk) * 16
+                sk.CHUNK_BYTES, sk.STAGE_BYTES = Dk * 6 * 48, 2 * N * 16
             base = torch.randn(n_local, Dk, generator=g) if accumulate else torch.full_like(w, float("nan"))
             gw = base.clone().to(device)
             gb = None if bias is None else (0.5 if accumulate else float("nan")) + torch.zeros(n_local, device=device)

@@ -185,6 +185,7 @@ def test_the_roofline_models_occupancy_from_these_binaries(compiled, request):
     rest = {
         "_grad_x_kernel": "",
         "_grad_w_kernel": "fp32 weight rows=False write_w=True write_b=False accumulate=False ",
+        "_stage_rows_kernel": "fp32 weight rows=False write_w=True write_b=False accumulate=False ",
     }
     checked = []
     for (kernel, tiles, arch, D), (regs, shared) in COMPILED.items():
@@ -251,7 +252,7 @@ def _softmax_launches(monkeypatch, N: int, classes: int, D: int, drawn: int | No
 
     launches: list = []
     for name in ("_lse_kernel", "_grad_x_kernel", "_grad_w_kernel", "_copy_rows_kernel", "_probs_kernel",
-                 "_rows_grad_kernel"):  # fmt: skip
+                 "_stage_rows_kernel"):  # fmt: skip
         monkeypatch.setattr(sk, name, _Recorder(getattr(sk, name), launches))
     weight = torch.nn.Parameter(torch.randn(classes, D))
     bias = None if normalized else torch.nn.Parameter(torch.zeros(classes))
@@ -291,7 +292,7 @@ def test_the_offline_variants_are_the_binaries_a_launch_compiles(monkeypatch, N,
     variants = list(kc.module_variants(SOFTMAX).values())
     target = GPUTarget("cuda", 90, 32)
     launches = _softmax_launches(monkeypatch, N, classes, D, drawn, normalized, det)
-    staged = {"_probs_kernel", "_rows_grad_kernel"} if sk.staged_backward("bf16") else set()
+    staged = {"_probs_kernel", "_stage_rows_kernel"} if sk.staged_backward("bf16") else set()
     fused = set() if staged else {"_grad_x_kernel", "_grad_w_kernel"}
     assert {fn.__name__ for fn, _, _ in launches} == {"_lse_kernel", "_copy_rows_kernel", *staged, *fused}
     for fn, args, kwargs in launches:

@@ -32,7 +32,14 @@ from dmltrain.kernel_occupancy import SMLimits, ctas_per_sm, device_limits, occu
 from dmltrain.kernel_tuning import LaunchConfig
 
 REPO = Path(__file__).resolve().parents[1]
-KERNELS = ("_copy_rows_kernel", "_lse_kernel", "_grad_x_kernel", "_grad_w_kernel", "_probs_kernel", "_rows_grad_kernel")
+KERNELS = (
+    "_copy_rows_kernel",
+    "_lse_kernel",
+    "_grad_x_kernel",
+    "_grad_w_kernel",
+    "_probs_kernel",
+    "_stage_rows_kernel",
+)
 
 
 def _model_launches(call: Call, gpu) -> list[tuple[str, list[int], dict[str, int]]]:
@@ -50,7 +57,7 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
     the kernels' loops run (masked entries load nothing; tl.dot computes whole tiles)."""
     D, e = call.dim, 2 if call.precision == "bf16" else 4
     c = dict(launch.cfg.meta)
-    BB, BC, BK = c["BLOCK_B"], c["BLOCK_C"], c["BLOCK_K"]
+    BB, BC, BK = c["BLOCK_B"], c["BLOCK_C"], c.get("BLOCK_K", 0)  # the staged rows' kernel: no D chunk
     D_PAD = 1 << (D - 1).bit_length()  # the atomic-free kernels' accumulators: D padded to a power of two
     n = dict(flops=0, exps=0, l2=0, atomic=0)
 
@@ -95,6 +102,23 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
                 n["l2"] += rows * 8  # tcol and lse
                 logits(b * BB, t * BC)
                 n["l2"] += rows * _rows(t * BC, BC, k) * e + _rows(t * BC, BC, k) * 4
+    elif kernel == "_stage_rows_kernel":  # the accumulator on chip; G read back, the batch re-read per class tile
+        ws = 2 if call.weight_storage == "bf16" else 4
+        has_rows, v = call.active()[2], launch.extra["valid"]
+        for t in range(grid[0]):
+            cols = _rows(t * BC, BC, v)
+            n["l2"] += launch.extra["parts"] * cols * 4  # the column sums' partials
+            if t * BC >= v:
+                continue
+            for b0 in range(0, N, BB):
+                rows = _rows(b0, BB, N)
+                n["flops"] += 2 * BB * BC * D_PAD
+                n["l2"] += rows * cols * e + rows * D * e  # G's tile, x's
+            n["l2"] += cols * 8 if has_rows else 0  # the row ids
+            if call.normalized:  # 1/‖w‖, the weight read, the gradient written
+                n["l2"] += cols * 4 + cols * D * 2 * ws
+            else:  # the weight's and the bias's gradients written
+                n["l2"] += cols * D * ws + cols * ws
     elif kernel == "_grad_w_kernel":  # the accumulator on chip, the rows' gradients written once into .grad
         ws = 2 if call.weight_storage == "bf16" else 4
         has_rows = call.active()[2]
@@ -133,7 +157,8 @@ def test_counts_equal_a_loop_by_loop_count(monkeypatch, call, staged):
 
     monkeypatch.setattr(sk, "STAGE_BF16", staged)
     launches = [x for x in plan(call, GPUS["h100"]) if x.programs]
-    backward = ("_probs_kernel",) if sk.staged_backward(call.precision) else ("_grad_x_kernel", "_grad_w_kernel")
+    staged_kernels = ("_probs_kernel", "_stage_rows_kernel")
+    backward = staged_kernels if sk.staged_backward(call.precision) else ("_grad_x_kernel", "_grad_w_kernel")
     assert {x.kernel for x in launches} == {"_lse_kernel", *backward}
     _, valid, _, count = call.active()
     assert count == (call.workers > 1)
@@ -152,7 +177,7 @@ def test_the_backward_moves_no_atomic_bytes_at_the_issue_shapes():
     for C, D, B in roofline.ISSUE_SHAPES:
         for staged in (True, False):
             launches = plan(Call(C, D, B), GPUS["h100"], staged)
-            backward = {"_probs_kernel"} if staged else {"_grad_x_kernel", "_grad_w_kernel"}
+            backward = {"_probs_kernel", "_stage_rows_kernel"} if staged else {"_grad_x_kernel", "_grad_w_kernel"}
             assert {x.kernel for x in launches if x.programs} == {"_lse_kernel", *backward}
             assert sum(x.atomic for x in launches) == 0
 
@@ -206,11 +231,11 @@ INTERPRETER_CASES = [
     (Call(100, 16, 17, workers=2, sample_ratio=0.5, precision="fp32", kind="softmax_ce", smoothing=0.1), _FUSED),
     (
         Call(200, 16, 17, precision="bf16", kind="softmax_ce", smoothing=0.1),
-        {"CHUNK_BYTES": 16 * 6 * 48, "STAGE_BF16": True, "STAGE_BYTES": (2 * 17 + 4 * 16) * 16},
+        {"CHUNK_BYTES": 16 * 6 * 48, "STAGE_BF16": True, "STAGE_BYTES": 2 * 17 * 16},
     ),
     (
         Call(100, 16, 17, workers=2, sample_ratio=0.5, precision="bf16", kind="arcface"),
-        {"CHUNK_BYTES": 16 * 6 * 48, "STAGE_BF16": True, "STAGE_BYTES": (2 * 17 + 4 * 16) * 16},
+        {"CHUNK_BYTES": 16 * 6 * 48, "STAGE_BF16": True, "STAGE_BYTES": 2 * 17 * 16},
     ),
 ]
 
@@ -394,7 +419,7 @@ def test_launches_equal_the_launchers_at_gpu_shapes(monkeypatch, call, staged):
 
     recorded, asked, binaries = _launch_on_meta(monkeypatch, call, gpu, binary, lambda: tuned.pop(0))
     assert recorded == [(x.kernel, list(x.grid), dict(x.cfg.meta)) for x in model]
-    assert set(asked) == ({"lse", "probs"} if staged else {"lse", "grad_x", "grad_w"})
+    assert set(asked) == ({"lse", "probs", "stage_rows"} if staged else {"lse", "grad_x", "grad_w"})
     split = [x for x in model if x.kernel in ("_lse_kernel", "_grad_x_kernel")]
     assert binaries == [(x.kernel, sk._tiles(x.cfg)) for x in split]  # one binary asked for per split launch
     assert any(x.occupancy > 1 for x in split) == (call.precision == "bf16" and call.normalized)
@@ -473,7 +498,7 @@ def test_bench_model_prints_one_table(capsys):
     args = "--model a100 --classes 20000 --dim 64 --batch 512 --sample-ratio 0.5 --workers 2 --deterministic"
     assert run(argparse.Namespace(bench="classifier", bench_args=args.split())) == 0
     out = capsys.readouterr().out
-    assert out.count("\nphase ") == 1 and "no target at this shape" in out and "_rows_grad_kernel" in out
+    assert out.count("\nphase ") == 1 and "no target at this shape" in out and "_stage_rows_kernel" in out
     with pytest.raises(Exception, match="--shapes goes with --model"):
         run(argparse.Namespace(bench="classifier", bench_args=["--shapes", "issue"]))
     assert "--model" in bench_parser("classifier").format_help()

@@ -195,10 +195,16 @@ COMPILED: dict[tuple[str, str, int, int | None], tuple[int, int]] = {
     ("_grad_w_kernel", "32×64×32 w8 s2", 80, 128): (118, 32768),
     ("_grad_w_kernel", "32×64×32 w8 s2", 80, 256): (160, 20480),
     ("_grad_w_kernel", "32×64×32 w8 s2", 80, 512): (230, 36864),
-    # the staged backward's, recorded at D = 512 (Triton 3.8): storing G costs the registers the log-sum-exp kernel's
-    # running statistics do not
+    # the staged backward's (Triton 3.8), the probabilities' recorded at D = 512: storing G costs the registers the
+    # log-sum-exp kernel's running statistics do not
     ("_probs_kernel", "128×128×16 w8 s3", 90, None): (209, 32768),
     ("_probs_kernel", "128×128×16 w8 s3", 80, None): (220, 32768),
+    ("_stage_rows_kernel", "32×64 w8 s2", 90, 128): (110, 32768),
+    ("_stage_rows_kernel", "32×64 w8 s2", 90, 256): (116, 65536),
+    ("_stage_rows_kernel", "32×64 w8 s2", 90, 512): (217, 73728),
+    ("_stage_rows_kernel", "32×64 w8 s2", 80, 128): (106, 16384),
+    ("_stage_rows_kernel", "32×64 w8 s2", 80, 256): (164, 20480),
+    ("_stage_rows_kernel", "32×64 w8 s2", 80, 512): (245, 36864),
 }
 
 #: issue 37's step targets on an H100 by (classes, D, batch): 2× the bf16 3-GEMM bound measured there or Cut
@@ -336,8 +342,6 @@ class _Geometry:
         self.quantum = sk._SMALL if gpu is None else 128
         small = {"BLOCK_R": sk._SMALL, "BLOCK_D": sk._SMALL}
         self.copy_meta = small if gpu is None else sk._COPY.kwargs()
-        self.rows_meta = small if gpu is None else sk._ROWS.kwargs()
-        self.rows_cfg = LaunchConfig.of(1, 1, **small) if gpu is None else sk._ROWS
         self._chosen: dict[tuple, Any] = {}
 
     def programs(self, kernel: str, cfg) -> int:
@@ -428,8 +432,8 @@ def plan(call: Call, gpu: GPU | None, staged: bool | None = None) -> list[Launch
             small.hbm += 32 * N
             small.launches += _GLUE_BACKWARD
             if staged:
-                cfg = geo.choose("probs", key, None)
-                out += _staged(geo, i, cfg, N, Kc, nv, e, ws, has_rows)
+                out += _staged(geo, i, geo.choose("probs", key, None), geo.choose("stage_rows", key, None), N, Kc, nv, e,
+                               ws, has_rows)  # fmt: skip
                 continue
             # atomic-free: no scratch to zero, the rows' gradients written by _grad_w_kernel (one candidate each)
             launch = _grad_x(geo, i, geo.choose("grad_x", key, None), N, Kc, nv, e)
@@ -559,22 +563,23 @@ def _grad_w(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int, ws: in
     return _product(geo, launch)
 
 
-def _staged(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int, ws: int, rows: bool) -> list[Launch]:
+def _staged(
+    geo: _Geometry, i: int, cfg, rows_cfg, N: int, K: int, nv: int, e: int, ws: int, rows: bool
+) -> list[Launch]:
     """The staged backward of one chunk (``softmax_kernels._GradCall.staged``), stage by stage: ``_probs_kernel``
-    writing ``G`` and its column sums, cuBLAS's ``grad_x += G·Ŵ`` and ``h = Gᵀ·x``, ``_rows_grad_kernel`` writing the
-    rows' gradients. ``G`` is written to HBM; the GEMMs and the epilogue read it and ``h`` back from L2 while the
-    stage's ``G`` and ``h`` fit half the L2, from HBM past it."""
-    sk, D, call = geo.sk, geo.call.dim, geo.call
-    step = min(K, sk.stage_columns(N, D, geo.gpu is None))
+    writing ``G`` and its column sums, cuBLAS's ``grad_x += G·Ŵ``, ``_stage_rows_kernel`` summing ``Gᵀx`` and writing
+    the rows' gradients. ``G`` is written to HBM; its readers take it from L2 while a stage's ``G`` fits half of it,
+    from HBM past that."""
+    sk, D = geo.sk, geo.call.dim
+    step = min(K, sk.stage_columns(N, geo.gpu is None))
     BB, BC, BK = cfg["BLOCK_B"], cfg["BLOCK_C"], cfg["BLOCK_K"]
     TB = math.ceil(N / BB)
-    rmeta = geo.rows_meta
     out = []
     for s0 in range(0, K, step):
         k, v = min(step, K - s0), max(0, min(step, nv - s0))
         CT = math.ceil(k / BC)
-        g_bytes, h_bytes, red_bytes = N * k * e, k * D * 4, TB * k * 4
-        resident = geo.gpu is None or g_bytes + h_bytes <= geo.gpu.l2_bytes / 2
+        g_bytes, red_bytes = N * k * e, TB * k * 4
+        resident = geo.gpu is None or g_bytes <= geo.gpu.l2_bytes / 2
         # every program computes its whole tile (masked loads give zeros); x and the valid rows are loaded per tile
         flops = TB * CT * 2 * BB * BC * _pad(D, BK)
         l2 = CT * N * (D * e + 8) + TB * v * D * e + g_bytes + red_bytes
@@ -601,36 +606,33 @@ def _staged(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int, ws: in
                 rate=CUBLAS_SHARE,
             )  # fmt: skip
         )
-        tiles_h = math.ceil(k / tm) * math.ceil(D / tn)
-        out.append(
-            Launch(
-                "backward",
-                "cuBLAS: h = Gᵀ·x",
-                flops=2 * k * N * D,
-                hbm=g_hbm + N * D * e + (0 if resident else h_bytes),
-                l2=tiles_h * (tm + tn) * N * e + h_bytes,
-                chunk=i,
-                rate=CUBLAS_SHARE,
-            )  # fmt: skip
-        )
-        epilogue = 8 * v if rows else 0  # the row ids
-        if call.normalized:
-            epilogue += 4 * v + v * D * 2 * ws  # 1/‖w‖, the weight, the gradient written
-        else:  # softmax_ce: the weight's and the bias's gradients
-            epilogue += v * D * ws + v * ws
-        back = TB * v * 4 + v * D * 4  # the column sums' partials and h, valid columns only
-        out.append(
-            Launch(
-                "backward",
-                "_rows_grad_kernel",
-                (math.ceil(k / rmeta["BLOCK_R"]),),
-                geo.rows_cfg,
-                hbm=epilogue + (0 if resident else back),
-                l2=epilogue + back,
-                chunk=i,
-            )  # fmt: skip
-        )
+        out.append(_stage_rows(geo, i, rows_cfg, N, k, v, e, ws, rows, TB, resident))
     return out
+
+
+def _stage_rows(geo: _Geometry, i: int, cfg, N: int, k: int, v: int, e: int, ws: int, rows: bool, parts: int,
+                resident: bool) -> Launch:  # fmt: skip
+    """``_stage_rows_kernel``: grid (the stage's class tiles), each program with valid columns summing ``Gᵀx`` over
+    every sample tile (the batch re-read per class tile) and writing its rows' gradients; every program adds its
+    columns' ``parts`` column-sum partials."""
+    D = geo.call.dim
+    BB, BC = cfg["BLOCK_B"], cfg["BLOCK_C"]
+    TB, CT, n_tiles = math.ceil(N / BB), math.ceil(k / BC), math.ceil(v / BC)
+    epilogue = 8 * v if rows else 0  # the row ids
+    if geo.call.normalized:
+        epilogue += 4 * v + v * D * 2 * ws  # 1/‖w‖, the weight, the gradient written
+    else:  # softmax_ce: the weight's and the bias's gradients
+        epilogue += v * D * ws + v * ws
+    g_read, red = N * v * e, parts * v * 4
+    launch = Launch(
+        "backward", "_stage_rows_kernel", (CT,), cfg, n_tiles * TB * 2 * BB * BC * _pow2(D), 0,
+        N * D * e + (0 if resident else g_read) + red + epilogue, n_tiles * N * D * e + g_read + red + epilogue,
+        programs=n_tiles, work_max=TB, work_total=n_tiles * TB, chunk=i,
+    )  # fmt: skip
+    launch.extra["x_l2"] = n_tiles * N * D * e
+    launch.extra["parts"] = parts
+    launch.extra["valid"] = v
+    return _product(geo, launch)
 
 
 # -- the bounds beside it -------------------------------------------------------------------------------------
@@ -886,7 +888,7 @@ def breakdown(summary: Summary) -> list[str]:
             f"backward on paper: the {this} {summary.backward * 1e3:.2f} ms, the {that} {summary.other_backward * 1e3:.2f} "
             f"ms (the launcher {'stages' if sk.STAGE_BF16 else 'does not stage'} bf16 backwards)"
         )
-    for kernel in ("_lse_kernel", "_probs_kernel", "_grad_x_kernel", "_grad_w_kernel"):
+    for kernel in ("_lse_kernel", "_probs_kernel", "_stage_rows_kernel", "_grad_x_kernel", "_grad_w_kernel"):
         ks = [x for x in launches if x.kernel == kernel]
         if ks:
             flops, l2 = sum(x.flops for x in ks), sum(x.l2 for x in ks)
@@ -913,7 +915,7 @@ def breakdown(summary: Summary) -> list[str]:
         f"separate memory passes (the normalised copy {how}; no gradient scratch since the atomic-free backward): "
         f"{moved / 1e9:.1f} GB = {moved / (C * D):.1f}·C·D bytes, {moved / gpu.hbm_bytes_s * 1e3:.2f} ms of HBM"
     )
-    for kernel in ("_lse_kernel", "_probs_kernel", "_grad_x_kernel", "_grad_w_kernel"):
+    for kernel in ("_lse_kernel", "_probs_kernel", "_stage_rows_kernel", "_grad_x_kernel", "_grad_w_kernel"):
         ks = [x for x in launches if x.kernel == kernel]
         if ks:
             x = ks[0]

@@ -35,10 +35,11 @@ constant, padded to a power of two ``D_PAD`` for the backward's accumulators):
 
 * The staged backward (bf16 products: :func:`staged_backward`; fp32 and tf32 take the fused pair), per stage of
   :func:`stage_columns` classes: :func:`_probs_kernel` (grid: sample tiles × class tiles; one product) writes the
-  stage's ``G·s`` in bf16 and per-sample-tile column sums; cuBLAS computes ``grad_x += G·Ŵ`` and ``h = Gᵀx`` with
-  fp32 accumulation and result; :func:`_rows_grad_kernel` adds the column sums in order and writes
-  ``(h_j − S_j ŵ_j)/‖w_j‖`` (or ``h_j`` and the bias's ``S_j``) into ``.grad`` at the rows. Four products, two of
-  them dense GEMMs, at the price of ``G`` written and read twice (``6·N·C`` bytes, ``D`` multiply-adds a byte).
+  stage's ``G·s`` in bf16 and per-sample-tile column sums; cuBLAS computes ``grad_x += G·Ŵ`` with fp32
+  accumulation and result; :func:`_stage_rows_kernel` (grid: class tiles) sums ``h = Gᵀx`` over every sample tile
+  in a ``BLOCK_C × D_PAD`` accumulator, adds the column sums in order and writes ``(h_j − S_j ŵ_j)/‖w_j‖`` (or
+  ``h_j`` and the bias's ``S_j``) into ``.grad`` at the rows. Four products, one a dense GEMM, at the price of ``G``
+  written and read twice (``6·N·C`` bytes, ``D`` multiply-adds a byte).
   Deterministic as well: cuBLAS gives the same bits for the same shapes on the same GPU.
 
 Precision (``precision``): ``fp32`` (IEEE products), ``tf32``, or ``bf16`` (operands stored in
@@ -417,17 +418,25 @@ def _grad_w_kernel(
         tl.store(gb_ptr + r, gb.to(gb_ptr.dtype.element_ty), mask=mask_c)
     if WRITE_W:
         inv = tl.load(inv_ptr + offs_c, mask=mask_c, other=0.0) if NORMALIZED else red
-        if D_PAD >= 256:  # in quarters: a full-width weight tile beside the accumulator would spill
-            a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_C, 2, D_PAD // 2)), (0, 2, 1)))
-            a00, a01 = tl.split(tl.permute(tl.reshape(a0, (BLOCK_C, 2, D_PAD // 4)), (0, 2, 1)))
-            a10, a11 = tl.split(tl.permute(tl.reshape(a1, (BLOCK_C, 2, D_PAD // 4)), (0, 2, 1)))
-            _rows_store(a00, 0, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD // 4)
-            _rows_store(a01, D_PAD // 4, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD // 4)
-            _rows_store(a10, D_PAD // 2, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD // 4)
-            _rows_store(a11, 3 * D_PAD // 4, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE,
-                        D_PAD // 4)  # fmt: skip
-        else:
-            _rows_store(acc, 0, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD)
+        _rows_epilogue(acc, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, BLOCK_C, D_PAD)
+
+
+@triton.jit
+def _rows_epilogue(acc, red, inv, r, mask_c, wt_ptr, gw_ptr, D: tl.constexpr, NORMALIZED: tl.constexpr,
+                   ACCUMULATE: tl.constexpr, BLOCK_C: tl.constexpr, D_PAD: tl.constexpr):  # fmt: skip
+    """The rows' gradients (``acc``, ``BLOCK_C × D_PAD``) through the normalisation's backward into ``.grad`` at rows
+    ``r`` (:func:`_rows_store`), in quarters from ``D_PAD = 256``: a full-width weight tile beside the accumulator
+    would spill."""
+    if D_PAD >= 256:
+        a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_C, 2, D_PAD // 2)), (0, 2, 1)))
+        a00, a01 = tl.split(tl.permute(tl.reshape(a0, (BLOCK_C, 2, D_PAD // 4)), (0, 2, 1)))
+        a10, a11 = tl.split(tl.permute(tl.reshape(a1, (BLOCK_C, 2, D_PAD // 4)), (0, 2, 1)))
+        _rows_store(a00, 0, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD // 4)
+        _rows_store(a01, D_PAD // 4, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD // 4)
+        _rows_store(a10, D_PAD // 2, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD // 4)
+        _rows_store(a11, 3 * D_PAD // 4, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD // 4)
+    else:
+        _rows_store(acc, 0, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, D_PAD)
 
 
 @triton.jit
@@ -490,9 +499,10 @@ def _probs_kernel(
     tl.store(red_ptr + tl.program_id(0) * K + offs_c, red, mask=in_k)
 
 
-@triton.jit(do_not_specialize=["n_parts"])  # the sample tiles, 1 to hundreds: one binary for all
-def _rows_grad_kernel(
-    h_ptr,
+@triton.jit(do_not_specialize=["n_parts"])  # the probabilities' sample tiles, 1 to hundreds: one binary for all
+def _stage_rows_kernel(
+    g_ptr,
+    x_ptr,
     red_ptr,
     inv_ptr,
     wt_ptr,
@@ -500,38 +510,50 @@ def _rows_grad_kernel(
     count_ptr,
     gw_ptr,
     gb_ptr,
-    c0,
+    N,
     K,
+    c0,
     n_parts,
     D: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     HAS_COUNT: tl.constexpr,
     NORMALIZED: tl.constexpr,
+    PREC: tl.constexpr,
     WRITE_W: tl.constexpr,
     WRITE_B: tl.constexpr,
     ACCUMULATE: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
-    """The staged backward's epilogue for active columns ``c0 … c0+K−1``: their column sums (the ``n_parts`` rows of
-    ``red_ptr`` added in order) and ``h`` (``K × D`` fp32, ``s·Gᵀx``) through the normalisation's backward into
-    ``.grad`` at their rows, the bias's gradient from the sums; columns past the count are left alone."""
-    offs, mask, r = _chunk_rows(rows_ptr, count_ptr, c0, K, HAS_ROWS, HAS_COUNT, BLOCK_R)
-    red = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    """The staged backward's rows, for this program's ``BLOCK_C`` of the stage's ``K`` active columns from ``c0``:
+    ``h = Gᵀx`` summed over every sample tile in order in a ``BLOCK_C × D_PAD`` fp32 accumulator (``G``, ``N × K`` in
+    the operands' precision, scaled by ``s`` for the normalised kinds), the column sums' ``n_parts`` partials added in
+    order, then the fused pair's epilogue into ``.grad`` at the rows; columns past the count are left alone."""
+    offs_c, mask_c, r = _chunk_rows(rows_ptr, count_ptr, c0, K, HAS_ROWS, HAS_COUNT, BLOCK_C)
+    red = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for p in range(0, n_parts):
-        red += tl.load(red_ptr + p * K + offs, mask=mask, other=0.0)
+        red += tl.load(red_ptr + p * K + offs_c, mask=mask_c, other=0.0)
     if WRITE_B:
         gb = red
         if ACCUMULATE:
-            gb += tl.load(gb_ptr + r, mask=mask, other=0.0).to(tl.float32)
-        tl.store(gb_ptr + r, gb.to(gb_ptr.dtype.element_ty), mask=mask)
+            gb += tl.load(gb_ptr + r, mask=mask_c, other=0.0).to(tl.float32)
+        tl.store(gb_ptr + r, gb.to(gb_ptr.dtype.element_ty), mask=mask_c)
     if WRITE_W:
-        inv = tl.load(inv_ptr + offs, mask=mask, other=0.0) if NORMALIZED else red
-        for d0 in tl.static_range(0, D, BLOCK_D):  # unrolled: a loop here spilled a pointer on sm_80
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            h = tl.load(h_ptr + offs.to(tl.int64)[:, None] * D + offs_d[None, :],
-                        mask=mask[:, None] & (offs_d[None, :] < D), other=0.0)  # fmt: skip
-            _rows_store(h, d0, red, inv, r, mask, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, BLOCK_D)
+        offs_d = tl.arange(0, D_PAD)
+        md = offs_d[None, :] < D
+        acc = tl.zeros((BLOCK_C, D_PAD), dtype=tl.float32)
+        if tl.program_id(0) * BLOCK_C < _valid_columns(count_ptr, c0, K, HAS_COUNT):
+            for b0 in range(0, N, BLOCK_B):
+                offs_b = b0 + tl.arange(0, BLOCK_B)
+                mask_b = offs_b < N
+                gt = tl.load(g_ptr + offs_b.to(tl.int64)[None, :] * K + offs_c[:, None],
+                             mask=mask_c[:, None] & mask_b[None, :], other=0.0)  # fmt: skip
+                xv = tl.load(x_ptr + offs_b.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mask_b[:, None] & md,
+                             other=0.0)  # fmt: skip
+                acc = _mma(gt, xv, acc, PREC)
+        inv = tl.load(inv_ptr + offs_c, mask=mask_c, other=0.0) if NORMALIZED else red
+        _rows_epilogue(acc, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, BLOCK_C, D_PAD)
 
 
 #: the kernels run under the CPU interpreter (Triton decided so when they were defined, from TRITON_INTERPRET)
@@ -563,6 +585,8 @@ _CONFIGS: dict[tuple[str, str], list[LaunchConfig]] = {
     ("grad_w", "fp32"): [_cfg(4, 2, BLOCK_B=32, BLOCK_C=32, BLOCK_K=16)],
     # the staged backward (bf16 only): the log-sum-exp kernel's tile, storing G instead of reducing it
     ("probs", "bf16"): [_cfg(8, 3, BLOCK_B=128, BLOCK_C=128, BLOCK_K=16)],
+    # and its rows' gradients from G: the rows' kernel's tile, a BLOCK_C × D accumulator in registers
+    ("stage_rows", "bf16"): [_cfg(8, 2, BLOCK_B=32, BLOCK_C=64)],
 }
 #: the log-sum-exp kernel with the logits' sum (``softmax_ce`` with label smoothing) keeps a third running
 #: row: with a 128 × 128 tile it spills on sm_80 (255 registers, 16-32 bytes of stack at every width, in the
@@ -576,6 +600,8 @@ _COPY = _cfg(4, 2, BLOCK_R=32, BLOCK_D=128)
 
 
 def _interpreter_config(kind: str) -> LaunchConfig:
+    if kind == "stage_rows":  # no D chunk: the accumulator is the whole width
+        return LaunchConfig.of(1, 1, BLOCK_B=_SMALL, BLOCK_C=_SMALL)
     return LaunchConfig.of(1, 1, BLOCK_B=_SMALL, BLOCK_C=_SMALL, BLOCK_K=_SMALL)
 
 
@@ -815,8 +841,9 @@ def gradients(
             dict(D=D, HAS_COUNT=op.count is not None, NORMALIZED=op.normalized, PREC=prec),
         )
         key = _key(op, ch.K, precision)
-        if staged:  # one candidate, never timed (the epilogue writes into .grad)
-            call.staged(_choose("probs", key, precision, dev, _untimed, deterministic), op, ch, out, grad_x)
+        if staged:  # one candidate each, never timed (the rows' kernel writes into .grad)
+            call.staged(_choose("probs", key, precision, dev, _untimed, deterministic),
+                        _choose("stage_rows", key, precision, dev, _untimed, deterministic), op, ch, out, grad_x)  # fmt: skip
             continue
         if need_x:
             part = call.split_x(_choose("grad_x", key, precision, dev, call.split_x, deterministic))
@@ -865,21 +892,20 @@ class _GradCall:
                 D_PAD=triton.next_power_of_2(w.shape[1]),
             )  # fmt: skip
 
-    def staged(self, cfg: LaunchConfig, op: ShardOperands, ch: _Chunk, out: RowGradTarget | None,
-               grad_x: Tensor | None) -> None:  # fmt: skip
-        """The staged backward of the chunk, :func:`stage_columns` columns at a time: ``G`` by
-        :func:`_probs_kernel`, ``grad_x += G·Ŵ`` and ``h = Gᵀ·x`` by cuBLAS (fp32 accumulation and result), and
-        :func:`_rows_grad_kernel` writing the rows' gradients."""
+    def staged(self, cfg: LaunchConfig, rows_cfg: LaunchConfig, op: ShardOperands, ch: _Chunk,
+               out: RowGradTarget | None, grad_x: Tensor | None) -> None:  # fmt: skip
+        """The staged backward of the chunk, :func:`stage_columns` columns at a time: ``G`` by :func:`_probs_kernel`
+        (tiles ``cfg``), ``grad_x += G·Ŵ`` by cuBLAS (fp32 accumulation and result), and the rows' gradients from
+        ``Gᵀx`` by :func:`_stage_rows_kernel` (tiles ``rows_cfg``)."""
         x, w, b, tcol, count, lse, coef = self.args
         N, K, c0, scale = self.tail
         D, dev = x.shape[1], x.device
         write_w = out is not None and out.weight is not None
         write_b = out is not None and out.bias is not None
-        step = min(K, stage_columns(N, D, INTERPRET))
+        step = min(K, stage_columns(N, INTERPRET))
         TB = triton.cdiv(N, cfg["BLOCK_B"])
         g_buf = torch.empty(N * step, device=dev, dtype=w.dtype)
         red = torch.empty(TB * step, device=dev)
-        rows_meta = _rows_meta()
         weight = op.weight
         for s0 in range(0, K, step):
             k = min(step, K - s0)
@@ -889,27 +915,24 @@ class _GradCall:
                     x, w[s0:], b[s0:], tcol, count, lse, coef, g, red, N, k, c0, s0, scale, **self.common,
                     **cfg.kwargs(),
                 )  # fmt: skip
-            ws = w[s0 : s0 + k]
             if grad_x is not None:
-                _gemm(g, ws, grad_x)
+                _gemm(g, w[s0 : s0 + k], grad_x)
             if write_w or write_b:
-                h = _gemm(g.t(), x) if write_w else red
                 with _device(weight):
-                    _rows_grad_kernel[(triton.cdiv(k, rows_meta["BLOCK_R"]),)](
-                        h, red, _or(ch.inv, w)[s0:], weight, _or(op.rows, weight), count, _or(out.weight, weight),
-                        _or(out.bias, weight), c0 + s0, k, TB, D=D, HAS_ROWS=op.rows is not None,
-                        HAS_COUNT=op.count is not None, NORMALIZED=op.normalized, WRITE_W=write_w, WRITE_B=write_b,
-                        ACCUMULATE=out.accumulate, **rows_meta,
+                    _stage_rows_kernel[(triton.cdiv(k, rows_cfg["BLOCK_C"]),)](
+                        g, x, red, _or(ch.inv, w)[s0:], weight, _or(op.rows, weight), count, _or(out.weight, weight),
+                        _or(out.bias, weight), N, k, c0 + s0, TB, D=D, HAS_ROWS=op.rows is not None,
+                        HAS_COUNT=op.count is not None, NORMALIZED=op.normalized, PREC=self.common["PREC"],
+                        WRITE_W=write_w, WRITE_B=write_b, ACCUMULATE=out.accumulate, **rows_cfg.kwargs(),
+                        D_PAD=triton.next_power_of_2(D),
                     )  # fmt: skip
 
 
-#: the staged backward's epilogue tiles (a memory pass, like the row copy)
-_ROWS = _cfg(4, 2, BLOCK_R=32, BLOCK_D=128)
 #: bf16 backwards are staged (:func:`staged_backward`); off, they take the fused atomic-free pair as fp32 and tf32 do
 STAGE_BF16 = True
-#: a stage's ``G`` (``N × columns``, bf16) and ``h`` (``columns × D``, fp32) together, transient: few stages (launches
-#: and their host cost), while the memory stays small beside the classifier's; ``G`` then goes through HBM, which
-#: does not bound the GEMMs (each byte of it carries ``D`` multiply-adds)
+#: a stage's ``G`` (``N × columns``, bf16), transient: few stages (launches and their host cost) while the memory
+#: stays small beside the classifier's; ``G`` goes through HBM, which does not bound its readers (each of its bytes
+#: carries ``D`` multiply-adds)
 STAGE_BYTES = 256 * 2**20
 #: the fewest columns a stage takes on a GPU, however large the batch: fewer leave cuBLAS a short inner dimension
 #: for ``G·Ŵ`` and the embeddings' gradient read and written once more per stage
@@ -925,18 +948,12 @@ def staged_backward(precision: str) -> bool:
     return precision == "bf16" and STAGE_BF16
 
 
-def stage_columns(N: int, D: int, interpret: bool) -> int:
-    """Columns of one stage of the staged backward: ``G`` and ``h`` within :data:`STAGE_BYTES`, whole class tiles, at
-    least :data:`STAGE_MIN_COLUMNS` on a GPU (one tile under the interpreter)."""
+def stage_columns(N: int, interpret: bool) -> int:
+    """Columns of one stage of the staged backward: its ``G`` within :data:`STAGE_BYTES`, whole class tiles, at least
+    :data:`STAGE_MIN_COLUMNS` on a GPU (one tile under the interpreter)."""
     q = _SMALL if interpret else 128
-    fit = STAGE_BYTES // (2 * N + 4 * D) // q * q
+    fit = STAGE_BYTES // (2 * N) // q * q
     return max(q if interpret else STAGE_MIN_COLUMNS, fit)
-
-
-def _rows_meta() -> dict[str, int]:
-    if INTERPRET:
-        return {"BLOCK_R": _SMALL, "BLOCK_D": _SMALL}
-    return _ROWS.kwargs()
 
 
 def _gemm(a: Tensor, b: Tensor, acc: Tensor | None = None) -> Tensor:
@@ -1076,23 +1093,26 @@ def _staged_variants(op_t: str, precision: str, flags: dict, tag: str) -> list[K
     out = [dataclasses.replace(_variant(f"_probs_kernel {tag}", _probs_kernel, sig, flags, cfg, precision),
                                aligned_ints=("c0", "s0")) for cfg in _candidates("probs", precision)]  # fmt: skip
     writes = [(True, False)] if flags["NORMALIZED"] else [(True, True), (True, False), (False, True)]
-    for w_t in ("fp32", "bf16"):
-        types = {"h_ptr": "*fp32", "red_ptr": "*fp32", "inv_ptr": "*fp32" if flags["NORMALIZED"] else f"*{op_t}",
-                 "wt_ptr": f"*{w_t}", "count_ptr": "*i64" if flags["HAS_COUNT"] else f"*{op_t}", "gw_ptr": f"*{w_t}",
-                 "gb_ptr": f"*{w_t}", "c0": "i32", "K": "i32", "n_parts": "i32"}  # fmt: skip
-        for has_rows in (True,) if flags["HAS_COUNT"] else (False, True):
-            types["rows_ptr"] = "*i64" if has_rows else f"*{w_t}"
-            for write_w, write_b in writes:
-                for acc in (False, True):
-                    sig = _sig("h_ptr red_ptr inv_ptr wt_ptr rows_ptr count_ptr gw_ptr gb_ptr c0 K n_parts D HAS_ROWS "
-                               "HAS_COUNT NORMALIZED WRITE_W WRITE_B ACCUMULATE BLOCK_R BLOCK_D", types)  # fmt: skip
-                    consts = dict(D=flags["D"], HAS_ROWS=has_rows, HAS_COUNT=flags["HAS_COUNT"],
-                                  NORMALIZED=flags["NORMALIZED"], WRITE_W=write_w, WRITE_B=write_b, ACCUMULATE=acc,
-                                  **dict(_ROWS.meta))  # fmt: skip
-                    name = (f"_rows_grad_kernel {tag} {w_t} weight rows={has_rows} write_w={write_w} "
-                            f"write_b={write_b} accumulate={acc}")  # fmt: skip
-                    out.append(KernelVariant(name, _rows_grad_kernel, sig, consts, _ROWS.num_warps, _ROWS.num_stages,
-                                             config=_tiles(_ROWS), aligned_ints=("c0",)))  # fmt: skip
+    for cfg in _candidates("stage_rows", precision):
+        for w_t in ("fp32", "bf16"):
+            types = {"g_ptr": f"*{op_t}", "x_ptr": f"*{op_t}", "red_ptr": "*fp32",
+                     "inv_ptr": "*fp32" if flags["NORMALIZED"] else f"*{op_t}", "wt_ptr": f"*{w_t}",
+                     "count_ptr": "*i64" if flags["HAS_COUNT"] else f"*{op_t}", "gw_ptr": f"*{w_t}", "gb_ptr": f"*{w_t}",
+                     "N": "i32", "K": "i32", "c0": "i32", "n_parts": "i32"}  # fmt: skip
+            for has_rows in (True,) if flags["HAS_COUNT"] else (False, True):
+                types["rows_ptr"] = "*i64" if has_rows else f"*{w_t}"
+                for write_w, write_b in writes:
+                    for acc in (False, True):
+                        sig = _sig("g_ptr x_ptr red_ptr inv_ptr wt_ptr rows_ptr count_ptr gw_ptr gb_ptr N K c0 n_parts D "
+                                   "HAS_ROWS HAS_COUNT NORMALIZED PREC WRITE_W WRITE_B ACCUMULATE BLOCK_B BLOCK_C D_PAD",
+                                   types)  # fmt: skip
+                        consts = {**flags, "D_PAD": triton.next_power_of_2(flags["D"]), "HAS_ROWS": has_rows,
+                                  "WRITE_W": write_w, "WRITE_B": write_b, "ACCUMULATE": acc}  # fmt: skip
+                        name = (f"_stage_rows_kernel {tag} {w_t} weight rows={has_rows} write_w={write_w} "
+                                f"write_b={write_b} accumulate={acc}")  # fmt: skip
+                        v = _variant(name, _stage_rows_kernel, sig, consts, cfg, precision)
+                        # the bias's gradient alone is the column sums: no product to pipeline or run on tensor cores
+                        out.append(v if write_w else dataclasses.replace(v, ptx_has=(), hopper_ptx_has=()))
     return out
 
 
