@@ -292,7 +292,7 @@ def test_the_offline_variants_are_the_binaries_a_launch_compiles(monkeypatch, N,
     variants = list(kc.module_variants(SOFTMAX).values())
     target = GPUTarget("cuda", 90, 32)
     launches = _softmax_launches(monkeypatch, N, classes, D, drawn, normalized, det)
-    staged = {"_probs_kernel", "_stage_rows_kernel"} if sk.staged_backward("bf16") else set()
+    staged = {"_probs_kernel", "_stage_rows_kernel"} if sk.staged_backward("bf16", D, det) else set()
     fused = set() if staged else {"_grad_x_kernel", "_grad_w_kernel"}
     assert {fn.__name__ for fn, _, _ in launches} == {"_lse_kernel", "_copy_rows_kernel", *staged, *fused}
     for fn, args, kwargs in launches:

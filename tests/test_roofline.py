@@ -61,10 +61,12 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
     D_PAD = 1 << (D - 1).bit_length()  # the atomic-free kernels' accumulators: D padded to a power of two
     n = dict(flops=0, exps=0, l2=0, atomic=0)
 
+    resident = bool(c.get("X_RESIDENT"))  # the log-sum-exp kernel's batch block loaded once a program
+
     def logits(b0: int, t0: int) -> None:  # _logits: the D loop of one tile
         for k0 in range(0, D, BK):
             n["flops"] += 2 * BB * BC * BK
-            n["l2"] += (_rows(b0, BB, N) + _rows(t0, BC, nv)) * min(BK, D - k0) * e
+            n["l2"] += ((0 if resident else _rows(b0, BB, N)) + _rows(t0, BC, nv)) * min(BK, D - k0) * e
         n["exps"] += BB * BC
 
     kernel, grid = launch.kernel, launch.grid
@@ -75,6 +77,7 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
         for b in range(TB):
             for s in range(S):
                 n["l2"] += _rows(b * BB, BB, N) * 4 * 4  # tcol in, three partials out
+                n["l2"] += _rows(b * BB, BB, N) * D * e if resident else 0  # before the loop, idle programs too
                 for t in range(s * per, min(s * per + per, tiles)):
                     logits(b * BB, t * BC)
                     n["exps"] += BB  # the running sum's rescale
@@ -148,17 +151,24 @@ def _loop_count(launch, call: Call, N: int, nv: int) -> dict[str, float]:
         (Call(3000, 96, 257, precision="tf32"), True),  # tf32 is never staged
         (Call(3000, 96, 257, kind="softmax_ce", smoothing=0.1, deterministic=True), False),
         (Call(5000, 264, 300, workers=2, sample_ratio=0.5), True),  # the staged backward: bf16
-        (Call(3000, 96, 257, kind="softmax_ce", smoothing=0.1, deterministic=True), True),
+        (Call(3000, 160, 257, kind="softmax_ce", smoothing=0.1), True),
+        (Call(5000, 128, 300, workers=2, sample_ratio=0.5), True),  # the batch-resident forward, tuned
     ],
-    ids=["tuned", "deterministic", "tf32", "softmax_ce", "staged", "staged-softmax_ce"],
+    ids=["tuned", "deterministic", "tf32", "softmax_ce", "staged", "staged-softmax_ce", "x-resident"],
 )
 def test_counts_equal_a_loop_by_loop_count(monkeypatch, call, staged):
     from dmltrain.distributed import softmax_kernels as sk
 
     monkeypatch.setattr(sk, "STAGE_BF16", staged)
     launches = [x for x in plan(call, GPUS["h100"]) if x.programs]
+    resident = [x for x in launches if dict(x.cfg.meta).get("X_RESIDENT")]
+    assert bool(resident) == (call.dim == 128), "the model should take the batch-resident tiles at D = 128 only"
     staged_kernels = ("_probs_kernel", "_stage_rows_kernel")
-    backward = staged_kernels if sk.staged_backward(call.precision) else ("_grad_x_kernel", "_grad_w_kernel")
+    backward = (
+        staged_kernels
+        if sk.staged_backward(call.precision, call.dim, call.deterministic)
+        else ("_grad_x_kernel", "_grad_w_kernel")
+    )
     assert {x.kernel for x in launches} == {"_lse_kernel", *backward}
     _, valid, _, count = call.active()
     assert count == (call.workers > 1)
@@ -231,11 +241,11 @@ INTERPRETER_CASES = [
     (Call(100, 16, 17, workers=2, sample_ratio=0.5, precision="fp32", kind="softmax_ce", smoothing=0.1), _FUSED),
     (
         Call(200, 16, 17, precision="bf16", kind="softmax_ce", smoothing=0.1),
-        {"CHUNK_BYTES": 16 * 6 * 48, "STAGE_BF16": True, "STAGE_BYTES": 2 * 17 * 16},
+        {"CHUNK_BYTES": 16 * 6 * 48, "STAGE_BF16": True, "STAGE_MIN_DIM": 0, "STAGE_BYTES": 2 * 17 * 16},
     ),
     (
         Call(100, 16, 17, workers=2, sample_ratio=0.5, precision="bf16", kind="arcface"),
-        {"CHUNK_BYTES": 16 * 6 * 48, "STAGE_BF16": True, "STAGE_BYTES": 2 * 17 * 16},
+        {"CHUNK_BYTES": 16 * 6 * 48, "STAGE_BF16": True, "STAGE_MIN_DIM": 0, "STAGE_BYTES": 2 * 17 * 16},
     ),
 ]
 
@@ -253,7 +263,7 @@ class Recorder:
         self.name, self.fn = name, fn
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            rec.append((self.name, list(grid), {k: v for k, v in kwargs.items() if k.startswith("BLOCK_")}))
+            rec.append((self.name, list(grid), {k: v for k, v in kwargs.items() if k.startswith("BLOCK_") or k == "X_RESIDENT"}))
             return self.fn[grid](*args, **kwargs)
         return launch
 for name in json.loads(sys.argv[1]):
@@ -338,7 +348,13 @@ def _launch_on_meta(monkeypatch, call: Call, gpu, binary, choose_lse=None) -> tu
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                recorded.append((self.name, list(grid), {k: v for k, v in kwargs.items() if k.startswith("BLOCK_")}))
+                recorded.append(
+                    (
+                        self.name,
+                        list(grid),
+                        {k: v for k, v in kwargs.items() if k.startswith("BLOCK_") or k == "X_RESIDENT"},
+                    )
+                )
                 if self.out is not None:  # the binary asked for is the one launched: the same arguments
                     name, _, warm_args, warm_kwargs = binaries[-1] if binaries else (None, None, (), {})
                     same = name == self.name and warm_kwargs == kwargs and len(warm_args) == len(args)
@@ -348,7 +364,7 @@ def _launch_on_meta(monkeypatch, call: Call, gpu, binary, choose_lse=None) -> tu
             return launch
 
         def warmup(self, *args, grid, **kwargs):
-            meta = {k: v for k, v in kwargs.items() if k.startswith("BLOCK_")}
+            meta = {k: v for k, v in kwargs.items() if k.startswith("BLOCK_") or k == "X_RESIDENT"}
             cfg = LaunchConfig.of(kwargs["num_warps"], kwargs["num_stages"], **meta)
             assert args[self.out] is torch.float32  # the output, not yet allocated: its dtype stands in
             binaries.append((self.name, sk._tiles(cfg), args, kwargs))
@@ -419,6 +435,7 @@ def test_launches_equal_the_launchers_at_gpu_shapes(monkeypatch, call, staged):
 
     recorded, asked, binaries = _launch_on_meta(monkeypatch, call, gpu, binary, lambda: tuned.pop(0))
     assert recorded == [(x.kernel, list(x.grid), dict(x.cfg.meta)) for x in model]
+    staged = sk.staged_backward(call.precision, call.dim, call.deterministic)  # deterministic: the fused pair
     assert set(asked) == ({"lse", "probs", "stage_rows"} if staged else {"lse", "grad_x", "grad_w"})
     split = [x for x in model if x.kernel in ("_lse_kernel", "_grad_x_kernel")]
     assert binaries == [(x.kernel, sk._tiles(x.cfg)) for x in split]  # one binary asked for per split launch
@@ -498,7 +515,9 @@ def test_bench_model_prints_one_table(capsys):
     args = "--model a100 --classes 20000 --dim 64 --batch 512 --sample-ratio 0.5 --workers 2 --deterministic"
     assert run(argparse.Namespace(bench="classifier", bench_args=args.split())) == 0
     out = capsys.readouterr().out
-    assert out.count("\nphase ") == 1 and "no target at this shape" in out and "_stage_rows_kernel" in out
+    assert (
+        out.count("\nphase ") == 1 and "no target at this shape" in out and "_grad_w_kernel" in out
+    )  # D = 64, deterministic: the fused pair
     with pytest.raises(Exception, match="--shapes goes with --model"):
         run(argparse.Namespace(bench="classifier", bench_args=["--shapes", "issue"]))
     assert "--model" in bench_parser("classifier").format_help()

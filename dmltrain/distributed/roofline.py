@@ -199,6 +199,10 @@ COMPILED: dict[tuple[str, str, int, int | None], tuple[int, int]] = {
     # log-sum-exp kernel's running statistics do not
     ("_probs_kernel", "128×128×16 w8 s3", 90, None): (209, 32768),
     ("_probs_kernel", "128×128×16 w8 s3", 80, None): (220, 32768),
+    ("_lse_kernel", "128×64×16 x-resident w8 s3", 90, 128): (123, 81920),
+    ("_lse_kernel", "128×64×16 x-resident w8 s3", 90, 256): (128, 163840),
+    ("_lse_kernel", "128×64×16 x-resident w8 s3", 80, 128): (145, 66560),
+    ("_lse_kernel", "128×64×16 x-resident w8 s3", 80, 256): (118, 132096),
     ("_stage_rows_kernel", "32×64 w8 s2", 90, 128): (110, 32768),
     ("_stage_rows_kernel", "32×64 w8 s2", 90, 256): (116, 65536),
     ("_stage_rows_kernel", "32×64 w8 s2", 90, 512): (217, 73728),
@@ -364,9 +368,9 @@ class _Geometry:
         the only one, else the candidate of least modelled time, kept per tuning key as the tuner keeps its choice."""
         sk, call = self.sk, self.call
         if self.gpu is None:
-            return sk._interpreter_config(kind)
+            return sk._interpreter_config(kind, call.dim)
         sum_logits = call.sum_logits and kind == "lse"
-        candidates = sk._candidates(kind, call.precision, sum_logits)
+        candidates = sk._candidates(kind, call.precision, sum_logits, call.dim)
         if call.deterministic or len(candidates) == 1:
             return candidates[0]
         k = (kind, *key, sum_logits)
@@ -397,7 +401,7 @@ def plan(call: Call, gpu: GPU | None, staged: bool | None = None) -> list[Launch
     if staged is None:
         from dmltrain.distributed.softmax_kernels import staged_backward
 
-        staged = staged_backward(call.precision)
+        staged = staged_backward(call.precision, call.dim, call.deterministic)
     geo = _Geometry(gpu, call)
     N, D = call.batch, call.dim
     e = 2 if call.precision == "bf16" else 4  # operand bytes
@@ -477,7 +481,9 @@ def _lse(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Launch
     busy = sum(1 for s in range(S) if s * per < n_tiles)
     flops = TB * n_tiles * 2 * BB * BC * _pad(D, BK)
     exps = TB * n_tiles * (BB * BC + BB) + TB * S * BB  # the tile's, the rescale's, the final log
-    l2 = n_tiles * N * D * e + TB * nv * D * e + S * N * 4 + 3 * S * N * 4  # x per class tile, w per sample tile
+    # x per class tile (resident: once a program, idle ones too), w per sample tile
+    x_l2 = S * N * D * e if dict(cfg.meta).get("X_RESIDENT") else n_tiles * N * D * e
+    l2 = x_l2 + TB * nv * D * e + S * N * 4 + 3 * S * N * 4
     hbm = N * D * e + nv * D * e + S * N * 4 + 3 * S * N * 4
     launch = Launch(
         "forward",
@@ -493,7 +499,7 @@ def _lse(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Launch
         work_total=TB * n_tiles,
         chunk=i,
     )
-    launch.extra["x_l2"] = n_tiles * N * D * e
+    launch.extra["x_l2"] = x_l2
     return _product(geo, launch)
 
 
@@ -749,7 +755,7 @@ def summarize(call: Call, gpu: GPU) -> Summary:
     serial = _sum_time(launches, gpu, p, serial=True)
     from dmltrain.distributed.softmax_kernels import staged_backward
 
-    staged = staged_backward(p)
+    staged = staged_backward(p, call.dim, call.deterministic)
     other = _sum_time(plan(call, gpu, not staged), gpu, p, "backward") if p == "bf16" else None
     return Summary(call, gpu, launches, fwd, bwd, serial, gemm_bound(call, gpu), cce, cce_f, target, other, staged)
 
@@ -767,7 +773,12 @@ def _tiles(cfg: Any) -> str:
     if isinstance(cfg, dict):  # Cut Cross-Entropy's
         return f"{cfg['BLOCK_B']}×{cfg['BLOCK_V']}×{cfg['BLOCK_D']} w{cfg['warps']}"
     names = [n for n in ("BLOCK_B", "BLOCK_C", "BLOCK_K", "BLOCK_D", "BLOCK_R") if n in dict(cfg.meta)]
-    return "×".join(str(cfg[n]) for n in names) + f" w{cfg.num_warps}"
+    resident = dict(cfg.meta).get("X_RESIDENT")
+    return (
+        "×".join(str(cfg[n]) for n in names if not (resident and n == "BLOCK_K"))
+        + (" x-res" if resident else "")
+        + (f" w{cfg.num_warps}")
+    )
 
 
 def table_rows(launches: Sequence[Launch], gpu: GPU, precision: str) -> list[list[str]]:
@@ -886,7 +897,7 @@ def breakdown(summary: Summary) -> list[str]:
         this, that = ("staged", "fused atomic-free pair") if summary.staged else ("fused atomic-free pair", "staged")
         out.append(
             f"backward on paper: the {this} {summary.backward * 1e3:.2f} ms, the {that} {summary.other_backward * 1e3:.2f} "
-            f"ms (the launcher {'stages' if sk.STAGE_BF16 else 'does not stage'} bf16 backwards)"
+            f"ms (the launcher stages bf16 backwards from D = {sk.STAGE_MIN_DIM} unless deterministic)"
         )
     for kernel in ("_lse_kernel", "_probs_kernel", "_stage_rows_kernel", "_grad_x_kernel", "_grad_w_kernel"):
         ks = [x for x in launches if x.kernel == kernel]

@@ -284,7 +284,8 @@ class SoftmaxPlan:
     ``smoothing``); the shard (``class_start``: the global id of its first row; ``group``: the classes'
     process group); this step's draw (``active``, None: every row); the backend (``fused``, the products'
     ``precision``, ``deterministic``, the torch path's ``logits_budget`` in bytes); sample dropping
-    (``drop``, None: none); ``count_subcenters`` (return :class:`SubcenterHits`: a training call).
+    (``drop``, None: none); ``count_subcenters`` (return :class:`SubcenterHits`: a training call);
+    ``need_grad`` (a backward will follow: the fused path keeps its row copies for it).
 
     Buffers are the caller's, lent for the call: ``workspace`` (scratch, within the forward and within the
     backward) and ``kept`` (what the forward keeps for its backward; None: keep nothing). ``lease`` is held
@@ -314,6 +315,7 @@ class SoftmaxPlan:
     row_grads: RowGrads | None = None
     drop: DropPlan | None = None
     count_subcenters: bool = False
+    need_grad: bool = True
 
 
 class _Combined(NamedTuple):
@@ -461,8 +463,9 @@ class _ShardedSoftmax(torch.autograd.Function):
             eps = plan.smoothing
             if plan.fused:
                 lse_nt, mx, sz, saved = softmax_kernels.partials(
-                    op, bool(eps), plan.precision, plan.deterministic, keep_copies=any(ctx.needs_input_grad[:3])
-                )
+                    op, bool(eps), plan.precision, plan.deterministic,
+                    keep_copies=plan.need_grad and any(ctx.needs_input_grad[:3]),  # not under no_grad
+                )  # fmt: skip
                 lse_nt, mx = lse_nt.to(x.dtype), mx.to(x.dtype)
                 sz = None if sz is None else sz.to(x.dtype)
             else:
@@ -876,6 +879,7 @@ class ShardedClassifier(nn.Module):
             row_grads=self.row_grads,
             drop=drop,
             count_subcenters=train,
+            need_grad=need_grad,
         )
 
     def _take(self, result: SoftmaxResult) -> None:

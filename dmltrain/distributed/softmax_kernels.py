@@ -271,7 +271,12 @@ def _lse_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    X_RESIDENT: tl.constexpr = False,
 ):
+    """Grid (sample tiles × class splits): each program an online log-sum-exp (and max, and the logits' sum) over its
+    split's class tiles, written as its split's partials. ``X_RESIDENT`` (``D`` a power of two): FlashAttention-style,
+    the batch block is loaded once and kept in shared memory while the class rows stream past it (one product of
+    depth ``D`` a tile), so the batch is not re-read from L2 for every class tile."""
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     mask_b = offs_b < N
     tcol = tl.load(tcol_ptr + offs_b, mask=mask_b, other=-1)
@@ -280,11 +285,22 @@ def _lse_kernel(
     sum_exp = tl.zeros((BLOCK_B,), dtype=tl.float32)
     s = tl.zeros((BLOCK_B,), dtype=tl.float32)
     t0, t1 = _split_range(n_valid, BLOCK_C)
+    if X_RESIDENT:
+        offs_d = tl.arange(0, D)
+        xt = tl.load(x_ptr + offs_b.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mask_b[:, None], other=0.0)
     for t in range(t0, t1):
         offs_c = t * BLOCK_C + tl.arange(0, BLOCK_C)
         mask_c = offs_c < n_valid
-        z = _logits(x_ptr, w_ptr, b_ptr, offs_b, mask_b, offs_c, mask_c, scale, D, NORMALIZED, PREC,
-                    BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
+        if X_RESIDENT:
+            wt = tl.load(w_ptr + offs_c.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mask_c[:, None], other=0.0)
+            z = _mma(xt, tl.trans(wt), tl.zeros((BLOCK_B, BLOCK_C), dtype=tl.float32), PREC)
+            if NORMALIZED:
+                z = z * scale
+            else:
+                z = z + tl.load(b_ptr + offs_c, mask=mask_c, other=0.0)[None, :]
+        else:
+            z = _logits(x_ptr, w_ptr, b_ptr, offs_b, mask_b, offs_c, mask_c, scale, D, NORMALIZED, PREC,
+                        BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
         keep = mask_c[None, :] & (offs_c[None, :] != tcol[:, None])
         zk = tl.where(keep, z, _NEG_INF)
         m_new = tl.maximum(m, tl.max(zk, 1))
@@ -599,9 +615,16 @@ _SUM_CONFIGS: dict[str, list[LaunchConfig]] = {
 _COPY = _cfg(4, 2, BLOCK_R=32, BLOCK_D=128)
 
 
-def _interpreter_config(kind: str) -> LaunchConfig:
+#: under the interpreter the log-sum-exp kernel takes the batch-resident path (at power-of-two widths) when set: the
+#: tests run both paths
+INTERPRET_RESIDENT = False
+
+
+def _interpreter_config(kind: str, D: int) -> LaunchConfig:
     if kind == "stage_rows":  # no D chunk: the accumulator is the whole width
         return LaunchConfig.of(1, 1, BLOCK_B=_SMALL, BLOCK_C=_SMALL)
+    if kind == "lse" and INTERPRET_RESIDENT and D & (D - 1) == 0:
+        return LaunchConfig.of(1, 1, BLOCK_B=_SMALL, BLOCK_C=_SMALL, BLOCK_K=_SMALL, X_RESIDENT=1)
     return LaunchConfig.of(1, 1, BLOCK_B=_SMALL, BLOCK_C=_SMALL, BLOCK_K=_SMALL)
 
 
@@ -624,10 +647,21 @@ def _sm_limits(device_index: int) -> SMLimits:
     return device_limits(torch.cuda.get_device_properties(device_index))
 
 
-def _candidates(kind: str, precision: str, sum_logits: bool = False) -> list[LaunchConfig]:
-    """The tile configs a launch of ``kind`` may take (:data:`_SUM_CONFIGS` for the log-sum-exp kernel with
-    the logits' sum)."""
-    return _SUM_CONFIGS[precision] if kind == "lse" and sum_logits else _CONFIGS[(kind, precision)]
+#: the log-sum-exp kernel with the batch block resident in shared memory (``X_RESIDENT``), for bf16 at the widths
+#: whose block and three stages of 64 class rows fit both chips' shared memory (a power of two up to 256: 80 / 160 KiB)
+_RESIDENT = _cfg(8, 3, BLOCK_B=128, BLOCK_C=64, BLOCK_K=16, X_RESIDENT=1)
+RESIDENT_MAX_DIM = 256
+
+
+def _candidates(kind: str, precision: str, sum_logits: bool = False, D: int | None = None) -> list[LaunchConfig]:
+    """The tile configs a launch of ``kind`` may take at width ``D`` (:data:`_SUM_CONFIGS` for the log-sum-exp kernel
+    with the logits' sum; the batch-resident one, :data:`_RESIDENT`, after the streaming ones where it fits)."""
+    if kind == "lse" and sum_logits:
+        return _SUM_CONFIGS[precision]
+    out = _CONFIGS[(kind, precision)]
+    if kind == "lse" and precision == "bf16" and D is not None and D <= RESIDENT_MAX_DIM and D & (D - 1) == 0:
+        out = [*out, _RESIDENT]
+    return out
 
 
 def _choose(
@@ -647,8 +681,8 @@ def _choose(
     sums, and a tuned choice may differ between ranks that tune at once and between runs (timings vary, a
     tuning file is rewritten or lost); fixed tiles give the same bits on every rank and in every run."""
     if INTERPRET or device.type != "cuda":
-        return _interpreter_config(kind)
-    candidates = _candidates(kind, precision, sum_logits)
+        return _interpreter_config(kind, key[0])
+    candidates = _candidates(kind, precision, sum_logits, key[0])
     if deterministic or len(candidates) == 1:
         return candidates[0]
     return _tuner(device.index or 0).choose(
@@ -830,11 +864,12 @@ def gradients(
     coef = torch.stack([alpha.float(), torch.zeros((), device=dev) if off is None else off.float()])
     lse = lse.float().contiguous()
     grad_x = torch.zeros(N, D, device=dev) if need_x else None
-    staged = staged_backward(precision)
+    staged = staged_backward(precision, D, deterministic)
     # the forward's copies, unless the weight (or bias) changed in place since
     kept = saved.chunks if isinstance(saved, KeptCopies) and saved.versions == _versions(op) else None
     for i, (c0, c1) in enumerate(_chunks(op, elt)):
         ch = kept[i] if kept is not None else _Chunk(op, c0, c1, dtype)
+        assert (ch.c0, ch.K) == (c0, c1 - c0), "the forward's copies are of other chunks"
         call = _GradCall(
             (x, ch.w, _or(ch.b, ch.w), ch.tcol, _or(op.count, ch.w), lse, coef),
             (N, ch.K, ch.c0, float(op.scale)),
@@ -869,7 +904,7 @@ class _GradCall:
     def split_x(self, cfg: LaunchConfig) -> Tensor:
         """The embeddings' gradient: one partial per class split, each written once by one program."""
         x, D = self.args[0], self.args[0].shape[1]
-        most = max(1, PARTIAL_BYTES // (4 * self.N * D))
+        most = max(1, PARTIAL_BYTES // max(1, 4 * self.N * D))
         kwargs = {**self.common, **cfg.kwargs(), "D_PAD": triton.next_power_of_2(D)}
         with _device(x):
             programs = _programs(_grad_x_kernel, cfg, (*self.args, torch.float32, *self.tail), kwargs, x.device)
@@ -930,6 +965,9 @@ class _GradCall:
 
 #: bf16 backwards are staged (:func:`staged_backward`); off, they take the fused atomic-free pair as fp32 and tf32 do
 STAGE_BF16 = True
+#: the narrowest embedding staged: at D = 64 the roofline puts the fused pair ahead (10⁶ classes, B = 1,024: 1.87
+#: against 2.33 ms on an H100), each byte of G carrying too few multiply-adds
+STAGE_MIN_DIM = 128
 #: a stage's ``G`` (``N × columns``, bf16), transient: few stages (launches and their host cost) while the memory
 #: stays small beside the classifier's; ``G`` goes through HBM, which does not bound its readers (each of its bytes
 #: carries ``D`` multiply-adds)
@@ -939,13 +977,15 @@ STAGE_BYTES = 256 * 2**20
 STAGE_MIN_COLUMNS = 1024
 
 
-def staged_backward(precision: str) -> bool:
-    """Whether :func:`gradients` stages ``G`` (bf16 products, while :data:`STAGE_BF16`) rather than running the fused
-    atomic-free pair. Staged, two of the backward's products are dense GEMMs at cuBLAS's rate, and the price is ``G``
-    written and read twice (``6·N·C`` bytes, ``D`` multiply-adds a byte of it): on paper it wins at every width the
-    roofline was asked about (``D`` = 64 to 512; ``bench classifier --model`` prints both). Both are deterministic.
-    fp32 and tf32 stay fused: cuBLAS would need the global TF32 switch, and they are the reference precisions."""
-    return precision == "bf16" and STAGE_BF16
+def staged_backward(precision: str, D: int, deterministic: bool = False) -> bool:
+    """Whether :func:`gradients` stages ``G`` (bf16 products at ``D ≥`` :data:`STAGE_MIN_DIM`, not ``deterministic``,
+    while :data:`STAGE_BF16`) rather than running the fused atomic-free pair. Staged, ``G·Ŵ`` is a dense GEMM at
+    cuBLAS's rate and no logit is recomputed for the rows, and the price is ``G`` written and read twice (``6·N·C``
+    bytes, ``D`` multiply-adds a byte of it): on paper it wins from ``D = 128`` (``bench classifier --model`` prints
+    both) and loses at 64. ``deterministic`` takes the fused pair, whose sums all run in an order its tiles fix:
+    cuBLAS promises the same bits only while one stream is active. fp32 and tf32 stay fused: cuBLAS would need the
+    global TF32 switch, and they are the reference precisions."""
+    return precision == "bf16" and D >= STAGE_MIN_DIM and not deterministic and STAGE_BF16
 
 
 def stage_columns(N: int, interpret: bool) -> int:
@@ -956,6 +996,10 @@ def stage_columns(N: int, interpret: bool) -> int:
     return max(q if interpret else STAGE_MIN_COLUMNS, fit)
 
 
+#: whether this torch's ``addmm`` takes an fp32 input with bf16 operands and ``out_dtype`` (learnt on the first call)
+_ADDMM_FP32_INPUT = [True]
+
+
 def _gemm(a: Tensor, b: Tensor, acc: Tensor | None = None) -> Tensor:
     """``a @ b`` with fp32 accumulation and an fp32 result, added into ``acc`` in place when given: cuBLAS with bf16
     operands on CUDA (``out_dtype``), elsewhere an fp32 product (the interpreter's operands: bf16 values, exact in
@@ -963,7 +1007,12 @@ def _gemm(a: Tensor, b: Tensor, acc: Tensor | None = None) -> Tensor:
     if a.device.type == "cuda" and a.dtype != torch.float32:
         if acc is None:
             return torch.mm(a, b, out_dtype=torch.float32)
-        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        if _ADDMM_FP32_INPUT[0]:
+            try:
+                return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            except RuntimeError:  # a torch before pytorch#167931 wants acc in the operands' dtype: its check, no launch
+                _ADDMM_FP32_INPUT[0] = False
+        return acc.add_(torch.mm(a, b, out_dtype=torch.float32))
     r = a.float() @ b.float()
     if acc is None:
         return r
@@ -1046,12 +1095,13 @@ def _variant(name: str, fn, sig: dict, consts: dict, cfg: LaunchConfig, precisio
 
 def _lse_variants(op_t: str, precision: str, flags: dict, tag: str) -> list[KernelVariant]:
     sig = _sig("x_ptr w_ptr b_ptr tcol_ptr count_ptr out_ptr N K c0 scale D HAS_COUNT NORMALIZED SUM_LOGITS PREC "
-               "BLOCK_B BLOCK_C BLOCK_K", _main_types(op_t, flags))  # fmt: skip
+               "BLOCK_B BLOCK_C BLOCK_K X_RESIDENT", _main_types(op_t, flags))  # fmt: skip
     out = []
     for sum_logits in (False, True) if not flags["NORMALIZED"] else (False,):
-        for cfg in _candidates("lse", precision, sum_logits):
+        for cfg in _candidates("lse", precision, sum_logits, flags["D"]):
             name = f"_lse_kernel {tag}{' sum' if sum_logits else ''}"
-            out.append(_variant(name, _lse_kernel, sig, {**flags, "SUM_LOGITS": sum_logits}, cfg, precision))
+            consts = {**flags, "SUM_LOGITS": sum_logits, "X_RESIDENT": False}
+            out.append(_variant(name, _lse_kernel, sig, consts, cfg, precision))
     return out
 
 
@@ -1133,4 +1183,6 @@ def _copy_variant(w_t: str, op_t: str, D: int, normalized: bool, has_rows: bool,
 
 
 def _tiles(cfg: LaunchConfig) -> str:
-    return "×".join(str(v) for _, v in sorted(cfg.meta)) + f" w{cfg.num_warps} s{cfg.num_stages}"
+    meta = dict(cfg.meta)
+    resident = " x-resident" if meta.pop("X_RESIDENT", 0) else ""
+    return "×".join(str(v) for _, v in sorted(meta.items())) + f"{resident} w{cfg.num_warps} s{cfg.num_stages}"
