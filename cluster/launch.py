@@ -355,8 +355,9 @@ def start_local_ray(**init_kwargs: Any) -> None:
 
     Every local Ray of dmltrain starts here: ``train``, ``tune`` and ``study`` without
     ``cluster.address``, and the test fixtures. Ray >= 2.59 runs it with token authentication
-    (``RAY_AUTH_MODE`` unset: a token in ``~/.ray/auth_token``, made if missing); an explicit
-    ``RAY_AUTH_MODE=disabled`` is respected. The token file and the session folders are this
+    (``RAY_AUTH_MODE`` unset: a token in ``~/.ray/auth_token``, made if missing; chosen here, so that
+    Ray prints no WARNING about it: :func:`_choose_token_auth`); an explicit ``RAY_AUTH_MODE=disabled``
+    is respected. The token file and the session folders are this
     user's alone (:mod:`cluster.ray_files`: 0600 in a 0700 ``~/.ray``; sessions under a 0700
     ``<tmp>/dmltrain-ray-<uid>``). ``init_kwargs`` go to ``ray.init``.
     """
@@ -369,6 +370,7 @@ def start_local_ray(**init_kwargs: Any) -> None:
     os.environ.setdefault(HEALTH_CHECK_ENV, "0.5")
     os.environ.setdefault(START_TIMEOUT_ENV, str(LOCAL_START_TIMEOUT_S))
     private_token()
+    _choose_token_auth(new_instance=True)
     init_kwargs.setdefault("_temp_dir", private_temp_dir())
     with _loopback_stays_loopback():
         ray.init(_node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **init_kwargs)
@@ -404,9 +406,22 @@ def _local_token_auth() -> None:
     """Join a cluster of this machine with this user's token when ``RAY_AUTH_MODE`` is unset: Ray does so for the
     local cluster it finds by itself, never for an explicit address, but a loopback address is one of this machine's
     (``dmltrain cluster local`` starts its nodes with token authentication)."""
-    from ray._private.authentication import authentication_token_setup as auth
+    _choose_token_auth(new_instance=False)
 
-    auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+def _choose_token_auth(new_instance: bool) -> None:
+    """With ``RAY_AUTH_MODE`` unset, turn on token authentication for this process and the Ray it starts or joins,
+    as Ray itself would (a new local instance: always; a local cluster: when this user has a token), but without
+    the WARNING Ray then prints on the terminal ("Token authentication is enabled for this Ray cluster. Set
+    RAY_AUTH_MODE=disabled to opt out ..."): the documentation says so, and Ray stays silent about a mode it is
+    given. An explicit ``RAY_AUTH_MODE`` is left as it is; no other message of Ray's is touched."""
+    from ray._private.authentication import authentication_token_setup as auth
+    from ray._raylet import AuthenticationTokenLoader
+
+    if auth.AUTH_MODE_ENV_VAR in os.environ:
+        return
+    if new_instance or AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
+        auth._enable_token_auth()  # what Ray's default does before its warning: RAY_AUTH_MODE=token, config reloaded
 
 
 def ray_train_env(cfg: Config) -> None:

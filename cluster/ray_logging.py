@@ -4,9 +4,11 @@ A run's terminal shows dmltrain: its progress line, its summary, and the lines i
 the driver (a worker count that changed, a corrupt shard member). Ray speaks
 through three channels, each configured here rather than filtered:
 
-* the driver's Python loggers (``ray`` and below: the token-authentication notice, "Started a
-  local Ray instance"): :func:`route_ray_logs` gives them the run's log file (``<run>/driver.log``),
-  and keeps records of ERROR and above on stderr too, the ones a user must act on;
+* the driver's Python loggers (``ray`` and below: "Started a local Ray instance", "Connecting to
+  existing Ray cluster"; Ray's token-authentication WARNING is not even made, as
+  :func:`cluster.launch.start_local_ray` chooses that mode itself): :func:`route_ray_logs` gives them
+  the run's log file (``<run>/driver.log``), and keeps records of ERROR and above on stderr too, the
+  ones a user must act on;
 * what Ray's own actors and workers print (Ray Train's controller, its ``PlacementGroupCleaner``
   tracebacks when the GCS is slow to answer, the ``core_worker.cc`` error about the
   ``PreemptionWatcher`` actor's restart): :func:`cluster.launch.init_ray` starts or joins Ray with

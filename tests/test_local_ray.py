@@ -1,5 +1,5 @@
 """A local Ray (``dmltrain train``/``tune``/``study`` without ``cluster.address``, and the test fixtures)
-listens on loopback only, and runs with token authentication.
+listens on loopback only, and runs with token authentication, without Ray's WARNING about it on the terminal.
 
 A child process starts Ray through :func:`cluster.launch.start_local_ray` (dashboard included),
 runs a task and an actor, and lists the listening TCP sockets of itself and every process it
@@ -25,7 +25,7 @@ TESTS = Path(__file__).resolve().parent
 
 CHILD = """
 import json, os, psutil, ray
-from cluster.launch import start_local_ray
+from cluster.launch import _local_token_auth, start_local_ray
 from netcheck import listening
 from ray._raylet import AuthenticationMode, get_authentication_mode
 
@@ -48,6 +48,11 @@ result = {"sockets": listening(pids), "node_ip": ray.util.get_node_ip_address(),
           "token_auth": get_authentication_mode() == AuthenticationMode.TOKEN,
           "session": ray._private.worker._global_node.get_session_dir_path()}
 ray.shutdown()
+# joining a cluster of this machine by its loopback address (a `dmltrain cluster local`), RAY_AUTH_MODE unset: the
+# token this user has
+os.environ.pop("RAY_AUTH_MODE")
+_local_token_auth()
+result["join_mode"] = os.environ.get("RAY_AUTH_MODE")
 print("RESULT " + json.dumps(result))
 """
 
@@ -77,6 +82,10 @@ def test_local_ray_listens_on_loopback_only_with_token_auth(tmp_path):
     assert not open_beyond, f"listening beyond loopback: {open_beyond}"
     assert result["node_ip"] == "127.0.0.1"
     assert result["token_auth"], "Ray >= 2.59 starts a local instance with token authentication"
+    assert result["join_mode"] == "token"
+    # chosen, not defaulted to: Ray prints nothing about it; its other messages still reach the terminal
+    assert "Token authentication is enabled" not in proc.stderr, proc.stderr[-2000:]
+    assert "Started a local Ray instance" in proc.stderr, proc.stderr[-2000:]
     # the token and the session folders are this user's alone (Ray's own: 0644 in a 0755 ~/.ray, /tmp/ray 0777)
     token = tmp_path / ".ray" / "auth_token"
     assert token.is_file() and _mode(token) == 0o600 and _mode(token.parent) == 0o700

@@ -360,8 +360,8 @@ def test_fewer_test_classes_keep_the_train_split_and_its_families(tmp_path, caps
     """``--test-classes 3`` beside 5 train classes in families of 2: the train split is the build without it
     (byte-identical shards), the test split holds classes 5-7 in their own families (5-6, 7), each image its
     class's, and the manifest records the count; ``data.synthetic.test_classes`` builds the same shards, asking
-    for another count over them is refused in one line, and a count below 2 or beyond the image bound is one
-    line before anything is written."""
+    for another count over them is refused in one line, leaving it unset too (as many as their 5 train classes),
+    and a count below 2 or beyond the image bound is one line before anything is written."""
     from cluster.launch import prepare_data
     from dmltrain.cli import main
     from dmltrain.config import load_config
@@ -397,6 +397,17 @@ def test_fewer_test_classes_keep_the_train_split_and_its_families(tmp_path, caps
     with pytest.raises(UserError) as err:
         prepare_data(other)
     assert "\n" not in str(err.value) and "test_classes=3 (asked: 4)" in str(err.value), str(err.value)
+    unset = keys.replace(", test_classes: 3", "")  # as many test classes as the shards' 5 train classes
+    with pytest.raises(UserError) as err:
+        prepare_data(load_config(None, [f"data.shards={tmp_path / 'few'}", f"data.synthetic={{{unset}}}"]))
+    message = str(err.value)
+    assert "\n" not in message and str(tmp_path / "few") in message, message
+    assert "test_classes=3 (asked: unset, as many as its 5 train classes)" in message, message
+    prepare_data(load_config(None, [f"data.shards={tmp_path / 'all'}", f"data.synthetic={{{unset}}}"]))
+    # a study's other class count (7 here) builds a folder of its own: its test classes are its own train count's
+    prepare_data(
+        load_config(None, [f"data.shards={tmp_path / 'all'}", f"data.synthetic={{{unset.replace('5', '7', 1)}}}"])
+    )
 
     with pytest.raises(ConfigError) as err:
         load_config(None, ["data.synthetic={}", "data.synthetic.test_classes=1"])

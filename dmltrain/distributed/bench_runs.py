@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from tqdm import tqdm
 
 from dmltrain.distributed.bench_job import CUDA_PEERS, ClassifierJob
 from dmltrain.distributed.classifier_head import make_classifier_optimizer
+from dmltrain.distributed.process_group import free_port, init_local_group
 from dmltrain.distributed.sharded_softmax import ShardedClassifier
 
 GIB = 2**30
@@ -210,7 +210,7 @@ def _dist_entry(rank: int, job: ClassifierJob, port: int, queue) -> None:
     backend = "nccl" if job.device == "cuda" else "gloo"
     if job.device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=job.W)
+    init_local_group(backend, rank, job.W, port)
     try:
         queue.put((rank, _ours_rank(rank, job)))
     finally:
@@ -222,9 +222,7 @@ def _ours(job: ClassifierJob) -> dict[str, Any]:
         return {"error": f"--device cuda with --workers {job.W} needs {job.W} GPUs, found {torch.cuda.device_count()}"}
     if job.W == 1:
         return _ours_rank(0, job)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     procs = [ctx.Process(target=_dist_entry, args=(r, job, port, queue)) for r in range(job.W)]

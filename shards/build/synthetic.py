@@ -350,18 +350,23 @@ def family_options(family_size: int, family_spread: float, label_noise: float, l
 
 
 def check_built_as(manifest: Manifest, s: SyntheticData) -> None:
-    """Refuse synthetic shards built with other families or label noise than ``data.synthetic`` asks for.
+    """Refuse synthetic shards built with another test class count, other families or label noise than
+    ``data.synthetic`` asks for.
 
     Shards are built only when missing, so changing ``data.synthetic.family_size`` (say) over an existing folder
-    would otherwise train on the old task unawares. A manifest without these options was built without them."""
+    would otherwise train on the old task unawares. A manifest without these options was built without them. An
+    unset ``test_classes`` asks for as many test classes as the shards' own train classes (what a build without
+    it makes; a study's other class counts are builds of their own)."""
     recorded = manifest.data.get("options", {}).get("synthetic")
     if manifest.layout != "synthetic" or not isinstance(recorded, dict):
         return
-    if s.test_classes is not None and recorded.get("test_classes", recorded.get("classes")) != s.test_classes:
+    train = recorded.get("classes")
+    built = recorded.get("test_classes", train)
+    if built != (train if s.test_classes is None else s.test_classes):
+        asked = f"unset, as many as its {train} train classes" if s.test_classes is None else s.test_classes
         raise UserError(
-            f"data.synthetic: {manifest.root} holds synthetic shards built with test_classes="
-            f"{recorded.get('test_classes', recorded.get('classes'))} (asked: {s.test_classes}); shards are built only "
-            "when missing: remove the folder or point data.shards elsewhere"
+            f"data.synthetic: {manifest.root} holds synthetic shards built with test_classes={built} (asked: "
+            f"{asked}); shards are built only when missing: remove the folder or point data.shards elsewhere"
         )
     asked = s.model_dump(include={"family_size", "family_spread", "label_noise", "label_noise_mode"})
     built = {"family_size": 1, "label_noise": 0.0} | {k: recorded[k] for k in asked if k in recorded}
