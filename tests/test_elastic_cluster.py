@@ -230,8 +230,9 @@ def test_an_elastic_run_loses_a_node_grows_back_and_saves_the_step_a_preempted_n
     assert not errors, errors
     assert summary.ok, summary.error
     assert summary.metrics["step"] == STEPS
-    # Ray listens on loopback only; one exception, not Ray's: torch's TCPStore, the process group's rendezvous on
-    # rank 0, binds every interface whatever its host (torch 2.14 has no bind address for it)
+    # Ray listens on loopback only; one exception, not Ray's: torch's TCPStore, the rendezvous Ray Train starts on
+    # rank 0, binds every interface whatever its host unless handed a bound socket, which Ray Train does not do (the
+    # groups dmltrain starts itself are handed one: process_group.init_local_group)
     wide = [w for w in seen["not loopback"] if w not in already]
     assert len(wide) <= 1 and all("RayTrainWorker" in title for title, _ in wide), wide
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
