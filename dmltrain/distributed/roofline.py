@@ -884,8 +884,8 @@ def breakdown(summary: Summary) -> list[str]:
             f"staged backward: no atomics; G written once ({g / 1e9:.1f} GB in bf16, {len(probs)} stages of up to "
             f"{max(x.extra['columns'] for x in probs):,} columns) and read back "
             f"{'from L2' if all(x.extra['resident'] for x in probs) else 'from HBM (a stage passes half the L2)'} by "
-            "two cuBLAS GEMMs "
-            f"({sum(x.flops for x in gemms) / 1e12:.1f} TFLOP at the assumed {CUBLAS_SHARE:.0%} of the peak)"
+            f"cuBLAS's G·Ŵ ({sum(x.flops for x in gemms) / 1e12:.1f} TFLOP at the assumed {CUBLAS_SHARE:.0%} of the "
+            "peak) and the rows' kernel (Gᵀx)"
         )
     else:
         rmw = sum(x.l2 for x in launches if x.kernel in ("_grad_x_kernel", "_grad_w_kernel"))
