@@ -535,6 +535,15 @@ def _grad_x(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int) -> Lau
     return _product(geo, launch)
 
 
+def _epilogue_bytes(call: Call, v: int, ws: int, rows: bool) -> int:
+    """What a rows' kernel's epilogue moves for ``v`` valid rows (weight stored in ``ws`` bytes): the row ids; then
+    ``1/‖w‖``, the weight read and its gradient written, or (``softmax_ce``) the weight's and the bias's gradients."""
+    ids = 8 * v if rows else 0
+    if call.normalized:
+        return ids + 4 * v + v * call.dim * 2 * ws
+    return ids + v * call.dim * ws + v * ws
+
+
 def _grad_w(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int, ws: int, rows: bool) -> Launch:
     """``_grad_w_kernel`` (atomic-free): grid (class tiles), each program summing its rows' ``Gᵀx`` over every
     sample tile in a ``BLOCK_C × D`` accumulator on chip, then writing the rows' gradients into ``.grad`` through
@@ -544,11 +553,7 @@ def _grad_w(geo: _Geometry, i: int, cfg, N: int, K: int, nv: int, e: int, ws: in
     TB, CT, n_tiles = math.ceil(N / BB), math.ceil(K / BC), math.ceil(nv / BC)
     tiles = TB * n_tiles
     flops = tiles * 2 * BB * BC * (_pad(D, BK) + _pow2(D))
-    epilogue = 8 * nv if rows else 0  # the row ids
-    if geo.call.normalized:
-        epilogue += 4 * nv + nv * D * 2 * ws  # 1/‖w‖, the weight, the gradient written
-    else:  # softmax_ce: the weight's and the bias's gradients
-        epilogue += nv * D * ws + nv * ws
+    epilogue = _epilogue_bytes(geo.call, nv, ws, rows)
     l2 = 2 * n_tiles * N * D * e + TB * nv * D * e + n_tiles * N * 8 + epilogue
     hbm = N * D * e + nv * D * e + 8 * N + epilogue
     launch = Launch(
@@ -624,11 +629,7 @@ def _stage_rows(geo: _Geometry, i: int, cfg, N: int, k: int, v: int, e: int, ws:
     D = geo.call.dim
     BB, BC = cfg["BLOCK_B"], cfg["BLOCK_C"]
     TB, CT, n_tiles = math.ceil(N / BB), math.ceil(k / BC), math.ceil(v / BC)
-    epilogue = 8 * v if rows else 0  # the row ids
-    if geo.call.normalized:
-        epilogue += 4 * v + v * D * 2 * ws  # 1/‖w‖, the weight, the gradient written
-    else:  # softmax_ce: the weight's and the bias's gradients
-        epilogue += v * D * ws + v * ws
+    epilogue = _epilogue_bytes(geo.call, v, ws, rows)
     g_read, red = N * v * e, parts * v * 4
     launch = Launch(
         "backward", "_stage_rows_kernel", (CT,), cfg, n_tiles * TB * 2 * BB * BC * _pow2(D), 0,

@@ -175,11 +175,16 @@ def _logits(
         xt = tl.load(xb + offs_k[None, :], mask=mask_b[:, None] & mk, other=0.0)
         wt = tl.load(wb + offs_k[None, :], mask=mask_c[:, None] & mk, other=0.0)
         acc = _mma(xt, tl.trans(wt), acc, PREC)
+    return _scaled(acc, b_ptr, offs_c, mask_c, scale, NORMALIZED)
+
+
+@triton.jit
+def _scaled(acc, b_ptr, offs_c, mask_c, scale, NORMALIZED: tl.constexpr):
+    """Products ``x·ŵ`` (or ``x·w``) as logits: times the scale, or plus the bias."""
     if NORMALIZED:
-        z = acc * scale
+        return acc * scale
     else:
-        z = acc + tl.load(b_ptr + offs_c, mask=mask_c, other=0.0)[None, :]
-    return z
+        return acc + tl.load(b_ptr + offs_c, mask=mask_c, other=0.0)[None, :]
 
 
 @triton.jit
@@ -294,10 +299,7 @@ def _lse_kernel(
         if X_RESIDENT:
             wt = tl.load(w_ptr + offs_c.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mask_c[:, None], other=0.0)
             z = _mma(xt, tl.trans(wt), tl.zeros((BLOCK_B, BLOCK_C), dtype=tl.float32), PREC)
-            if NORMALIZED:
-                z = z * scale
-            else:
-                z = z + tl.load(b_ptr + offs_c, mask=mask_c, other=0.0)[None, :]
+            z = _scaled(z, b_ptr, offs_c, mask_c, scale, NORMALIZED)
         else:
             z = _logits(x_ptr, w_ptr, b_ptr, offs_b, mask_b, offs_c, mask_c, scale, D, NORMALIZED, PREC,
                         BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
@@ -428,13 +430,20 @@ def _grad_w_kernel(
                              other=0.0)  # fmt: skip
                 acc = _mma(_operand(gt, PREC), xv, acc, PREC)
     if WRITE_B:
-        gb = red
-        if ACCUMULATE:
-            gb += tl.load(gb_ptr + r, mask=mask_c, other=0.0).to(tl.float32)
-        tl.store(gb_ptr + r, gb.to(gb_ptr.dtype.element_ty), mask=mask_c)
+        _bias_store(red, r, mask_c, gb_ptr, ACCUMULATE)
     if WRITE_W:
         inv = tl.load(inv_ptr + offs_c, mask=mask_c, other=0.0) if NORMALIZED else red
         _rows_epilogue(acc, red, inv, r, mask_c, wt_ptr, gw_ptr, D, NORMALIZED, ACCUMULATE, BLOCK_C, D_PAD)
+
+
+@triton.jit
+def _bias_store(red, r, mask_c, gb_ptr, ACCUMULATE: tl.constexpr):
+    """The bias's gradient of rows ``r``, the column sums ``red`` (``Σ_i G_ij``), into ``gb_ptr`` (added to what is
+    there if ``ACCUMULATE``)."""
+    gb = red
+    if ACCUMULATE:
+        gb += tl.load(gb_ptr + r, mask=mask_c, other=0.0).to(tl.float32)
+    tl.store(gb_ptr + r, gb.to(gb_ptr.dtype.element_ty), mask=mask_c)
 
 
 @triton.jit
@@ -551,10 +560,7 @@ def _stage_rows_kernel(
     for p in range(0, n_parts):
         red += tl.load(red_ptr + p * K + offs_c, mask=mask_c, other=0.0)
     if WRITE_B:
-        gb = red
-        if ACCUMULATE:
-            gb += tl.load(gb_ptr + r, mask=mask_c, other=0.0).to(tl.float32)
-        tl.store(gb_ptr + r, gb.to(gb_ptr.dtype.element_ty), mask=mask_c)
+        _bias_store(red, r, mask_c, gb_ptr, ACCUMULATE)
     if WRITE_W:
         offs_d = tl.arange(0, D_PAD)
         md = offs_d[None, :] < D
